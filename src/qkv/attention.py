@@ -1,0 +1,245 @@
+"""The public ``attention`` and ``attention_backward``: every check, then dispatch to a kernel."""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import reference
+from .errors import ShapeError, as_float_array, broadcast_or_raise, expect_ndim, fmt_shape
+from .masks import MaskSpec, build_spec
+
+METHODS = ("auto", "reference", "flash")
+
+
+@dataclass
+class Problem:
+    """One checked attention call: arrays in the compute dtype, broadcast to their leading shapes."""
+
+    q: np.ndarray        # (*L, Tq, D)
+    k: np.ndarray        # (*Lk, Tk, D)
+    v: np.ndarray        # (*Lk, Tk, Dv)
+    spec: MaskSpec
+    scale: float
+    group: int           # query heads per kv head (1 without gqa)
+    in_dtype: np.dtype   # q's dtype: the output's
+    shapes: tuple        # the caller's q, k, v shapes, to sum gradients back onto
+
+
+def _compute_dtype(dtype: np.dtype) -> np.dtype:
+    """float16 and float32 compute in float32, float64 in float64."""
+    return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
+
+
+def _prepare(q, k, v, *, mask, bias, causal, window, kv_lengths, alibi, scale, gqa) -> Problem:
+    q, k, v = as_float_array("q", q), as_float_array("k", k), as_float_array("v", v)
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise ShapeError(f"{name} must have q's dtype {q.dtype}; got {x.dtype}")
+    layout = "(..., Hq, Tq, D)" if gqa else "(..., Tq, D)"
+    expect_ndim("q", q, 3 if gqa else 2, layout)
+    expect_ndim("k", k, 3 if gqa else 2, layout.replace("Hq", "Hkv").replace("Tq", "Tk"))
+    expect_ndim("v", v, 3 if gqa else 2, layout.replace("Hq", "Hkv").replace("Tq", "Tk").replace("D)", "Dv)"))
+    tq, d = q.shape[-2:]
+    tk = k.shape[-2]
+    if k.shape[-1] != d:
+        raise ShapeError(
+            f"k must have the feature size D of q: shape (..., Tk, D) = (..., {tk}, {d}); "
+            f"got {fmt_shape(k.shape)}"
+        )
+    if v.shape[:-1] != k.shape[:-1]:
+        raise ShapeError(
+            f"v must have shape (..., Tk, Dv) with k's leading axes and Tk = {fmt_shape(k.shape[:-1])} + (Dv,); "
+            f"got {fmt_shape(v.shape)}"
+        )
+    if tq == 0 or tk == 0 or d == 0 or v.shape[-1] == 0:
+        raise ShapeError(
+            f"q, k and v must have Tq, Tk, D and Dv >= 1; got q {fmt_shape(q.shape)}, "
+            f"k {fmt_shape(k.shape)}, v {fmt_shape(v.shape)} (use kv_lengths=0 for an empty key set)"
+        )
+    if not isinstance(gqa, (bool, np.bool_)):
+        raise ShapeError(f"gqa must be True or False; got {gqa!r}")
+
+    if gqa:
+        hq, hkv = q.shape[-3], k.shape[-3]
+        if hq % hkv != 0:
+            raise ShapeError(
+                f"with gqa=True the query heads Hq must be a multiple of the kv heads Hkv; "
+                f"got Hq = {hq} (q {fmt_shape(q.shape)}) and Hkv = {hkv} (k {fmt_shape(k.shape)})"
+            )
+        batch = broadcast_or_raise("the batch axes of q and k (before the head axis)",
+                                   {"q": q.shape[:-3], "k": k.shape[:-3]})
+        lead, lead_kv, group = batch + (hq,), batch + (hkv,), hq // hkv
+    else:
+        try:
+            lead = tuple(np.broadcast_shapes(q.shape[:-2], k.shape[:-2]))
+        except ValueError:
+            hint = ""
+            if q.ndim >= 3 and k.ndim >= 3 and q.shape[-3] % k.shape[-3] == 0:
+                hint = " (for grouped-query heads pass gqa=True)"
+            raise ShapeError(
+                f"the leading axes of q (..., Tq, D) and k (..., Tk, D) must broadcast; "
+                f"got q {fmt_shape(q.shape)} and k {fmt_shape(k.shape)}{hint}"
+            ) from None
+        lead_kv, group = lead, 1
+
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
+        raise ShapeError(f"scale must be a finite real number (default 1/sqrt(D)); got {scale!r}")
+
+    spec = build_spec(lead, tq, tk, mask=mask, bias=bias, causal=causal, window=window,
+                      kv_lengths=kv_lengths, alibi=alibi)
+    in_dtype, cdt = q.dtype, _compute_dtype(q.dtype)
+    shapes = (q.shape, k.shape, v.shape)
+    q = np.broadcast_to(q.astype(cdt, copy=False), lead + (tq, d))
+    k = np.broadcast_to(k.astype(cdt, copy=False), lead_kv + (tk, d))
+    v = np.broadcast_to(v.astype(cdt, copy=False), lead_kv + (tk, v.shape[-1]))
+    return Problem(q, k, v, spec, float(scale), group, in_dtype, shapes)
+
+
+def _kernel(method: str, prob: Problem, need_weights: bool):
+    """The module whose forward/backward run this problem."""
+    if method not in METHODS:
+        raise ShapeError(f"method must be one of {METHODS}; got {method!r}")
+    if method == "flash":
+        raise ShapeError("method='flash' is not available in this build; use 'reference' or 'auto'")
+    return reference
+
+
+def _sum_to(x: np.ndarray, shape: tuple) -> np.ndarray:
+    """Sum a gradient over the axes that broadcasting added or stretched, back to ``shape``."""
+    extra = x.ndim - len(shape)
+    if extra:
+        x = x.sum(axis=tuple(range(extra)))
+    stretched = tuple(i for i, n in enumerate(shape) if n == 1 and x.shape[i] != 1)
+    if stretched:
+        x = x.sum(axis=stretched, keepdims=True)
+    return x
+
+
+def _check_flags(**flags) -> None:
+    for name, value in flags.items():
+        if not isinstance(value, (bool, np.bool_)):
+            raise ShapeError(f"{name} must be True or False; got {value!r}")
+
+
+def attention(q, k, v, *, mask=None, bias=None, causal=False, window=None, kv_lengths=None,
+              alibi=None, scale=None, gqa=False, return_lse=False, return_weights=False,
+              method="auto"):
+    """Scaled dot-product attention ``softmax(scale · q kᵀ + bias) v`` with masks.
+
+    Each query row ``i`` takes a weighted average of the value rows; the weights are a
+    softmax over the keys it may attend to. Layout ``(..., T, D)``: with 4-D arrays
+    ``q (B, Hq, Tq, D)``, ``k (B, Hkv, Tk, D)``, ``v (B, Hkv, Tk, Dv)``; a 2-D ``(T, D)``
+    input is a single sequence. Leading axes broadcast as in ``np.matmul``.
+
+    **Causal alignment** when ``Tq != Tk`` (1 = may attend), for ``Tq = 2, Tk = 5``::
+
+        causal=True / "top_left"       causal="bottom_right"
+        (query i sees j <= i)          (query i sees j <= i + Tk - Tq)
+            1 0 0 0 0                      1 1 1 1 0
+            1 1 0 0 0                      1 1 1 1 1
+
+    ``"top_left"`` is PyTorch's ``is_causal``; ``"bottom_right"`` is flash-attn's and the
+    KV-cache convention (the last query is the newest token and sees every key).
+
+    **Window** ``(left, right)``: query i sees keys ``i' - left <= j <= i' + right``, with
+    ``i'`` aligned as ``causal`` says (top-left when causal is off); ``window=n`` is
+    ``(n, 0)``; ``None`` on a side is unbounded. Causal and window combine (both must allow).
+
+    **Heads**: with ``gqa=True``, ``Hq`` must be a multiple of ``Hkv`` and query heads
+    ``h*G .. h*G+G-1`` (``G = Hq // Hkv``) share kv head ``h``; MQA is ``Hkv = 1``.
+
+    **A row that may attend to nothing** (masked out entirely, or ``kv_lengths = 0``)
+    gets output 0, lse ``-inf``, weights 0 and gradient 0: never NaN, never a warning.
+
+    Args:
+        q: ``(..., Tq, D)`` float16/32/64. k: ``(..., Tk, D)``. v: ``(..., Tk, Dv)``; same dtype.
+        mask: bool, True = may attend; broadcasts to ``(..., Hq, Tq, Tk)``.
+        bias: float, added to the scaled scores; broadcasts to ``(..., Hq, Tq, Tk)``;
+            ``-inf`` entries mean "may not attend".
+        causal: ``False``, ``True``, ``"top_left"`` or ``"bottom_right"``.
+        window: ``None``, ``n`` or ``(left, right)``.
+        kv_lengths: int ``(B,)`` (B = first leading axis); keys ``j >= kv_lengths[b]`` are
+            never read, so whatever they hold (even NaN) cannot reach the result.
+        alibi: float slopes ``(Hq,)``: head h adds ``-slope[h] * |i' - j|``.
+        scale: multiplies ``q kᵀ``; default ``1/sqrt(D)``.
+        gqa: grouped-query heads, see above.
+        return_lse: also return ``lse (..., Hq, Tq)``, ``log Σ_j exp(s_ij)`` over allowed keys.
+        return_weights: also return the weights ``(..., Hq, Tq, Tk)``.
+        method: ``"reference"`` (dense, exact), ``"flash"`` (tiled), ``"auto"``.
+
+    Returns:
+        ``out (..., Hq, Tq, Dv)`` in q's dtype, then ``lse`` (float32, or float64 for
+        float64 input) if asked, then ``weights`` if asked.
+
+    Raises:
+        ShapeError: any bad shape, dtype or option, naming the argument.
+
+    >>> import numpy as np, qkv
+    >>> x = np.array([[1., 0.], [0., 1.], [1., 1.]])
+    >>> qkv.attention(x, x, x).round(3)
+    array([[0.802, 0.599],
+           [0.599, 0.802],
+           [0.752, 0.752]])
+    """
+    try:
+        _check_flags(return_lse=return_lse, return_weights=return_weights)
+        prob = _prepare(q, k, v, mask=mask, bias=bias, causal=causal, window=window,
+                        kv_lengths=kv_lengths, alibi=alibi, scale=scale, gqa=gqa)
+        kern = _kernel(method, prob, return_weights)
+    except ShapeError as err:
+        raise ShapeError(str(err)) from None  # the caller's line, not our internals
+    out, lse, weights = kern.forward(prob.q, prob.k, prob.v, prob.spec, prob.scale, prob.group,
+                                     return_weights=return_weights)
+    result = [out.astype(prob.in_dtype, copy=False)]
+    if return_lse:
+        result.append(lse)
+    if return_weights:
+        result.append(weights.astype(prob.in_dtype, copy=False))
+    return result[0] if len(result) == 1 else tuple(result)
+
+
+def attention_backward(dout, q, k, v, out, lse, *, mask=None, bias=None, causal=False,
+                       window=None, kv_lengths=None, alibi=None, scale=None, gqa=False,
+                       method="auto"):
+    """Gradients ``(dq, dk, dv)`` of ``attention`` given ``dout = ∂L/∂out``.
+
+    ``out`` and ``lse`` are what ``attention(..., return_lse=True)`` returned for the same
+    q, k, v and options (recomputing P from lse is how the tiled backward avoids storing
+    the weights). Each gradient has its input's shape and dtype; broadcast axes and the
+    query heads sharing a kv head under ``gqa`` are summed. Rows that attended to nothing
+    and keys past ``kv_lengths`` get gradient 0.
+
+    Args:
+        dout: ``(..., Hq, Tq, Dv)``, the shape of ``out``.
+        q, k, v, mask, ..., method: exactly as passed to :func:`attention`.
+        out: ``(..., Hq, Tq, Dv)``. lse: ``(..., Hq, Tq)``.
+
+    Returns:
+        ``(dq, dk, dv)`` with the shapes and dtypes of ``(q, k, v)``.
+    """
+    try:
+        prob = _prepare(q, k, v, mask=mask, bias=bias, causal=causal, window=window,
+                        kv_lengths=kv_lengths, alibi=alibi, scale=scale, gqa=gqa)
+        kern = _kernel(method, prob, False)
+        out_shape = prob.spec.lead + (prob.spec.tq, prob.v.shape[-1])
+        names = "(..., Hq, Tq, Dv)"
+        arrays = {}
+        for name, x, shape, nm in (("dout", dout, out_shape, names), ("out", out, out_shape, names),
+                                   ("lse", lse, out_shape[:-1], "(..., Hq, Tq)")):
+            x = as_float_array(name, x)
+            if x.shape != shape:
+                raise ShapeError(f"{name} must have shape {nm} = {fmt_shape(shape)}; got {fmt_shape(x.shape)}")
+            arrays[name] = x.astype(prob.q.dtype, copy=False)
+    except ShapeError as err:
+        raise ShapeError(str(err)) from None
+    dq, dk, dv = kern.backward(arrays["dout"], prob.q, prob.k, prob.v, arrays["out"], arrays["lse"],
+                               prob.spec, prob.scale, prob.group)
+    q_shape, k_shape, v_shape = prob.shapes
+    return (_sum_to(dq, q_shape).astype(prob.in_dtype, copy=False),
+            _sum_to(dk, k_shape).astype(prob.in_dtype, copy=False),
+            _sum_to(dv, v_shape).astype(prob.in_dtype, copy=False))

@@ -1,0 +1,90 @@
+"""ShapeError and the checks that name the argument, what was expected and what came.
+
+Every bad shape, dtype or option anywhere in qkv raises :class:`ShapeError`, a
+``ValueError``, with a message of the form::
+
+    k must have shape (B, Hkv, Tk, D) = (2, 4, 16, 64); got (2, 4, 16, 32)
+
+so that the first line of a traceback is enough to fix the call.
+"""
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+
+class ShapeError(ValueError):
+    """A shape, dtype or option that qkv cannot accept; the message names all three parts."""
+
+
+def fmt_shape(shape) -> str:
+    """``(2, 3)`` for a tuple, ``(7,)`` for a 1-tuple, ``()`` for a scalar."""
+    shape = tuple(int(s) for s in shape)
+    if len(shape) == 1:
+        return f"({shape[0]},)"
+    return "(" + ", ".join(str(s) for s in shape) + ")"
+
+
+def expect_shape(name: str, array: np.ndarray, names: tuple[str, ...], expected: tuple) -> None:
+    """Raise unless ``array.shape == expected``; ``names`` spells the axes (``("B", "T", "D")``).
+
+    >>> expect_shape("k", np.zeros((2, 3)), ("T", "D"), (2, 4))
+    Traceback (most recent call last):
+    ...
+    qkv.errors.ShapeError: k must have shape (T, D) = (2, 4); got (2, 3)
+    """
+    if tuple(array.shape) != tuple(expected):
+        raise ShapeError(
+            f"{name} must have shape ({', '.join(names)}) = {fmt_shape(expected)}; "
+            f"got {fmt_shape(array.shape)}"
+        )
+
+
+def as_float_array(name: str, x) -> np.ndarray:
+    """``x`` as an ndarray of a real floating dtype (float16/32/64); ints and complex are refused.
+
+    Integer inputs are refused rather than converted: ``attention(ids, ids, ids)`` on
+    token ids is almost always a bug, and a silent float cast would hide it.
+    """
+    if not isinstance(x, np.ndarray):
+        if hasattr(x, "__array__") or isinstance(x, (list, tuple, numbers.Number)):
+            x = np.asarray(x)
+        else:
+            raise ShapeError(f"{name} must be a NumPy array; got {type(x).__name__}")
+    if x.dtype.kind != "f" or x.dtype.itemsize > 8:
+        raise ShapeError(
+            f"{name} must be a real floating array (float16, float32 or float64); got dtype {x.dtype}"
+        )
+    return x
+
+
+def expect_ndim(name: str, x: np.ndarray, at_least: int, layout: str) -> None:
+    """Raise unless ``x.ndim >= at_least``; ``layout`` is the expected layout, e.g. ``(..., T, D)``."""
+    if x.ndim < at_least:
+        raise ShapeError(
+            f"{name} must have at least {at_least} dimensions {layout}; got shape {fmt_shape(x.shape)}"
+        )
+
+
+def broadcast_or_raise(what: str, shapes: dict[str, tuple]) -> tuple:
+    """np.broadcast_shapes over named shapes, naming them all when they do not broadcast."""
+    try:
+        return tuple(np.broadcast_shapes(*shapes.values()))
+    except ValueError:
+        listing = ", ".join(f"{n} {fmt_shape(s)}" for n, s in shapes.items())
+        raise ShapeError(f"{what} must broadcast together; got {listing}") from None
+
+
+def broadcasts_to(name: str, shape: tuple, target: tuple, target_names: str) -> None:
+    """Raise unless an array of ``shape`` broadcasts to ``target`` without growing it."""
+    ok = len(shape) <= len(target)
+    if ok:
+        for s, t in zip(reversed(shape), reversed(target)):
+            if s != 1 and s != t:
+                ok = False
+                break
+    if not ok:
+        raise ShapeError(
+            f"{name} must broadcast to {target_names} = {fmt_shape(target)}; got {fmt_shape(shape)}"
+        )

@@ -1,0 +1,94 @@
+"""Dense, exact attention forward and backward: the oracle every other path is tested against.
+
+Forward, for one (batch, head) and scores in the compute dtype::
+
+    S   = scale * Q Kᵀ + bias                      (Tq, Tk)
+    S   = -inf where the query may not attend
+    lse = log Σ_j exp(S_ij)                        (Tq,)   (-inf for a row that sees nothing)
+    P   = exp(S - lse)                             (Tq, Tk), rows sum to 1 (or are all 0)
+    O   = P V                                      (Tq, Dv)
+
+Backward, from dO = ∂L/∂O (the softmax Jacobian applied row by row)::
+
+    dV    = Pᵀ dO
+    dP    = dO Vᵀ
+    delta = rowsum(dO ∘ O)  ( = rowsum(P ∘ dP) )
+    dS    = P ∘ (dP - delta)
+    dQ    = scale · dS K,   dK = scale · dSᵀ Q
+
+Kernel interface (shared with ``flash.py``): arrays arrive checked and in the compute
+dtype as ``q (*L, Tq, D)``, ``k (*Lk, Tk, D)``, ``v (*Lk, Tk, Dv)``, where ``L = (..., Hq)``
+is the output's leading shape and ``Lk`` is ``L`` with its last axis divided by ``group``
+(query heads ``h*group .. h*group+group-1`` share kv head ``h``). They may be broadcast
+views. ``spec`` is the :class:`~qkv.masks.MaskSpec` for ``L``.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .masks import MaskSpec
+
+
+def _expand_groups(x: np.ndarray, group: int) -> np.ndarray:
+    """(..., Hkv, T, D) -> (..., Hkv*group, T, D): kv head h serves query heads h*G..h*G+G-1."""
+    return x if group == 1 else np.repeat(x, group, axis=-3)
+
+
+def _hide_padding(x: np.ndarray, spec: MaskSpec) -> np.ndarray:
+    """Zero keys/values at positions >= kv_lengths[b], so whatever they hold (NaN too) is never read."""
+    if spec.kv_lengths is None:
+        return x
+    pos = np.arange(x.shape[-2])[:, None]  # (Tk, 1)
+    if x.ndim == 2:
+        keep = pos < spec.kv_lengths[0]
+    else:  # (B,) -> (B, 1, ..., 1) against (B, ..., Tk, 1)
+        keep = pos < spec.kv_lengths.reshape((-1,) + (1,) * (x.ndim - 1))
+    return np.where(keep, x, 0).astype(x.dtype, copy=False)
+
+
+def _scores(q, k, spec: MaskSpec, scale: float) -> np.ndarray:
+    """Masked, biased, scaled scores S, -inf where attention is not allowed."""
+    s = np.matmul(q, np.swapaxes(k, -1, -2)) * q.dtype.type(scale)  # (*L,Tq,D) @ (*L,D,Tk) -> (*L,Tq,Tk)
+    add = spec.additive(dtype=s.dtype)
+    if add is not None:
+        s = s + add
+    ok = spec.allowed()
+    if ok is not None:
+        s = np.where(ok, s, -np.inf)
+    return s
+
+
+def forward(q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_weights: bool = False):
+    """Exact attention. Returns ``(out (*L,Tq,Dv), lse (*L,Tq), weights (*L,Tq,Tk) or None)``."""
+    k = _hide_padding(_expand_groups(k, group), spec)
+    v = _hide_padding(_expand_groups(v, group), spec)
+    s = _scores(q, k, spec, scale)
+    m = np.max(s, axis=-1, keepdims=True)
+    m = np.where(m == -np.inf, 0, m)  # a row that sees nothing: keep exp(-inf - 0) = 0
+    e = np.exp(s - m)
+    total = np.sum(e, axis=-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        lse = (m + np.log(total))[..., 0]  # log 0 = -inf for rows that see nothing
+    p = e / np.where(total == 0, 1, total)
+    out = np.matmul(p, v)  # (*L,Tq,Tk) @ (*L,Tk,Dv) -> (*L,Tq,Dv)
+    return out, lse, (p if return_weights else None)
+
+
+def backward(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int = 1):
+    """Gradients ``(dq (*L,Tq,D), dk (*Lk,Tk,D), dv (*Lk,Tk,Dv))`` from the saved out and lse."""
+    kx = _hide_padding(_expand_groups(k, group), spec)
+    vx = _hide_padding(_expand_groups(v, group), spec)
+    s = _scores(q, kx, spec, scale)
+    lse_safe = np.where(lse == -np.inf, 0, lse)[..., None]
+    p = np.exp(s - lse_safe)  # P = exp(S - lse); rows that see nothing are exp(-inf) = 0
+    dv = np.matmul(np.swapaxes(p, -1, -2), dout)  # (*L,Tk,Tq) @ (*L,Tq,Dv) -> (*L,Tk,Dv)
+    dp = np.matmul(dout, np.swapaxes(vx, -1, -2))  # (*L,Tq,Dv) @ (*L,Dv,Tk) -> (*L,Tq,Tk)
+    delta = np.sum(dout * out, axis=-1, keepdims=True)  # (*L,Tq,1)
+    ds = p * (dp - delta)
+    sc = q.dtype.type(scale)
+    dq = np.matmul(ds, kx) * sc  # (*L,Tq,Tk) @ (*L,Tk,D) -> (*L,Tq,D)
+    dk = np.matmul(np.swapaxes(ds, -1, -2), q) * sc  # (*L,Tk,Tq) @ (*L,Tq,D) -> (*L,Tk,D)
+    if group > 1:  # sum the G query heads that shared each kv head
+        dk = dk.reshape(dk.shape[:-3] + (-1, group) + dk.shape[-2:]).sum(axis=-3)
+        dv = dv.reshape(dv.shape[:-3] + (-1, group) + dv.shape[-2:]).sum(axis=-3)
+    return dq, dk, dv
