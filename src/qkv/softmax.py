@@ -10,7 +10,7 @@ warning), which is what attention needs for a query that may attend to nothing.
 
 >>> import numpy as np
 >>> softmax(np.array([1.0, 0.905, 0.05])).round(4)
-array([0.4356, 0.3961, 0.1684])
+array([0.4355, 0.396 , 0.1684])
 >>> softmax(np.array([-np.inf, -np.inf]))
 array([0., 0.])
 >>> float(logsumexp(np.array([1e4, 1e4])))  # 1e4 + log 2, no overflow
