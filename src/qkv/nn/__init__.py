@@ -1,0 +1,29 @@
+"""Trainable attention layers in NumPy, each with ``forward`` and ``backward``.
+
+Every layer holds ``params`` and ``grads`` (dicts of named arrays with the same keys),
+takes ``dtype`` (float32 by default) and ``rng`` (a ``numpy.random.Generator``) and
+computes its attention through :func:`qkv.attention` / :func:`qkv.attention_backward`.
+
+- :class:`SelfAttention`: the texts' single head (``W_Q, W_K, W_V``).
+- :class:`MultiHeadAttention`: self/cross, MHA/GQA/MQA, causal, window, RoPE, ALiBi,
+  padding lengths, KV cache (:class:`KVCache`).
+- :class:`LatentAttention`: DeepSeek's multi-head latent attention; its cache
+  (:class:`LatentCache`) stores a low-rank latent and a shared RoPE key.
+- :class:`Linear`, :class:`Embedding`, :func:`cross_entropy`, :class:`Adam`: enough to
+  train a small model (``qkv train lookup``).
+- :func:`cache_table`: KV-cache bytes per token of MHA, GQA, MQA and MLA.
+- :func:`gradient_errors`: a finite-difference check of any layer's backward.
+"""
+from .cache import Cache, KVCache, LatentCache, cache_elements_per_token, cache_table, format_cache_table
+from .gradcheck import gradient_errors
+from .latent import LatentAttention
+from .layers import Embedding, Linear
+from .multihead import MultiHeadAttention
+from .optim import Adam, cross_entropy
+from .self_attention import SelfAttention
+
+__all__ = [
+    "SelfAttention", "MultiHeadAttention", "LatentAttention", "Linear", "Embedding",
+    "Adam", "cross_entropy", "Cache", "KVCache", "LatentCache", "cache_table",
+    "cache_elements_per_token", "format_cache_table", "gradient_errors",
+]
