@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 from helpers import oracle_allowed, oracle_bias
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import qkv
@@ -29,6 +29,7 @@ def spec_and_oracle(rng, tq, tk, causal, window, with_lengths, with_mask):
        window=st.none() | st.integers(0, 5) | st.tuples(st.none() | st.integers(0, 5), st.none() | st.integers(0, 5)),
        with_lengths=st.booleans(), with_mask=st.booleans(), bq=st.integers(1, 5), bk=st.integers(1, 5))
 def test_blocks_agree_with_the_dense_definition(seed, tq, tk, causal, window, with_lengths, with_mask, bq, bk):
+    assume(not (causal and isinstance(window, tuple) and (window[1] or 0) > 0))  # a conflict: see test_errors
     rng = np.random.default_rng(seed)
     spec, ok, add = spec_and_oracle(rng, tq, tk, causal, window, with_lengths, with_mask)
     dense = spec.allowed()

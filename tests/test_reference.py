@@ -1,6 +1,6 @@
 """Properties of the exact reference that the texts state, checked by hypothesis."""
 import numpy as np
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import qkv
@@ -14,6 +14,7 @@ seeds = st.integers(0, 2**32 - 1)
        causal=st.sampled_from([False, True, "bottom_right"]),
        window=st.none() | st.tuples(st.none() | st.integers(0, 4), st.none() | st.integers(0, 4)))
 def test_weight_rows_sum_to_one_or_are_all_zero(seed, tq, tk, d, p_mask, causal, window):
+    assume(not (causal and window is not None and (window[1] or 0) > 0))  # a conflict: see test_errors
     rng = np.random.default_rng(seed)
     q, k, v = rng.standard_normal((2, tq, d)), rng.standard_normal((2, tk, d)), rng.standard_normal((2, tk, 3))
     mask = rng.random((2, tq, tk)) >= p_mask
