@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import reference
+from . import flash, reference
 from .errors import ShapeError, as_float_array, broadcast_or_raise, expect_ndim, fmt_shape
 from .masks import MaskSpec, build_spec
 
@@ -100,13 +100,38 @@ def _prepare(q, k, v, *, mask, bias, causal, window, kv_lengths, alibi, scale, g
     return Problem(q, k, v, spec, float(scale), group, in_dtype, shapes)
 
 
+# method="auto" takes the tiled kernel once a head's score matrix has this many entries
+# (Tq·Tk); below it the dense path's fewer Python steps win. Measured with `qkv bench`'s
+# kernels on 2 cores: flash and dense cross near Tq·Tk = 128·128 for D = 64.
+AUTO_FLASH_MIN = 128 * 128
+
+
+class _WeightsBeside:
+    """A tiled kernel for out/lse, with the dense path making the weights only."""
+
+    def __init__(self, kern):
+        self.kern = kern
+
+    def forward(self, q, k, v, spec, scale, group=1, return_weights=False):
+        out, lse, _ = self.kern.forward(q, k, v, spec, scale, group)
+        weights = None
+        if return_weights:
+            weights = reference.forward(q, k, v, spec, scale, group, return_weights=True)[2]
+        return out, lse, weights
+
+    def backward(self, *args, **kwargs):
+        return self.kern.backward(*args, **kwargs)
+
+
 def _kernel(method: str, prob: Problem, need_weights: bool):
     """The module whose forward/backward run this problem."""
-    if method not in METHODS:
+    if not isinstance(method, str) or method not in METHODS:
         raise ShapeError(f"method must be one of {METHODS}; got {method!r}")
-    if method == "flash":
-        raise ShapeError("method='flash' is not available in this build; use 'reference' or 'auto'")
-    return reference
+    if method == "auto":
+        method = "flash" if prob.spec.tq * prob.spec.tk >= AUTO_FLASH_MIN else "reference"
+    if method == "reference":
+        return reference
+    return _WeightsBeside(flash) if need_weights else flash
 
 
 def _sum_to(x: np.ndarray, shape: tuple) -> np.ndarray:

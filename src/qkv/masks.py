@@ -114,6 +114,52 @@ class MaskSpec:
             k1 = min(k1, int(np.max(lengths)))
         return k0, k1
 
+    def query_range(self, k0: int, k1: int, batch: int | None = None) -> tuple[int, int]:
+        """Rows ``[q0, q1)`` that may see any of the keys ``k0:k1`` through causal, window
+        and (for one ``batch`` item) kv_lengths; ``q0 >= q1`` means none. The transpose of
+        :meth:`key_range`, for kernels that walk key blocks."""
+        lo, hi = self.band
+        off = self.offset
+        if self.kv_lengths is not None:
+            lengths = self.kv_lengths if batch is None else self.kv_lengths[batch]
+            k1 = min(k1, int(np.max(lengths)))
+        if k0 >= k1:
+            return 0, 0
+        # j <= i' + hi  <=>  i >= j - hi - off ;  j >= i' - lo  <=>  i <= j + lo - off
+        q0 = 0 if hi is None else max(0, k0 - hi - off)
+        q1 = self.tq if lo is None else min(self.tq, k1 - 1 + lo - off + 1)
+        return q0, q1
+
+    def segments(self, q0: int, q1: int, k0: int, k1: int, batch: int | None = None) -> list:
+        """The keys of ``k0:k1`` that rows ``q0:q1`` may see, as runs ``(a, b, full)``.
+
+        ``full`` runs need no mask (every row may see every key of the run through causal,
+        window and lengths, and there is no user mask); the others need
+        :meth:`allowed`. Keys no row may see are left out, so a causal diagonal costs one
+        narrow partial run instead of a partial block. Arithmetic only: no arrays.
+        """
+        lo, hi = self.band
+        off = self.offset
+        if self.kv_lengths is not None:
+            lengths = self.kv_lengths if batch is None else self.kv_lengths[batch]
+            k1 = min(k1, int(np.max(lengths)))
+            ragged = batch is None and int(np.min(lengths)) < k1
+        else:
+            ragged = False
+        # keys some row sees, then keys every row sees
+        v0 = k0 if lo is None else max(k0, q0 + off - lo)
+        v1 = k1 if hi is None else min(k1, q1 - 1 + off + hi + 1)
+        if v0 >= v1 or q0 >= q1:
+            return []
+        if self.mask is not None or ragged:
+            return [(v0, v1, False)]
+        f0 = v0 if lo is None else max(v0, q1 - 1 + off - lo)
+        f1 = v1 if hi is None else min(v1, q0 + off + hi + 1)
+        if f0 >= f1:
+            return [(v0, v1, False)]
+        runs = [(v0, f0, False), (f0, f1, True), (f1, v1, False)]
+        return [r for r in runs if r[0] < r[1]]
+
     def block_kind(self, q0: int, q1: int, k0: int, k1: int, batch: int | None = None) -> str:
         """EMPTY, FULL or PARTIAL for rows q0:q1 x keys k0:k1 by causal, window and lengths.
 
@@ -206,6 +252,11 @@ def build_spec(lead: tuple, tq: int, tk: int, *, mask=None, bias=None, causal=Fa
     """Check every mask option against the output's leading shape ``lead = (..., Hq)``."""
     causal = parse_causal(causal)
     left, right = parse_window(window)
+    if causal is not None and right is not None and right > 0:
+        raise ShapeError(
+            f"window={window!r} conflicts with causal={causal!r}: a causal query sees no key to its "
+            f"right, so the window's right side must be 0 (use window=({left}, 0))"
+        )
     target = lead + (tq, tk)
     names = "(..., Hq, Tq, Tk)" if len(lead) >= 1 else "(Tq, Tk)"
 

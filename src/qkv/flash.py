@@ -1,0 +1,397 @@
+"""Exact attention in tiles: online-softmax forward and a backward that recomputes P from lse.
+
+Derivation (one query row i; ``s_j = scale · q_i·k_j + bias_ij``, ``-inf`` where masked).
+
+**Softmax with any offset.** For every finite ``m``::
+
+    o_i = Σ_j exp(s_j - m) v_j / l,   l = Σ_j exp(s_j - m),   lse_i = m + log l
+
+The result does not depend on ``m``; ``m`` only keeps ``exp`` in range. The classic choice
+is the row maximum, which needs a pass over the scores before the exponentials.
+
+**Online softmax.** Walking the keys in blocks ``B_1, B_2, ...`` and keeping a running
+maximum ``m``, a running sum ``l`` and an unnormalised output ``acc``, a new block updates::
+
+    m'   = max(m, max_{j∈B} s_j)
+    l'   = exp(m - m') l   + Σ_{j∈B} exp(s_j - m')
+    acc' = exp(m - m') acc + Σ_{j∈B} exp(s_j - m') v_j
+
+and at the end ``o_i = acc / l``, ``lse_i = m + log l``. That is the *exact* path here.
+
+**A fixed offset from a bound (the fast path).** By Cauchy–Schwarz,
+``s_j <= U_i = scale · ‖q_i‖ · max_j ‖k_j‖`` (plus an upper bound of the ALiBi term). With
+``m = max(0, U_i - C)`` no exponent exceeds ``C`` (60 in float32), so nothing overflows and
+``m`` never changes: no rescaling of ``acc``, no max pass, and the row sum comes out of the
+value product for free by giving V a column of ones, ``[acc | l] = Σ_j exp(s_j - m) [v_j | 1]``.
+A block then costs two matrix products and one in-place ``exp``. The bound may be loose;
+float32 keeps full relative precision for ``exp(x)`` down to ``x ≈ -87``, so the result
+is exact to rounding as long as the largest term is not tiny: rows whose ``l < e^-40``
+(including rows that see nothing) are redone on the exact path.
+
+**Backward.** With ``P = exp(S - lse)`` (recomputed tile by tile, never stored) and
+``dO = ∂L/∂O``::
+
+    dV = Pᵀ dO
+    dP = dO Vᵀ
+    dS = P ∘ (dP - delta),   delta_i = Σ_j P_ij dP_ij = rowsum(dO_i ∘ O_i)
+    dQ = scale · dS K,       dK = scale · dSᵀ Q
+
+(the softmax Jacobian ``diag(p) - p pᵀ`` applied row by row gives ``dS``; ``delta`` is a
+row of ``O`` against a row of ``dO``, so it needs no tile). Writing ``E = exp(S - m)``
+with a per-row ``m`` and ``r = exp(m - lse)`` so that ``P = r E``, the row factor moves
+onto the small arrays: ``dV = Eᵀ (r dO)`` and ``dS = E ∘ ([r dO | -r delta] [V | 1]ᵀ)``,
+so a tile is five products, one ``exp`` and one multiply. ``m = 0`` whenever
+``|lse| <= C`` (every allowed ``s_ij <= lse_i``, so nothing overflows), else ``m = lse``.
+
+**Tiles and threads.** The forward splits (head, query block) tasks over threads; the
+backward splits (kv head, key block) tasks, so each thread owns its dK and dV, and adds
+dQ into a buffer of its own (tasks are dealt to threads by a fixed rule, so a given thread
+count always gives the same bits). BLAS is held to one thread inside the pool. Keys that
+causal, window or kv_lengths remove are never read (``MaskSpec.segments``); only the
+narrow partial runs get a mask.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from .errors import ShapeError
+from .masks import MaskSpec
+
+# Tile sizes: a score tile of rows x keys should stay well inside a core's L2 (1 MiB here).
+ROWS = 128             # query rows per forward task
+SCRATCH = 128 * 1024   # elements of one score tile (512 KiB in float32)
+BWD_ROWS = 128         # query rows per backward tile
+BWD_KEYS = 512         # keys per backward task
+STACK_ROWS = 32        # below this many rows per head, stack a kv head's query heads
+
+# Exponent headroom C and the "bound too loose" threshold, per compute dtype.
+_HEADROOM = {np.dtype(np.float32): 60.0, np.dtype(np.float64): 300.0}
+
+# ----------------------------------------------------------------------------- threads
+_state = {"threads": None, "pool": None, "pool_size": 0, "controller": None}
+_lock = threading.Lock()
+_local = threading.local()
+
+
+def set_num_threads(n: int | None) -> None:
+    """Threads the tiled kernels use (``None``: ``os.cpu_count()``, the default)."""
+    if n is not None and (isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1):
+        raise ShapeError(f"num_threads must be an int >= 1 or None; got {n!r}")
+    _state["threads"] = None if n is None else int(n)
+
+
+def get_num_threads() -> int:
+    """Threads the tiled kernels use now."""
+    return _state["threads"] or os.cpu_count() or 1
+
+
+def _pool(n: int) -> ThreadPoolExecutor:
+    with _lock:
+        if _state["pool_size"] < n:
+            if _state["pool"] is not None:
+                _state["pool"].shutdown(wait=False)
+            _state["pool"] = ThreadPoolExecutor(max_workers=n, thread_name_prefix="qkv")
+            _state["pool_size"] = n
+        return _state["pool"]
+
+
+def _blas_one_thread():
+    """Context manager holding BLAS to one thread (our threads bring the parallelism)."""
+    if _state["controller"] is None:
+        from threadpoolctl import ThreadpoolController
+        _state["controller"] = ThreadpoolController()
+    return _state["controller"].limit(limits=1, user_api="blas")
+
+
+def _run(jobs: list, n: int) -> list:
+    """Call each ``job()`` on up to ``n`` threads; results in order."""
+    with _blas_one_thread():
+        if n <= 1 or len(jobs) <= 1:
+            return [job() for job in jobs]
+        return list(_pool(n).map(lambda job: job(), jobs))
+
+
+def _scratch(size: int, dtype, slot: int = 0) -> np.ndarray:
+    """A flat per-thread work buffer of at least ``size`` elements (reused, never shared)."""
+    key = (slot, np.dtype(dtype).str)
+    bufs = getattr(_local, "bufs", None)
+    if bufs is None:
+        bufs = _local.bufs = {}
+    buf = bufs.get(key)
+    if buf is None or buf.size < size:
+        buf = bufs[key] = np.empty(max(size, SCRATCH), dtype)
+    return buf[:size]
+
+
+# ----------------------------------------------------------------------------- helpers
+def _heads(lead_kv: tuple, group: int):
+    """``(kv index, [query head indices])`` for every kv head."""
+    for ikv in np.ndindex(*lead_kv):
+        if not ikv:
+            yield ikv, [()]
+        else:
+            yield ikv, [ikv[:-1] + (ikv[-1] * group + g,) for g in range(group)]
+
+
+def _batch(spec: MaskSpec, index: tuple) -> int:
+    return index[0] if spec.lead else 0
+
+
+def _chunks(runs: list, width: int):
+    """Split runs ``(a, b, full)`` into pieces at most ``width`` keys wide."""
+    for a, b, full in runs:
+        for c in range(a, b, width):
+            yield c, min(c + width, b), full
+
+
+def _mask_and_bias(s: np.ndarray, spec: MaskSpec, heads: list, q0: int, q1: int,
+                   a: int, b: int, full: bool) -> None:
+    """Add bias/ALiBi to a score tile ``s (G*rows, keys)`` and set masked entries to -inf."""
+    rows = q1 - q0
+    s3 = s.reshape(len(heads), rows, b - a)
+    if spec.bias is not None or spec.alibi is not None:
+        for g, h in enumerate(heads):
+            s3[g] += spec.additive(q0, q1, a, b, index=h, dtype=s.dtype)
+    if not full:
+        if spec.mask is None:  # structure only: the same for every head
+            ok = spec.allowed(q0, q1, a, b, index=heads[0])
+            if ok is not None:
+                np.copyto(s3, -np.inf, where=~ok)
+        else:
+            for g, h in enumerate(heads):
+                np.copyto(s3[g], -np.inf, where=~spec.allowed(q0, q1, a, b, index=h))
+
+
+def _alibi_bound(spec: MaskSpec, heads: list, q0: int, q1: int, k0: int, k1: int) -> np.ndarray:
+    """Per stacked head, an upper bound of ``-slope·|i' - j|`` over the block (0 if slope >= 0)."""
+    if spec.alibi is None:
+        return np.zeros(len(heads))
+    off = spec.offset
+    far = max(abs(q0 + off - (k1 - 1)), abs(q1 - 1 + off - k0), 0)
+    slopes = np.array([spec.alibi[h[-1]] for h in heads], dtype=np.float64)
+    return np.where(slopes < 0, -slopes * far, 0.0)
+
+
+# ----------------------------------------------------------------------------- forward
+def _fwd_exact(qs, kk, vv, spec, heads, q0, q1, runs, dt):
+    """Online softmax over the runs. Returns ``(out (R, Dv), lse (R,))``."""
+    nrow, dv = qs.shape[0], vv.shape[-1]
+    m = np.full(nrow, -np.inf, dt)
+    l = np.zeros(nrow, dt)
+    acc = np.zeros((nrow, dv), dt)
+    width = max(64, SCRATCH // nrow)
+    for a, b, full in _chunks(runs, width):
+        s = _scratch(nrow * (b - a), dt).reshape(nrow, b - a)
+        np.matmul(qs, kk[a:b].T, out=s)  # (R,D) @ (D,w) -> (R,w)
+        _mask_and_bias(s, spec, heads, q0, q1, a, b, full)
+        m_new = np.maximum(m, s.max(axis=1))                 # m' = max(m, max_j s_j)
+        m_safe = np.where(m_new == -np.inf, 0, m_new).astype(dt, copy=False)
+        alpha = np.exp(m - m_safe)                           # exp(m - m'); 0 while m = -inf
+        s -= m_safe[:, None]
+        np.exp(s, out=s)                                     # exp(s_j - m')
+        l *= alpha
+        l += s.sum(axis=1)                                   # l' = alpha l + Σ exp(s_j - m')
+        acc *= alpha[:, None]
+        acc += s @ vv[a:b]                                   # (R,w) @ (w,Dv) -> (R,Dv)
+        m = m_new
+    seen = l > 0
+    out = acc / np.where(seen, l, 1)[:, None]
+    with np.errstate(divide="ignore"):
+        lse = np.where(seen, np.where(seen, m, 0) + np.log(np.where(seen, l, 1)), -np.inf)
+    return out, lse.astype(dt, copy=False)
+
+
+def _fwd_bound(qs, kk, v1, knorm, spec, heads, q0, q1, runs, dt):
+    """Fixed offset from the Cauchy–Schwarz bound; ``None`` if some row needs the exact path."""
+    nrow, dv = qs.shape[0], v1.shape[-1] - 1
+    kmax = max(float(knorm[a:b].max()) for a, b, _ in runs)
+    qnorm = np.sqrt(np.einsum("rd,rd->r", qs, qs))
+    bound = qnorm * dt.type(kmax)                                   # U_i >= every s_ij
+    bound = bound.reshape(len(heads), -1) + _alibi_bound(spec, heads, q0, q1, runs[0][0], runs[-1][1])[:, None]
+    m = np.maximum(bound.reshape(-1) - _HEADROOM[dt], 0).astype(dt)  # m = max(0, U - C)
+    shift = bool(m.any())
+    acc = np.zeros((nrow, dv + 1), dt)                              # [acc | l]
+    width = max(64, SCRATCH // nrow)
+    for a, b, full in _chunks(runs, width):
+        s = _scratch(nrow * (b - a), dt).reshape(nrow, b - a)
+        np.matmul(qs, kk[a:b].T, out=s)            # (R,D) @ (D,w) -> (R,w)
+        if shift:
+            s -= m[:, None]
+        if not full or spec.alibi is not None:
+            _mask_and_bias(s, spec, heads, q0, q1, a, b, full)
+        np.exp(s, out=s)                           # exp(s_ij - m_i) <= e^C
+        acc += s @ v1[a:b]                         # (R,w) @ (w,Dv+1) -> (R,Dv+1): [Σ p v | Σ p]
+    l = acc[:, dv]
+    if not (l >= np.exp(-_HEADROOM[dt] * (40.0 / 60.0))).all():
+        return None  # a row's largest term is tiny (or it sees nothing): redo exactly
+    out = acc[:, :dv] / l[:, None]
+    return out, m + np.log(l)                      # lse = m + log l
+
+
+def forward(q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_weights: bool = False,
+            num_threads: int | None = None):
+    """Tiled exact attention; the kernel interface of :func:`qkv.reference.forward`.
+
+    Returns ``(out (*L,Tq,Dv), lse (*L,Tq), None)``; weights are never made here.
+    """
+    if return_weights:
+        raise ShapeError("the tiled kernel does not make weights; use method='reference' for them")
+    dt = q.dtype
+    tq, tk, dv = q.shape[-2], k.shape[-2], v.shape[-1]
+    lead, lead_kv = spec.lead, k.shape[:-2]
+    out = np.zeros(lead + (tq, dv), dt)
+    lse = np.full(lead + (tq,), -np.inf, dt)
+    dt = np.dtype(dt)
+    stack = tq < STACK_ROWS
+    rows = tq if stack else ROWS
+    sc = dt.type(scale)
+    bound_ok = spec.bias is None  # a bias array has no cheap bound: exact path
+
+    def prep(ikv):
+        kk = np.ascontiguousarray(k[ikv])  # (Tk, D)
+        vv = np.ascontiguousarray(v[ikv])  # (Tk, Dv)
+        if not bound_ok or (group * tq if stack else tq) < STACK_ROWS:
+            return kk, vv, None, None
+        kn = np.sqrt(np.einsum("td,td->t", kk, kk))  # ‖k_j‖, only ever read inside kv_lengths
+        v1 = np.empty((tk, dv + 1), dt)
+        v1[:, :dv] = vv
+        v1[:, dv] = 1
+        return kk, vv, v1, kn
+
+    def task(ikv, heads, q0, q1, kv):
+        kk, vv, v1, kn = kv
+        runs = spec.segments(q0, q1, 0, tk, batch=_batch(spec, heads[0]))
+        if not runs:
+            return  # no key visible: out 0, lse -inf as initialised
+        qs = np.empty((len(heads) * (q1 - q0), q.shape[-1]), dt)
+        for g, h in enumerate(heads):
+            np.multiply(q[h][q0:q1], sc, out=qs[g * (q1 - q0):(g + 1) * (q1 - q0)])
+        res = None
+        if v1 is not None:
+            with np.errstate(over="ignore", under="ignore"):
+                res = _fwd_bound(qs, kk, v1, kn, spec, heads, q0, q1, runs, dt)
+        if res is None:
+            res = _fwd_exact(qs, kk, vv, spec, heads, q0, q1, runs, dt)
+        o, ls = res
+        n = q1 - q0
+        for g, h in enumerate(heads):
+            out[h][q0:q1] = o[g * n:(g + 1) * n]
+            lse[h][q0:q1] = ls[g * n:(g + 1) * n]
+
+    heads_of = list(_heads(lead_kv, group))
+    n = num_threads or get_num_threads()
+    kvs = _run([lambda ikv=ikv: prep(ikv) for ikv, _ in heads_of], n)
+    jobs = []
+    for (ikv, hs), kv in zip(heads_of, kvs):
+        groups = [hs] if stack else [[h] for h in hs]
+        for heads in groups:
+            for q0 in range(0, tq, rows):
+                jobs.append(lambda ikv=ikv, heads=heads, q0=q0, kv=kv:
+                            task(ikv, heads, q0, min(q0 + rows, tq), kv))
+    jobs.reverse()  # causal: the late rows see the most keys; start them first
+    _run(jobs, n)
+    return out, lse, None
+
+
+# ----------------------------------------------------------------------------- backward
+def backward(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int = 1,
+             num_threads: int | None = None):
+    """Gradients ``(dq (*L,Tq,D), dk (*Lk,Tk,D), dv (*Lk,Tk,Dv))``; the interface of
+    :func:`qkv.reference.backward`. P is recomputed from ``lse`` tile by tile."""
+    dt = np.dtype(q.dtype)
+    tq, d = q.shape[-2:]
+    tk, dv = k.shape[-2], v.shape[-1]
+    lead, lead_kv = spec.lead, k.shape[:-2]
+    sc = dt.type(scale)
+    cap = _HEADROOM[dt]
+    dk = np.zeros(lead_kv + (tk, d), dt)
+    dvv = np.zeros(lead_kv + (tk, dv), dt)
+    heads_of = list(_heads(lead_kv, group))
+    n = num_threads or get_num_threads()
+
+    def prep_q(h):
+        qs = np.multiply(q[h], sc, dtype=dt)                      # scale·Q  (Tq, D)
+        ls = lse[h]
+        finite = ls != -np.inf
+        m = np.where(finite & (np.abs(ls) > cap), ls, 0).astype(dt)   # m = 0 unless |lse| > C
+        with np.errstate(over="ignore"):
+            r = np.where(finite, np.exp(m - np.where(finite, ls, 0)), 0).astype(dt)  # P = r·exp(S - m)
+        delta = np.einsum("td,td->t", dout[h], out[h])            # delta_i = rowsum(dO_i ∘ O_i)
+        dox = np.empty((tq, dv + 1), dt)                          # [r dO | -r delta]
+        np.multiply(dout[h], r[:, None], out=dox[:, :dv])
+        dox[:, dv] = -delta * r
+        return qs, m, bool(m.any()), dox
+
+    def prep_kv(ikv):
+        kk = np.ascontiguousarray(k[ikv])
+        v1 = np.empty((tk, dv + 1), dt)                           # [V | 1]
+        v1[:, :dv] = v[ikv]
+        v1[:, dv] = 1
+        return kk, v1
+
+    all_heads = [h for _, hs in heads_of for h in hs]
+    qprep = dict(zip(all_heads, _run([lambda h=h: prep_q(h) for h in all_heads], n)))
+    kvprep = _run([lambda ikv=ikv: prep_kv(ikv) for ikv, _ in heads_of], n)
+
+    def task(ikv, hs, c0, c1, kv, dq):
+        kk, v1 = kv
+        dk_loc = np.zeros((c1 - c0, d), dt)
+        dv_loc = np.zeros((c1 - c0, dv), dt)
+        for h in hs:
+            qs, m, shift, dox = qprep[h]
+            b = _batch(spec, h)
+            r0, r1 = spec.query_range(c0, c1, batch=b)
+            for q0 in range(r0, r1, BWD_ROWS):
+                q1 = min(q0 + BWD_ROWS, r1)
+                qb, dob = qs[q0:q1], dox[q0:q1]
+                for a, e, full in spec.segments(q0, q1, c0, c1, batch=b):
+                    w = e - a
+                    s = _scratch((q1 - q0) * w, dt, 0).reshape(q1 - q0, w)
+                    np.matmul(qb, kk[a:e].T, out=s)                  # (r,D) @ (D,w) -> (r,w)
+                    if shift:
+                        s -= m[q0:q1, None]
+                    if not full or spec.bias is not None or spec.alibi is not None:
+                        _mask_and_bias(s, spec, [h], q0, q1, a, e, full)
+                    np.exp(s, out=s)                                 # E = exp(S - m); P = r E
+                    ds = _scratch((q1 - q0) * w, dt, 1).reshape(q1 - q0, w)
+                    np.matmul(dob, v1[a:e].T, out=ds)                # (r,Dv+1) @ (Dv+1,w): r(dP - delta)
+                    ds *= s                                          # dS = P ∘ (dP - delta)
+                    dv_loc[a - c0:e - c0] += s.T @ dob[:, :dv]       # (w,r) @ (r,Dv): dV += Pᵀ dO
+                    dk_loc[a - c0:e - c0] += ds.T @ qb               # (w,r) @ (r,D): dK += scale dSᵀ Q
+                    dq[h][q0:q1] += ds @ kk[a:e]                     # (r,w) @ (w,D): dQ += dS K
+        dk[ikv][c0:c1] = dk_loc
+        dvv[ikv][c0:c1] = dv_loc
+
+    # (kv head, key block) tasks, dealt to threads by a fixed rule (largest first, to the
+    # least-loaded thread), so a given thread count always adds in the same order.
+    tasks = []
+    for (ikv, hs), kv in zip(heads_of, kvprep):
+        for c0 in range(0, tk, BWD_KEYS):
+            c1 = min(c0 + BWD_KEYS, tk)
+            r0, r1 = spec.query_range(c0, c1, batch=_batch(spec, hs[0]))
+            if r1 > r0:
+                tasks.append(((r1 - r0) * (c1 - c0), ikv, hs, c0, c1, kv))
+    n = max(1, min(n, len(tasks)))
+    lanes = [[] for _ in range(n)]
+    load = [0] * n
+    for cost, *args in sorted(tasks, key=lambda t: -t[0]):
+        i = load.index(min(load))
+        lanes[i].append(args)
+        load[i] += cost
+    dqs = [np.zeros(lead + (tq, d), dt) for _ in range(n)]
+
+    def lane(i):
+        with np.errstate(over="ignore", under="ignore"):
+            for args in lanes[i]:
+                task(*args, dqs[i])
+
+    _run([lambda i=i: lane(i) for i in range(n)], n)
+    dq = dqs[0]
+    for extra in dqs[1:]:
+        dq += extra
+    dq *= sc                                                        # dQ = scale · dS K
+    return dq, dk, dvv
