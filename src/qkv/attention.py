@@ -173,7 +173,8 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, window=None, kv_le
 
     **Window** ``(left, right)``: query i sees keys ``i' - left <= j <= i' + right``, with
     ``i'`` aligned as ``causal`` says (top-left when causal is off); ``window=n`` is
-    ``(n, 0)``; ``None`` on a side is unbounded. Causal and window combine (both must allow).
+    ``(n, 0)``; ``None`` on a side is unbounded. Causal and window combine (both must allow);
+    a window reaching right of a causal query (``right > 0``) is a conflict and an error.
 
     **Heads**: with ``gqa=True``, ``Hq`` must be a multiple of ``Hkv`` and query heads
     ``h*G .. h*G+G-1`` (``G = Hq // Hkv``) share kv head ``h``; MQA is ``Hkv = 1``.
