@@ -129,7 +129,7 @@ def report() -> str:
 
 
 def plot(path: str) -> None:
-    """Heatmap of the 3-token weights and of the d_k = 512 weights with and without scaling."""
+    """Heatmaps: the 3-token weights, and 8x8 weights at d_k = 512 without and with 1/√d_k."""
     from .cli import require
 
     require("matplotlib", "viz")
@@ -138,21 +138,26 @@ def plot(path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    t, sc = three_tokens(), scaling()
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+    t = three_tokens()
+    d_k = 512
+    rng = np.random.default_rng(0)
+    q, k = rng.standard_normal((8, d_k)), rng.standard_normal((8, d_k))  # 8 queries, 8 keys
+    _, w_raw = attention(q, k, k, scale=1.0, return_weights=True, method="reference")
+    _, w_scaled = attention(q, k, k, return_weights=True, method="reference")
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     panels = [
         (t["weights"], "3-token example: weights", ["x0", "x1", "x2"]),
-        (sc["weights_unscaled"][None, :], f"d_k={sc['d_k']}: softmax(q·k)", None),
-        (sc["weights_scaled"][None, :], f"d_k={sc['d_k']}: softmax(q·k/√d_k)", None),
+        (w_raw, f"d_k={d_k}, random q, k: softmax(q·k)", None),
+        (w_scaled, f"d_k={d_k}, random q, k: softmax(q·k/√d_k)", None),
     ]
     for ax, (w, title, labels) in zip(axes, panels):
         im = ax.imshow(w, cmap="viridis", vmin=0, vmax=1, aspect="auto")
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("key")
         ax.set_ylabel("query")
-        if labels:
-            ax.set_xticks(range(len(labels)), labels)
-            ax.set_yticks(range(len(labels)), labels)
+        labels = labels or [str(i) for i in range(w.shape[0])]
+        ax.set_xticks(range(len(labels)), labels)
+        ax.set_yticks(range(len(labels)), labels)
         for (i, j), val in np.ndenumerate(w):
             ax.text(j, i, f"{val:.2f}", ha="center", va="center", fontsize=8,
                     color="white" if val < 0.5 else "black")
