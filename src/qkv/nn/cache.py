@@ -16,7 +16,8 @@ MLA       the latent c_KV and the RoPE key k_R    d_latent + d_rope
 ========  ======================================  =============================
 
 (DeepSeek-V2: H = 128, D = 128, d_latent = 512, d_rope = 64: MLA stores 576 elements a
-token where MHA stores 32768, 1.8 %.)
+token where MHA would store 32768, 1.8 %: ``qkv cache-table --d-model 5120 --heads 128
+--head-dim 128``.)
 """
 from __future__ import annotations
 
@@ -145,23 +146,24 @@ def cache_elements_per_token(kind: str, *, n_heads: int, d_head: int, n_kv_heads
 
 
 def cache_table(d_model: int = 4096, n_heads: int = 32, *, n_kv_heads: int = 8, d_latent: int = 512,
-                d_rope: int = 64, dtype="float16", n_layers: int = 1) -> list[dict]:
+                d_rope: int = 64, d_head: int | None = None, dtype="float16", n_layers: int = 1) -> list[dict]:
     """KV-cache cost per token of MHA, GQA, MQA and MLA at the same model width.
 
-    ``d_head = d_model // n_heads`` for all four. Returns rows ``{"variant", "stores",
+    ``d_head`` (default ``d_model // n_heads``) is the same for all four. Returns rows ``{"variant", "stores",
     "elements", "bytes", "vs_mha"}``; ``bytes`` is per token for ``n_layers`` layers in
     ``dtype``. The defaults are a Llama-like width (4096, 32 heads of 128; GQA with 8 kv
     heads) and DeepSeek-V2's latent (512) and RoPE key (64).
     """
     d_model, n_heads = positive_int("d_model", d_model), positive_int("n_heads", n_heads)
-    if d_model % n_heads:
+    if d_head is None and d_model % n_heads:
         raise ShapeError(f"d_model must be a multiple of n_heads; got d_model = {d_model}, n_heads = {n_heads}")
     n_kv_heads = positive_int("n_kv_heads", n_kv_heads)
     if n_heads % n_kv_heads:
         raise ShapeError(f"n_heads must be a multiple of n_kv_heads; got {n_heads} and {n_kv_heads}")
     d_latent, d_rope = positive_int("d_latent", d_latent), positive_int("d_rope", d_rope, 0)
     n_layers = positive_int("n_layers", n_layers)
-    d_head, itemsize = d_model // n_heads, np.dtype(dtype).itemsize
+    d_head = d_model // n_heads if d_head is None else positive_int("d_head", d_head)
+    itemsize = np.dtype(dtype).itemsize
     variants = [
         ("MHA", f"k, v: 2 x {n_heads} heads x {d_head}", {}),
         ("GQA", f"k, v: 2 x {n_kv_heads} kv heads x {d_head}", {"n_kv_heads": n_kv_heads}),
@@ -189,6 +191,7 @@ def format_cache_table(rows: list[dict]) -> str:
 def add_arguments(parser) -> None:
     parser.add_argument("--d-model", type=int, default=4096, help="model width (default 4096)")
     parser.add_argument("--heads", type=int, default=32, help="query heads (default 32)")
+    parser.add_argument("--head-dim", type=int, default=None, help="head size (default d_model / heads)")
     parser.add_argument("--kv-heads", type=int, default=8, help="kv heads for the GQA row (default 8)")
     parser.add_argument("--latent", type=int, default=512, help="MLA latent size d_latent (default 512)")
     parser.add_argument("--rope-dim", type=int, default=64, help="MLA decoupled RoPE key size (default 64)")
@@ -200,8 +203,9 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     dtype = "float16" if args.dtype == "bfloat16" else args.dtype
     rows = cache_table(args.d_model, args.heads, n_kv_heads=args.kv_heads, d_latent=args.latent,
-                       d_rope=args.rope_dim, dtype=dtype, n_layers=args.layers)
-    print(f"KV cache per token: d_model = {args.d_model}, {args.heads} heads of "
-          f"{args.d_model // args.heads}, {args.layers} layer(s), {args.dtype}\n")
+                       d_rope=args.rope_dim, d_head=args.head_dim, dtype=dtype, n_layers=args.layers)
+    d_head = args.head_dim or args.d_model // args.heads
+    print(f"KV cache per token: d_model = {args.d_model}, {args.heads} heads of {d_head}, "
+          f"{args.layers} layer(s), {args.dtype}\n")
     print(format_cache_table(rows))
     return 0
