@@ -14,6 +14,7 @@ from .errors import ShapeError
 # name -> (module, one-line help). Add a line here to add a subcommand.
 SUBCOMMANDS = {
     "demo": ("qkv.demo", "the texts' worked examples, step by step, checked"),
+    "explain": ("qkv.explain", "what a pretrained model (all-MiniLM-L6-v2) attends to: HTML explorer, PNG, per-layer text"),
     "cache-table": ("qkv.nn.cache", "KV-cache bytes per token of MHA, GQA, MQA and MLA at one width"),
 }
 

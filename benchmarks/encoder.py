@@ -1,0 +1,115 @@
+"""qkv's BERT encoder against sentence-transformers on the CPU, in the same run.
+
+Workloads (all-MiniLM-L6-v2: 6 layers, 12 heads, d = 384, d_ff = 1536):
+- ``short``: 256 short sentences (about 10-20 tokens), batch 32, max_seq_length 256;
+- ``long``: 16 texts of exactly 512 tokens, batch 16, max_seq_length 512 on both sides.
+
+FLOPs of one forward, per layer, for a batch of B texts of T tokens::
+
+    projections  2·B·T·(4·d² + 2·d·d_ff)     (Q, K, V, O and the two feed-forward matrices)
+    attention    4·B·T²·d                    (q kᵀ and P v over all heads)
+
+Each side is timed ``--repeats`` times after one warm-up; the table shows medians and the
+ratio sentence-transformers / qkv (> 1: qkv is faster).
+
+    python benchmarks/encoder.py [--repeats 5] [--json FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+WORDS = ("the quick brown fox jumps over a lazy dog while seven tired animals cross busy streets "
+         "because attention weights every token against every other token in the sequence").split()
+
+
+def short_sentences(n: int = 256) -> list[str]:
+    """n deterministic sentences of 6 to 17 words."""
+    return [" ".join(WORDS[(7 * i + j) % len(WORDS)] for j in range(6 + i % 12)).capitalize() + "."
+            for i in range(n)]
+
+
+def long_texts(model, n: int = 16, tokens: int = 512) -> list[str]:
+    """n texts that tokenize to at least ``tokens`` tokens (each one word per token here)."""
+    texts = []
+    for i in range(n):
+        words = [WORDS[(3 * i + 5 * j) % len(WORDS)] for j in range(tokens + 8)]
+        texts.append(" ".join(words))
+    lens = [len(e.ids) for e in model.tokenize(texts, max_length=model.config.max_position_embeddings)]
+    assert min(lens) == tokens, lens
+    return texts
+
+
+def flops(model, batch_tokens: list[int]) -> float:
+    c = model.config
+    d, f = c.hidden_size, c.intermediate_size
+    return c.num_hidden_layers * sum(2 * t * (4 * d * d + 2 * d * f) + 4 * t * t * d for t in batch_tokens)
+
+
+def timed(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def run(repeats: int = 5) -> list[dict]:
+    import numpy as np
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    from qkv.models import default_model_path, load_bert
+
+    path = str(default_model_path())
+    ours = load_bert(path)
+    ref = SentenceTransformer(path, device="cpu")
+    rows = []
+    for name, texts, batch, max_len in (("short", short_sentences(), 32, 256),
+                                         ("long", long_texts(ours), 16, 512)):
+        ours.max_seq_length = max_len
+        ref.max_seq_length = max_len
+        lens = [len(e.ids) for e in ours.tokenize(texts)]
+        t_ours = timed(lambda: ours.encode(texts, batch_size=batch), repeats)
+        with torch.inference_mode():
+            t_ref = timed(lambda: ref.encode(texts, batch_size=batch), repeats)
+        err = float(np.abs(ours.encode(texts, batch_size=batch) - ref.encode(texts, batch_size=batch)).max())
+        gf = flops(ours, lens) / 1e9
+        rows.append({"workload": name, "texts": len(texts), "tokens": int(sum(lens)), "max_len": max_len,
+                     "gflop": gf, "qkv_s": t_ours, "st_s": t_ref, "ratio": t_ref / t_ours,
+                     "qkv_gflops": gf / t_ours, "st_gflops": gf / t_ref, "max_abs_err": err})
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per side (median reported)")
+    parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    args = parser.parse_args(argv)
+    import torch
+
+    rows = run(args.repeats)
+    print(f"encoder benchmark, CPU, torch threads {torch.get_num_threads()}, medians of {args.repeats}")
+    print(f"{'workload':<8} {'texts':>5} {'tokens':>6} {'GFLOP':>6} {'qkv s':>7} {'s-t s':>7} "
+          f"{'qkv GF/s':>8} {'s-t GF/s':>8} {'ratio s-t/qkv':>13} {'max err':>8}")
+    for r in rows:
+        print(f"{r['workload']:<8} {r['texts']:>5} {r['tokens']:>6} {r['gflop']:>6.1f} {r['qkv_s']:>7.3f} "
+              f"{r['st_s']:>7.3f} {r['qkv_gflops']:>8.1f} {r['st_gflops']:>8.1f} {r['ratio']:>13.2f} "
+              f"{r['max_abs_err']:>8.1e}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
