@@ -62,14 +62,18 @@ from .errors import ShapeError
 from .masks import MaskSpec
 
 # Tile sizes: a score tile of rows x keys should stay well inside a core's L2 (1 MiB here).
-ROWS = 128             # query rows per forward task
-SCRATCH = 128 * 1024   # elements of one score tile (512 KiB in float32)
+ROWS = 256             # query rows per forward task
+SCRATCH = 256 * 1024   # elements of one score tile (1 MiB in float32)
 BWD_ROWS = 128         # query rows per backward tile
 BWD_KEYS = 512         # keys per backward task
 STACK_ROWS = 32        # below this many rows per head, stack a kv head's query heads
 
-# Exponent headroom C and the "bound too loose" threshold, per compute dtype.
-_HEADROOM = {np.dtype(np.float32): 60.0, np.dtype(np.float64): 300.0}
+# Scores are kept in base 2 (q is scaled by scale·log2(e)) because np.exp2 is both faster
+# and more accurate than np.exp in float32: exp(s - m) = exp2(log2(e)·s - log2(e)·m).
+LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453
+# Base-2 exponent headroom C, and the "bound too loose" threshold: l < 2^-LOOSE.
+_HEADROOM = {np.dtype(np.float32): 86.0, np.dtype(np.float64): 430.0}
+_LOOSE = {np.dtype(np.float32): 58.0, np.dtype(np.float64): 290.0}
 
 # ----------------------------------------------------------------------------- threads
 _state = {"threads": None, "pool": None, "pool_size": 0, "controller": None}
@@ -148,22 +152,23 @@ def _chunks(runs: list, width: int):
             yield c, min(c + width, b), full
 
 
-def _mask_and_bias(s: np.ndarray, spec: MaskSpec, heads: list, q0: int, q1: int,
+def _mask_and_bias(st: np.ndarray, spec: MaskSpec, heads: list, q0: int, q1: int,
                    a: int, b: int, full: bool) -> None:
-    """Add bias/ALiBi to a score tile ``s (G*rows, keys)`` and set masked entries to -inf."""
-    rows = q1 - q0
-    s3 = s.reshape(len(heads), rows, b - a)
+    """Add bias/ALiBi to a transposed score tile ``st (keys, G*rows)`` (keys a:b against
+    rows q0:q1 of each stacked head) and set its masked entries to -inf."""
+    st3 = st.reshape(b - a, len(heads), q1 - q0)
     if spec.bias is not None or spec.alibi is not None:
         for g, h in enumerate(heads):
-            s3[g] += spec.additive(q0, q1, a, b, index=h, dtype=s.dtype)
+            add = spec.additive(q0, q1, a, b, index=h, dtype=st.dtype)
+            st3[:, g, :] += np.multiply(add, LOG2E, out=add if add.flags.owndata else None).T
     if not full:
         if spec.mask is None:  # structure only: the same for every head
             ok = spec.allowed(q0, q1, a, b, index=heads[0])
             if ok is not None:
-                np.copyto(s3, -np.inf, where=~ok)
+                np.copyto(st3, -np.inf, where=~ok.T[:, None, :])
         else:
             for g, h in enumerate(heads):
-                np.copyto(s3[g], -np.inf, where=~spec.allowed(q0, q1, a, b, index=h))
+                np.copyto(st3[:, g, :], -np.inf, where=~spec.allowed(q0, q1, a, b, index=h).T)
 
 
 def _alibi_bound(spec: MaskSpec, heads: list, q0: int, q1: int, k0: int, k1: int) -> np.ndarray:
@@ -185,23 +190,23 @@ def _fwd_exact(qs, kk, vv, spec, heads, q0, q1, runs, dt):
     acc = np.zeros((nrow, dv), dt)
     width = max(64, SCRATCH // nrow)
     for a, b, full in _chunks(runs, width):
-        s = _scratch(nrow * (b - a), dt).reshape(nrow, b - a)
-        np.matmul(qs, kk[a:b].T, out=s)  # (R,D) @ (D,w) -> (R,w)
-        _mask_and_bias(s, spec, heads, q0, q1, a, b, full)
-        m_new = np.maximum(m, s.max(axis=1))                 # m' = max(m, max_j s_j)
+        st = _scratch(nrow * (b - a), dt).reshape(b - a, nrow)  # the tile, transposed
+        np.matmul(kk[a:b], qs.T, out=st)                     # (w,D) @ (D,R) -> (w,R)
+        _mask_and_bias(st, spec, heads, q0, q1, a, b, full)
+        m_new = np.maximum(m, st.max(axis=0))                # m' = max(m, max_j s_j)
         m_safe = np.where(m_new == -np.inf, 0, m_new).astype(dt, copy=False)
-        alpha = np.exp(m - m_safe)                           # exp(m - m'); 0 while m = -inf
-        s -= m_safe[:, None]
-        np.exp(s, out=s)                                     # exp(s_j - m')
+        alpha = np.exp2(m - m_safe)                          # exp(m - m'); 0 while m = -inf
+        st -= m_safe
+        np.exp2(st, out=st)                                  # exp(s_j - m')
         l *= alpha
-        l += s.sum(axis=1)                                   # l' = alpha l + Σ exp(s_j - m')
+        l += st.sum(axis=0)                                  # l' = alpha l + Σ exp(s_j - m')
         acc *= alpha[:, None]
-        acc += s @ vv[a:b]                                   # (R,w) @ (w,Dv) -> (R,Dv)
+        acc += st.T @ vv[a:b]                                # (R,w) @ (w,Dv) -> (R,Dv)
         m = m_new
     seen = l > 0
     out = acc / np.where(seen, l, 1)[:, None]
     with np.errstate(divide="ignore"):
-        lse = np.where(seen, np.where(seen, m, 0) + np.log(np.where(seen, l, 1)), -np.inf)
+        lse = np.where(seen, (np.where(seen, m, 0) + np.log2(np.where(seen, l, 1))) * LN2, -np.inf)
     return out, lse.astype(dt, copy=False)
 
 
@@ -211,25 +216,25 @@ def _fwd_bound(qs, kk, v1, knorm, spec, heads, q0, q1, runs, dt):
     kmax = max(float(knorm[a:b].max()) for a, b, _ in runs)
     qnorm = np.sqrt(np.einsum("rd,rd->r", qs, qs))
     bound = qnorm * dt.type(kmax)                                   # U_i >= every s_ij
-    bound = bound.reshape(len(heads), -1) + _alibi_bound(spec, heads, q0, q1, runs[0][0], runs[-1][1])[:, None]
+    bound = bound.reshape(len(heads), -1) + LOG2E * _alibi_bound(spec, heads, q0, q1, runs[0][0], runs[-1][1])[:, None]
     m = np.maximum(bound.reshape(-1) - _HEADROOM[dt], 0).astype(dt)  # m = max(0, U - C)
     shift = bool(m.any())
     acc = np.zeros((nrow, dv + 1), dt)                              # [acc | l]
     width = max(64, SCRATCH // nrow)
     for a, b, full in _chunks(runs, width):
-        s = _scratch(nrow * (b - a), dt).reshape(nrow, b - a)
-        np.matmul(qs, kk[a:b].T, out=s)            # (R,D) @ (D,w) -> (R,w)
+        st = _scratch(nrow * (b - a), dt).reshape(b - a, nrow)  # the tile, transposed
+        np.matmul(kk[a:b], qs.T, out=st)           # (w,D) @ (D,R) -> (w,R)
         if shift:
-            s -= m[:, None]
+            st -= m
         if not full or spec.alibi is not None:
-            _mask_and_bias(s, spec, heads, q0, q1, a, b, full)
-        np.exp(s, out=s)                           # exp(s_ij - m_i) <= e^C
-        acc += s @ v1[a:b]                         # (R,w) @ (w,Dv+1) -> (R,Dv+1): [Σ p v | Σ p]
+            _mask_and_bias(st, spec, heads, q0, q1, a, b, full)
+        np.exp2(st, out=st)                        # exp(s_ij - m_i) <= 2^C
+        acc += st.T @ v1[a:b]                      # (R,w) @ (w,Dv+1) -> (R,Dv+1): [Σ p v | Σ p]
     l = acc[:, dv]
-    if not (l >= np.exp(-_HEADROOM[dt] * (40.0 / 60.0))).all():
+    if not (l >= 2.0 ** -_LOOSE[dt]).all():
         return None  # a row's largest term is tiny (or it sees nothing): redo exactly
     out = acc[:, :dv] / l[:, None]
-    return out, m + np.log(l)                      # lse = m + log l
+    return out, (m + np.log2(l)) * dt.type(LN2)   # lse = m + log l
 
 
 def forward(q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_weights: bool = False,
@@ -248,7 +253,7 @@ def forward(q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_weight
     dt = np.dtype(dt)
     stack = tq < STACK_ROWS
     rows = tq if stack else ROWS
-    sc = dt.type(scale)
+    sc = dt.type(scale * LOG2E)
     bound_ok = spec.bias is None  # a bias array has no cheap bound: exact path
 
     def prep(ikv):
@@ -306,63 +311,65 @@ def backward(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int =
     tq, d = q.shape[-2:]
     tk, dv = k.shape[-2], v.shape[-1]
     lead, lead_kv = spec.lead, k.shape[:-2]
-    sc = dt.type(scale)
-    cap = _HEADROOM[dt]
+    sc = dt.type(scale * LOG2E)
     dk = np.zeros(lead_kv + (tk, d), dt)
     dvv = np.zeros(lead_kv + (tk, dv), dt)
     heads_of = list(_heads(lead_kv, group))
     n = num_threads or get_num_threads()
 
     def prep_q(h):
-        qs = np.multiply(q[h], sc, dtype=dt)                      # scale·Q  (Tq, D)
         ls = lse[h]
         finite = ls != -np.inf
-        m = np.where(finite & (np.abs(ls) > cap), ls, 0).astype(dt)   # m = 0 unless |lse| > C
-        with np.errstate(over="ignore"):
-            r = np.where(finite, np.exp(m - np.where(finite, ls, 0)), 0).astype(dt)  # P = r·exp(S - m)
+        qx = np.empty((tq, d + 1), dt)                            # [log2(e)·scale·Q | -log2(e)·lse]
+        np.multiply(q[h], sc, out=qx[:, :d])
+        qx[:, d] = np.where(finite, -ls, 0) * dt.type(LOG2E)      # the lse rides in the score product
+        r = finite.astype(dt)                                     # rows that saw nothing: P = 0
         delta = np.einsum("td,td->t", dout[h], out[h])            # delta_i = rowsum(dO_i ∘ O_i)
-        dox = np.empty((tq, dv + 1), dt)                          # [r dO | -r delta]
+        dox = np.empty((tq, dv + 1), dt)                          # [dO | -delta], the delta rides in dP
         np.multiply(dout[h], r[:, None], out=dox[:, :dv])
         dox[:, dv] = -delta * r
-        return qs, m, bool(m.any()), dox
+        return qx, dox
 
     def prep_kv(ikv):
-        kk = np.ascontiguousarray(k[ikv])
+        kx = np.empty((tk, d + 1), dt)                            # [K | 1]
+        kx[:, :d] = k[ikv]
+        kx[:, d] = 1
         v1 = np.empty((tk, dv + 1), dt)                           # [V | 1]
         v1[:, :dv] = v[ikv]
         v1[:, dv] = 1
-        return kk, v1
+        return kx, v1
 
     all_heads = [h for _, hs in heads_of for h in hs]
     qprep = dict(zip(all_heads, _run([lambda h=h: prep_q(h) for h in all_heads], n)))
     kvprep = _run([lambda ikv=ikv: prep_kv(ikv) for ikv, _ in heads_of], n)
 
     def task(ikv, hs, c0, c1, kv, dq):
-        kk, v1 = kv
+        kx, v1 = kv
+        kk = kx[:, :d]
         dk_loc = np.zeros((c1 - c0, d), dt)
         dv_loc = np.zeros((c1 - c0, dv), dt)
         for h in hs:
-            qs, m, shift, dox = qprep[h]
+            qx, dox = qprep[h]
             b = _batch(spec, h)
             r0, r1 = spec.query_range(c0, c1, batch=b)
             for q0 in range(r0, r1, BWD_ROWS):
                 q1 = min(q0 + BWD_ROWS, r1)
-                qb, dob = qs[q0:q1], dox[q0:q1]
+                qb, dob = qx[q0:q1], dox[q0:q1]
                 for a, e, full in spec.segments(q0, q1, c0, c1, batch=b):
                     w = e - a
-                    s = _scratch((q1 - q0) * w, dt, 0).reshape(q1 - q0, w)
-                    np.matmul(qb, kk[a:e].T, out=s)                  # (r,D) @ (D,w) -> (r,w)
-                    if shift:
-                        s -= m[q0:q1, None]
+                    # tiles are kept transposed, (keys, rows): Eᵀ, dSᵀ
+                    et = _scratch((q1 - q0) * w, dt, 0).reshape(w, q1 - q0)
+                    np.matmul(kx[a:e], qb.T, out=et)                 # (w,D+1) @ (D+1,r) -> (w,r): (S - lse)ᵀ
                     if not full or spec.bias is not None or spec.alibi is not None:
-                        _mask_and_bias(s, spec, [h], q0, q1, a, e, full)
-                    np.exp(s, out=s)                                 # E = exp(S - m); P = r E
-                    ds = _scratch((q1 - q0) * w, dt, 1).reshape(q1 - q0, w)
-                    np.matmul(dob, v1[a:e].T, out=ds)                # (r,Dv+1) @ (Dv+1,w): r(dP - delta)
-                    ds *= s                                          # dS = P ∘ (dP - delta)
-                    dv_loc[a - c0:e - c0] += s.T @ dob[:, :dv]       # (w,r) @ (r,Dv): dV += Pᵀ dO
-                    dk_loc[a - c0:e - c0] += ds.T @ qb               # (w,r) @ (r,D): dK += scale dSᵀ Q
-                    dq[h][q0:q1] += ds @ kk[a:e]                     # (r,w) @ (w,D): dQ += dS K
+                        _mask_and_bias(et, spec, [h], q0, q1, a, e, full)
+                    np.exp2(et, out=et)                              # P = exp(S - lse)
+                    dst = _scratch((q1 - q0) * w, dt, 1).reshape(w, q1 - q0)
+                    np.matmul(v1[a:e], dob.T, out=dst)               # (w,Dv+1) @ (Dv+1,r): r(dP - delta)
+                    dst *= et                                        # dS = P ∘ (dP - delta)
+                    dv_loc[a - c0:e - c0] += et @ dob[:, :dv]        # (w,r) @ (r,Dv): dV += Pᵀ dO
+                    dk_loc[a - c0:e - c0] += dst @ qb[:, :d]         # (w,r) @ (r,D): dK += scale dSᵀ Q
+                    dq[h][q0:q1] += dst.T @ kk[a:e]                  # (r,w) @ (w,D): dQ += dS K
+        dk_loc *= dt.type(LN2)                                       # qs carried log2(e)
         dk[ikv][c0:c1] = dk_loc
         dvv[ikv][c0:c1] = dv_loc
 
@@ -393,5 +400,5 @@ def backward(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int =
     dq = dqs[0]
     for extra in dqs[1:]:
         dq += extra
-    dq *= sc                                                        # dQ = scale · dS K
+    dq *= dt.type(scale)                                            # dQ = scale · dS K
     return dq, dk, dvv
