@@ -9,8 +9,8 @@ FLOPs of one forward, per layer, for a batch of B texts of T tokens::
     projections  2·B·T·(4·d² + 2·d·d_ff)     (Q, K, V, O and the two feed-forward matrices)
     attention    4·B·T²·d                    (q kᵀ and P v over all heads)
 
-Each side is timed ``--repeats`` times after one warm-up; the table shows medians and the
-ratio sentence-transformers / qkv (> 1: qkv is faster).
+Each side is timed ``--repeats`` times after one warm-up, the two sides alternating; the
+table shows medians and the ratio sentence-transformers / qkv (> 1: qkv is faster).
 
     python benchmarks/encoder.py [--repeats 5] [--json FILE]
 """
@@ -53,14 +53,18 @@ def flops(model, batch_tokens: list[int]) -> float:
     return c.num_hidden_layers * sum(2 * t * (4 * d * d + 2 * d * f) + 4 * t * t * d for t in batch_tokens)
 
 
-def timed(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
+def timed_pair(fn_a, fn_b, repeats: int) -> tuple[float, float]:
+    """Medians of ``repeats`` timings of each, alternating a, b, a, b after one warm-up each,
+    so that a change in machine load falls on both sides alike."""
+    fn_a()
+    fn_b()
+    times = ([], [])
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for fn, out in ((fn_a, times[0]), (fn_b, times[1])):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def run(repeats: int = 5) -> list[dict]:
@@ -79,9 +83,9 @@ def run(repeats: int = 5) -> list[dict]:
         ours.max_seq_length = max_len
         ref.max_seq_length = max_len
         lens = [len(e.ids) for e in ours.tokenize(texts)]
-        t_ours = timed(lambda: ours.encode(texts, batch_size=batch), repeats)
         with torch.inference_mode():
-            t_ref = timed(lambda: ref.encode(texts, batch_size=batch), repeats)
+            t_ours, t_ref = timed_pair(lambda: ours.encode(texts, batch_size=batch),
+                                       lambda: ref.encode(texts, batch_size=batch), repeats)
         err = float(np.abs(ours.encode(texts, batch_size=batch) - ref.encode(texts, batch_size=batch)).max())
         gf = flops(ours, lens) / 1e9
         rows.append({"workload": name, "texts": len(texts), "tokens": int(sum(lens)), "max_len": max_len,

