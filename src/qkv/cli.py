@@ -16,6 +16,8 @@ SUBCOMMANDS = {
     "demo": ("qkv.demo", "the texts' worked examples, step by step, checked"),
     "explain": ("qkv.explain", "what a pretrained model (all-MiniLM-L6-v2) attends to: HTML explorer, PNG, per-layer text"),
     "cache-table": ("qkv.nn.cache", "KV-cache bytes per token of MHA, GQA, MQA and MLA at one width"),
+    "train": ("qkv.train", "learn the texts' soft dictionary lookup with qkv.nn (train lookup)"),
+    "experiment": ("qkv.experiment", "the texts' measurements (experiment scale: why divide by sqrt(d_k))"),
 }
 
 
