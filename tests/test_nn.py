@@ -4,7 +4,6 @@ import pytest
 
 import qkv
 from qkv import nn
-from qkv.reference import forward as reference_forward  # noqa: F401  (the oracle the layers call)
 
 TOL = 1e-6  # finite differences in float64 agree to ~1e-9; anything wrong is O(1)
 

@@ -8,6 +8,7 @@ True = may attend, as in PyTorch's scaled_dot_product_attention.
 from .attention import attention, attention_backward
 from .errors import ShapeError
 from .softmax import logsumexp, softmax
+from . import nn, positional
 
 __version__ = "0.1.0"
 
