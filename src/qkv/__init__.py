@@ -7,9 +7,11 @@ True = may attend, as in PyTorch's scaled_dot_product_attention.
 """
 from .attention import attention, attention_backward
 from .errors import ShapeError
+from .flash import get_num_threads, set_num_threads
 from .softmax import logsumexp, softmax
 from . import nn, positional
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "attention_backward", "softmax", "logsumexp", "ShapeError"]
+__all__ = ["attention", "attention_backward", "softmax", "logsumexp", "ShapeError",
+           "set_num_threads", "get_num_threads"]

@@ -188,7 +188,7 @@ def _fwd_exact(qs, kk, vv, spec, heads, q0, q1, runs, dt):
     m = np.full(nrow, -np.inf, dt)
     l = np.zeros(nrow, dt)
     acc = np.zeros((nrow, dv), dt)
-    width = max(64, SCRATCH // nrow)
+    width = max(16, SCRATCH // nrow)
     for a, b, full in _chunks(runs, width):
         st = _scratch(nrow * (b - a), dt).reshape(b - a, nrow)  # the tile, transposed
         np.matmul(kk[a:b], qs.T, out=st)                     # (w,D) @ (D,R) -> (w,R)
@@ -220,7 +220,7 @@ def _fwd_bound(qs, kk, v1, knorm, spec, heads, q0, q1, runs, dt):
     m = np.maximum(bound.reshape(-1) - _HEADROOM[dt], 0).astype(dt)  # m = max(0, U - C)
     shift = bool(m.any())
     acc = np.zeros((nrow, dv + 1), dt)                              # [acc | l]
-    width = max(64, SCRATCH // nrow)
+    width = max(16, SCRATCH // nrow)
     for a, b, full in _chunks(runs, width):
         st = _scratch(nrow * (b - a), dt).reshape(b - a, nrow)  # the tile, transposed
         np.matmul(kk[a:b], qs.T, out=st)           # (w,D) @ (D,R) -> (w,R)
