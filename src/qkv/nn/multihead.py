@@ -46,7 +46,9 @@ class MultiHeadAttention(Layer):
     Options: ``causal`` (as in :func:`qkv.attention`; with a cache the alignment is
     always bottom-right), ``window`` (``n`` or ``(left, right)``), ``rope`` (rotary
     embedding of q and k, half-split, ``rope_base``), ``alibi`` (the paper's slopes for
-    ``n_heads``), ``scale`` (default ``1/sqrt(d_head)``).
+    ``n_heads``), ``scale`` (default ``1/sqrt(d_head)``). In cross-attention the query
+    positions and the context positions both count from 0 (for RoPE, ALiBi, causal and
+    window alike, top-left aligned unless ``causal="bottom_right"``).
 
     Args:
         d_model: model width. n_heads: query heads. d_head: default ``d_model // n_heads``.
