@@ -1,0 +1,452 @@
+"""``qkv bench``: qkv's tiled attention against dense NumPy and PyTorch SDPA, in one run.
+
+Every case runs the three methods on the same inputs, alternating them repeat by repeat
+(so a change in machine load falls on all alike) after one warm-up each, and reports the
+median. Methods:
+
+- ``qkv``: ``qkv.attention(..., method="flash")`` and ``qkv.attention_backward``;
+- ``dense``: the same calls with ``method="reference"`` (softmax(QKᵀ)V, T² memory);
+- ``torch``: ``torch.nn.functional.scaled_dot_product_attention`` and autograd, with
+  ``torch.set_num_threads`` equal to qkv's thread count (skipped when torch is missing).
+
+FLOP convention (written once, here, and used for every GFLOP/s printed)::
+
+    forward          F = 4 · B · Hq · Tq · Tk · D      (QKᵀ and PV, 2 FLOP per multiply-add)
+    causal forward   F / 2                              (half the score matrix is visible)
+    backward         2.5 · F                            (five products instead of two)
+    forward+backward 3.5 · F
+
+Decoding (Tq = 1) is memory-bound and reported as GB/s of K and V read,
+``B · Hkv · Tk · (D + Dv) · 4`` bytes per call, next to the machine's copy bandwidth
+measured here: ``np.copyto`` of a 256 MiB float32 array split over the same threads,
+counted as bytes read + bytes written (the STREAM "copy" convention), best of the repeats.
+
+Peak extra memory (the scaling sweep, forward+backward) is the resident-set high-water
+mark of a fresh subprocess during the call minus its resident set just before it
+(``/proc/self/clear_refs`` resets the mark after the inputs exist; where that is not
+allowed, ``ru_maxrss`` before and after). It counts everything the call allocates,
+outputs and gradients included, for NumPy and torch alike.
+
+Suites: ``main`` (B=1, H=8, T=4096, D=64, float32, causal and not, forward and
+forward+backward), ``sweep`` (one head, D=64, T = 512 ... 16384: time and peak memory),
+``decode`` (Tq=1, Tk=32768, Hq=32, Hkv=8, D=128). ``--quick`` shrinks every size so the
+whole run takes seconds (the test suite runs it end to end).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+SUITES = ("main", "sweep", "decode")
+METHODS = ("qkv", "dense", "torch")
+FULL = {
+    "main": dict(b=1, h=8, t=4096, d=64),
+    "sweep": dict(ts=(512, 1024, 2048, 4096, 8192, 16384), d=64, dense_max=8192),
+    "decode": dict(b=1, hq=32, hkv=8, tk=32768, d=128),
+    "copy_mib": 256,
+}
+QUICK = {
+    "main": dict(b=1, h=2, t=256, d=32),
+    "sweep": dict(ts=(128, 256, 512), d=32, dense_max=512),
+    "decode": dict(b=1, hq=8, hkv=2, tk=2048, d=64),
+    "copy_mib": 16,
+}
+MIB = 2 ** 20
+
+
+def forward_flops(b, hq, tq, tk, d, causal):
+    """4·B·Hq·Tq·Tk·D, halved when causal."""
+    f = 4.0 * b * hq * tq * tk * d
+    return f / 2 if causal else f
+
+
+def fwd_bwd_flops(b, hq, tq, tk, d, causal):
+    """Forward plus backward, the backward counted as 2.5 forwards."""
+    return 3.5 * forward_flops(b, hq, tq, tk, d, causal)
+
+
+def kv_bytes(b, hkv, tk, d, dv, itemsize=4):
+    return b * hkv * tk * (d + dv) * itemsize
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--quick", action="store_true",
+                        help="small sizes: the whole run takes seconds (for tests and a first look)")
+    parser.add_argument("--suite", action="append", choices=SUITES + ("all",),
+                        help="which suite to run (repeatable; default: all)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed runs per method and case; the median is reported (default 5, quick 2)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="threads for qkv and torch (default: os.cpu_count())")
+    parser.add_argument("--no-torch", action="store_true", help="leave PyTorch out even if installed")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    parser.add_argument("--plot", metavar="PNG", help="also draw the scaling sweep (needs qkv[viz])")
+    parser.add_argument("--json", metavar="FILE", help="also write every measurement as JSON")
+
+
+# ----------------------------------------------------------------------------- inputs
+def _inputs(rng, b, hq, hkv, tq, tk, d):
+    import numpy as np
+    q = rng.standard_normal((b, hq, tq, d), dtype=np.float32)
+    k = rng.standard_normal((b, hkv, tk, d), dtype=np.float32)
+    v = rng.standard_normal((b, hkv, tk, d), dtype=np.float32)
+    dout = rng.standard_normal((b, hq, tq, d), dtype=np.float32)
+    return q, k, v, dout
+
+
+def _runner(method, q, k, v, dout, *, causal, backward, gqa=False):
+    """A no-argument callable doing one forward (and backward) by ``method``."""
+    if method == "torch":
+        import torch
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        tq_, tk_, tv_ = (torch.from_numpy(x) for x in (q, k, v))
+        if not backward:
+            def fwd():
+                with torch.no_grad():
+                    return sdpa(tq_, tk_, tv_, is_causal=bool(causal), enable_gqa=gqa)
+            return fwd
+        tq_, tk_, tv_ = (x.clone().requires_grad_(True) for x in (tq_, tk_, tv_))
+        tdo = torch.from_numpy(dout)
+
+        def fwd_bwd():
+            for x in (tq_, tk_, tv_):
+                x.grad = None
+            out = sdpa(tq_, tk_, tv_, is_causal=bool(causal), enable_gqa=gqa)
+            out.backward(tdo)
+            return tq_.grad
+        return fwd_bwd
+
+    import qkv
+    name = "flash" if method == "qkv" else "reference"
+    if not backward:
+        return lambda: qkv.attention(q, k, v, causal=causal, gqa=gqa, method=name)
+
+    def fwd_bwd():
+        out, lse = qkv.attention(q, k, v, causal=causal, gqa=gqa, return_lse=True, method=name)
+        return qkv.attention_backward(dout, q, k, v, out, lse, causal=causal, gqa=gqa, method=name)
+    return fwd_bwd
+
+
+def _time_all(fns: dict, repeats: int, tick) -> dict:
+    """Median seconds of each callable, alternating them after one warm-up each."""
+    for fn in fns.values():
+        fn()
+        tick()
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+            tick()
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+# ----------------------------------------------------------------------------- memory
+_CHILD = """
+import json, resource, sys
+import numpy as np
+from qkv_benchmarks.attention import _child
+print(json.dumps(_child(*json.loads(sys.argv[1]))))
+"""
+
+
+def _status_kib(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return None
+
+
+def _child(method, t, d, causal, threads):
+    """In a fresh process: peak extra resident memory (bytes) of one forward+backward."""
+    import resource
+
+    import numpy as np
+    if method == "torch":
+        import torch
+        torch.set_num_threads(threads)
+    else:
+        import qkv
+        qkv.set_num_threads(threads)
+    rng = np.random.default_rng(0)
+    small = _inputs(rng, 1, 1, 1, 64, 64, d)
+    _runner(method, *small, causal=causal, backward=True)()  # load libraries, start threads
+    q, k, v, dout = _inputs(rng, 1, 1, 1, t, t, d)
+    fn = _runner(method, q, k, v, dout, causal=causal, backward=True)
+    rss0 = _status_kib("VmRSS")
+    how = "VmHWM after clear_refs"
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset the high-water mark to the current resident set
+        before = rss0
+    except OSError:
+        how = "ru_maxrss"
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    fn()
+    after = _status_kib("VmHWM") if how != "ru_maxrss" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"extra_bytes": max(0, after - before) * 1024, "how": how}
+
+
+def _peak_extra(method, t, d, causal, threads):
+    env = dict(os.environ)
+    res = subprocess.run([sys.executable, "-c", _CHILD, json.dumps([method, t, d, causal, threads])],
+                         capture_output=True, text=True, env=env, timeout=900)
+    if res.returncode != 0:
+        return None
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+# ----------------------------------------------------------------------------- copy
+def copy_bandwidth(mib: int, threads: int, repeats: int) -> float:
+    """Bytes/s of np.copyto over ``threads`` threads, counting read + write (STREAM copy)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+    n = mib * MIB // 4
+    src = np.ones(n, np.float32)
+    dst = np.empty_like(src)
+    cuts = np.linspace(0, n, threads + 1).astype(int)
+    parts = [(dst[a:b], src[a:b]) for a, b in zip(cuts[:-1], cuts[1:])]
+    best = float("inf")
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in range(max(3, repeats)):
+            t0 = time.perf_counter()
+            list(pool.map(lambda p: np.copyto(*p), parts))
+            best = min(best, time.perf_counter() - t0)
+    return 2 * n * 4 / best
+
+
+# ----------------------------------------------------------------------------- suites
+def _count_steps(suites, cfg, methods, memory):
+    n = 0
+    per = len(methods) * (1 + cfg["repeats"])
+    if "main" in suites:
+        n += 4 * per
+    if "sweep" in suites:
+        sw = cfg["sweep"]
+        for t in sw["ts"]:
+            m = [x for x in methods if x != "dense" or t <= sw["dense_max"]]
+            n += len(m) * (1 + cfg["repeats"]) + (len(m) if memory else 0)
+    if "decode" in suites:
+        n += per + 1
+    return n
+
+
+def run_suites(args) -> dict:
+    """Run the chosen suites; returns every measurement (seconds, FLOP, bytes)."""
+    import numpy as np
+
+    import qkv
+    from qkv.cli import require
+
+    rich_progress = require("rich.progress", "cli")
+    cfg = dict(QUICK if args.quick else FULL)
+    cfg["repeats"] = args.repeats or (2 if args.quick else 5)
+    threads = args.threads or os.cpu_count() or 1
+    suites = set(SUITES) if not args.suite or "all" in args.suite else set(args.suite)
+    methods = ["qkv", "dense"]
+    torch_version = None
+    if not args.no_torch:
+        try:
+            import torch
+            torch.set_num_threads(threads)
+            methods.append("torch")
+            torch_version = torch.__version__
+        except ImportError:
+            pass
+    qkv.set_num_threads(threads)
+    memory = not args.no_memory
+    rng = np.random.default_rng(0)
+    results = {"threads": threads, "quick": bool(args.quick), "repeats": cfg["repeats"],
+               "torch": torch_version, "blas": _blas_info(), "main": [], "sweep": [], "decode": []}
+
+    progress = rich_progress.Progress(
+        rich_progress.TextColumn("{task.description}"), rich_progress.BarColumn(),
+        rich_progress.MofNCompleteColumn(), rich_progress.TimeElapsedColumn(),
+        transient=True, console=_console(stderr=True))
+    with progress:
+        task = progress.add_task("qkv bench", total=_count_steps(suites, cfg, methods, memory))
+
+        def tick():
+            progress.advance(task)
+
+        if "main" in suites:
+            c = cfg["main"]
+            q, k, v, dout = _inputs(rng, c["b"], c["h"], c["h"], c["t"], c["t"], c["d"])
+            for backward in (False, True):
+                for causal in (False, True):
+                    label = f"{'fwd+bwd' if backward else 'fwd'} {'causal' if causal else 'full'}"
+                    progress.update(task, description=f"main: {label}")
+                    fns = {m: _runner(m, q, k, v, dout, causal=causal, backward=backward) for m in methods}
+                    secs = _time_all(fns, cfg["repeats"], tick)
+                    flops = (fwd_bwd_flops if backward else forward_flops)(
+                        c["b"], c["h"], c["t"], c["t"], c["d"], causal)
+                    results["main"].append({"case": label, "shape": dict(c), "causal": causal,
+                                            "backward": backward, "flop": flops, "seconds": secs})
+        if "sweep" in suites:
+            sw = cfg["sweep"]
+            for t in sw["ts"]:
+                progress.update(task, description=f"sweep: T={t}")
+                m = [x for x in methods if x != "dense" or t <= sw["dense_max"]]
+                q, k, v, dout = _inputs(rng, 1, 1, 1, t, t, sw["d"])
+                fns = {x: _runner(x, q, k, v, dout, causal=False, backward=True) for x in m}
+                secs = _time_all(fns, cfg["repeats"], tick)
+                del q, k, v, dout, fns
+                peak = {}
+                if memory:
+                    for x in m:
+                        progress.update(task, description=f"sweep: T={t} memory ({x})")
+                        peak[x] = _peak_extra(x, t, sw["d"], False, threads)
+                        tick()
+                results["sweep"].append({"t": t, "d": sw["d"], "seconds": secs,
+                                         "flop": fwd_bwd_flops(1, 1, t, t, sw["d"], False),
+                                         "peak": peak})
+        if "decode" in suites:
+            c = cfg["decode"]
+            progress.update(task, description="decode")
+            q, k, v, dout = _inputs(rng, c["b"], c["hq"], c["hkv"], 1, c["tk"], c["d"])
+            fns = {m: _runner(m, q, k, v, dout, causal=False, backward=False, gqa=True) for m in methods}
+            secs = _time_all(fns, cfg["repeats"], tick)
+            del q, k, v, dout, fns
+            progress.update(task, description="copy bandwidth")
+            bw = copy_bandwidth(cfg["copy_mib"], threads, cfg["repeats"])
+            tick()
+            results["decode"].append({"shape": dict(c), "seconds": secs, "copy_bytes_per_s": bw,
+                                      "bytes": kv_bytes(c["b"], c["hkv"], c["tk"], c["d"], c["d"])})
+    return results
+
+
+def _blas_info() -> dict:
+    info = {"env": {k: os.environ[k] for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE") if k in os.environ}}
+    try:
+        from threadpoolctl import threadpool_info
+        blas = [x for x in threadpool_info() if x.get("user_api") == "blas"]
+        if blas:
+            info.update(kernel=blas[0].get("architecture"), library=blas[0].get("internal_api"),
+                        version=blas[0].get("version"))
+    except Exception:  # informational only
+        pass
+    return info
+
+
+# ----------------------------------------------------------------------------- report
+def _console(stderr=False):
+    from rich.console import Console
+    # A wide console when not a terminal, so piped tables are never wrapped or cut.
+    return Console(stderr=stderr, width=None if sys.stdout.isatty() else 200)
+
+
+def _fmt(x, spec):
+    return "—" if x is None else format(x, spec)
+
+
+def report(results: dict) -> None:
+    from rich import box
+    from rich.table import Table
+
+    con = _console()
+    blas = results["blas"]
+    con.print(f"qkv bench: {results['threads']} threads, median of {results['repeats']} runs"
+              f"{' (quick sizes)' if results['quick'] else ''}; torch {results['torch'] or 'not installed'};"
+              f" BLAS {blas.get('library', '?')} {blas.get('version', '')} kernel {blas.get('kernel', '?')}")
+    if blas["env"]:
+        env = " ".join(f"{k}={v}" for k, v in blas["env"].items())
+        con.print(f"note: {env} is set, which pins OpenBLAS to that kernel and can slow NumPy; for the "
+                  "machine's own speed run: env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE qkv bench")
+    con.print("FLOP: forward 4·B·H·Tq·Tk·D (causal: half); forward+backward 3.5x forward")
+
+    if results["main"]:
+        s = results["main"][0]["shape"]
+        t = Table(title=f"attention B={s['b']} H={s['h']} T={s['t']} D={s['d']} float32", box=box.SIMPLE)
+        for col in ("case", "qkv s", "dense s", "torch s", "qkv GFLOP/s", "dense GFLOP/s",
+                    "torch GFLOP/s", "qkv/torch"):
+            t.add_column(col, justify="left" if col == "case" else "right")
+        for r in results["main"]:
+            sec = r["seconds"]
+            gf = {m: r["flop"] / sec[m] / 1e9 if m in sec else None for m in METHODS}
+            ratio = sec["torch"] / sec["qkv"] if "torch" in sec else None
+            t.add_row(r["case"], *(_fmt(sec.get(m), ".4f") for m in METHODS),
+                      *(_fmt(gf[m], ".1f") for m in METHODS), _fmt(ratio, ".2f"))
+        con.print(t)
+    if results["sweep"]:
+        t = Table(title=f"scaling: forward+backward, one head, D={results['sweep'][0]['d']}, float32; "
+                        "peak extra memory = RSS high-water in a subprocess", box=box.SIMPLE)
+        for col in ("T", "qkv s", "dense s", "torch s", "qkv MiB", "dense MiB", "torch MiB", "qkv/torch"):
+            t.add_column(col, justify="right")
+        for r in results["sweep"]:
+            sec, peak = r["seconds"], r["peak"]
+            mib = {m: peak[m]["extra_bytes"] / MIB if peak.get(m) else None for m in METHODS}
+            ratio = sec["torch"] / sec["qkv"] if "torch" in sec else None
+            t.add_row(str(r["t"]), *(_fmt(sec.get(m), ".4f") for m in METHODS),
+                      *(_fmt(mib[m], ".1f") for m in METHODS), _fmt(ratio, ".2f"))
+        con.print(t)
+    if results["decode"]:
+        r = results["decode"][0]
+        s = r["shape"]
+        t = Table(title=f"decode: Tq=1 Tk={s['tk']} Hq={s['hq']} Hkv={s['hkv']} D={s['d']} float32; "
+                        f"GB/s of K and V read ({r['bytes'] / MIB:.0f} MiB a call)", box=box.SIMPLE)
+        for col in ("case", "qkv ms", "dense ms", "torch ms", "qkv GB/s", "dense GB/s", "torch GB/s",
+                    "copy GB/s", "qkv/copy"):
+            t.add_column(col, justify="left" if col == "case" else "right")
+        sec = r["seconds"]
+        gbs = {m: r["bytes"] / sec[m] / 1e9 if m in sec else None for m in METHODS}
+        copy = r["copy_bytes_per_s"] / 1e9
+        t.add_row("decode", *(_fmt(sec[m] * 1e3 if m in sec else None, ".2f") for m in METHODS),
+                  *(_fmt(gbs[m], ".1f") for m in METHODS), f"{copy:.1f}", f"{gbs['qkv'] / copy:.2f}")
+        con.print(t)
+        con.print("copy GB/s: np.copyto of a large float32 array on the same threads, read + write bytes")
+
+
+def plot(results: dict, path: str) -> None:
+    from qkv.cli import require
+    matplotlib = require("matplotlib", "viz")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sweep = results["sweep"]
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(10, 4))
+    for m in METHODS:
+        pts = [(r["t"], r["seconds"][m]) for r in sweep if m in r["seconds"]]
+        if pts:
+            ax_t.plot(*zip(*pts), marker="o", label=m)
+        pts = [(r["t"], r["peak"][m]["extra_bytes"] / MIB) for r in sweep if r["peak"].get(m)]
+        if pts:
+            ax_m.plot(*zip(*pts), marker="o", label=m)
+    for ax, title in ((ax_t, "forward+backward time (s)"), (ax_m, "peak extra memory (MiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("T (one head, D=%d)" % sweep[0]["d"])
+        ax.set_title(title)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(args) -> int:
+    from qkv.cli import require
+    from qkv.errors import ShapeError
+
+    require("rich", "cli")
+    if args.repeats is not None and args.repeats < 1:
+        raise ShapeError(f"--repeats must be >= 1; got {args.repeats}")
+    if args.threads is not None and args.threads < 1:
+        raise ShapeError(f"--threads must be >= 1; got {args.threads}")
+    if args.plot:
+        require("matplotlib", "viz")
+    results = run_suites(args)
+    report(results)
+    if args.plot and results["sweep"]:
+        plot(results, args.plot)
+        print(f"plot: {args.plot}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+        print(f"json: {args.json}")
+    return 0
