@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "cache-table": ("qkv.nn.cache", "KV-cache bytes per token of MHA, GQA, MQA and MLA at one width"),
     "train": ("qkv.train", "learn the texts' soft dictionary lookup with qkv.nn (train lookup)"),
     "experiment": ("qkv.experiment", "the texts' measurements (experiment scale: why divide by sqrt(d_k))"),
+    "bench": ("qkv_benchmarks.attention", "qkv's tiled attention against dense NumPy and PyTorch SDPA: speed, memory, decoding"),
 }
 
 
