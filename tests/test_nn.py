@@ -325,3 +325,19 @@ def test_adam_minimises_a_quadratic():
         layer.grads["W"][...] = 2 * (layer.params["W"] - target)
         opt.step()
     np.testing.assert_allclose(layer.params["W"], target, atol=1e-3)
+
+
+def test_layers_at_a_size_where_auto_picks_the_tiled_kernel():
+    from qkv import attention as attention_module
+
+    t = int(np.ceil(np.sqrt(getattr(attention_module, "AUTO_FLASH_MIN", 128 * 128)))) + 3
+    x = rng(50).standard_normal((1, t, 16))
+    layer = nn.MultiHeadAttention(16, 4, n_kv_heads=2, rope=True, alibi=True, window=40, bias=True,
+                                  causal=True, dtype=np.float64, rng=rng(51))
+    err, which = worst(nn.gradient_errors(layer, x, n_checks=2))
+    assert err < TOL, which
+    full = layer.forward(x)
+    cache = layer.new_cache(1, t)
+    steps = [layer.forward(x[:, :t - 4], cache=cache)] + [layer.forward(x[:, i:i + 1], cache=cache)
+                                                           for i in range(t - 4, t)]
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), full, atol=1e-12)
