@@ -1,0 +1,91 @@
+"""`qkv bench --quick` end to end: the tables have their rows and their numbers parse.
+
+No timing is asserted: speed claims live in the benchmark's output, not in tests.
+"""
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("rich", reason="qkv bench needs the cli extra (rich)")
+
+from qkv import cli  # noqa: E402
+from qkv_benchmarks import attention as bench  # noqa: E402
+
+NUM = r"(\d+\.\d+|—)"
+
+
+def _rows(text, first):
+    """Table rows whose first cell is ``first``, split into cells."""
+    return [line.split() for line in text.splitlines() if line.split()[:1] == [first]]
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    cmd = [sys.executable, "-m", "qkv", "bench", "--quick", "--json", str(out / "r.json")]
+    try:
+        import matplotlib  # noqa: F401
+        cmd += ["--plot", str(out / "sweep.png")]
+    except ImportError:
+        pass
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    return res.stdout, json.loads((out / "r.json").read_text()), out
+
+
+def test_main_table_has_every_case(quick_run):
+    text, data, _ = quick_run
+    assert "attention B=1 H=2 T=256 D=32 float32" in text
+    cases = {}
+    for line in text.splitlines():
+        m = re.match(r"\s*(fwd\+bwd|fwd) (full|causal)\s+" + r"\s+".join([NUM] * 7) + r"\s*$", line)
+        if m:
+            cases[m.group(1) + " " + m.group(2)] = m.groups()[2:]
+    assert set(cases) == {"fwd full", "fwd causal", "fwd+bwd full", "fwd+bwd causal"}, text
+    for cells in cases.values():
+        assert float(cells[0]) > 0 and float(cells[3]) > 0     # qkv seconds and GFLOP/s
+        assert float(cells[1]) > 0                             # dense seconds
+    assert len(data["main"]) == 4
+    for r in data["main"]:
+        assert r["seconds"]["qkv"] > 0 and r["flop"] > 0
+
+
+def test_sweep_table_has_time_and_memory(quick_run):
+    text, data, out = quick_run
+    for t in (128, 256, 512):
+        (row,) = _rows(text, str(t))
+        assert float(row[1]) > 0 and float(row[2]) > 0      # qkv, dense seconds
+        assert float(row[4]) >= 0 and float(row[5]) >= 0    # qkv, dense MiB
+    assert [r["t"] for r in data["sweep"]] == [128, 256, 512]
+    assert all(r["peak"]["qkv"]["extra_bytes"] >= 0 for r in data["sweep"])
+    if (out / "sweep.png").exists():
+        assert (out / "sweep.png").stat().st_size > 1000
+
+
+def test_decode_table_reports_bandwidth(quick_run):
+    text, data, _ = quick_run
+    (row,) = _rows(text, "decode")
+    assert len(row) == 9
+    assert float(row[4]) > 0 and float(row[7]) > 0          # qkv GB/s, copy GB/s
+    assert data["decode"][0]["bytes"] == 2 * 2048 * (64 + 64) * 4
+    assert "read + write" in text
+
+
+def test_flop_formulas():
+    assert bench.forward_flops(1, 8, 4096, 4096, 64, False) == 4 * 8 * 4096 * 4096 * 64
+    assert bench.forward_flops(1, 8, 4096, 4096, 64, True) == 2 * 8 * 4096 * 4096 * 64
+    assert bench.fwd_bwd_flops(2, 1, 3, 5, 7, False) == 3.5 * 4 * 2 * 3 * 5 * 7
+
+
+def test_missing_rich_names_the_extra(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "rich", None)
+    assert cli.main(["bench", "--quick", "--suite", "decode"]) == 2
+    assert "pip install 'qkv[cli]'" in capsys.readouterr().err
+
+
+def test_bad_options_are_refused(capsys):
+    assert cli.main(["bench", "--quick", "--repeats", "0"]) == 2
+    assert "--repeats" in capsys.readouterr().err
