@@ -66,6 +66,8 @@ ROWS = 256             # query rows per forward task
 SCRATCH = 256 * 1024   # elements of one score tile (1 MiB in float32)
 BWD_ROWS = 128         # query rows per backward tile
 BWD_KEYS = 512         # keys per backward task
+THIN_ROWS = 8          # at most this many rows: scores by matrix-vector products
+GEMV_KEYS = 1024       # keys per matrix-vector chunk (512 KiB of K at D = 128)
 STACK_ROWS = 32        # below this many rows per head, stack a kv head's query heads
 
 # Scores are kept in base 2 (q is scaled by scale·log2(e)) because np.exp2 is both faster
@@ -156,7 +158,10 @@ def _mask_and_bias(st: np.ndarray, spec: MaskSpec, heads: list, q0: int, q1: int
                    a: int, b: int, full: bool) -> None:
     """Add bias/ALiBi to a transposed score tile ``st (keys, G*rows)`` (keys a:b against
     rows q0:q1 of each stacked head) and set its masked entries to -inf."""
-    st3 = st.reshape(b - a, len(heads), q1 - q0)
+    if st.flags.c_contiguous:
+        st3 = st.reshape(b - a, len(heads), q1 - q0)
+    else:  # the transposed view of a (G*rows, keys) tile: still a view, never a copy
+        st3 = st.T.reshape(len(heads), q1 - q0, b - a).transpose(2, 0, 1)
     if spec.bias is not None or spec.alibi is not None:
         for g, h in enumerate(heads):
             add = spec.additive(q0, q1, a, b, index=h, dtype=st.dtype)
@@ -189,9 +194,17 @@ def _fwd_exact(qs, kk, vv, spec, heads, q0, q1, runs, dt):
     l = np.zeros(nrow, dt)
     acc = np.zeros((nrow, dv), dt)
     width = max(16, SCRATCH // nrow)
+    thin = nrow <= THIN_ROWS
     for a, b, full in _chunks(runs, width):
-        st = _scratch(nrow * (b - a), dt).reshape(b - a, nrow)  # the tile, transposed
-        np.matmul(kk[a:b], qs.T, out=st)                     # (w,D) @ (D,R) -> (w,R)
+        if thin:  # decoding: R matrix-vector products per L2-sized key chunk beat one thin GEMM
+            s3 = _scratch(nrow * (b - a), dt).reshape(nrow, b - a, 1)
+            for c in range(a, b, GEMV_KEYS):
+                e = min(c + GEMV_KEYS, b)
+                np.matmul(kk[c:e], qs[:, :, None], out=s3[:, c - a:e - a])  # (w,D) @ (R,D,1) -> (R,w,1)
+            st = s3[:, :, 0].T
+        else:
+            st = _scratch(nrow * (b - a), dt).reshape(b - a, nrow)  # the tile, transposed
+            np.matmul(kk[a:b], qs.T, out=st)                 # (w,D) @ (D,R) -> (w,R)
         _mask_and_bias(st, spec, heads, q0, q1, a, b, full)
         m_new = np.maximum(m, st.max(axis=0))                # m' = max(m, max_j s_j)
         m_safe = np.where(m_new == -np.inf, 0, m_new).astype(dt, copy=False)
