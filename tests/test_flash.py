@@ -266,3 +266,20 @@ def test_flash_never_makes_a_tq_by_tk_array():
         tracemalloc.stop()
         qkv.set_num_threads(None)
     assert peak < t * t * 4 / 2, peak  # one float32 (T, T) score matrix is 16 MiB
+
+
+def test_auto_picks_flash_above_the_measured_size(monkeypatch):
+    import importlib
+
+    dispatch = importlib.import_module("qkv.attention")
+    calls = []
+    real = flash.forward
+    monkeypatch.setattr(flash, "forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    rng = np.random.default_rng(8)
+    small = rng.standard_normal((1, 2, 64, 8))
+    qkv.attention(small, small, small, method="auto")
+    assert calls == []
+    side = int(np.ceil(np.sqrt(dispatch.AUTO_FLASH_MIN / 2)))
+    big = rng.standard_normal((1, 2, side, 8))
+    qkv.attention(big, big, big, method="auto")
+    assert calls == [1]

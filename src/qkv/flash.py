@@ -68,6 +68,7 @@ BWD_ROWS = 128         # query rows per backward tile
 BWD_KEYS = 512         # keys per backward task
 THIN_ROWS = 8          # at most this many rows: scores by matrix-vector products
 GEMV_KEYS = 1024       # keys per matrix-vector chunk (512 KiB of K at D = 128)
+SERIAL_WORK = 1 << 18  # score entries below which a call stays on one thread
 STACK_ROWS = 32        # below this many rows per head, stack a kv head's query heads
 
 # Scores are kept in base 2 (q is scaled by scale·log2(e)) because np.exp2 is both faster
@@ -113,12 +114,31 @@ def _blas_one_thread():
     return _state["controller"].limit(limits=1, user_api="blas")
 
 
-def _run(jobs: list, n: int) -> list:
-    """Call each ``job()`` on up to ``n`` threads; results in order."""
-    with _blas_one_thread():
-        if n <= 1 or len(jobs) <= 1:
+class _Threads:
+    """The threads of one kernel call: ``n`` of them, BLAS held to one inside.
+
+    A call with fewer than ``SERIAL_WORK`` score entries runs on the calling thread and
+    leaves BLAS alone: handing out tiles would cost more than it saves.
+    """
+
+    def __init__(self, num_threads, work: int):
+        self.n = 1 if work < SERIAL_WORK else (num_threads or get_num_threads())
+        self.limit = _blas_one_thread() if work >= SERIAL_WORK else None
+
+    def __enter__(self):
+        if self.limit is not None:
+            self.limit.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.limit is not None:
+            self.limit.__exit__(*exc)
+
+    def run(self, jobs: list) -> list:
+        """Call each ``job()``; results in order."""
+        if self.n <= 1 or len(jobs) <= 1:
             return [job() for job in jobs]
-        return list(_pool(n).map(lambda job: job(), jobs))
+        return list(_pool(self.n).map(lambda job: job(), jobs))
 
 
 def _scratch(size: int, dtype, slot: int = 0) -> np.ndarray:
@@ -301,8 +321,14 @@ def forward(q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_weight
             lse[h][q0:q1] = ls[g * n:(g + 1) * n]
 
     heads_of = list(_heads(lead_kv, group))
-    n = num_threads or get_num_threads()
-    kvs = _run([lambda ikv=ikv: prep(ikv) for ikv, _ in heads_of], n)
+    with _Threads(num_threads, int(np.prod(lead)) * tq * tk) as pool:
+        _forward_tiles(pool, heads_of, prep, task, stack, rows, tq)
+    return out, lse, None
+
+
+def _forward_tiles(pool, heads_of, prep, task, stack, rows, tq):
+    """Prepare every kv head, then run the (heads, query block) tasks, late rows first."""
+    kvs = pool.run([lambda ikv=ikv: prep(ikv) for ikv, _ in heads_of])
     jobs = []
     for (ikv, hs), kv in zip(heads_of, kvs):
         groups = [hs] if stack else [[h] for h in hs]
@@ -311,8 +337,7 @@ def forward(q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_weight
                 jobs.append(lambda ikv=ikv, heads=heads, q0=q0, kv=kv:
                             task(ikv, heads, q0, min(q0 + rows, tq), kv))
     jobs.reverse()  # causal: the late rows see the most keys; start them first
-    _run(jobs, n)
-    return out, lse, None
+    pool.run(jobs)
 
 
 # ----------------------------------------------------------------------------- backward
@@ -328,7 +353,7 @@ def backward(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int =
     dk = np.zeros(lead_kv + (tk, d), dt)
     dvv = np.zeros(lead_kv + (tk, dv), dt)
     heads_of = list(_heads(lead_kv, group))
-    n = num_threads or get_num_threads()
+    pool = _Threads(num_threads, int(np.prod(lead)) * tq * tk)
 
     def prep_q(h):
         ls = lse[h]
@@ -352,66 +377,67 @@ def backward(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int =
         v1[:, dv] = 1
         return kx, v1
 
-    all_heads = [h for _, hs in heads_of for h in hs]
-    qprep = dict(zip(all_heads, _run([lambda h=h: prep_q(h) for h in all_heads], n)))
-    kvprep = _run([lambda ikv=ikv: prep_kv(ikv) for ikv, _ in heads_of], n)
+    with pool:
+        all_heads = [h for _, hs in heads_of for h in hs]
+        qprep = dict(zip(all_heads, pool.run([lambda h=h: prep_q(h) for h in all_heads])))
+        kvprep = pool.run([lambda ikv=ikv: prep_kv(ikv) for ikv, _ in heads_of])
 
-    def task(ikv, hs, c0, c1, kv, dq):
-        kx, v1 = kv
-        kk = kx[:, :d]
-        dk_loc = np.zeros((c1 - c0, d), dt)
-        dv_loc = np.zeros((c1 - c0, dv), dt)
-        for h in hs:
-            qx, dox = qprep[h]
-            b = _batch(spec, h)
-            r0, r1 = spec.query_range(c0, c1, batch=b)
-            for q0 in range(r0, r1, BWD_ROWS):
-                q1 = min(q0 + BWD_ROWS, r1)
-                qb, dob = qx[q0:q1], dox[q0:q1]
-                for a, e, full in spec.segments(q0, q1, c0, c1, batch=b):
-                    w = e - a
-                    # tiles are kept transposed, (keys, rows): Eᵀ, dSᵀ
-                    et = _scratch((q1 - q0) * w, dt, 0).reshape(w, q1 - q0)
-                    np.matmul(kx[a:e], qb.T, out=et)                 # (w,D+1) @ (D+1,r) -> (w,r): (S - lse)ᵀ
-                    if not full or spec.bias is not None or spec.alibi is not None:
-                        _mask_and_bias(et, spec, [h], q0, q1, a, e, full)
-                    np.exp2(et, out=et)                              # P = exp(S - lse)
-                    dst = _scratch((q1 - q0) * w, dt, 1).reshape(w, q1 - q0)
-                    np.matmul(v1[a:e], dob.T, out=dst)               # (w,Dv+1) @ (Dv+1,r): r(dP - delta)
-                    dst *= et                                        # dS = P ∘ (dP - delta)
-                    dv_loc[a - c0:e - c0] += et @ dob[:, :dv]        # (w,r) @ (r,Dv): dV += Pᵀ dO
-                    dk_loc[a - c0:e - c0] += dst @ qb[:, :d]         # (w,r) @ (r,D): dK += scale dSᵀ Q
-                    dq[h][q0:q1] += dst.T @ kk[a:e]                  # (r,w) @ (w,D): dQ += dS K
-        dk_loc *= dt.type(LN2)                                       # qs carried log2(e)
-        dk[ikv][c0:c1] = dk_loc
-        dvv[ikv][c0:c1] = dv_loc
+        def task(ikv, hs, c0, c1, kv, dq):
+            kx, v1 = kv
+            kk = kx[:, :d]
+            dk_loc = np.zeros((c1 - c0, d), dt)
+            dv_loc = np.zeros((c1 - c0, dv), dt)
+            for h in hs:
+                qx, dox = qprep[h]
+                b = _batch(spec, h)
+                r0, r1 = spec.query_range(c0, c1, batch=b)
+                for q0 in range(r0, r1, BWD_ROWS):
+                    q1 = min(q0 + BWD_ROWS, r1)
+                    qb, dob = qx[q0:q1], dox[q0:q1]
+                    for a, e, full in spec.segments(q0, q1, c0, c1, batch=b):
+                        w = e - a
+                        # tiles are kept transposed, (keys, rows): Eᵀ, dSᵀ
+                        et = _scratch((q1 - q0) * w, dt, 0).reshape(w, q1 - q0)
+                        np.matmul(kx[a:e], qb.T, out=et)                 # (w,D+1) @ (D+1,r) -> (w,r): (S - lse)ᵀ
+                        if not full or spec.bias is not None or spec.alibi is not None:
+                            _mask_and_bias(et, spec, [h], q0, q1, a, e, full)
+                        np.exp2(et, out=et)                              # P = exp(S - lse)
+                        dst = _scratch((q1 - q0) * w, dt, 1).reshape(w, q1 - q0)
+                        np.matmul(v1[a:e], dob.T, out=dst)               # (w,Dv+1) @ (Dv+1,r): r(dP - delta)
+                        dst *= et                                        # dS = P ∘ (dP - delta)
+                        dv_loc[a - c0:e - c0] += et @ dob[:, :dv]        # (w,r) @ (r,Dv): dV += Pᵀ dO
+                        dk_loc[a - c0:e - c0] += dst @ qb[:, :d]         # (w,r) @ (r,D): dK += scale dSᵀ Q
+                        dq[h][q0:q1] += dst.T @ kk[a:e]                  # (r,w) @ (w,D): dQ += dS K
+            dk_loc *= dt.type(LN2)                                       # qs carried log2(e)
+            dk[ikv][c0:c1] = dk_loc
+            dvv[ikv][c0:c1] = dv_loc
 
-    # (kv head, key block) tasks, dealt to threads by a fixed rule (largest first, to the
-    # least-loaded thread), so a given thread count always adds in the same order.
-    tasks = []
-    for (ikv, hs), kv in zip(heads_of, kvprep):
-        for c0 in range(0, tk, BWD_KEYS):
-            c1 = min(c0 + BWD_KEYS, tk)
-            r0, r1 = spec.query_range(c0, c1, batch=_batch(spec, hs[0]))
-            if r1 > r0:
-                tasks.append(((r1 - r0) * (c1 - c0), ikv, hs, c0, c1, kv))
-    n = max(1, min(n, len(tasks)))
-    lanes = [[] for _ in range(n)]
-    load = [0] * n
-    for cost, *args in sorted(tasks, key=lambda t: -t[0]):
-        i = load.index(min(load))
-        lanes[i].append(args)
-        load[i] += cost
-    dqs = [np.zeros(lead + (tq, d), dt) for _ in range(n)]
+        # (kv head, key block) tasks, dealt to threads by a fixed rule (largest first, to the
+        # least-loaded thread), so a given thread count always adds in the same order.
+        tasks = []
+        for (ikv, hs), kv in zip(heads_of, kvprep):
+            for c0 in range(0, tk, BWD_KEYS):
+                c1 = min(c0 + BWD_KEYS, tk)
+                r0, r1 = spec.query_range(c0, c1, batch=_batch(spec, hs[0]))
+                if r1 > r0:
+                    tasks.append(((r1 - r0) * (c1 - c0), ikv, hs, c0, c1, kv))
+        n = max(1, min(pool.n, len(tasks)))
+        lanes = [[] for _ in range(n)]
+        load = [0] * n
+        for cost, *args in sorted(tasks, key=lambda t: -t[0]):
+            i = load.index(min(load))
+            lanes[i].append(args)
+            load[i] += cost
+        dqs = [np.zeros(lead + (tq, d), dt) for _ in range(n)]
 
-    def lane(i):
-        with np.errstate(over="ignore", under="ignore"):
-            for args in lanes[i]:
-                task(*args, dqs[i])
+        def lane(i):
+            with np.errstate(over="ignore", under="ignore"):
+                for args in lanes[i]:
+                    task(*args, dqs[i])
 
-    _run([lambda i=i: lane(i) for i in range(n)], n)
-    dq = dqs[0]
-    for extra in dqs[1:]:
-        dq += extra
-    dq *= dt.type(scale)                                            # dQ = scale · dS K
-    return dq, dk, dvv
+        pool.run([lambda i=i: lane(i) for i in range(n)])
+        dq = dqs[0]
+        for extra in dqs[1:]:
+            dq += extra
+        dq *= dt.type(scale)                                            # dQ = scale · dS K
+        return dq, dk, dvv
