@@ -168,16 +168,25 @@ def _batch(spec: MaskSpec, index: tuple) -> int:
 
 
 def _chunks(runs: list, width: int):
-    """Split runs ``(a, b, full)`` into pieces at most ``width`` keys wide."""
-    for a, b, full in runs:
-        for c in range(a, b, width):
-            yield c, min(c + width, b), full
+    """Cover contiguous runs ``(a, b, full)`` with near-equal chunks at most ``width`` keys
+    wide (multiples of 16), each as ``(a, b, partial)``: the sub-ranges needing a mask."""
+    if not runs:
+        return
+    lo, hi = runs[0][0], runs[-1][1]
+    pieces = -(-(hi - lo) // width)
+    step = -(-(hi - lo) // pieces)
+    step = min(width, -(-step // 16) * 16) if step > 16 else step
+    masked = [(a, b) for a, b, full in runs if not full]
+    for a in range(lo, hi, step):
+        b = min(a + step, hi)
+        yield a, b, [(max(a, p), min(b, e)) for p, e in masked if p < b and e > a]
 
 
 def _mask_and_bias(st: np.ndarray, spec: MaskSpec, heads: list, q0: int, q1: int,
-                   a: int, b: int, full: bool) -> None:
+                   a: int, b: int, partial: list) -> None:
     """Add bias/ALiBi to a transposed score tile ``st (keys, G*rows)`` (keys a:b against
-    rows q0:q1 of each stacked head) and set its masked entries to -inf."""
+    rows q0:q1 of each stacked head) and set masked entries of the ``partial`` key
+    sub-ranges to -inf."""
     if st.flags.c_contiguous:
         st3 = st.reshape(b - a, len(heads), q1 - q0)
     else:  # the transposed view of a (G*rows, keys) tile: still a view, never a copy
@@ -186,14 +195,15 @@ def _mask_and_bias(st: np.ndarray, spec: MaskSpec, heads: list, q0: int, q1: int
         for g, h in enumerate(heads):
             add = spec.additive(q0, q1, a, b, index=h, dtype=st.dtype)
             st3[:, g, :] += np.multiply(add, LOG2E, out=add if add.flags.owndata else None).T
-    if not full:
+    for p, e in partial:
+        sub = st3[p - a:e - a]
         if spec.mask is None:  # structure only: the same for every head
-            ok = spec.allowed(q0, q1, a, b, index=heads[0])
+            ok = spec.allowed(q0, q1, p, e, index=heads[0])
             if ok is not None:
-                np.copyto(st3, -np.inf, where=~ok.T[:, None, :])
+                np.copyto(sub, -np.inf, where=~ok.T[:, None, :])
         else:
             for g, h in enumerate(heads):
-                np.copyto(st3[:, g, :], -np.inf, where=~spec.allowed(q0, q1, a, b, index=h).T)
+                np.copyto(sub[:, g, :], -np.inf, where=~spec.allowed(q0, q1, p, e, index=h).T)
 
 
 def _alibi_bound(spec: MaskSpec, heads: list, q0: int, q1: int, k0: int, k1: int) -> np.ndarray:
@@ -215,7 +225,7 @@ def _fwd_exact(qs, kk, vv, spec, heads, q0, q1, runs, dt):
     acc = np.zeros((nrow, dv), dt)
     width = max(16, SCRATCH // nrow)
     thin = nrow <= THIN_ROWS
-    for a, b, full in _chunks(runs, width):
+    for a, b, partial in _chunks(runs, width):
         if thin:  # decoding: R matrix-vector products per L2-sized key chunk beat one thin GEMM
             s3 = _scratch(nrow * (b - a), dt).reshape(nrow, b - a, 1)
             for c in range(a, b, GEMV_KEYS):
@@ -225,7 +235,7 @@ def _fwd_exact(qs, kk, vv, spec, heads, q0, q1, runs, dt):
         else:
             st = _scratch(nrow * (b - a), dt).reshape(b - a, nrow)  # the tile, transposed
             np.matmul(kk[a:b], qs.T, out=st)                 # (w,D) @ (D,R) -> (w,R)
-        _mask_and_bias(st, spec, heads, q0, q1, a, b, full)
+        _mask_and_bias(st, spec, heads, q0, q1, a, b, partial)
         m_new = np.maximum(m, st.max(axis=0))                # m' = max(m, max_j s_j)
         m_safe = np.where(m_new == -np.inf, 0, m_new).astype(dt, copy=False)
         alpha = np.exp2(m - m_safe)                          # exp(m - m'); 0 while m = -inf
@@ -254,13 +264,13 @@ def _fwd_bound(qs, kk, v1, knorm, spec, heads, q0, q1, runs, dt):
     shift = bool(m.any())
     acc = np.zeros((nrow, dv + 1), dt)                              # [acc | l]
     width = max(16, SCRATCH // nrow)
-    for a, b, full in _chunks(runs, width):
+    for a, b, partial in _chunks(runs, width):
         st = _scratch(nrow * (b - a), dt).reshape(b - a, nrow)  # the tile, transposed
         np.matmul(kk[a:b], qs.T, out=st)           # (w,D) @ (D,R) -> (w,R)
         if shift:
             st -= m
-        if not full or spec.alibi is not None:
-            _mask_and_bias(st, spec, heads, q0, q1, a, b, full)
+        if partial or spec.alibi is not None:
+            _mask_and_bias(st, spec, heads, q0, q1, a, b, partial)
         np.exp2(st, out=st)                        # exp(s_ij - m_i) <= 2^C
         acc += st.T @ v1[a:b]                      # (R,w) @ (w,Dv+1) -> (R,Dv+1): [Σ p v | Σ p]
     l = acc[:, dv]
@@ -394,13 +404,14 @@ def backward(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int =
                 for q0 in range(r0, r1, BWD_ROWS):
                     q1 = min(q0 + BWD_ROWS, r1)
                     qb, dob = qx[q0:q1], dox[q0:q1]
-                    for a, e, full in spec.segments(q0, q1, c0, c1, batch=b):
+                    runs = spec.segments(q0, q1, c0, c1, batch=b)
+                    for a, e, partial in _chunks(runs, c1 - c0):
                         w = e - a
                         # tiles are kept transposed, (keys, rows): Eᵀ, dSᵀ
                         et = _scratch((q1 - q0) * w, dt, 0).reshape(w, q1 - q0)
                         np.matmul(kx[a:e], qb.T, out=et)                 # (w,D+1) @ (D+1,r) -> (w,r): (S - lse)ᵀ
-                        if not full or spec.bias is not None or spec.alibi is not None:
-                            _mask_and_bias(et, spec, [h], q0, q1, a, e, full)
+                        if partial or spec.bias is not None or spec.alibi is not None:
+                            _mask_and_bias(et, spec, [h], q0, q1, a, e, partial)
                         np.exp2(et, out=et)                              # P = exp(S - lse)
                         dst = _scratch((q1 - q0) * w, dt, 1).reshape(w, q1 - q0)
                         np.matmul(v1[a:e], dob.T, out=dst)               # (w,Dv+1) @ (Dv+1,r): r(dP - delta)
