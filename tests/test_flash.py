@@ -283,3 +283,22 @@ def test_auto_picks_flash_above_the_measured_size(monkeypatch):
     big = rng.standard_normal((1, 2, side, 8))
     qkv.attention(big, big, big, method="auto")
     assert calls == [1]
+
+
+@pytest.mark.parametrize("junk", [np.nan, np.inf, 1e30])
+def test_padding_past_kv_lengths_is_never_read(junk):
+    rng = np.random.default_rng(9)
+    q = rng.standard_normal((2, 2, 64, 16)).astype(np.float32)
+    k = rng.standard_normal((2, 2, 80, 16)).astype(np.float32)
+    v = rng.standard_normal((2, 2, 80, 16)).astype(np.float32)
+    lengths = np.array([50, 80])
+    clean = qkv.attention(q, k[:, :, :80], v, kv_lengths=lengths, causal="bottom_right", method="flash")
+    k[0, :, 50:] = junk
+    v[0, :, 50:] = junk
+    out, lse = qkv.attention(q, k, v, kv_lengths=lengths, causal="bottom_right", return_lse=True,
+                             method="flash")
+    np.testing.assert_array_equal(out, clean)
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    dq, dk, dv = qkv.attention_backward(dout, q, k, v, out, lse, kv_lengths=lengths,
+                                        causal="bottom_right", method="flash")
+    assert np.isfinite(dq).all() and (dk[0, :, 50:] == 0).all() and (dv[0, :, 50:] == 0).all()

@@ -304,7 +304,8 @@ def forward(q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_weight
         vv = np.ascontiguousarray(v[ikv])  # (Tk, Dv)
         if not bound_ok or (group * tq if stack else tq) < STACK_ROWS:
             return kk, vv, None, None
-        kn = np.sqrt(np.einsum("td,td->t", kk, kk))  # ‖k_j‖, only ever read inside kv_lengths
+        with np.errstate(over="ignore", invalid="ignore"):  # padding may hold anything
+            kn = np.sqrt(np.einsum("td,td->t", kk, kk))  # ‖k_j‖, only ever read inside kv_lengths
         v1 = np.empty((tk, dv + 1), dt)
         v1[:, :dv] = vv
         v1[:, dv] = 1
