@@ -10,9 +10,12 @@ FLOPs of one forward, per layer, for a batch of B texts of T tokens::
     attention    4·B·T²·d                    (q kᵀ and P v over all heads)
 
 Each side is timed ``--repeats`` times after one warm-up, the two sides alternating; the
-table shows medians and the ratio sentence-transformers / qkv (> 1: qkv is faster).
+table shows medians and the ratio sentence-transformers / qkv (> 1: qkv is faster), of the
+wall-clock time and of the CPU time (all threads; steadier on a shared machine).
 
     python benchmarks/encoder.py [--repeats 5] [--json FILE]
+
+For ``qkv bench``: ``measure(repeats) -> rows`` and ``report(rows, repeats, torch_threads)``.
 """
 from __future__ import annotations
 
@@ -22,9 +25,6 @@ import os
 import statistics
 import sys
 import time
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven tired animals cross busy streets "
          "because attention weights every token against every other token in the sequence").split()
@@ -53,21 +53,32 @@ def flops(model, batch_tokens: list[int]) -> float:
     return c.num_hidden_layers * sum(2 * t * (4 * d * d + 2 * d * f) + 4 * t * t * d for t in batch_tokens)
 
 
-def timed_pair(fn_a, fn_b, repeats: int) -> tuple[float, float]:
-    """Medians of ``repeats`` timings of each, alternating a, b, a, b after one warm-up each,
-    so that a change in machine load falls on both sides alike."""
+def timed_pair(fn_a, fn_b, repeats: int) -> tuple[tuple[float, float], tuple[float, float]]:
+    """``((wall, cpu) of a, (wall, cpu) of b)``: medians of ``repeats`` runs each, alternating
+    a, b, a, b after one warm-up each, so that a change in machine load falls on both alike.
+
+    cpu is the process's CPU seconds (all threads): on a shared machine it says how much
+    work each side did even when other jobs stretch the wall-clock times.
+    """
     fn_a()
     fn_b()
     times = ([], [])
     for _ in range(repeats):
         for fn, out in ((fn_a, times[0]), (fn_b, times[1])):
-            t0 = time.perf_counter()
+            w0, c0 = time.perf_counter(), time.process_time()
             fn()
-            out.append(time.perf_counter() - t0)
-    return statistics.median(times[0]), statistics.median(times[1])
+            out.append((time.perf_counter() - w0, time.process_time() - c0))
+    return tuple((statistics.median(w for w, _ in t), statistics.median(c for _, c in t)) for t in times)
 
 
-def run(repeats: int = 5) -> list[dict]:
+def measure(repeats: int = 5) -> list[dict]:
+    """One row per workload: sizes, GFLOP, median seconds of each side, their ratio, max error.
+
+    The entry point for ``qkv bench`` (as ``qkv_benchmarks.encoder.measure``); needs
+    sentence-transformers and torch (the ``test`` extra) besides qkv[models].
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")          # the model is a local folder
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import numpy as np
     import torch
     from sentence_transformers import SentenceTransformer
@@ -84,12 +95,13 @@ def run(repeats: int = 5) -> list[dict]:
         ref.max_seq_length = max_len
         lens = [len(e.ids) for e in ours.tokenize(texts)]
         with torch.inference_mode():
-            t_ours, t_ref = timed_pair(lambda: ours.encode(texts, batch_size=batch),
-                                       lambda: ref.encode(texts, batch_size=batch), repeats)
+            (t_ours, cpu_ours), (t_ref, cpu_ref) = timed_pair(
+                lambda: ours.encode(texts, batch_size=batch), lambda: ref.encode(texts, batch_size=batch), repeats)
         err = float(np.abs(ours.encode(texts, batch_size=batch) - ref.encode(texts, batch_size=batch)).max())
         gf = flops(ours, lens) / 1e9
         rows.append({"workload": name, "texts": len(texts), "tokens": int(sum(lens)), "max_len": max_len,
                      "gflop": gf, "qkv_s": t_ours, "st_s": t_ref, "ratio": t_ref / t_ours,
+                     "qkv_cpu_s": cpu_ours, "st_cpu_s": cpu_ref, "cpu_ratio": cpu_ref / cpu_ours,
                      "qkv_gflops": gf / t_ours, "st_gflops": gf / t_ref, "max_abs_err": err})
     return rows
 
@@ -101,18 +113,25 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     import torch
 
-    rows = run(args.repeats)
-    print(f"encoder benchmark, CPU, torch threads {torch.get_num_threads()}, medians of {args.repeats}")
-    print(f"{'workload':<8} {'texts':>5} {'tokens':>6} {'GFLOP':>6} {'qkv s':>7} {'s-t s':>7} "
-          f"{'qkv GF/s':>8} {'s-t GF/s':>8} {'ratio s-t/qkv':>13} {'max err':>8}")
-    for r in rows:
-        print(f"{r['workload']:<8} {r['texts']:>5} {r['tokens']:>6} {r['gflop']:>6.1f} {r['qkv_s']:>7.3f} "
-              f"{r['st_s']:>7.3f} {r['qkv_gflops']:>8.1f} {r['st_gflops']:>8.1f} {r['ratio']:>13.2f} "
-              f"{r['max_abs_err']:>8.1e}")
+    rows = measure(args.repeats)
+    print(report(rows, args.repeats, torch.get_num_threads()))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=2)
     return 0
+
+
+def report(rows: list[dict], repeats: int, torch_threads: int) -> str:
+    """The rows of :func:`measure` as a text table."""
+    lines = [f"encoder benchmark (all-MiniLM-L6-v2), CPU, {os.cpu_count()} cores, torch threads "
+             f"{torch_threads}, medians of {repeats}; ratio = sentence-transformers time / qkv time"]
+    lines.append(f"{'workload':<8} {'texts':>5} {'tokens':>6} {'GFLOP':>6} {'qkv s':>7} {'s-t s':>7} "
+                 f"{'qkv GF/s':>8} {'s-t GF/s':>8} {'ratio s-t/qkv':>13} {'cpu ratio':>9} {'max err':>8}")
+    for r in rows:
+        lines.append(f"{r['workload']:<8} {r['texts']:>5} {r['tokens']:>6} {r['gflop']:>6.1f} "
+                     f"{r['qkv_s']:>7.3f} {r['st_s']:>7.3f} {r['qkv_gflops']:>8.1f} {r['st_gflops']:>8.1f} "
+                     f"{r['ratio']:>13.2f} {r['cpu_ratio']:>9.2f} {r['max_abs_err']:>8.1e}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

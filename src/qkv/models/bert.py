@@ -15,7 +15,7 @@ L2-normalised, as sentence-transformers' Pooling(mean) + Normalize modules compu
 
 Speed: everything is float32; ``encode`` sorts texts by length (little padding), pads each
 batch only to its own longest text, and runs the batches on one thread per core with BLAS
-held to one thread each (NumPy releases the GIL in BLAS and ufuncs, so the elementwise
+and the tiled attention kernel held to one thread each (NumPy releases the GIL in BLAS and ufuncs, so the elementwise
 passes, which a single BLAS call cannot spread, run in parallel too). The feed-forward runs
 in row blocks so the (rows, d_ff) activation stays in cache through the GELU.
 """
@@ -137,12 +137,14 @@ class Bert:
         w2, b2 = p[f"layers.{i}.ffn.W_2"], p[f"layers.{i}.ffn.b_2"]
         rows = x.reshape(-1, x.shape[-1])
         out = np.empty_like(rows)
+        hid = np.empty((min(FFN_ROWS, rows.shape[0]), w1.shape[1]), dtype=rows.dtype)  # reused
         for r0 in range(0, rows.shape[0], FFN_ROWS):
             blk = rows[r0:r0 + FFN_ROWS]
-            hid = blk @ w1                                    # (rows, d) @ (d, d_ff) -> (rows, d_ff)
-            hid += b1
-            self._activation(hid, out=hid)
-            np.matmul(hid, w2, out=out[r0:r0 + FFN_ROWS])     # (rows, d_ff) @ (d_ff, d) -> (rows, d)
+            h = hid[:blk.shape[0]]
+            np.matmul(blk, w1, out=h)                         # (rows, d) @ (d, d_ff) -> (rows, d_ff)
+            h += b1
+            self._activation(h, out=h)
+            np.matmul(h, w2, out=out[r0:r0 + FFN_ROWS])       # (rows, d_ff) @ (d_ff, d) -> (rows, d)
         out += b2
         return out.reshape(x.shape)
 
@@ -153,7 +155,8 @@ class Bert:
         The same numbers as sentence-transformers' ``encode`` of the same folder (truncation
         to ``max_seq_length`` tokens, specials included). ``texts`` is a list of strings (a
         single string counts as a list of one). ``threads`` (default: the CPU count) is how
-        many batches run at once.
+        many batches run at once; while they run, BLAS and the tiled attention kernel
+        (``qkv.set_num_threads``) are held to one thread each, and restored afterwards.
         """
         if isinstance(texts, str):
             texts = [texts]
@@ -185,11 +188,21 @@ class Bert:
         if threads == 1 or len(units) == 1:
             for u in units:
                 run(u)
-        else:
-            from threadpoolctl import threadpool_limits
+            return out
+        from threadpoolctl import threadpool_limits
 
+        from .. import flash
+
+        # Our threads bring the parallelism: BLAS and the tiled attention kernel get one
+        # thread each meanwhile (a process-wide setting, restored afterwards), so that no
+        # more threads than cores compete.
+        kernel_threads = flash.get_num_threads()
+        flash.set_num_threads(1)
+        try:
             with threadpool_limits(limits=1, user_api="blas"), ThreadPoolExecutor(threads) as pool:
                 list(pool.map(run, units))
+        finally:
+            flash.set_num_threads(kernel_threads)
         return out
 
     def attentions(self, text: str, max_length: int | None = None):
