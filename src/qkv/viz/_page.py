@@ -11,7 +11,7 @@ PAGE_CSS = r"""
 :root { --fg: #1d2330; --muted: #667085; --bg: #fbfbfd; --line: #d0d5dd; }
 * { box-sizing: border-box; }
 body { margin: 0; font: 14px/1.4 system-ui, -apple-system, "Segoe UI", sans-serif; color: var(--fg); background: var(--bg); }
-header { padding: 12px 20px 4px; border-bottom: 1px solid var(--line); background: #fff; }
+header { padding: 12px 20px 4px; border-bottom: 1px solid var(--line); background: #fff; position: sticky; top: 0; z-index: 2; }
 h1 { font-size: 18px; margin: 0 0 8px; }
 nav { display: flex; gap: 12px; align-items: center; flex-wrap: wrap; }
 .tab { border: 1px solid var(--line); background: #fff; padding: 4px 12px; border-radius: 6px; cursor: pointer; font: inherit; }
@@ -31,7 +31,7 @@ svg g.tok.focus text { font-weight: 700; }
 svg g.tok.focus rect.tokbg { fill: #ffe08a; }
 svg line.attn { stroke-linecap: round; }
 svg line.attn.dim { display: none; }
-#status { color: var(--muted); min-height: 1.4em; }
+#status { color: var(--fg); min-height: 1.4em; position: sticky; bottom: 0; background: var(--bg); padding: 4px 0; margin: 0; }
 #thumbs { display: grid; gap: 6px; align-items: center; }
 .thumb { width: 76px; height: 76px; image-rendering: pixelated; border: 1px solid var(--line); cursor: pointer; background: #fff; }
 .thumb:hover { outline: 2px solid #3b6fd8; }
