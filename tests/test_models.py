@@ -345,3 +345,49 @@ def test_tiny_random_model_matches_transformers(tmp_path, tokenizer_available, f
         for layer in range(2):
             np.testing.assert_allclose(weights[layer][b, :, :n, :n], ref.attentions[layer][b, :, :n, :n].numpy(),
                                        atol=1e-5)
+
+
+# --- sentence-transformers modules: pooling mode and normalisation from modules.json ------------
+
+def _sentence_folder(tmp_path, pooling: str, normalize: bool, extra_module: str | None = None):
+    """A tiny random BERT saved by transformers, with the default model's tokenizer files and
+    a sentence-transformers modules.json asking for ``pooling`` (and Normalize if asked)."""
+    transformers = pytest.importorskip("transformers", reason="needs transformers")
+    torch = pytest.importorskip("torch", reason="needs torch")
+    torch.manual_seed(1)
+    transformers.BertModel(transformers.BertConfig(**TINY)).eval().save_pretrained(str(tmp_path))
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        shutil.copy(default_model_path() / name, tmp_path / name)
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    if extra_module:
+        modules.append({"idx": 3, "name": "3", "path": "3_X", "type": f"sentence_transformers.models.{extra_module}"})
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 32, "pooling_mode_cls_token": pooling == "cls",
+         "pooling_mode_mean_tokens": pooling == "mean", "pooling_mode_max_tokens": pooling == "max",
+         "pooling_mode_mean_sqrt_len_tokens": False}))
+    (tmp_path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 48, "do_lower_case": False}))
+    return tmp_path
+
+
+@pytest.mark.parametrize("pooling, normalize", [("cls", True), ("max", False), ("mean", False)])
+def test_pooling_follows_modules_json(tmp_path, tokenizer_available, st_model, pooling, normalize):
+    from sentence_transformers import SentenceTransformer
+
+    folder = _sentence_folder(tmp_path, pooling, normalize)
+    ours = load_bert(folder)
+    assert (ours.sentence.pooling, ours.sentence.normalize, ours.max_seq_length) == (pooling, normalize, 48)
+    ref = SentenceTransformer(str(folder), device="cpu")
+    texts = SENTENCES[:6]
+    np.testing.assert_allclose(ours.encode(texts, batch_size=4), ref.encode(texts, batch_size=4), atol=2e-5)
+
+
+def test_unsupported_module_refuses_to_encode(tmp_path, tokenizer_available):
+    ours = load_bert(_sentence_folder(tmp_path, "mean", True, extra_module="Dense"))
+    assert ours.attentions("still fine")[1].shape[:2] == (2, 4)
+    with pytest.raises(CheckpointError, match="also has Dense"):
+        ours.encode(["x"])

@@ -30,8 +30,8 @@ import numpy as np
 
 from ..attention import attention
 from ..errors import ShapeError
-from .checkpoint import (BertConfig, CheckpointError, check_folder, default_model_path, load_state,
-                         read_json)
+from .checkpoint import (BertConfig, CheckpointError, SentenceConfig, check_folder, default_model_path,
+                         load_state, read_json, read_sentence_config)
 from .functional import ACTIVATIONS, layer_norm
 
 FFN_ROWS = 256  # rows of the feed-forward per block: (256, d_ff) float32 fits in L2
@@ -42,12 +42,14 @@ class Bert:
 
     Build one with :func:`load_bert`. ``params`` holds every checkpoint tensor under our
     names (see :func:`qkv.models.checkpoint.name_table`), ``config`` the model's shape,
-    ``max_seq_length`` the truncation length of :meth:`encode` (tokens, specials included).
+    ``max_seq_length`` the truncation length of :meth:`encode` (tokens, specials included),
+    ``sentence`` how :meth:`encode` pools (from the folder's sentence-transformers modules).
     """
 
     def __init__(self, config: BertConfig, params: dict, tokenizer, *, max_seq_length: int,
-                 path: Path | None = None):
+                 path: Path | None = None, sentence: SentenceConfig | None = None):
         self.config = config
+        self.sentence = sentence or SentenceConfig()
         self.params = params
         self.tokenizer = tokenizer
         self.max_seq_length = int(max_seq_length)
@@ -152,8 +154,9 @@ class Bert:
     def encode(self, texts, batch_size: int = 32, *, threads: int | None = None) -> np.ndarray:
         """Sentence embeddings ``(N, d)`` float32: mean over real tokens, L2-normalised.
 
-        The same numbers as sentence-transformers' ``encode`` of the same folder (truncation
-        to ``max_seq_length`` tokens, specials included). ``texts`` is a list of strings (a
+        The same numbers as sentence-transformers' ``encode`` of the same folder: truncation
+        to ``max_seq_length`` tokens (specials included), then the pooling (mean, cls or max)
+        and normalisation its modules.json asks for (mean and L2 without one). ``texts`` is a list of strings (a
         single string counts as a list of one). ``threads`` (default: the CPU count) is how
         many batches run at once; while they run, BLAS and the tiled attention kernel
         (``qkv.set_num_threads``) are held to one thread each, and restored afterwards.
@@ -166,10 +169,13 @@ class Bert:
                 raise ShapeError(f"texts must be strings; texts[{n}] is {type(s).__name__}")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ShapeError(f"batch_size must be an int >= 1; got {batch_size!r}")
+        if self.sentence.unsupported:
+            raise CheckpointError(f"{self.path}: encode runs Transformer, Pooling (mean, cls or max) and "
+                                  f"Normalize modules; this folder also has {self.sentence.unsupported}")
         d = self.config.hidden_size
         if not texts:
             return np.zeros((0, d), np.float32)
-        enc = self.tokenize(texts)
+        enc = self.tokenize([s.lower() for s in texts] if self.sentence.lowercase else texts)
         order = np.argsort([-len(e.ids) for e in enc], kind="stable")  # longest first
         threads = threads or os.cpu_count() or 1
         # Units of work: batches of at most batch_size, and at least one per thread.
@@ -179,11 +185,7 @@ class Bert:
 
         def run(unit):
             ids, types, lengths = self._pad([enc[j] for j in unit])
-            hid = self.forward(ids, lengths, types)           # (B, T, d)
-            real = (np.arange(ids.shape[1]) < lengths[:, None]).astype(np.float32)  # (B, T)
-            pooled = np.einsum("bt,btd->bd", real, hid) / np.maximum(lengths, 1)[:, None]
-            norm = np.sqrt(np.einsum("bd,bd->b", pooled, pooled))[:, None]
-            out[unit] = pooled / np.maximum(norm, 1e-12)
+            out[unit] = self._pool(self.forward(ids, lengths, types), lengths)
 
         if threads == 1 or len(units) == 1:
             for u in units:
@@ -204,6 +206,22 @@ class Bert:
         finally:
             flash.set_num_threads(kernel_threads)
         return out
+
+    def _pool(self, hidden: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Sentence vectors ``(B, d)`` from ``hidden (B, T, d)`` over the first ``lengths[b]`` tokens."""
+        real = np.arange(hidden.shape[1]) < lengths[:, None]                  # (B, T)
+        mode = self.sentence.pooling
+        if mode == "cls":
+            pooled = hidden[:, 0]
+        elif mode == "max":
+            pooled = np.where(real[..., None], hidden, -np.inf).max(axis=1)
+        else:  # mean over real tokens: (B, T) @ (B, T, d) -> (B, d)
+            pooled = np.einsum("bt,btd->bd", real.astype(hidden.dtype), hidden)
+            pooled /= np.maximum(lengths, 1)[:, None].astype(hidden.dtype)
+        if self.sentence.normalize:
+            norm = np.sqrt(np.einsum("bd,bd->b", pooled, pooled))[:, None]    # (B, 1)
+            pooled = pooled / np.maximum(norm, 1e-12)
+        return pooled.astype(np.float32, copy=False)
 
     def attentions(self, text: str, max_length: int | None = None):
         """``(tokens, weights (layers, heads, T, T))`` for one text, specials included.
@@ -260,9 +278,9 @@ def load_bert(path=None, *, max_seq_length: int | None = None) -> Bert:
     except Exception as err:
         raise CheckpointError(f"cannot read {folder / 'tokenizer.json'}: {err}") from None
     limit = cfg.max_position_embeddings - cfg.position_offset
+    sentence = read_sentence_config(folder)
     if max_seq_length is None:
-        st = folder / "sentence_bert_config.json"
-        max_seq_length = read_json(st).get("max_seq_length", limit) if st.is_file() else limit
+        max_seq_length = sentence.max_seq_length or limit
     if isinstance(max_seq_length, bool) or not isinstance(max_seq_length, int) or not 2 <= max_seq_length <= limit:
         raise ShapeError(f"max_seq_length must be an int in [2, {limit}]; got {max_seq_length!r}")
-    return Bert(cfg, params, tok, max_seq_length=max_seq_length, path=folder)
+    return Bert(cfg, params, tok, max_seq_length=max_seq_length, path=folder, sentence=sentence)

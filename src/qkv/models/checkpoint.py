@@ -236,3 +236,55 @@ def load_state(folder: Path, cfg: BertConfig) -> dict[str, np.ndarray]:
         x = x.astype(np.float32, copy=False)
         state[entry.ours] = np.ascontiguousarray(x.T if entry.transpose else x)
     return state
+
+
+@dataclass(frozen=True)
+class SentenceConfig:
+    """How a sentence-transformers folder turns token states into a sentence embedding.
+
+    Read from ``modules.json`` (the module list), the Pooling module's ``config.json`` and
+    ``sentence_bert_config.json``. A plain Hugging Face folder (no modules.json) gets mean
+    pooling and L2 normalisation. ``unsupported`` names a module qkv does not run (Dense,
+    for example): :meth:`Bert.encode` then refuses rather than return other numbers.
+    """
+
+    pooling: str = "mean"            # "mean", "cls" or "max"
+    normalize: bool = True
+    lowercase: bool = False
+    max_seq_length: int | None = None
+    unsupported: str | None = None
+
+
+POOLING_MODES = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls",
+                 "pooling_mode_max_tokens": "max"}
+
+
+def read_sentence_config(folder: Path) -> SentenceConfig:
+    """The folder's sentence-transformers configuration (see :class:`SentenceConfig`)."""
+    st_path = folder / "sentence_bert_config.json"
+    st = read_json(st_path) if st_path.is_file() else {}
+    lowercase = bool(st.get("do_lower_case", False))
+    max_len = st.get("max_seq_length")
+    modules_path = folder / "modules.json"
+    if not modules_path.is_file():
+        return SentenceConfig(lowercase=lowercase, max_seq_length=max_len)
+    modules = read_json(modules_path)
+    pooling, normalize, unsupported = "mean", False, []
+    for m in modules if isinstance(modules, list) else []:
+        kind = str(m.get("type", "")).rsplit(".", 1)[-1]
+        if kind == "Transformer":
+            continue
+        if kind == "Normalize":
+            normalize = True
+        elif kind == "Pooling":
+            cfg = read_json(folder / m.get("path", "") / "config.json")
+            modes = [name for key, name in POOLING_MODES.items() if cfg.get(key)]
+            others = [k for k, v in cfg.items() if k.startswith("pooling_mode") and v and k not in POOLING_MODES]
+            if len(modes) != 1 or others:
+                unsupported.append(f"Pooling with {modes + others or 'no mode'}")
+            else:
+                pooling = modes[0]
+        else:
+            unsupported.append(kind or "?")
+    return SentenceConfig(pooling=pooling, normalize=normalize, lowercase=lowercase, max_seq_length=max_len,
+                          unsupported=", ".join(unsupported) or None)
