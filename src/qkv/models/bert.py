@@ -28,7 +28,6 @@ from pathlib import Path
 
 import numpy as np
 
-from ..attention import attention
 from ..errors import ShapeError
 from .checkpoint import (BertConfig, CheckpointError, SentenceConfig, check_folder, default_model_path,
                          load_state, read_json, read_sentence_config)
