@@ -102,10 +102,11 @@ def test_html_size_budget_keeps_top_k_with_a_notice(tmp_path):
 
 
 def test_html_tokens_cannot_break_out_of_the_page(tmp_path):
-    tokens = ["</script><script>alert(1)</script>", "<b>", "&amp;", '"q"', "ok"]
+    tokens = ["</script><script>alert(1)</script>", "<!--<script>", "&amp;", '"q"', "ok"]
     path = viz.html(_attn(1, 1, 5), tokens, tmp_path / "p.html")
     text = path.read_text(encoding="utf-8")
     assert text.count("</script>") == 2  # the data tag's and the code's, nothing from the tokens
+    assert "<!--" not in text and text.count("<script") == 2
     assert _page_data(path)["tokens"] == tokens
 
 

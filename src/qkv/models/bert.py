@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ShapeError
+from ..nn import MultiHeadAttention
 from .checkpoint import (BertConfig, CheckpointError, SentenceConfig, check_folder, default_model_path,
                          load_state, read_json, read_sentence_config)
 from .functional import ACTIVATIONS, layer_norm
@@ -57,8 +58,6 @@ class Bert:
         self._activation = ACTIVATIONS[config.hidden_act]
         # The attention blocks are qkv.nn.MultiHeadAttention layers holding the checkpoint's
         # arrays (the same objects as in params: no copy).
-        from ..nn import MultiHeadAttention
-
         self.attention_layers = []
         for i in range(config.num_hidden_layers):
             layer = MultiHeadAttention(config.hidden_size, config.num_attention_heads, bias=True,

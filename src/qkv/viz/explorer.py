@@ -79,7 +79,8 @@ def html(attentions, tokens, path, *, title: str | None = None, max_bytes: int =
     data = pack(attentions, max_bytes)
     data["tokens"] = tokens
     data["title"] = title or "qkv attention explorer"
-    payload = json.dumps(data, ensure_ascii=True).replace("</", "<\\/")  # never closes the <script>
+    # "<" as \u003c inside the JSON: no token can close the <script> or open a comment in it
+    payload = json.dumps(data, ensure_ascii=True).replace("<", "\\u003c")
     page = PAGE_TEMPLATE.format(title=html_lib.escape(data["title"]), css=PAGE_CSS, js=PAGE_JS,
                                 data=payload)
     path = Path(path)
