@@ -1,8 +1,9 @@
 """``qkv bench``: qkv's tiled attention against dense NumPy and PyTorch SDPA, in one run.
 
 Every case runs the three methods on the same inputs, alternating them repeat by repeat
-(so a change in machine load falls on all alike) after one warm-up each, and reports the
-median. Methods:
+(so a change in machine load falls on all alike) after one warm-up each, with an untimed
+pause after every call (so one method's spinning worker threads do not slow the next), and
+reports the median. Methods:
 
 - ``qkv``: ``qkv.attention(..., method="flash")`` and ``qkv.attention_backward``;
 - ``dense``: the same calls with ``method="reference"`` (softmax(QKᵀ)V, T² memory);
@@ -41,6 +42,10 @@ import subprocess
 import sys
 import time
 
+# Untimed pause after each call. OpenBLAS's worker threads (the dense path) and torch's
+# OpenMP threads spin for a while after their work; without a pause they would steal a
+# core from whichever method runs next.
+SETTLE_S = 0.25
 SUITES = ("main", "sweep", "decode")
 METHODS = ("qkv", "dense", "torch")
 FULL = {
@@ -48,12 +53,14 @@ FULL = {
     "sweep": dict(ts=(512, 1024, 2048, 4096, 8192, 16384), d=64, dense_max=8192),
     "decode": dict(b=1, hq=32, hkv=8, tk=32768, d=128),
     "copy_mib": 256,
+    "settle": SETTLE_S,
 }
 QUICK = {
     "main": dict(b=1, h=2, t=256, d=32),
     "sweep": dict(ts=(128, 256, 512), d=32, dense_max=512),
     "decode": dict(b=1, hq=8, hkv=2, tk=2048, d=64),
     "copy_mib": 16,
+    "settle": 0.0,
 }
 MIB = 2 ** 20
 
@@ -131,10 +138,11 @@ def _runner(method, q, k, v, dout, *, causal, backward, gqa=False):
     return fwd_bwd
 
 
-def _time_all(fns: dict, repeats: int, tick) -> dict:
+def _time_all(fns: dict, repeats: int, tick, settle: float = SETTLE_S) -> dict:
     """Median seconds of each callable, alternating them after one warm-up each."""
     for fn in fns.values():
         fn()
+        time.sleep(settle)
         tick()
     times = {name: [] for name in fns}
     for _ in range(repeats):
@@ -142,6 +150,7 @@ def _time_all(fns: dict, repeats: int, tick) -> dict:
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
+            time.sleep(settle)
             tick()
     return {name: statistics.median(ts) for name, ts in times.items()}
 
@@ -284,7 +293,7 @@ def run_suites(args) -> dict:
                     label = f"{'fwd+bwd' if backward else 'fwd'} {'causal' if causal else 'full'}"
                     progress.update(task, description=f"main: {label}")
                     fns = {m: _runner(m, q, k, v, dout, causal=causal, backward=backward) for m in methods}
-                    secs = _time_all(fns, cfg["repeats"], tick)
+                    secs = _time_all(fns, cfg["repeats"], tick, cfg["settle"])
                     flops = (fwd_bwd_flops if backward else forward_flops)(
                         c["b"], c["h"], c["t"], c["t"], c["d"], causal)
                     results["main"].append({"case": label, "shape": dict(c), "causal": causal,
@@ -296,7 +305,7 @@ def run_suites(args) -> dict:
                 m = [x for x in methods if x != "dense" or t <= sw["dense_max"]]
                 q, k, v, dout = _inputs(rng, 1, 1, 1, t, t, sw["d"])
                 fns = {x: _runner(x, q, k, v, dout, causal=False, backward=True) for x in m}
-                secs = _time_all(fns, cfg["repeats"], tick)
+                secs = _time_all(fns, cfg["repeats"], tick, cfg["settle"])
                 del q, k, v, dout, fns
                 peak = {}
                 if memory:
@@ -312,7 +321,7 @@ def run_suites(args) -> dict:
             progress.update(task, description="decode")
             q, k, v, dout = _inputs(rng, c["b"], c["hq"], c["hkv"], 1, c["tk"], c["d"])
             fns = {m: _runner(m, q, k, v, dout, causal=False, backward=False, gqa=True) for m in methods}
-            secs = _time_all(fns, cfg["repeats"], tick)
+            secs = _time_all(fns, cfg["repeats"], tick, cfg["settle"])
             del q, k, v, dout, fns
             progress.update(task, description="copy bandwidth")
             bw = copy_bandwidth(cfg["copy_mib"], threads, cfg["repeats"])
