@@ -37,7 +37,7 @@ def erf(x: np.ndarray) -> np.ndarray:
     return np.copysign(y, x)
 
 
-CHUNK = 32768  # elements per pass of gelu: its three temporaries (384 KiB) stay in L2
+CHUNK = 65536  # elements per pass of gelu: three temporaries of 256 KiB, whatever x's size
 
 
 def gelu(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -46,8 +46,9 @@ def gelu(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     With ``a = |x|`` and ``r = Φ(-a) = poly(t) t exp(-a²/2) / 2``, ``t = 1 / (1 + p a / √2)``:
     ``x Φ(x) = x (1 - r)`` for x >= 0 and ``x r`` for x < 0, which is ``max(x, 0) - a r``
     for both (the 1/2 is folded into the coefficients). That is about 20 elementwise passes,
-    so they run over CHUNK elements at a time in three reused buffers: in cache and with no
-    fresh allocation per pass, about 4× faster than whole-array passes on a (256, 1536) block.
+    all in place in three buffers of CHUNK elements reused chunk after chunk: no allocation
+    per pass (what made the first, out-of-place version 4× slower on a (256, 1536) block),
+    and the temporaries stay small however large x is.
 
     >>> from math import erf as merf, sqrt
     >>> xs = np.linspace(-6, 6, 1201, dtype=np.float32)
