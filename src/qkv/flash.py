@@ -64,8 +64,8 @@ from .masks import MaskSpec
 # Tile sizes: a score tile of rows x keys should stay well inside a core's L2 (1 MiB here).
 ROWS = 256             # query rows per forward task
 SCRATCH = 256 * 1024   # elements of one score tile (1 MiB in float32)
-BWD_ROWS = 128         # query rows per backward tile
-BWD_KEYS = 512         # keys per backward task
+BWD_ROWS = 256         # query rows per backward tile
+BWD_KEYS = 1024        # keys per backward task (fewer when that leaves threads idle)
 THIN_ROWS = 8          # at most this many rows: scores by matrix-vector products
 GEMV_KEYS = 1024       # keys per matrix-vector chunk (512 KiB of K at D = 128)
 SERIAL_WORK = 1 << 18  # score entries below which a call stays on one thread
@@ -426,10 +426,13 @@ def backward(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int =
 
         # (kv head, key block) tasks, dealt to threads by a fixed rule (largest first, to the
         # least-loaded thread), so a given thread count always adds in the same order.
+        width = BWD_KEYS
+        while width > 64 and len(heads_of) * -(-tk // width) < 4 * pool.n:
+            width //= 2  # at least four tasks a thread, so causal work can be balanced
         tasks = []
         for (ikv, hs), kv in zip(heads_of, kvprep):
-            for c0 in range(0, tk, BWD_KEYS):
-                c1 = min(c0 + BWD_KEYS, tk)
+            for c0 in range(0, tk, width):
+                c1 = min(c0 + width, tk)
                 r0, r1 = spec.query_range(c0, c1, batch=_batch(spec, hs[0]))
                 if r1 > r0:
                     tasks.append(((r1 - r0) * (c1 - c0), ikv, hs, c0, c1, kv))
