@@ -102,8 +102,13 @@ def browser(tmp_path_factory):
                 pytest.fail(f"chromium did not start (exit code {proc.poll()})")
             time.sleep(0.1)
         port = int(port_file.read_text().split()[0])
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10) as resp:
-            pages = [t for t in json.load(resp) if t["type"] == "page"]
+        pages = []
+        while not pages:  # the first page target can show up a moment after the port
+            if time.monotonic() > end:
+                pytest.fail("chromium opened its DevTools port but no page")
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10) as resp:
+                pages = [t for t in json.load(resp) if t["type"] == "page"]
+            time.sleep(0.05)
         yield pages[0]["webSocketDebuggerUrl"]
     finally:
         proc.terminate()
