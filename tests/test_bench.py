@@ -71,7 +71,7 @@ def test_decode_table_reports_bandwidth(quick_run):
     assert len(row) == 9
     assert float(row[4]) > 0 and float(row[7]) > 0          # qkv GB/s, copy GB/s
     assert data["decode"][0]["bytes"] == 2 * 2048 * (64 + 64) * 4
-    assert "read + write" in text
+    assert "read + written" in text
 
 
 def test_flop_formulas():
