@@ -22,6 +22,7 @@ in row blocks so the (rows, d_ff) activation stays in cache through the GELU.
 from __future__ import annotations
 
 import os
+import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -52,6 +53,7 @@ class Bert:
         self.sentence = sentence or SentenceConfig()
         self.params = params
         self.tokenizer = tokenizer
+        self._tokenizer_lock = threading.Lock()  # truncation is tokenizer state: one caller at a time
         self.max_seq_length = int(max_seq_length)
         self.path = path
         self.pad_id = int(config.pad_token_id)
@@ -83,9 +85,10 @@ class Bert:
         if not 2 <= max_length <= self.config.max_position_embeddings:
             raise ShapeError(f"max_length must lie in [2, {self.config.max_position_embeddings}] "
                              f"(the model's position embeddings); got {max_length}")
-        self.tokenizer.no_padding()
-        self.tokenizer.enable_truncation(max_length=max_length)
-        return self.tokenizer.encode_batch(list(texts))
+        with self._tokenizer_lock:
+            self.tokenizer.no_padding()
+            self.tokenizer.enable_truncation(max_length=max_length)
+            return self.tokenizer.encode_batch(list(texts))
 
     # --- the network -----------------------------------------------------------------
     def forward(self, ids: np.ndarray, lengths: np.ndarray, type_ids: np.ndarray | None = None,
