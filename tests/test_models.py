@@ -391,3 +391,17 @@ def test_unsupported_module_refuses_to_encode(tmp_path, tokenizer_available):
     assert ours.attentions("still fine")[1].shape[:2] == (2, 4)
     with pytest.raises(CheckpointError, match="also has Dense"):
         ours.encode(["x"])
+
+
+def test_forward_checks_its_inputs(model):
+    ids = np.full((2, 5), 1000)
+    with pytest.raises(qkv.ShapeError, match=r"lengths must lie in \[0, T\] = \[0, 5\]"):
+        model.forward(ids, np.array([5, 6]))
+    with pytest.raises(qkv.ShapeError, match=r"lengths must have shape \(B,\) = \(2,\)"):
+        model.forward(ids, np.array([5]))
+    with pytest.raises(qkv.ShapeError, match=r"ids must lie in \[0, 30522\)"):
+        model.forward(np.full((1, 3), 40000), np.array([3]))
+    with pytest.raises(qkv.ShapeError, match="at most 512 tokens"):
+        model.forward(np.zeros((1, 513), dtype=np.int64), np.array([513]))
+    with pytest.raises(qkv.ShapeError, match="ids must be an int array"):
+        model.forward(np.zeros((1, 3)), np.array([3]))

@@ -10,14 +10,14 @@ One layer, on ``x (B, T, d)`` with ``d = H · Dh`` and ``L = kv_lengths`` real t
 The first three lines are one :class:`qkv.nn.MultiHeadAttention` (``bias=True``) holding
 the checkpoint's arrays; the rest (embeddings, LayerNorm, GELU, feed-forward) is here.
 The embeddings are ``word[ids] + position[offset + t] + type[type_ids]``, then a
-LayerNorm. A sentence embedding is the mean of the last layer over the real tokens,
-L2-normalised, as sentence-transformers' Pooling(mean) + Normalize modules compute it.
+LayerNorm. A sentence embedding pools the last layer over the real tokens as the folder's
+sentence-transformers modules say (all-MiniLM-L6-v2: mean, then L2-normalised).
 
 Speed: everything is float32; ``encode`` sorts texts by length (little padding), pads each
-batch only to its own longest text, and runs the batches on one thread per core with BLAS
-and the tiled attention kernel held to one thread each (NumPy releases the GIL in BLAS and ufuncs, so the elementwise
-passes, which a single BLAS call cannot spread, run in parallel too). The feed-forward runs
-in row blocks so the (rows, d_ff) activation stays in cache through the GELU.
+batch only to its own longest text, and runs the batches on one thread per core, with BLAS
+and the tiled attention kernel held to one thread each meanwhile (NumPy releases the GIL
+in BLAS and ufuncs, so the elementwise passes, which a single BLAS call cannot spread, run
+in parallel too). The feed-forward runs in row blocks through one reused hidden buffer.
 """
 from __future__ import annotations
 
@@ -107,6 +107,8 @@ class Bert:
         lengths = np.asarray(lengths, dtype=np.int64)
         if lengths.shape != (b,):
             raise ShapeError(f"lengths must have shape (B,) = ({b},); got {lengths.shape}")
+        if b and (lengths.min() < 0 or lengths.max() > t):
+            raise ShapeError(f"lengths must lie in [0, T] = [0, {t}]; got {lengths.min()}..{lengths.max()}")
         if t > cfg.max_position_embeddings - cfg.position_offset:
             raise ShapeError(f"ids must have at most {cfg.max_position_embeddings - cfg.position_offset} "
                              f"tokens (the model's position embeddings); got T = {t}")
