@@ -122,3 +122,13 @@ def test_pack_chooses_by_size():
     assert pack(w, max_bytes=10_000)["mode"] == "full"
     small = pack(w, max_bytes=100)
     assert small["mode"] == "topk" and small["k"] == 2
+
+
+def test_importing_costs_no_optional_dependency():
+    import subprocess
+    import sys
+
+    code = ("import sys, qkv.viz, qkv.models, qkv.explain; "
+            "print(sorted(m for m in ('matplotlib', 'safetensors', 'tokenizers', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
