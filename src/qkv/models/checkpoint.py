@@ -185,7 +185,7 @@ def read_json(path: Path) -> dict:
 
 def _strip_prefix(names, model_type: str) -> str:
     """The common "bert." (or "roberta.", ...) prefix of task-model checkpoints, or ""."""
-    for prefix in {f"{model_type}.", f"{model_type.replace('-', '_')}.", "bert.", "roberta."}:
+    for prefix in (f"{model_type}.", f"{model_type.replace('-', '_')}.", "bert.", "roberta."):
         if any(n.startswith(prefix + "embeddings.") for n in names):
             return prefix
     return ""
