@@ -405,3 +405,20 @@ def test_forward_checks_its_inputs(model):
         model.forward(np.zeros((1, 513), dtype=np.int64), np.array([513]))
     with pytest.raises(qkv.ShapeError, match="ids must be an int array"):
         model.forward(np.zeros((1, 3)), np.array([3]))
+
+
+def test_blas_setting_is_restored_even_with_concurrent_callers(model):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from threadpoolctl import threadpool_info
+
+    def blas_threads():
+        return [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+
+    before = blas_threads()
+    with ThreadPoolExecutor(3) as pool:
+        jobs = [pool.submit(model.encode, SENTENCES[:4], 2), pool.submit(model.attentions, SENTENCES[0]),
+                pool.submit(model.encode, SENTENCES[4:], 1)]
+        results = [j.result() for j in jobs]
+    assert blas_threads() == before
+    np.testing.assert_allclose(results[0], model.encode(SENTENCES[:4]), atol=2e-6)
