@@ -19,8 +19,8 @@ FLOP convention (written once, here, and used for every GFLOP/s printed)::
 
 Decoding (Tq = 1) is memory-bound and reported as GB/s of K and V read,
 ``B · Hkv · Tk · (D + Dv) · 4`` bytes per call, next to the machine's copy bandwidth
-measured here: ``np.copyto`` of a 256 MiB float32 array split over the same threads,
-counted as bytes read + bytes written (the STREAM "copy" convention), best of the repeats.
+measured in the same loop: ``np.copyto`` of as many bytes as K and V, split over the same
+threads, counted as bytes read + bytes written (the STREAM "copy" convention), median.
 
 Peak extra memory (the scaling sweep, forward+backward) is the resident-set high-water
 mark of a fresh subprocess during the call minus its resident set just before it
@@ -52,14 +52,12 @@ FULL = {
     "main": dict(b=1, h=8, t=4096, d=64),
     "sweep": dict(ts=(512, 1024, 2048, 4096, 8192, 16384), d=64, dense_max=8192),
     "decode": dict(b=1, hq=32, hkv=8, tk=32768, d=128),
-    "copy_mib": 256,
     "settle": SETTLE_S,
 }
 QUICK = {
     "main": dict(b=1, h=2, t=256, d=32),
     "sweep": dict(ts=(128, 256, 512), d=32, dense_max=512),
     "decode": dict(b=1, hq=8, hkv=2, tk=2048, d=64),
-    "copy_mib": 16,
     "settle": 0.0,
 }
 MIB = 2 ** 20
@@ -212,23 +210,19 @@ def _peak_extra(method, t, d, causal, threads):
 
 
 # ----------------------------------------------------------------------------- copy
-def copy_bandwidth(mib: int, threads: int, repeats: int) -> float:
-    """Bytes/s of np.copyto over ``threads`` threads, counting read + write (STREAM copy)."""
+def copier(nbytes: int, threads: int):
+    """A callable copying ``nbytes`` (float32) with ``np.copyto`` split over ``threads``
+    threads: the machine's copy bandwidth, timed alongside the decoding it is compared to."""
     from concurrent.futures import ThreadPoolExecutor
 
     import numpy as np
-    n = mib * MIB // 4
+    n = nbytes // 4
     src = np.ones(n, np.float32)
     dst = np.empty_like(src)
     cuts = np.linspace(0, n, threads + 1).astype(int)
     parts = [(dst[a:b], src[a:b]) for a, b in zip(cuts[:-1], cuts[1:])]
-    best = float("inf")
-    with ThreadPoolExecutor(threads) as pool:
-        for _ in range(max(3, repeats)):
-            t0 = time.perf_counter()
-            list(pool.map(lambda p: np.copyto(*p), parts))
-            best = min(best, time.perf_counter() - t0)
-    return 2 * n * 4 / best
+    pool = ThreadPoolExecutor(threads)
+    return lambda: list(pool.map(lambda p: np.copyto(*p), parts))
 
 
 # ----------------------------------------------------------------------------- suites
@@ -243,7 +237,7 @@ def _count_steps(suites, cfg, methods, memory):
             m = [x for x in methods if x != "dense" or t <= sw["dense_max"]]
             n += len(m) * (1 + cfg["repeats"]) + (len(m) if memory else 0)
     if "decode" in suites:
-        n += per + 1
+        n += (len(methods) + 1) * (1 + cfg["repeats"])
     return n
 
 
@@ -320,15 +314,14 @@ def run_suites(args) -> dict:
             c = cfg["decode"]
             progress.update(task, description="decode")
             q, k, v, dout = _inputs(rng, c["b"], c["hq"], c["hkv"], 1, c["tk"], c["d"])
+            nbytes = kv_bytes(c["b"], c["hkv"], c["tk"], c["d"], c["d"])
             fns = {m: _runner(m, q, k, v, dout, causal=False, backward=False, gqa=True) for m in methods}
+            fns["copy"] = copier(nbytes, threads)  # as many bytes as K and V, in the same loop
             secs = _time_all(fns, cfg["repeats"], tick, cfg["settle"])
             del q, k, v, dout, fns
-            progress.update(task, description="copy bandwidth")
-            bw = copy_bandwidth(cfg["copy_mib"], threads, cfg["repeats"])
-            tick()
-            results["decode"].append({"shape": dict(c), "seconds": secs, "copy_bytes_per_s": bw,
-                                      "copy_mib": cfg["copy_mib"],
-                                      "bytes": kv_bytes(c["b"], c["hkv"], c["tk"], c["d"], c["d"])})
+            copy_s = secs.pop("copy")
+            results["decode"].append({"shape": dict(c), "seconds": secs, "copy_seconds": copy_s,
+                                      "copy_bytes_per_s": 2 * nbytes / copy_s, "bytes": nbytes})
     return results
 
 
@@ -410,8 +403,8 @@ def report(results: dict) -> None:
         t.add_row("decode", *(_fmt(sec[m] * 1e3 if m in sec else None, ".2f") for m in METHODS),
                   *(_fmt(gbs[m], ".1f") for m in METHODS), f"{copy:.1f}", f"{gbs['qkv'] / copy:.2f}")
         con.print(t)
-        con.print(f"copy GB/s: np.copyto of a {r['copy_mib']} MiB float32 array on the same threads, counting "
-                  f"bytes read + written (STREAM); it copies {copy / 2:.1f} GB/s")
+        con.print(f"copy GB/s: np.copyto of {r['bytes'] / MIB:.0f} MiB of float32 on the same threads, timed "
+                  f"in the same loop; counting bytes read + written (STREAM), so it copies {copy / 2:.1f} GB/s")
 
 
 def plot(results: dict, path: str) -> None:

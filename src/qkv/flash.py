@@ -427,8 +427,8 @@ def backward(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int =
         # (kv head, key block) tasks, dealt to threads by a fixed rule (largest first, to the
         # least-loaded thread), so a given thread count always adds in the same order.
         width = BWD_KEYS
-        while width > 64 and len(heads_of) * -(-tk // width) < 4 * pool.n:
-            width //= 2  # at least four tasks a thread, so causal work can be balanced
+        while width > 256 and len(heads_of) * -(-tk // width) < 2 * pool.n:
+            width //= 2  # two tasks a thread or more, so causal work can be balanced
         tasks = []
         for (ikv, hs), kv in zip(heads_of, kvprep):
             for c0 in range(0, tk, width):
