@@ -407,18 +407,26 @@ def test_forward_checks_its_inputs(model):
         model.forward(np.zeros((1, 3)), np.array([3]))
 
 
-def test_blas_setting_is_restored_even_with_concurrent_callers(model):
+def test_blas_setting_is_restored_and_concurrent_callers_agree(model):
     from concurrent.futures import ThreadPoolExecutor
 
     from threadpoolctl import threadpool_info
+
+    from qkv.models import bert
 
     def blas_threads():
         return [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
 
     before = blas_threads()
+    model.encode(SENTENCES[:4], batch_size=2)      # encode's own threads
+    model.encode(SENTENCES[:4], threads=1)
+    model.attentions(SENTENCES[0])
+    assert blas_threads() == before
+    # several callers at once: the setting is counted, and every result is what it is alone
     with ThreadPoolExecutor(3) as pool:
         jobs = [pool.submit(model.encode, SENTENCES[:4], 2), pool.submit(model.attentions, SENTENCES[0]),
                 pool.submit(model.encode, SENTENCES[4:], 1)]
         results = [j.result() for j in jobs]
-    assert blas_threads() == before
+    assert bert._blas["users"] == 0 and bert._blas["limiter"] is None
     np.testing.assert_allclose(results[0], model.encode(SENTENCES[:4]), atol=2e-6)
+    np.testing.assert_array_equal(results[1][1], model.attentions(SENTENCES[0])[1])

@@ -49,8 +49,10 @@ def blas_one_thread():
     over heads). A multi-threaded BLAS under it only adds threads that spin between the many
     mid-sized products and take the cores the elementwise passes need: on this project's
     2-core machine, with another job running, a forward of 8 texts of 512 tokens took 5.7 s
-    with OpenBLAS's 2 threads and 1.5 s with one. Counted, so concurrent callers neither
-    restore the setting under each other nor leave it changed.
+    with OpenBLAS's 2 threads and 1.5 s with one. Counted, so concurrent callers do not
+    restore the setting under each other: the first sets it, the last restores it. (When
+    that last caller is another thread than the first, OpenBLAS 0.3.31 was seen to ignore
+    the restore, leaving one BLAS thread: harmless to results.)
     """
     with _blas["lock"]:
         if _blas["users"] == 0:
