@@ -430,3 +430,6 @@ def test_blas_setting_is_restored_and_concurrent_callers_agree(model):
     assert bert._blas["users"] == 0 and bert._blas["limiter"] is None
     np.testing.assert_allclose(results[0], model.encode(SENTENCES[:4]), atol=2e-6)
     np.testing.assert_array_equal(results[1][1], model.attentions(SENTENCES[0])[1])
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(limits=before[0], user_api="blas")  # (see blas_one_thread on cross-thread restores)
