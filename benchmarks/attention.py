@@ -155,8 +155,7 @@ def _time_all(fns: dict, repeats: int, tick, settle: float = SETTLE_S) -> dict:
 
 # ----------------------------------------------------------------------------- memory
 _CHILD = """
-import json, resource, sys
-import numpy as np
+import json, sys
 from qkv_benchmarks.attention import _child
 print(json.dumps(_child(*json.loads(sys.argv[1]))))
 """
@@ -222,7 +221,9 @@ def copier(nbytes: int, threads: int):
     cuts = np.linspace(0, n, threads + 1).astype(int)
     parts = [(dst[a:b], src[a:b]) for a, b in zip(cuts[:-1], cuts[1:])]
     pool = ThreadPoolExecutor(threads)
-    return lambda: list(pool.map(lambda p: np.copyto(*p), parts))
+    copy = lambda: list(pool.map(lambda p: np.copyto(*p), parts))  # noqa: E731
+    copy.close = lambda: pool.shutdown(wait=True)
+    return copy
 
 
 # ----------------------------------------------------------------------------- suites
@@ -318,6 +319,7 @@ def run_suites(args) -> dict:
             fns = {m: _runner(m, q, k, v, dout, causal=False, backward=False, gqa=True) for m in methods}
             fns["copy"] = copier(nbytes, threads)  # as many bytes as K and V, in the same loop
             secs = _time_all(fns, cfg["repeats"], tick, cfg["settle"])
+            fns["copy"].close()
             del q, k, v, dout, fns
             copy_s = secs.pop("copy")
             results["decode"].append({"shape": dict(c), "seconds": secs, "copy_seconds": copy_s,
