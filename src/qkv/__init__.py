@@ -5,13 +5,13 @@ feature). With 4-D arrays, ``q (B, Hq, Tq, D)``, ``k (B, Hkv, Tk, D)``,
 ``v (B, Hkv, Tk, Dv)``; a 2-D ``(T, D)`` array is one sequence. Masks are bool with
 True = may attend, as in PyTorch's scaled_dot_product_attention.
 """
+from . import nn, positional
 from .attention import attention, attention_backward
 from .errors import ShapeError
 from .flash import get_num_threads, set_num_threads
 from .softmax import logsumexp, softmax
-from . import nn, positional
 
 __version__ = "0.1.0"
 
 __all__ = ["attention", "attention_backward", "softmax", "logsumexp", "ShapeError",
-           "set_num_threads", "get_num_threads"]
+           "set_num_threads", "get_num_threads", "nn", "positional"]

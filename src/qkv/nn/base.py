@@ -64,6 +64,16 @@ def positive_int(name: str, value, minimum: int = 1) -> int:
     return int(value)
 
 
+def head_width(d_model: int, n_heads: int, d_head) -> int:
+    """``d_head`` if given, else ``d_model // n_heads`` (which must then divide evenly)."""
+    if d_head is None:
+        if d_model % n_heads:
+            raise ShapeError(f"d_model must be a multiple of n_heads (or pass d_head=); got "
+                             f"d_model = {d_model}, n_heads = {n_heads}")
+        d_head = d_model // n_heads
+    return positive_int("d_head", d_head)
+
+
 def check_input(name: str, x, d_model: int, *, batch_first: bool = True) -> tuple[np.ndarray, bool]:
     """``x`` as a float array ``(B, T, d_model)``; a 2-D ``(T, d_model)`` gets B = 1.
 

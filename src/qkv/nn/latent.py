@@ -38,7 +38,7 @@ from ..attention import attention, attention_backward
 from ..errors import ShapeError, as_float_array, fmt_shape
 from ..masks import parse_causal, parse_window
 from ..positional import rope, rope_backward
-from .base import Layer, check_input, linear_grad, merge_heads, positive_int, split_heads
+from .base import Layer, check_input, head_width, linear_grad, merge_heads, positive_int, split_heads
 from .cache import LatentCache
 
 
@@ -66,12 +66,7 @@ class LatentAttention(Layer):
         self.d_model = positive_int("d_model", d_model)
         self.n_heads = positive_int("n_heads", n_heads)
         self.d_latent = positive_int("d_latent", d_latent)
-        if d_head is None:
-            if self.d_model % self.n_heads:
-                raise ShapeError(f"d_model must be a multiple of n_heads (or pass d_head=); got "
-                                 f"d_model = {d_model}, n_heads = {n_heads}")
-            d_head = self.d_model // self.n_heads
-        self.d_head = positive_int("d_head", d_head)
+        self.d_head = head_width(self.d_model, self.n_heads, d_head)
         self.d_rope = 2 * (self.d_head // 4) if d_rope is None else positive_int("d_rope", d_rope, 0)
         if self.d_rope % 2:
             raise ShapeError(f"d_rope must be even (RoPE rotates pairs); got {self.d_rope}")

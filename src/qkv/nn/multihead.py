@@ -25,7 +25,7 @@ from ..attention import attention, attention_backward
 from ..errors import ShapeError, as_float_array, fmt_shape
 from ..masks import parse_causal, parse_window
 from ..positional import alibi_slopes, rope, rope_backward
-from .base import Layer, check_input, linear_grad, merge_heads, positive_int, split_heads
+from .base import Layer, check_input, head_width, linear_grad, merge_heads, positive_int, split_heads
 from .cache import KVCache
 
 
@@ -66,12 +66,7 @@ class MultiHeadAttention(Layer):
         if self.n_heads % self.n_kv_heads:
             raise ShapeError(f"n_heads must be a multiple of n_kv_heads; got n_heads = {n_heads}, "
                              f"n_kv_heads = {n_kv_heads}")
-        if d_head is None:
-            if self.d_model % self.n_heads:
-                raise ShapeError(f"d_model must be a multiple of n_heads (or pass d_head=); got "
-                                 f"d_model = {d_model}, n_heads = {n_heads}")
-            d_head = self.d_model // self.n_heads
-        self.d_head = positive_int("d_head", d_head)
+        self.d_head = head_width(self.d_model, self.n_heads, d_head)
         if rope and self.d_head % 2:
             raise ShapeError(f"rope=True needs an even d_head; got d_head = {self.d_head}")
         parse_causal(causal)
