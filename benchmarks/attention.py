@@ -1,9 +1,9 @@
 """``qkv bench``: qkv's tiled attention against dense NumPy and PyTorch SDPA, in one run.
 
 Every case runs the three methods on the same inputs, alternating them repeat by repeat
-(so a change in machine load falls on all alike) after one warm-up each, with an untimed
-pause after every call (so one method's spinning worker threads do not slow the next), and
-reports the median. Methods:
+(so a change in machine load falls on all alike) after one warm-up each, and reports the
+median; a call shorter than a second is run once untimed right before each timed run, so
+it does not pay for the previous method's still-spinning worker threads. Methods:
 
 - ``qkv``: ``qkv.attention(..., method="flash")`` and ``qkv.attention_backward``;
 - ``dense``: the same calls with ``method="reference"`` (softmax(QKᵀ)V, T² memory);
@@ -42,23 +42,22 @@ import subprocess
 import sys
 import time
 
-# Untimed pause after each call. OpenBLAS's worker threads (the dense path) and torch's
-# OpenMP threads spin for a while after their work; without a pause they would steal a
-# core from whichever method runs next.
-SETTLE_S = 0.25
+# Each timed call of a method comes right after an untimed call of the same method when
+# that takes under REWARM_S seconds. Without it a short call pays for what ran before it:
+# OpenBLAS's (dense) and torch's OpenMP worker threads keep spinning after their work and
+# steal a core, and a core left idle comes back slowly; both distort a 30 ms decode.
+REWARM_S = 1.0
 SUITES = ("main", "sweep", "decode")
 METHODS = ("qkv", "dense", "torch")
 FULL = {
     "main": dict(b=1, h=8, t=4096, d=64),
     "sweep": dict(ts=(512, 1024, 2048, 4096, 8192, 16384), d=64, dense_max=8192),
     "decode": dict(b=1, hq=32, hkv=8, tk=32768, d=128),
-    "settle": SETTLE_S,
 }
 QUICK = {
     "main": dict(b=1, h=2, t=256, d=32),
     "sweep": dict(ts=(128, 256, 512), d=32, dense_max=512),
     "decode": dict(b=1, hq=8, hkv=2, tk=2048, d=64),
-    "settle": 0.0,
 }
 MIB = 2 ** 20
 
@@ -136,19 +135,23 @@ def _runner(method, q, k, v, dout, *, causal, backward, gqa=False):
     return fwd_bwd
 
 
-def _time_all(fns: dict, repeats: int, tick, settle: float = SETTLE_S) -> dict:
-    """Median seconds of each callable, alternating them after one warm-up each."""
-    for fn in fns.values():
+def _time_all(fns: dict, repeats: int, tick) -> dict:
+    """Median seconds of each callable, alternating them repeat by repeat (after one
+    warm-up each); a short call is repeated untimed right before its timed run."""
+    rewarm = {}
+    for name, fn in fns.items():
+        t0 = time.perf_counter()
         fn()
-        time.sleep(settle)
+        rewarm[name] = time.perf_counter() - t0 < REWARM_S
         tick()
     times = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
+            if rewarm[name]:
+                fn()
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
-            time.sleep(settle)
             tick()
     return {name: statistics.median(ts) for name, ts in times.items()}
 
@@ -288,7 +291,7 @@ def run_suites(args) -> dict:
                     label = f"{'fwd+bwd' if backward else 'fwd'} {'causal' if causal else 'full'}"
                     progress.update(task, description=f"main: {label}")
                     fns = {m: _runner(m, q, k, v, dout, causal=causal, backward=backward) for m in methods}
-                    secs = _time_all(fns, cfg["repeats"], tick, cfg["settle"])
+                    secs = _time_all(fns, cfg["repeats"], tick)
                     flops = (fwd_bwd_flops if backward else forward_flops)(
                         c["b"], c["h"], c["t"], c["t"], c["d"], causal)
                     results["main"].append({"case": label, "shape": dict(c), "causal": causal,
@@ -300,7 +303,7 @@ def run_suites(args) -> dict:
                 m = [x for x in methods if x != "dense" or t <= sw["dense_max"]]
                 q, k, v, dout = _inputs(rng, 1, 1, 1, t, t, sw["d"])
                 fns = {x: _runner(x, q, k, v, dout, causal=False, backward=True) for x in m}
-                secs = _time_all(fns, cfg["repeats"], tick, cfg["settle"])
+                secs = _time_all(fns, cfg["repeats"], tick)
                 del q, k, v, dout, fns
                 peak = {}
                 if memory:
@@ -318,7 +321,7 @@ def run_suites(args) -> dict:
             nbytes = kv_bytes(c["b"], c["hkv"], c["tk"], c["d"], c["d"])
             fns = {m: _runner(m, q, k, v, dout, causal=False, backward=False, gqa=True) for m in methods}
             fns["copy"] = copier(nbytes, threads)  # as many bytes as K and V, in the same loop
-            secs = _time_all(fns, cfg["repeats"], tick, cfg["settle"])
+            secs = _time_all(fns, cfg["repeats"], tick)
             fns["copy"].close()
             del q, k, v, dout, fns
             copy_s = secs.pop("copy")
