@@ -302,3 +302,24 @@ def test_padding_past_kv_lengths_is_never_read(junk):
     dq, dk, dv = qkv.attention_backward(dout, q, k, v, out, lse, kv_lengths=lengths,
                                         causal="bottom_right", method="flash")
     assert np.isfinite(dq).all() and (dk[0, :, 50:] == 0).all() and (dv[0, :, 50:] == 0).all()
+
+
+def _blas_threads():
+    from threadpoolctl import threadpool_info
+    return [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+
+
+def test_blas_setting_is_restored_and_concurrent_callers_agree():
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = np.random.default_rng(12)
+    q, k, v = (rng.standard_normal((2, 2, 300, 16)).astype(np.float32) for _ in range(3))
+    before = _blas_threads()
+    want = qkv.attention(q, k, v, causal=True, method="flash")
+    assert _blas_threads() == before
+    with ThreadPoolExecutor(3) as pool:
+        outs = list(pool.map(lambda _: qkv.attention(q, k, v, causal=True, method="flash"), range(6)))
+    for out in outs:
+        np.testing.assert_array_equal(out, want)
+    # (whether OpenBLAS honours a restore made by another thread than the one that set the
+    # limit is up to OpenBLAS; the counted hold restores once, after the last caller)

@@ -110,12 +110,27 @@ def _pool(n: int) -> ThreadPoolExecutor:
         return _state["pool"]
 
 
-def _blas_one_thread():
-    """Context manager holding BLAS to one thread (our threads bring the parallelism)."""
-    if _state["controller"] is None:
-        from threadpoolctl import ThreadpoolController
-        _state["controller"] = ThreadpoolController()
-    return _state["controller"].limit(limits=1, user_api="blas")
+_blas = {"users": 0, "limiter": None}
+
+
+def _hold_blas() -> None:
+    """Hold BLAS to one thread (our threads bring the parallelism). Counted under a lock:
+    the first concurrent caller sets it, the last one restores what it found."""
+    with _lock:
+        if _blas["users"] == 0:
+            if _state["controller"] is None:
+                from threadpoolctl import ThreadpoolController
+                _state["controller"] = ThreadpoolController()
+            _blas["limiter"] = _state["controller"].limit(limits=1, user_api="blas")
+        _blas["users"] += 1
+
+
+def _release_blas() -> None:
+    with _lock:
+        _blas["users"] -= 1
+        if _blas["users"] == 0:
+            _blas["limiter"].restore_original_limits()
+            _blas["limiter"] = None
 
 
 class _Threads:
@@ -127,16 +142,16 @@ class _Threads:
 
     def __init__(self, num_threads, work: int):
         self.n = 1 if work < SERIAL_WORK else (num_threads or get_num_threads())
-        self.limit = _blas_one_thread() if work >= SERIAL_WORK else None
+        self.hold = work >= SERIAL_WORK
 
     def __enter__(self):
-        if self.limit is not None:
-            self.limit.__enter__()
+        if self.hold:
+            _hold_blas()
         return self
 
     def __exit__(self, *exc):
-        if self.limit is not None:
-            self.limit.__exit__(*exc)
+        if self.hold:
+            _release_blas()
 
     def run(self, jobs: list) -> list:
         """Call each ``job()``; results in order."""
