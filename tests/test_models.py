@@ -412,7 +412,7 @@ def test_blas_setting_is_restored_and_concurrent_callers_agree(model):
 
     from threadpoolctl import threadpool_info
 
-    from qkv.models import bert
+    from qkv import threads
 
     def blas_threads():
         return [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
@@ -427,9 +427,9 @@ def test_blas_setting_is_restored_and_concurrent_callers_agree(model):
         jobs = [pool.submit(model.encode, SENTENCES[:4], 2), pool.submit(model.attentions, SENTENCES[0]),
                 pool.submit(model.encode, SENTENCES[4:], 1)]
         results = [j.result() for j in jobs]
-    assert bert._blas["users"] == 0 and bert._blas["limiter"] is None
+    assert threads.blas_holders() == 0
     np.testing.assert_allclose(results[0], model.encode(SENTENCES[:4]), atol=2e-6)
     np.testing.assert_array_equal(results[1][1], model.attentions(SENTENCES[0])[1])
     from threadpoolctl import threadpool_limits
 
-    threadpool_limits(limits=before[0], user_api="blas")  # (see blas_one_thread on cross-thread restores)
+    threadpool_limits(limits=before[0], user_api="blas")  # (see qkv.threads on cross-thread restores)

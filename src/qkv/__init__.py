@@ -8,7 +8,7 @@ True = may attend, as in PyTorch's scaled_dot_product_attention.
 from . import nn, positional
 from .attention import attention, attention_backward
 from .errors import ShapeError
-from .flash import get_num_threads, set_num_threads
+from .threads import get_num_threads, set_num_threads
 from .softmax import logsumexp, softmax
 
 __version__ = "0.1.0"

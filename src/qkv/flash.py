@@ -56,12 +56,11 @@ narrow partial runs get a mask.
 """
 from __future__ import annotations
 
-import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from . import threads
 from .errors import ShapeError
 from .masks import MaskSpec
 
@@ -83,54 +82,7 @@ _HEADROOM = {np.dtype(np.float32): 86.0, np.dtype(np.float64): 430.0}
 _LOOSE = {np.dtype(np.float32): 58.0, np.dtype(np.float64): 290.0}
 
 # ----------------------------------------------------------------------------- threads
-_state = {"threads": None, "pool": None, "pool_size": 0, "controller": None}
-_lock = threading.Lock()
 _local = threading.local()
-
-
-def set_num_threads(n: int | None) -> None:
-    """Threads the tiled kernels use (``None``: ``os.cpu_count()``, the default)."""
-    if n is not None and (isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1):
-        raise ShapeError(f"num_threads must be an int >= 1 or None; got {n!r}")
-    _state["threads"] = None if n is None else int(n)
-
-
-def get_num_threads() -> int:
-    """Threads the tiled kernels use now."""
-    return _state["threads"] or os.cpu_count() or 1
-
-
-def _pool(n: int) -> ThreadPoolExecutor:
-    with _lock:
-        if _state["pool_size"] < n:
-            if _state["pool"] is not None:
-                _state["pool"].shutdown(wait=False)
-            _state["pool"] = ThreadPoolExecutor(max_workers=n, thread_name_prefix="qkv")
-            _state["pool_size"] = n
-        return _state["pool"]
-
-
-_blas = {"users": 0, "limiter": None}
-
-
-def _hold_blas() -> None:
-    """Hold BLAS to one thread (our threads bring the parallelism). Counted under a lock:
-    the first concurrent caller sets it, the last one restores what it found."""
-    with _lock:
-        if _blas["users"] == 0:
-            if _state["controller"] is None:
-                from threadpoolctl import ThreadpoolController
-                _state["controller"] = ThreadpoolController()
-            _blas["limiter"] = _state["controller"].limit(limits=1, user_api="blas")
-        _blas["users"] += 1
-
-
-def _release_blas() -> None:
-    with _lock:
-        _blas["users"] -= 1
-        if _blas["users"] == 0:
-            _blas["limiter"].restore_original_limits()
-            _blas["limiter"] = None
 
 
 class _Threads:
@@ -141,23 +93,23 @@ class _Threads:
     """
 
     def __init__(self, num_threads, work: int):
-        self.n = 1 if work < SERIAL_WORK else (num_threads or get_num_threads())
+        self.n = 1 if work < SERIAL_WORK else (num_threads or threads.get_num_threads())
         self.hold = work >= SERIAL_WORK
 
     def __enter__(self):
         if self.hold:
-            _hold_blas()
+            threads.hold_blas()
         return self
 
     def __exit__(self, *exc):
         if self.hold:
-            _release_blas()
+            threads.release_blas()
 
     def run(self, jobs: list) -> list:
         """Call each ``job()``; results in order."""
         if self.n <= 1 or len(jobs) <= 1:
             return [job() for job in jobs]
-        return list(_pool(self.n).map(lambda job: job(), jobs))
+        return list(threads.pool(self.n).map(lambda job: job(), jobs))
 
 
 def _scratch(size: int, dtype, slot: int = 0) -> np.ndarray:

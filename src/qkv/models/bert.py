@@ -25,52 +25,18 @@ import os
 import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import ShapeError
+from ..threads import blas_one_thread, get_num_threads, set_num_threads
 from ..nn import MultiHeadAttention
 from .checkpoint import (BertConfig, CheckpointError, SentenceConfig, check_folder, default_model_path,
                          load_state, read_json, read_sentence_config)
 from .functional import ACTIVATIONS, layer_norm
 
 FFN_ROWS = 256  # rows of the feed-forward per block: (256, d_ff) float32 fits in L2
-
-_blas = {"lock": threading.Lock(), "users": 0, "limiter": None, "controller": None}
-
-
-@contextmanager
-def blas_one_thread():
-    """Hold BLAS to one thread while any encoder call runs; restore it when the last one ends.
-
-    The encoder brings its own parallelism (threads over batches; the tiled attention kernel
-    over heads). A multi-threaded BLAS under it only adds threads that spin between the many
-    mid-sized products and take the cores the elementwise passes need: on this project's
-    2-core machine, with another job running, a forward of 8 texts of 512 tokens took 5.7 s
-    with OpenBLAS's 2 threads and 1.5 s with one. Counted, so concurrent callers do not
-    restore the setting under each other: the first sets it, the last restores it. (When
-    that last caller is another thread than the first, OpenBLAS 0.3.31 was seen to ignore
-    the restore, leaving one BLAS thread: harmless to results.)
-    """
-    with _blas["lock"]:
-        if _blas["users"] == 0:
-            if _blas["controller"] is None:
-                from threadpoolctl import ThreadpoolController
-
-                _blas["controller"] = ThreadpoolController()
-            _blas["limiter"] = _blas["controller"].limit(limits=1, user_api="blas")
-        _blas["users"] += 1
-    try:
-        yield
-    finally:
-        with _blas["lock"]:
-            _blas["users"] -= 1
-            if _blas["users"] == 0:
-                _blas["limiter"].restore_original_limits()
-                _blas["limiter"] = None
-
 
 class Bert:
     """A loaded BERT-family encoder: ``encode`` for sentence embeddings, ``attentions`` to look inside.
@@ -131,7 +97,7 @@ class Bert:
 
         With ``return_attentions`` also a list of per-layer weights ``(B, H, T, T)``.
         Rows past ``lengths[b]`` are padding: no token reads them; their own outputs are
-        finite but meaningless. BLAS runs on one thread meanwhile (see :func:`blas_one_thread`).
+        finite but meaningless. BLAS runs on one thread meanwhile (see :mod:`qkv.threads`).
         """
         with blas_one_thread():
             return self._forward(ids, lengths, type_ids, return_attentions)
@@ -234,18 +200,16 @@ class Bert:
                 for u in units:
                     run(u)
                 return out
-            from .. import flash
-
             # Our threads bring the parallelism: the tiled attention kernel gets one thread
             # per call meanwhile (a process-wide setting, restored afterwards), so that no
             # more threads than cores compete.
-            kernel_threads = flash.get_num_threads()
-            flash.set_num_threads(1)
+            kernel_threads = get_num_threads()
+            set_num_threads(1)
             try:
                 with ThreadPoolExecutor(threads) as pool:
                     list(pool.map(run, units))
             finally:
-                flash.set_num_threads(kernel_threads)
+                set_num_threads(kernel_threads)
         return out
 
     def _pool(self, hidden: np.ndarray, lengths: np.ndarray) -> np.ndarray:

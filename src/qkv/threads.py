@@ -1,0 +1,83 @@
+"""How many threads qkv's kernels use, and BLAS held to one thread while they run.
+
+The tiled kernels and the encoder bring their own parallelism: Python threads over tiles or
+batches (NumPy releases the GIL in BLAS and ufuncs). A multi-threaded BLAS underneath would
+only add threads that spin between the many mid-sized products and take the cores the
+element-wise passes need, so while any of them runs BLAS is held to one thread. The hold is
+counted under a lock: the first concurrent caller sets it, the last one restores what it
+found. (When that last caller is another thread than the first, OpenBLAS 0.3.31 was seen
+to ignore the restore, leaving one BLAS thread: harmless to results.)
+"""
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import numpy as np
+
+from .errors import ShapeError
+
+_lock = threading.Lock()
+_state = {"threads": None, "pool": None, "pool_size": 0}
+_blas = {"users": 0, "limiter": None, "controller": None}
+
+
+def set_num_threads(n: int | None) -> None:
+    """Threads the tiled kernels use (``None``: ``os.cpu_count()``, the default). Process-wide."""
+    if n is not None and (isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1):
+        raise ShapeError(f"num_threads must be an int >= 1 or None; got {n!r}")
+    _state["threads"] = None if n is None else int(n)
+
+
+def get_num_threads() -> int:
+    """Threads the tiled kernels use now."""
+    return _state["threads"] or os.cpu_count() or 1
+
+
+def pool(n: int) -> ThreadPoolExecutor:
+    """The shared worker pool, grown to at least ``n`` threads."""
+    with _lock:
+        if _state["pool_size"] < n:
+            if _state["pool"] is not None:
+                _state["pool"].shutdown(wait=False)
+            _state["pool"] = ThreadPoolExecutor(max_workers=n, thread_name_prefix="qkv")
+            _state["pool_size"] = n
+        return _state["pool"]
+
+
+def hold_blas() -> None:
+    """Hold BLAS to one thread until the matching :func:`release_blas` (counted)."""
+    with _lock:
+        if _blas["users"] == 0:
+            if _blas["controller"] is None:
+                from threadpoolctl import ThreadpoolController
+
+                _blas["controller"] = ThreadpoolController()
+            _blas["limiter"] = _blas["controller"].limit(limits=1, user_api="blas")
+        _blas["users"] += 1
+
+
+def release_blas() -> None:
+    """End one :func:`hold_blas`; the last one restores BLAS as it was found."""
+    with _lock:
+        _blas["users"] -= 1
+        if _blas["users"] == 0:
+            _blas["limiter"].restore_original_limits()
+            _blas["limiter"] = None
+
+
+@contextmanager
+def blas_one_thread():
+    """``with blas_one_thread(): ...`` holds BLAS to one thread for the block."""
+    hold_blas()
+    try:
+        yield
+    finally:
+        release_blas()
+
+
+def blas_holders() -> int:
+    """How many holds are active now (0 when nothing of qkv's runs)."""
+    return _blas["users"]

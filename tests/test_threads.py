@@ -1,0 +1,48 @@
+"""qkv.threads: the kernels' thread count and the counted one-thread BLAS hold."""
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from threadpoolctl import threadpool_info
+
+import qkv
+from qkv import threads
+
+
+def blas_threads():
+    return [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+
+
+def test_set_num_threads_round_trips_and_refuses_nonsense():
+    before = qkv.get_num_threads()
+    try:
+        qkv.set_num_threads(3)
+        assert qkv.get_num_threads() == 3
+        qkv.set_num_threads(None)
+        assert qkv.get_num_threads() >= 1
+        for bad in (0, -1, 1.5, True, "2"):
+            with pytest.raises(qkv.ShapeError, match="num_threads must be an int >= 1"):
+                qkv.set_num_threads(bad)
+    finally:
+        qkv.set_num_threads(before)
+
+
+def test_blas_hold_is_counted_and_restored():
+    before = blas_threads()
+    with threads.blas_one_thread():
+        assert threads.blas_holders() == 1
+        assert all(n == 1 for n in blas_threads())
+        with threads.blas_one_thread():
+            assert threads.blas_holders() == 2
+        assert threads.blas_holders() == 1 and all(n == 1 for n in blas_threads())
+    assert threads.blas_holders() == 0
+    assert blas_threads() == before
+
+
+def test_concurrent_holders_leave_nothing_held():
+    def job(_):
+        with threads.blas_one_thread():
+            return threads.blas_holders() >= 1
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(job, range(16)))
+    assert threads.blas_holders() == 0
