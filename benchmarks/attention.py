@@ -30,8 +30,11 @@ outputs and gradients included, for NumPy and torch alike.
 
 Suites: ``main`` (B=1, H=8, T=4096, D=64, float32, causal and not, forward and
 forward+backward), ``sweep`` (one head, D=64, T = 512 ... 16384: time and peak memory),
-``decode`` (Tq=1, Tk=32768, Hq=32, Hkv=8, D=128). ``--quick`` shrinks every size so the
-whole run takes seconds (the test suite runs it end to end).
+``decode`` (Tq=1, Tk=32768, Hq=32, Hkv=8, D=128), ``encoder`` (qkv's all-MiniLM-L6-v2
+encoder against sentence-transformers: 256 short sentences and 16 texts of 512 tokens; see
+``encoder.py``; needs the models and test extras). ``--quick`` shrinks every size so the
+whole run takes seconds (the test suite runs it end to end) and leaves the encoder out
+unless ``--suite encoder`` asks for it.
 """
 from __future__ import annotations
 
@@ -47,7 +50,8 @@ import time
 # OpenBLAS's (dense) and torch's OpenMP worker threads keep spinning after their work and
 # steal a core, and a core left idle comes back slowly; both distort a 30 ms decode.
 REWARM_S = 1.0
-SUITES = ("main", "sweep", "decode")
+SUITES = ("main", "sweep", "decode", "encoder")
+QUICK_DEFAULT = ("main", "sweep", "decode")  # --quick leaves the encoder out unless asked
 METHODS = ("qkv", "dense", "torch")
 FULL = {
     "main": dict(b=1, h=8, t=4096, d=64),
@@ -242,6 +246,8 @@ def _count_steps(suites, cfg, methods, memory):
             n += len(m) * (1 + cfg["repeats"]) + (len(m) if memory else 0)
     if "decode" in suites:
         n += (len(methods) + 1) * (1 + cfg["repeats"])
+    if "encoder" in suites:
+        n += 1
     return n
 
 
@@ -256,7 +262,12 @@ def run_suites(args) -> dict:
     cfg = dict(QUICK if args.quick else FULL)
     cfg["repeats"] = args.repeats or (2 if args.quick else 5)
     threads = args.threads or os.cpu_count() or 1
-    suites = set(SUITES) if not args.suite or "all" in args.suite else set(args.suite)
+    if args.suite and "all" in args.suite:
+        suites = set(SUITES)
+    elif args.suite:
+        suites = set(args.suite)
+    else:
+        suites = set(QUICK_DEFAULT if args.quick else SUITES)
     methods = ["qkv", "dense"]
     torch_version = None
     if not args.no_torch:
@@ -271,7 +282,8 @@ def run_suites(args) -> dict:
     memory = not args.no_memory
     rng = np.random.default_rng(0)
     results = {"threads": threads, "quick": bool(args.quick), "repeats": cfg["repeats"],
-               "torch": torch_version, "blas": _blas_info(), "main": [], "sweep": [], "decode": []}
+               "torch": torch_version, "blas": _blas_info(), "main": [], "sweep": [], "decode": [],
+               "encoder": [], "encoder_skipped": None}
 
     progress = rich_progress.Progress(
         rich_progress.TextColumn("{task.description}"), rich_progress.BarColumn(),
@@ -327,7 +339,25 @@ def run_suites(args) -> dict:
             copy_s = secs.pop("copy")
             results["decode"].append({"shape": dict(c), "seconds": secs, "copy_seconds": copy_s,
                                       "copy_bytes_per_s": 2 * nbytes / copy_s, "bytes": nbytes})
+        if "encoder" in suites:
+            progress.update(task, description="encoder: qkv vs sentence-transformers")
+            results["encoder"], results["encoder_skipped"] = _encoder_suite(cfg["repeats"], args.quick)
+            tick()
     return results
+
+
+def _encoder_suite(repeats: int, quick: bool):
+    """``(rows, None)`` from encoder.measure, or ``([], reason)`` when a part is missing."""
+    try:
+        import sentence_transformers  # noqa: F401
+        import torch  # noqa: F401
+
+        from qkv.models import default_model_path
+        default_model_path()
+    except Exception as err:  # a missing extra or model: say so in the report, run the rest
+        return [], f"{type(err).__name__}: {err}"
+    from .encoder import measure
+    return measure(repeats, n_short=16 if quick else 256, n_long=2 if quick else 16), None
 
 
 def _blas_info() -> dict:
@@ -410,6 +440,12 @@ def report(results: dict) -> None:
         con.print(t)
         con.print(f"copy GB/s: np.copyto of {r['bytes'] / MIB:.0f} MiB of float32 on the same threads, timed "
                   f"in the same loop; counting bytes read + written (STREAM), so it copies {copy / 2:.1f} GB/s")
+    if results.get("encoder"):
+        from .encoder import report as encoder_report
+        con.print(encoder_report(results["encoder"], results["repeats"], results["threads"]))
+    elif results.get("encoder_skipped"):
+        con.print(f"encoder suite skipped: {results['encoder_skipped']} "
+                  "(it needs: pip install 'qkv[models,test]')")
 
 
 def plot(results: dict, path: str) -> None:

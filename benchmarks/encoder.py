@@ -15,7 +15,7 @@ wall-clock time and of the CPU time (all threads; steadier on a shared machine).
 
     python benchmarks/encoder.py [--repeats 5] [--json FILE]
 
-For ``qkv bench``: ``measure(repeats) -> rows`` and ``report(rows, repeats, torch_threads)``.
+``qkv bench --suite encoder`` runs the same (``measure(repeats) -> rows``, ``report(...)``).
 """
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ def timed_pair(fn_a, fn_b, repeats: int) -> tuple[tuple[float, float], tuple[flo
     return tuple((statistics.median(w for w, _ in t), statistics.median(c for _, c in t)) for t in times)
 
 
-def measure(repeats: int = 5) -> list[dict]:
+def measure(repeats: int = 5, n_short: int = 256, n_long: int = 16) -> list[dict]:
     """One row per workload: sizes, GFLOP, median seconds of each side, their ratio, max error.
 
     The entry point for ``qkv bench`` (as ``qkv_benchmarks.encoder.measure``); needs
@@ -89,8 +89,8 @@ def measure(repeats: int = 5) -> list[dict]:
     ours = load_bert(path)
     ref = SentenceTransformer(path, device="cpu")
     rows = []
-    for name, texts, batch, max_len in (("short", short_sentences(), 32, 256),
-                                         ("long", long_texts(ours), 16, 512)):
+    for name, texts, batch, max_len in (("short", short_sentences(n_short), 32, 256),
+                                         ("long", long_texts(ours, n_long), 16, 512)):
         ours.max_seq_length = max_len
         ref.max_seq_length = max_len
         lens = [len(e.ids) for e in ours.tokenize(texts)]

@@ -89,3 +89,22 @@ def test_missing_rich_names_the_extra(monkeypatch, capsys):
 def test_bad_options_are_refused(capsys):
     assert cli.main(["bench", "--quick", "--repeats", "0"]) == 2
     assert "--repeats" in capsys.readouterr().err
+
+
+def test_encoder_suite_runs_against_sentence_transformers(tmp_path, capsys):
+    pytest.importorskip("sentence_transformers", reason="the encoder suite needs the test extra")
+    models = pytest.importorskip("qkv.models")
+    try:
+        models.default_model_path()
+    except Exception as err:  # the checkpoint package is the models extra
+        pytest.skip(f"all-MiniLM-L6-v2 is not installed: {err}")
+    out = tmp_path / "enc.json"
+    assert cli.main(["bench", "--quick", "--suite", "encoder", "--no-torch", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "ratio = sentence-transformers time / qkv time" in text
+    data = json.loads(out.read_text())
+    assert [r["workload"] for r in data["encoder"]] == ["short", "long"]
+    for row in data["encoder"]:
+        assert row["qkv_s"] > 0 and row["st_s"] > 0 and row["ratio"] > 0
+        assert row["max_abs_err"] < 1e-4  # the two encoders agree on what they timed
+    assert data["encoder"][1]["tokens"] == 2 * 512
