@@ -181,6 +181,22 @@ def test_rows_and_tiles_that_see_nothing(small_tiles):
     assert (out_w == 0).all() and np.isneginf(lse_w).all()
 
 
+@pytest.mark.parametrize("tq", [3, 40])
+def test_gqa_without_a_batch_axis_reads_kv_lengths_per_query_head(tq, small_tiles):
+    """3-D gqa input (Hq, Tq, D): the first leading axis is the head axis, so kv_lengths
+    (Hq,) differs between query heads that share a kv head (and may be stacked)."""
+    rng = np.random.default_rng(13)
+    q = rng.standard_normal((6, tq, 8))
+    k = rng.standard_normal((2, 31, 8))
+    v = rng.standard_normal((2, 31, 5))
+    opts = {"gqa": True, "causal": "bottom_right", "kv_lengths": np.array([31, 0, 4, 9, 31, 2])}
+    dout = rng.standard_normal((6, tq, 5))
+    ref = _both(q, k, v, dout, opts, "reference")
+    got = _both(q, k, v, dout, opts, "flash")
+    for g, r in zip([got[0], got[1], *got[2]], [ref[0], ref[1], *ref[2]]):
+        np.testing.assert_allclose(g, r, rtol=1e-9, atol=1e-12)
+
+
 @pytest.mark.parametrize("big", [1e4, -1e4])
 def test_huge_scores_take_the_exact_path(big):
     """Scores of ±1e4: the bound is loose (or overflows exp), rows are redone exactly."""

@@ -138,6 +138,19 @@ def _batch(spec: MaskSpec, index: tuple) -> int:
     return index[0] if spec.lead else 0
 
 
+def _by_batch(spec: MaskSpec, heads: list) -> list:
+    """Split query heads into runs that share a batch item, and so kv_lengths: only these
+    may be stacked. Heads of one kv head share it unless the head axis is the first
+    leading axis (3-D ``(Hq, Tq, D)`` input with gqa), where kv_lengths is per head."""
+    runs = []
+    for h in heads:
+        if runs and _batch(spec, runs[-1][-1]) == _batch(spec, h):
+            runs[-1].append(h)
+        else:
+            runs.append([h])
+    return runs
+
+
 def _chunks(runs: list, width: int):
     """Cover contiguous runs ``(a, b, full)`` with near-equal chunks at most ``width`` keys
     wide (multiples of 16), each as ``(a, b, partial)``: the sub-ranges needing a mask."""
@@ -304,16 +317,16 @@ def forward(q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_weight
 
     heads_of = list(_heads(lead_kv, group))
     with _Threads(num_threads, int(np.prod(lead)) * tq * tk) as pool:
-        _forward_tiles(pool, heads_of, prep, task, stack, rows, tq)
+        _forward_tiles(pool, spec, heads_of, prep, task, stack, rows, tq)
     return out, lse, None
 
 
-def _forward_tiles(pool, heads_of, prep, task, stack, rows, tq):
+def _forward_tiles(pool, spec, heads_of, prep, task, stack, rows, tq):
     """Prepare every kv head, then run the (heads, query block) tasks, late rows first."""
     kvs = pool.run([lambda ikv=ikv: prep(ikv) for ikv, _ in heads_of])
     jobs = []
     for (ikv, hs), kv in zip(heads_of, kvs):
-        groups = [hs] if stack else [[h] for h in hs]
+        groups = _by_batch(spec, hs) if stack else [[h] for h in hs]
         for heads in groups:
             for q0 in range(0, tq, rows):
                 jobs.append(lambda ikv=ikv, heads=heads, q0=q0, kv=kv:
@@ -404,9 +417,10 @@ def backward(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int =
         for (ikv, hs), kv in zip(heads_of, kvprep):
             for c0 in range(0, tk, width):
                 c1 = min(c0 + width, tk)
-                r0, r1 = spec.query_range(c0, c1, batch=_batch(spec, hs[0]))
-                if r1 > r0:
-                    tasks.append(((r1 - r0) * (c1 - c0), ikv, hs, c0, c1, kv))
+                spans = [spec.query_range(c0, c1, batch=_batch(spec, run[0])) for run in _by_batch(spec, hs)]
+                rows_seen = sum(max(0, r1 - r0) for r0, r1 in spans)
+                if rows_seen:
+                    tasks.append((rows_seen * (c1 - c0), ikv, hs, c0, c1, kv))
         n = max(1, min(pool.n, len(tasks)))
         lanes = [[] for _ in range(n)]
         load = [0] * n
