@@ -46,6 +46,14 @@ def test_self_attention_checks_its_input():
         nn.SelfAttention(6, 4).backward(np.zeros((5, 4)))
 
 
+def test_self_attention_computes_in_its_own_dtype():
+    layer = nn.SelfAttention(6, 4, rng=rng(3))  # float32, fed float64 as MultiHeadAttention is
+    y = layer.forward(rng(4).standard_normal((5, 6)))
+    assert y.dtype == np.float32
+    assert layer.backward(np.ones_like(y)).dtype == np.float32
+    assert all(g.dtype == np.float32 for g in layer.grads.values())
+
+
 # --- MultiHeadAttention: the parameter contract --------------------------------------------------
 
 def test_mha_parameter_names_and_layouts():

@@ -45,10 +45,14 @@ class SelfAttention(Layer):
         self._add("W_V", (self.d_model, self.d_v))
 
     def forward(self, x, return_weights: bool = False):
-        """``x (..., T, d_model) -> y (..., T, d_v)`` (and weights ``(..., T, T)`` if asked)."""
+        """``x (..., T, d_model) -> y (..., T, d_v)`` (and weights ``(..., T, T)`` if asked).
+
+        ``x`` is cast to the layer's dtype, so the output and the gradients have it too.
+        """
         x = as_float_array("x", x)
         if x.ndim < 2 or x.shape[-1] != self.d_model:
             raise ShapeError(f"x must have shape (..., T, d_model) = (..., T, {self.d_model}); got {fmt_shape(x.shape)}")
+        x = x.astype(self.dtype, copy=False)  # the layer's dtype, as every qkv.nn layer computes
         p = self.params
         q = x @ p["W_Q"]  # (..., T, d_model) @ (d_model, d_k) -> (..., T, d_k)
         k = x @ p["W_K"]  # (..., T, d_model) @ (d_model, d_k) -> (..., T, d_k)
