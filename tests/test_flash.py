@@ -197,6 +197,21 @@ def test_gqa_without_a_batch_axis_reads_kv_lengths_per_query_head(tq, small_tile
         np.testing.assert_allclose(g, r, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_nan_input_is_nan_not_a_row_that_saw_nothing(dtype):
+    """A NaN in q makes its row's out and lse NaN (as in the reference), not lse -inf, which
+    would mark the row empty and silently zero its gradient."""
+    rng = np.random.default_rng(14)
+    q, k, v, dout = (rng.standard_normal((1, 2, 40, 8)).astype(dtype) for _ in range(4))
+    q[0, 1, 7, 3] = np.nan
+    ref = _both(q, k, v, dout, {}, "reference")
+    got = _both(q, k, v, dout, {}, "flash")
+    for g, r in ((got[0], ref[0]), (got[1], ref[1]), (got[2][0], ref[2][0])):
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(r))
+        assert np.isnan(g[0, 1, 7]).all()
+        np.testing.assert_allclose(g[~np.isnan(r)], r[~np.isnan(r)], rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("big", [1e4, -1e4])
 def test_huge_scores_take_the_exact_path(big):
     """Scores of ±1e4: the bound is loose (or overflows exp), rows are redone exactly."""

@@ -230,7 +230,7 @@ def _fwd_exact(qs, kk, vv, spec, heads, q0, q1, runs, dt):
         acc *= alpha[:, None]
         acc += st.T @ vv[a:b]                                # (R,w) @ (w,Dv) -> (R,Dv)
         m = m_new
-    seen = l > 0
+    seen = l != 0  # l = 0: the row saw nothing; l = NaN (a NaN input) stays NaN, as in the reference
     out = acc / np.where(seen, l, 1)[:, None]
     with np.errstate(divide="ignore"):
         lse = np.where(seen, (np.where(seen, m, 0) + np.log2(np.where(seen, l, 1))) * LN2, -np.inf)
