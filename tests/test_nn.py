@@ -310,6 +310,17 @@ def test_linear_and_embedding_gradients():
         emb.forward(np.array([7]))
 
 
+def test_linear_and_embedding_name_a_misshapen_dy():
+    lin = nn.Linear(4, 3, rng=rng(45))
+    lin.forward(np.ones((2, 4)))
+    with pytest.raises(qkv.ShapeError, match=r"dy must have the output's shape \(\.\.\., d_out\) = \(2, 3\); got \(2, 5\)"):
+        lin.backward(np.ones((2, 5)))
+    emb = nn.Embedding(5, 3, rng=rng(46))
+    emb.forward(np.array([1, 2]))
+    with pytest.raises(qkv.ShapeError, match=r"dy must have the output's shape \(\.\.\., d\) = \(2, 3\); got \(3, 3\)"):
+        emb.backward(np.ones((3, 3)))
+
+
 def test_cross_entropy_gradient_and_errors():
     logits = rng(43).standard_normal((4, 5))
     t = np.array([0, 4, 2, 2])

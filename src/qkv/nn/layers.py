@@ -33,6 +33,9 @@ class Linear(Layer):
         """Fill grads from ``dy (..., d_out)``; return ``dx (..., d_in)``."""
         x = self._need_saved()
         dy = np.asarray(dy, dtype=self.dtype)
+        want = x.shape[:-1] + (self.d_out,)
+        if dy.shape != want:
+            raise ShapeError(f"dy must have the output's shape (..., d_out) = {fmt_shape(want)}; got {fmt_shape(dy.shape)}")
         self.grads["W"][...] = linear_grad(x, dy)
         if self.bias:
             self.grads["b"][...] = dy.reshape(-1, self.d_out).sum(axis=0)
@@ -61,7 +64,11 @@ class Embedding(Layer):
     def backward(self, dy) -> None:
         """Fill ``grads["W"]`` from ``dy (..., d)`` (rows used twice add up). Returns None."""
         ids = self._need_saved()
+        dy = np.asarray(dy, dtype=self.dtype)
+        want = ids.shape + (self.d,)
+        if dy.shape != want:
+            raise ShapeError(f"dy must have the output's shape (..., d) = {fmt_shape(want)}; got {fmt_shape(dy.shape)}")
         g = self.grads["W"]
         g[...] = 0
-        np.add.at(g, ids.reshape(-1), np.asarray(dy, dtype=self.dtype).reshape(-1, self.d))
+        np.add.at(g, ids.reshape(-1), dy.reshape(-1, self.d))
         return None
