@@ -68,6 +68,14 @@ def test_demo_plot_writes_a_png(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
 
 
+def test_demo_plot_to_a_path_it_cannot_write_is_a_clear_error(tmp_path, capsys):
+    assert main(["demo", "--plot", str(tmp_path / "missing" / "w.png")]) == 2
+    assert main(["demo", "--plot", str(tmp_path / "w.txt")]) == 2
+    captured = capsys.readouterr()
+    assert "--plot must be in an existing folder" in captured.err and "--plot must end in" in captured.err
+    assert captured.out == ""  # refused before the report, not after it
+
+
 def test_plot_without_matplotlib_names_the_extra(tmp_path):
     code = (
         "import sys; sys.modules['matplotlib'] = None\n"

@@ -36,3 +36,10 @@ def test_the_command_prints_the_table_and_writes_the_plot(tmp_path, capsys):
     assert len(json.loads((tmp_path / "scale.json").read_text())["rows"]) == 2
     assert (tmp_path / "scale.png").read_bytes()[:4] == b"\x89PNG"
     assert main(["experiment", "scale", "--d-k", "0"]) == 2
+
+
+def test_out_that_is_a_file_is_a_clear_error(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    (tmp_path / "file").write_text("")
+    assert main(["experiment", "scale", "--d-k", "2", "--out", str(tmp_path / "file")]) == 2
+    assert "--out must be a folder" in capsys.readouterr().err

@@ -84,3 +84,19 @@ def test_the_command_writes_summary_and_pictures(tmp_path, capsys):
     for name in ("loss.png", "attention.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "held-out accuracy" in capsys.readouterr().out
+
+
+def test_out_that_is_a_file_fails_before_training(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    assert main(["train", "lookup", "--no-progress", "--out", str(tmp_path / "file")]) == 2
+    err = capsys.readouterr().err
+    assert "--out must be a folder" in err and "Traceback" not in err
+
+
+def test_zero_steps_with_out_still_writes_its_files(tmp_path):
+    pytest.importorskip("matplotlib")
+    args = ["train", "lookup", "--steps", "0", "--keys", "8", "--values", "4", "--pairs", "3",
+            "--d-model", "8", "--no-progress", "--out", str(tmp_path)]
+    assert main(args) == 0
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 0
+    assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"

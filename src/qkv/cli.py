@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from pathlib import Path
 
 from .errors import ShapeError
 
@@ -60,6 +61,28 @@ def require(module: str, extra: str):
             f"this needs the optional dependency '{module.split('.')[0]}' ({err}); "
             f"install it with: pip install 'qkv[{extra}]'"
         ) from None
+
+
+def out_folder(path, option: str = "--out") -> Path:
+    """Make ``path`` a folder (parents too) before any work is done, or raise a ShapeError naming ``option``."""
+    folder = Path(path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ShapeError(f"{option} must be a folder qkv can write to; {str(folder)!r}: {err.strerror}") from None
+    return folder
+
+
+def out_file(path, option: str, suffixes: tuple[str, ...] = ()) -> Path:
+    """``path`` as a file qkv can write: one of ``suffixes`` (if given), in an existing folder."""
+    file = Path(path)
+    if suffixes and file.suffix.lower() not in suffixes:
+        raise ShapeError(f"{option} must end in {' or '.join(suffixes)}; got {str(file)!r}")
+    if file.is_dir():
+        raise ShapeError(f"{option} must be a file name; {str(file)!r} is a folder")
+    if not file.parent.is_dir():
+        raise ShapeError(f"{option} must be in an existing folder; {str(file.parent)!r} is not one")
+    return file
 
 
 if __name__ == "__main__":  # python -m qkv.cli

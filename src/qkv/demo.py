@@ -171,6 +171,9 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    if args.plot:
+        from .cli import out_file
+        out_file(args.plot, "--plot", (".png", ".svg", ".pdf"))  # a bad path fails before the report
     print(report())
     if args.plot:
         plot(args.plot)

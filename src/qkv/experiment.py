@@ -129,12 +129,12 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     if args.out:
-        from .cli import require
+        from .cli import out_folder, require
         require("matplotlib", "viz")
+        out_folder(args.out)
     rows = scale_experiment(args.d_k, n_keys=args.keys, n_samples=args.samples, seed=args.seed)
     print(format_table(rows, args.keys))
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "scale.json"), "w") as f:
             json.dump({"n_keys": args.keys, "n_samples": args.samples, "seed": args.seed, "rows": rows}, f, indent=2)
         plot(rows, os.path.join(args.out, "scale.png"), args.keys)

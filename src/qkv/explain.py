@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import sys
 import warnings
-from pathlib import Path
 
 import numpy as np
 
@@ -57,7 +56,7 @@ def top_keys(attentions: np.ndarray, tokens: list[str], i: int, n: int = 3) -> l
 
 def run(args) -> int:
     from . import viz
-    from .cli import require
+    from .cli import out_folder, require
     from .models import load_bert
 
     text = args.text
@@ -74,11 +73,7 @@ def run(args) -> int:
         print(f"qkv explain: warning: {w.message}", file=sys.stderr)
     i = find_token(model, tokens, args.token)
 
-    out = Path(args.out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ShapeError(f"--out must be a folder qkv can write to; {str(out)!r}: {err.strerror}") from None
+    out = out_folder(args.out)
     name = model.path.name if args.model else "all-MiniLM-L6-v2"
     page = viz.html(att, tokens, out / "explain.html", title=f"qkv explain: {name}, {len(tokens)} tokens")
     png = viz.grid(att, tokens, out / "attention-grid.png")

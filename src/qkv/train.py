@@ -157,11 +157,12 @@ def plot_loss(losses: np.ndarray, path: str, chance: float) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    steps = np.arange(1, len(losses) + 1)
-    ax.plot(steps, losses, lw=0.6, alpha=0.4, label="batch loss")
-    k = max(1, len(losses) // 50)
-    smooth = np.convolve(losses, np.ones(k) / k, mode="valid")
-    ax.plot(steps[k - 1:], smooth, lw=1.8, label=f"mean of {k}")
+    if len(losses):  # --steps 0 has no curve, only the guessing line
+        steps = np.arange(1, len(losses) + 1)
+        ax.plot(steps, losses, lw=0.6, alpha=0.4, label="batch loss")
+        k = max(1, len(losses) // 50)
+        smooth = np.convolve(losses, np.ones(k) / k, mode="valid")
+        ax.plot(steps[k - 1:], smooth, lw=1.8, label=f"mean of {k}")
     ax.axhline(np.log(1 / chance), color="gray", ls="--", lw=1, label="guessing")
     ax.set_yscale("log")
     ax.set_xlabel("step")
@@ -225,8 +226,9 @@ def run(args) -> int:
                        n_heads=args.heads, batch=args.batch, steps=args.steps, lr=args.lr, seed=args.seed)
     cfg.check()
     if args.out:
-        from .cli import require
+        from .cli import out_folder, require
         require("matplotlib", "viz")
+        out_folder(args.out)  # before training, not after it
     if args.no_progress:
         result = train_lookup(cfg)
     else:
@@ -243,7 +245,6 @@ def run(args) -> int:
     print(f"held-out accuracy {s['accuracy']:.4f} (chance {s['chance']:.4f}) after {s['steps']} steps "
           f"in {s['seconds']:.1f} s; mean weight on the query's own key {s['attention_on_key']:.3f}")
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "summary.json"), "w") as f:
             json.dump(s, f, indent=2)
         plot_loss(result["losses"], os.path.join(args.out, "loss.png"), s["chance"])
