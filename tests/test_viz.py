@@ -63,6 +63,14 @@ def test_static_pictures_reject_bad_input(tmp_path, mpl):
         viz.heatmap(bad, _tokens(5), tmp_path / "x.png")
 
 
+def test_static_pictures_draw_dollar_tokens_literally(tmp_path, mpl):
+    tokens = ["$$", "$x$", "$\\frac$", "a_b", "^"]  # mathtext would fail on the 1st and 3rd
+    w = _attn()
+    viz.heatmap(w[0, 0], tokens, tmp_path / "one.png")
+    viz.grid(w, tokens, tmp_path / "grid.png")
+    assert viz.static._labels(["$x$"]) == [r"\$x\$"]
+
+
 # --- the HTML explorer --------------------------------------------------------------------------
 
 def test_html_is_one_self_contained_file(tmp_path):

@@ -36,6 +36,11 @@ def check_weights(weights, tokens, ndim: int, layout: str) -> tuple[np.ndarray, 
     return weights.astype(np.float32, copy=False), tokens
 
 
+def _labels(tokens: list[str]) -> list[str]:
+    """Tokens as literal tick labels: matplotlib reads ``$...$`` as math (``"$$"`` fails to draw)."""
+    return [t.replace("$", r"\$") for t in tokens]
+
+
 def _check_path(path) -> Path:
     path = Path(path)
     if path.suffix.lower() not in FORMATS:
@@ -68,8 +73,8 @@ def heatmap(weights, tokens, path, *, title: str | None = None) -> Path:
     fig, ax = plt.subplots(figsize=(side + 1.2, side))
     im = ax.imshow(weights, cmap="viridis", vmin=0, vmax=max(float(weights.max()), 1e-9))
     if t <= 64:
-        ax.set_xticks(range(t), tokens, rotation=90, fontsize=8)
-        ax.set_yticks(range(t), tokens, fontsize=8)
+        ax.set_xticks(range(t), _labels(tokens), rotation=90, fontsize=8)
+        ax.set_yticks(range(t), _labels(tokens), fontsize=8)
     ax.set_xlabel("key (attended to)")
     ax.set_ylabel("query (attending)")
     if title:
@@ -106,8 +111,8 @@ def grid(attentions, tokens, path, *, title: str | None = None) -> Path:
             if h == 0:
                 ax.set_ylabel(f"layer {l}", fontsize=8)
             if labels and h == 0 and l == n_layers - 1:
-                ax.set_yticks(range(t), tokens, fontsize=4)
-                ax.set_xticks(range(t), tokens, fontsize=4, rotation=90)
+                ax.set_yticks(range(t), _labels(tokens), fontsize=4)
+                ax.set_xticks(range(t), _labels(tokens), fontsize=4, rotation=90)
     fig.suptitle(title or f"attention weights: {n_layers} layers × {n_heads} heads, {t} tokens "
                  "(rows attend to columns)", fontsize=10)
     fig.savefig(path, dpi=110, bbox_inches="tight")
