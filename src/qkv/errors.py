@@ -41,6 +41,23 @@ def expect_shape(name: str, array: np.ndarray, names: tuple[str, ...], expected:
         )
 
 
+def as_array(name: str, x) -> np.ndarray:
+    """``np.asarray(x)``, with a ShapeError naming ``name`` where NumPy makes no array of it
+    (a ragged nested list, say).
+
+    >>> as_array("mask", [[True, False], [True]])
+    Traceback (most recent call last):
+    ...
+    qkv.errors.ShapeError: mask must be a rectangular array; got a list that NumPy cannot make one of ...
+    """
+    try:
+        return np.asarray(x)
+    except (ValueError, TypeError) as err:
+        raise ShapeError(
+            f"{name} must be a rectangular array; got a {type(x).__name__} that NumPy cannot make one of ({err})"
+        ) from None
+
+
 def as_float_array(name: str, x) -> np.ndarray:
     """``x`` as an ndarray of a real floating dtype (float16/32/64); ints and complex are refused.
 
@@ -49,7 +66,7 @@ def as_float_array(name: str, x) -> np.ndarray:
     """
     if not isinstance(x, np.ndarray):
         if hasattr(x, "__array__") or isinstance(x, (list, tuple, numbers.Number)):
-            x = np.asarray(x)
+            x = as_array(name, x)
         else:
             raise ShapeError(f"{name} must be a NumPy array; got {type(x).__name__}")
     if x.dtype.kind != "f" or x.dtype.itemsize > 8:

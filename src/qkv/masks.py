@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import ShapeError, broadcasts_to, fmt_shape
+from .errors import ShapeError, as_array, broadcasts_to, fmt_shape
 
 EMPTY, PARTIAL, FULL = "empty", "partial", "full"
 
@@ -262,7 +262,7 @@ def build_spec(lead: tuple, tq: int, tk: int, *, mask=None, bias=None, causal=Fa
 
     if mask is not None:
         if not isinstance(mask, np.ndarray):
-            mask = np.asarray(mask)
+            mask = as_array("mask", mask)
         if mask.dtype != np.bool_:
             raise ShapeError(
                 f"mask must be a bool array (True = may attend); got dtype {mask.dtype}. "
@@ -274,7 +274,7 @@ def build_spec(lead: tuple, tq: int, tk: int, *, mask=None, bias=None, causal=Fa
 
     if bias is not None:
         if not isinstance(bias, np.ndarray):
-            bias = np.asarray(bias)
+            bias = as_array("bias", bias)
         if bias.dtype.kind != "f":
             raise ShapeError(f"bias must be a real floating array; got dtype {bias.dtype}")
         if bias.ndim < 2:
@@ -284,7 +284,7 @@ def build_spec(lead: tuple, tq: int, tk: int, *, mask=None, bias=None, causal=Fa
             raise ShapeError("bias must not contain NaN or +inf (-inf is allowed and means cannot attend)")
 
     if kv_lengths is not None:
-        kv_lengths = np.asarray(kv_lengths)
+        kv_lengths = as_array("kv_lengths", kv_lengths)
         if kv_lengths.dtype.kind not in "iu":
             raise ShapeError(f"kv_lengths must be an integer array (B,); got dtype {kv_lengths.dtype}")
         batch = lead[0] if lead else 1
@@ -303,7 +303,7 @@ def build_spec(lead: tuple, tq: int, tk: int, *, mask=None, bias=None, causal=Fa
         kv_lengths = kv_lengths.astype(np.int64)
 
     if alibi is not None:
-        alibi = np.asarray(alibi)
+        alibi = as_array("alibi", alibi)
         if not lead:
             raise ShapeError("alibi needs a head axis: q must have shape (..., Hq, Tq, D); got (Tq, D)")
         if alibi.dtype.kind != "f" or alibi.shape != (lead[-1],):
