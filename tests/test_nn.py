@@ -334,6 +334,8 @@ def test_cross_entropy_gradient_and_errors():
     assert nn.cross_entropy(np.array([[1e4, 0.0]]), np.array([1]))[0] == pytest.approx(1e4)
     with pytest.raises(qkv.ShapeError, match="targets"):
         nn.cross_entropy(logits, np.array([0, 5, 1, 1]))
+    with pytest.raises(qkv.ShapeError, match=r"at least one row and one class \(\.\.\., C\); got \(0, 5\)"):
+        nn.cross_entropy(np.zeros((0, 5)), np.zeros(0, dtype=int))  # was nan and a RuntimeWarning
 
 
 def test_adam_minimises_a_quadratic():

@@ -22,6 +22,8 @@ def cross_entropy(logits, targets) -> tuple[float, np.ndarray]:
     if logits.shape[:-1] != targets.shape or targets.dtype.kind not in "iu":
         raise ShapeError(f"targets must be ints of shape logits.shape[:-1] = {fmt_shape(logits.shape[:-1])}; "
                          f"got {fmt_shape(targets.shape)} {targets.dtype}")
+    if logits.ndim < 1 or logits.size == 0:  # the mean over no rows (or a softmax over no classes) is undefined
+        raise ShapeError(f"logits must have at least one row and one class (..., C); got {fmt_shape(logits.shape)}")
     c = logits.shape[-1]
     flat, t = logits.reshape(-1, c), targets.reshape(-1)
     if t.size and (t.min() < 0 or t.max() >= c):
