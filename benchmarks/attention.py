@@ -375,7 +375,7 @@ def _blas_info() -> dict:
 
 
 def run(args) -> int:
-    from qkv.cli import require
+    from qkv.cli import out_file, require
 
     from .report import plot, report
     from qkv.errors import ShapeError
@@ -387,6 +387,9 @@ def run(args) -> int:
         raise ShapeError(f"--threads must be >= 1; got {args.threads}")
     if args.plot:
         require("matplotlib", "viz")
+        out_file(args.plot, "--plot", (".png", ".svg", ".pdf"))
+    if args.json:
+        out_file(args.json, "--json")  # both checked before minutes of measuring, not after
     results = run_suites(args)
     report(results)
     if args.plot and results["sweep"]:

@@ -89,6 +89,8 @@ def test_missing_rich_names_the_extra(monkeypatch, capsys):
 def test_bad_options_are_refused(capsys):
     assert cli.main(["bench", "--quick", "--repeats", "0"]) == 2
     assert "--repeats" in capsys.readouterr().err
+    assert cli.main(["bench", "--quick", "--json", "/nonexistent-folder/r.json"]) == 2
+    assert "--json must be in an existing folder" in capsys.readouterr().err
 
 
 def test_encoder_suite_runs_against_sentence_transformers(tmp_path, capsys):
