@@ -132,6 +132,8 @@ def test_encode_rejects_non_strings(model, bad, match):
 def test_encode_rejects_bad_batch_size(model):
     with pytest.raises(qkv.ShapeError, match="batch_size"):
         model.encode(["a"], batch_size=0)
+    with pytest.raises(qkv.ShapeError, match=r"threads must be an int >= 1"):
+        model.encode(["a", "b"], threads=-1)  # was ThreadPoolExecutor's ValueError
 
 
 def test_uses_the_multihead_layer(model):

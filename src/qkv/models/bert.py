@@ -177,6 +177,8 @@ class Bert:
                 raise ShapeError(f"texts must be strings; texts[{n}] is {type(s).__name__}")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ShapeError(f"batch_size must be an int >= 1; got {batch_size!r}")
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise ShapeError(f"threads must be an int >= 1 (or None for the CPU count); got {threads!r}")
         if self.sentence.unsupported:
             raise CheckpointError(f"{self.path}: encode runs Transformer, Pooling (mean, cls or max) and "
                                   f"Normalize modules; this folder also has {self.sentence.unsupported}")
