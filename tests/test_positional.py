@@ -86,6 +86,8 @@ def test_rope_angles_shape_and_bad_inputs():
         rope(np.zeros((3, 4)), offset=-1)
     with pytest.raises(qkv.ShapeError, match="x must have at least 2"):
         rope(np.zeros(4))
+    with pytest.raises(qkv.ShapeError, match=r"positions= or offset=, not both .* offset=3"):
+        rope(np.zeros((3, 4)), positions=np.arange(3), offset=3)  # was: offset silently ignored
 
 
 def test_alibi_slopes_for_8_heads_are_the_papers():

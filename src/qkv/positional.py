@@ -100,6 +100,8 @@ def _rotate(x, positions, offset: int, base: float, sign: float) -> np.ndarray:
             raise ShapeError(f"offset must be an int >= 0; got {offset!r}")
         positions = np.arange(offset, offset + t)
     else:
+        if not (isinstance(offset, (int, np.integer)) and not isinstance(offset, bool) and offset == 0):
+            raise ShapeError(f"pass positions= or offset=, not both (offset would be ignored); got positions and offset={offset!r}")
         positions = np.asarray(positions)
         if positions.shape != (t,):
             raise ShapeError(f"positions must have shape (T,) = ({t},); got {fmt_shape(positions.shape)}")
@@ -115,7 +117,7 @@ def rope(x, positions=None, *, offset: int = 0, base: float = 10000.0) -> np.nda
     """Rotary position embedding of ``x (..., T, D)`` (half-split pairing, as Llama/NeoX).
 
     Token t is at ``positions[t]`` if given (int ``(T,)``), else at ``offset + t`` (the
-    offset is the number of tokens already in a KV cache). ``D`` must be even. Returns an
+    offset is the number of tokens already in a KV cache); give one of the two, not both. ``D`` must be even. Returns an
     array of x's shape and dtype; the rotation is computed in float32 (float64 for float64).
 
     >>> q = np.array([[1.0, 0.0]])          # one token, D = 2: theta_0 = 1
