@@ -407,6 +407,10 @@ def test_forward_checks_its_inputs(model):
         model.forward(np.zeros((1, 513), dtype=np.int64), np.array([513]))
     with pytest.raises(qkv.ShapeError, match="ids must be an int array"):
         model.forward(np.zeros((1, 3)), np.array([3]))
+    with pytest.raises(qkv.ShapeError, match=r"type_ids must lie in \[0, 2\); got -1\.\.0"):
+        model.forward(ids, np.array([5, 5]), np.array([[0] * 5, [0, 0, -1, 0, 0]]))  # -1 read the last row, silently
+    with pytest.raises(qkv.ShapeError, match=r"type_ids must be an int array of ids' shape \(B, T\) = \(2, 5\)"):
+        model.forward(ids, np.array([5, 5]), np.zeros((2, 4), dtype=np.int64))
 
 
 def test_blas_setting_is_restored_and_concurrent_callers_agree(model):

@@ -118,6 +118,14 @@ class Bert:
                              f"tokens (the model's position embeddings); got T = {t}")
         if ids.size and (ids.min() < 0 or ids.max() >= cfg.vocab_size):
             raise ShapeError(f"ids must lie in [0, {cfg.vocab_size}); got {ids.min()}..{ids.max()}")
+        if type_ids is not None:
+            type_ids = np.asarray(type_ids)
+            if type_ids.shape != ids.shape or type_ids.dtype.kind not in "iu":
+                raise ShapeError(f"type_ids must be an int array of ids' shape (B, T) = ({b}, {t}); "
+                                 f"got {type_ids.dtype} {type_ids.shape}")
+            if type_ids.size and (type_ids.min() < 0 or type_ids.max() >= cfg.type_vocab_size):
+                raise ShapeError(f"type_ids must lie in [0, {cfg.type_vocab_size}); "
+                                 f"got {type_ids.min()}..{type_ids.max()}")
         pos = np.arange(cfg.position_offset, cfg.position_offset + t)
         x = p["embed.word"][ids]                              # (B, T, d)
         x += p["embed.position"][pos]                         # (T, d) broadcast over B
