@@ -44,6 +44,8 @@ def test_self_attention_checks_its_input():
         layer.forward(np.zeros((5, 4)))
     with pytest.raises(RuntimeError, match="forward call first"):
         nn.SelfAttention(6, 4).backward(np.zeros((5, 4)))
+    with pytest.raises(qkv.ShapeError, match="causal must be"):
+        nn.SelfAttention(6, 4, causal="upper")
 
 
 def test_self_attention_computes_in_its_own_dtype():

@@ -15,6 +15,7 @@ import numpy as np
 
 from ..attention import attention, attention_backward
 from ..errors import ShapeError, as_float_array, fmt_shape
+from ..masks import parse_causal
 from .base import Layer, linear_grad, positive_int
 
 
@@ -39,6 +40,7 @@ class SelfAttention(Layer):
         self.d_model = positive_int("d_model", d_model)
         self.d_k = positive_int("d_k", d_k)
         self.d_v = self.d_k if d_v is None else positive_int("d_v", d_v)
+        parse_causal(causal)  # a bad value fails here, as in MultiHeadAttention, not at the first forward
         self.causal = causal
         self._add("W_Q", (self.d_model, self.d_k))
         self._add("W_K", (self.d_model, self.d_k))
