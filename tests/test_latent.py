@@ -103,6 +103,9 @@ def test_full_cache_and_cached_backward_are_errors():
         nn.LatentAttention(8, 2, 4).forward(np.ones((1, 1, 8)), cache=cache)
     with pytest.raises(qkv.ShapeError, match="d_rope must be even"):
         nn.LatentAttention(8, 2, 4, d_rope=3)
+    with pytest.raises(qkv.ShapeError, match="rope_base must be a finite number > 1"):
+        nn.LatentAttention(8, 2, 4, d_rope=2, rope_base=float("nan"))
+    nn.LatentAttention(8, 2, 4, d_rope=0, rope_base=float("nan"))  # no RoPE part: the base is unused
 
 
 def test_cache_table_numbers():

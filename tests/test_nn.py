@@ -194,6 +194,8 @@ def test_mha_bad_arguments_name_themselves():
         nn.MultiHeadAttention(8, 2, causal="upper")
     with pytest.raises(qkv.ShapeError, match="rng"):
         nn.MultiHeadAttention(8, 2, rng=0)
+    with pytest.raises(qkv.ShapeError, match=r"rope_base must be a finite number > 1 \(default 10000\); got 1\.0"):
+        nn.MultiHeadAttention(8, 2, rope=True, rope_base=1.0)  # was accepted, then failed in forward as "base"
     layer = nn.MultiHeadAttention(8, 2)
     with pytest.raises(qkv.ShapeError, match=r"x must have shape \(B, T, d_model\) = \(\.\.\., 8\); got \(2, 3, 7\)"):
         layer.forward(np.zeros((2, 3, 7)))

@@ -41,10 +41,11 @@ def _positive_int(name: str, value, minimum: int = 1) -> int:
     return int(value)
 
 
-def _check_base(base) -> float:
+def _check_base(base, name: str = "base") -> float:
+    """``base`` as a float > 1, or a ShapeError naming it (the layers pass ``"rope_base"``)."""
     if isinstance(base, bool) or not isinstance(base, (int, float, np.floating, np.integer)) \
             or not math.isfinite(base) or base <= 1:
-        raise ShapeError(f"base must be a finite number > 1 (default 10000); got {base!r}")
+        raise ShapeError(f"{name} must be a finite number > 1 (default 10000); got {base!r}")
     return float(base)
 
 

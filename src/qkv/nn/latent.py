@@ -37,7 +37,7 @@ import numpy as np
 from ..attention import attention, attention_backward
 from ..errors import ShapeError, as_float_array, fmt_shape
 from ..masks import parse_causal, parse_window
-from ..positional import rope, rope_backward
+from ..positional import _check_base, rope, rope_backward
 from .base import Layer, check_input, head_width, linear_grad, merge_heads, positive_int, split_heads
 from .cache import LatentCache
 
@@ -70,6 +70,8 @@ class LatentAttention(Layer):
         self.d_rope = 2 * (self.d_head // 4) if d_rope is None else positive_int("d_rope", d_rope, 0)
         if self.d_rope % 2:
             raise ShapeError(f"d_rope must be even (RoPE rotates pairs); got {self.d_rope}")
+        if self.d_rope:
+            _check_base(rope_base, "rope_base")
         parse_causal(causal)
         parse_window(window)
         self.causal, self.window, self.rope_base = causal, window, rope_base

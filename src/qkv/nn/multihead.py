@@ -24,7 +24,7 @@ import numpy as np
 from ..attention import attention, attention_backward
 from ..errors import ShapeError, as_float_array, fmt_shape
 from ..masks import parse_causal, parse_window
-from ..positional import alibi_slopes, rope, rope_backward
+from ..positional import _check_base, alibi_slopes, rope, rope_backward
 from .base import Layer, check_input, head_width, linear_grad, merge_heads, positive_int, split_heads
 from .cache import KVCache
 
@@ -69,6 +69,8 @@ class MultiHeadAttention(Layer):
         self.d_head = head_width(self.d_model, self.n_heads, d_head)
         if rope and self.d_head % 2:
             raise ShapeError(f"rope=True needs an even d_head; got d_head = {self.d_head}")
+        if rope:
+            _check_base(rope_base, "rope_base")
         parse_causal(causal)
         parse_window(window)
         self.causal, self.window, self.rope, self.bias = causal, window, bool(rope), bool(bias)
