@@ -43,6 +43,14 @@ def test_all_minus_inf_rows_give_zero_weights_and_minus_inf_lse_without_warning(
     np.testing.assert_allclose(lse[1], np.log(2.0))
 
 
+def test_an_empty_row_is_a_row_that_sees_nothing():
+    x = np.zeros((2, 0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert qkv.softmax(x).shape == (2, 0)
+        np.testing.assert_array_equal(qkv.logsumexp(x), [-np.inf, -np.inf])
+
+
 def test_softmax_axis_and_keepdims():
     x = np.arange(6.0).reshape(2, 3)
     np.testing.assert_allclose(qkv.softmax(x, axis=0).sum(0), 1.0)
@@ -52,6 +60,8 @@ def test_softmax_axis_and_keepdims():
 def test_softmax_refuses_bad_input():
     with pytest.raises(qkv.ShapeError, match="axis"):
         qkv.softmax(np.zeros((2, 3)), axis=2)
+    with pytest.raises(qkv.ShapeError, match="axis"):
+        qkv.logsumexp(np.zeros((2, 3)), axis=True)
     with pytest.raises(qkv.ShapeError, match="x must be a real floating array"):
         qkv.softmax(np.arange(3))
 

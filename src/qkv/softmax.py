@@ -4,9 +4,9 @@ Stability: ``softmax(x) = exp(x - m) / sum(exp(x - m))`` for any ``m``; choosing
 as the row maximum makes every exponent ``<= 0``, so nothing overflows for any finite
 input (scores of ±1e4 included) and the largest term is exactly 1, so the sum is >= 1.
 
--inf entries are "cannot attend": they get weight 0. A row that is entirely -inf has
-no maximum to subtract; it gets all-zero weights and ``logsumexp = -inf`` (no NaN, no
-warning), which is what attention needs for a query that may attend to nothing.
+-inf entries are "cannot attend": they get weight 0. A row that is entirely -inf (or
+empty) has no maximum to subtract; it gets all-zero weights and ``logsumexp = -inf`` (no
+NaN, no warning), which is what attention needs for a query that may attend to nothing.
 
 >>> import numpy as np
 >>> softmax(np.array([1.0, 0.905, 0.05])).round(4)
@@ -24,13 +24,14 @@ from .errors import ShapeError, as_float_array
 
 
 def _safe_max(x: np.ndarray, axis: int) -> np.ndarray:
-    """Row maximum with -inf rows mapped to 0, so ``x - m`` stays -inf (not NaN) there."""
-    m = np.max(x, axis=axis, keepdims=True)
+    """Row maximum with -inf rows (and empty ones) mapped to 0, so ``x - m`` stays -inf (not NaN) there."""
+    m = np.max(x, axis=axis, keepdims=True, initial=-np.inf)
     return np.where(m == -np.inf, 0.0, m).astype(x.dtype, copy=False)
 
 
 def _check_axis(x: np.ndarray, axis: int) -> int:
-    if not isinstance(axis, (int, np.integer)) or not -x.ndim <= axis < max(x.ndim, 1):
+    if (isinstance(axis, bool) or not isinstance(axis, (int, np.integer))
+            or not -x.ndim <= axis < max(x.ndim, 1)):
         raise ShapeError(f"axis must be an int in [-{x.ndim}, {x.ndim}); got {axis!r}")
     return int(axis)
 
