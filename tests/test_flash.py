@@ -212,6 +212,21 @@ def test_nan_input_is_nan_not_a_row_that_saw_nothing(dtype):
         np.testing.assert_allclose(g[~np.isnan(r)], r[~np.isnan(r)], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype,score,size", [(np.float32, 55.0, 1e15), (np.float64, 290.0, 1e183)])
+def test_large_values_do_not_overflow_the_fixed_offset(dtype, score, size):
+    """The fixed offset lets exp reach 2^C; times a large but finite value that overflowed
+    the accumulator to ±inf where the reference (weights <= 1) is finite."""
+    rng = np.random.default_rng(15)
+    q = np.zeros((1, 1, 64, 16), dtype)
+    q[..., 0] = np.sqrt(score * 4)  # every score is `score` with the default scale 1/4
+    v = (rng.standard_normal((1, 1, 64, 16)) * size).astype(dtype)
+    ref = qkv.attention(q, q, v, return_lse=True, method="reference")
+    got = qkv.attention(q, q, v, return_lse=True, method="flash")
+    assert np.isfinite(got[0]).all()
+    for g, r in zip(got, ref):
+        np.testing.assert_allclose(g, r, rtol=1e-5)
+
+
 @pytest.mark.parametrize("big", [1e4, -1e4])
 def test_huge_scores_take_the_exact_path(big):
     """Scores of ±1e4: the bound is loose (or overflows exp), rows are redone exactly."""

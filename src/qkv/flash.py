@@ -26,7 +26,8 @@ value product for free by giving V a column of ones, ``[acc | l] = Σ_j exp(s_j 
 A block then costs two matrix products and one in-place ``exp``. The bound may be loose;
 float32 keeps full relative precision for ``exp(x)`` down to ``x ≈ -87``, so the result
 is exact to rounding as long as the largest term is not tiny: rows whose ``l < e^-40``
-(including rows that see nothing) are redone on the exact path.
+(including rows that see nothing) are redone on the exact path, and so are rows whose
+``acc`` overflowed (terms up to ``2^C`` times values near the top of the dtype's range).
 
 **Base 2.** ``exp(s - m) = 2^(log2(e)·s - log2(e)·m)``: q is scaled by ``log2(e)·scale``
 once, offsets and ``lse`` are kept in base 2 inside the kernel, and ``np.exp2`` replaces
@@ -260,6 +261,8 @@ def _fwd_bound(qs, kk, v1, knorm, spec, heads, q0, q1, runs, dt):
     l = acc[:, dv]
     if not (l >= 2.0 ** -_LOOSE[dt]).all():
         return None  # a row's largest term is tiny (or it sees nothing): redo exactly
+    if not np.isfinite(acc).all():
+        return None  # terms up to 2^C times large values overflowed: redo with terms <= 1
     out = acc[:, :dv] / l[:, None]
     return out, (m + np.log2(l)) * dt.type(LN2)   # lse = m + log l
 
