@@ -43,6 +43,8 @@ BAD_CALLS = [
     ("bias-shape", (QM, KM, VM), {"bias": np.zeros((4, 7, 5))}, ["bias", "(2, 4, 5, 7)", "(4, 7, 5)"]),
     ("bias-dtype", (QM, KM, VM), {"bias": np.zeros((5, 7), bool)}, ["bias", "floating", "bool"]),
     ("bias-nan", (QM, KM, VM), {"bias": np.full((5, 7), np.nan)}, ["bias", "NaN"]),
+    ("bias-beyond-float32", tuple(x.astype(np.float32) for x in (QM, KM, VM)), {"bias": np.full((5, 7), -1e39)},
+     ["bias", "float32", "1e+39", "-inf"]),
     ("causal-word", (QM, KM, VM), {"causal": "bottom-right"}, ["causal", "bottom_right", "'bottom-right'"]),
     ("window-negative", (QM, KM, VM), {"window": (-1, 0)}, ["window", "left", ">= 0", "-1"]),
     ("window-malformed", (QM, KM, VM), {"window": (1, 2, 3)}, ["window", "(left, right)", "(1, 2, 3)"]),

@@ -90,9 +90,9 @@ def _prepare(q, k, v, *, mask, bias, causal, window, kv_lengths, alibi, scale, g
     elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
         raise ShapeError(f"scale must be a finite real number (default 1/sqrt(D)); got {scale!r}")
 
-    spec = build_spec(lead, tq, tk, mask=mask, bias=bias, causal=causal, window=window,
-                      kv_lengths=kv_lengths, alibi=alibi)
     in_dtype, cdt = q.dtype, _compute_dtype(q.dtype)
+    spec = build_spec(lead, tq, tk, mask=mask, bias=bias, causal=causal, window=window,
+                      kv_lengths=kv_lengths, alibi=alibi, dtype=cdt)
     shapes = (q.shape, k.shape, v.shape)
     q = np.broadcast_to(q.astype(cdt, copy=False), lead + (tq, d))
     k = np.broadcast_to(k.astype(cdt, copy=False), lead_kv + (tk, d))

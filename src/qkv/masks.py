@@ -248,8 +248,9 @@ class MaskSpec:
 
 
 def build_spec(lead: tuple, tq: int, tk: int, *, mask=None, bias=None, causal=False,
-               window=None, kv_lengths=None, alibi=None) -> MaskSpec:
-    """Check every mask option against the output's leading shape ``lead = (..., Hq)``."""
+               window=None, kv_lengths=None, alibi=None, dtype=np.float64) -> MaskSpec:
+    """Check every mask option against the output's leading shape ``lead = (..., Hq)`` and
+    the compute ``dtype`` (a bias must be representable in it)."""
     causal = parse_causal(causal)
     left, right = parse_window(window)
     if causal is not None and right is not None and right > 0:
@@ -282,6 +283,12 @@ def build_spec(lead: tuple, tq: int, tk: int, *, mask=None, bias=None, causal=Fa
         broadcasts_to("bias", bias.shape, target, names)
         if np.isnan(bias).any() or np.isposinf(bias).any():
             raise ShapeError("bias must not contain NaN or +inf (-inf is allowed and means cannot attend)")
+        top = np.finfo(dtype).max
+        if bias.dtype.itemsize > np.dtype(dtype).itemsize and (np.abs(bias[np.isfinite(bias)]) > top).any():
+            raise ShapeError(
+                f"bias must fit the compute dtype {np.dtype(dtype)} (|bias| <= {top:.4g}, or -inf "
+                f"for cannot attend); got values up to {float(np.abs(bias[np.isfinite(bias)]).max()):.4g}"
+            )
 
     if kv_lengths is not None:
         kv_lengths = as_array("kv_lengths", kv_lengths)
