@@ -46,3 +46,9 @@ def test_concurrent_holders_leave_nothing_held():
     with ThreadPoolExecutor(4) as pool:
         assert all(pool.map(job, range(16)))
     assert threads.blas_holders() == 0
+
+
+def test_a_pool_handed_out_still_runs_after_another_caller_grows_it():
+    held = threads.pool(2)  # a kernel took the pool, then another thread asked for more
+    threads.pool(threads._state["pool_size"] + 1)
+    assert list(held.map(lambda x: x * x, range(4))) == [0, 1, 4, 9]

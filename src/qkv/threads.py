@@ -37,11 +37,13 @@ def get_num_threads() -> int:
 
 
 def pool(n: int) -> ThreadPoolExecutor:
-    """The shared worker pool, grown to at least ``n`` threads."""
+    """The shared worker pool, grown to at least ``n`` threads.
+
+    Growing replaces the pool without shutting the old one down: a kernel on another thread
+    may hold it between this call and its ``map``. Its threads end once it is collected.
+    """
     with _lock:
         if _state["pool_size"] < n:
-            if _state["pool"] is not None:
-                _state["pool"].shutdown(wait=False)
             _state["pool"] = ThreadPoolExecutor(max_workers=n, thread_name_prefix="qkv")
             _state["pool_size"] = n
         return _state["pool"]
