@@ -25,6 +25,7 @@ BAD_CALLS = [
     ("batch-mismatch", (QM, np.zeros((3, 4, 7, 8)), np.zeros((3, 4, 7, 8))), {}, ["q", "k", "broadcast", "(2, 4, 5, 8)", "(3, 4, 7, 8)"]),
     ("heads-without-gqa", (Q, K, V), {}, ["broadcast", "gqa=True"]),
     ("gqa-not-multiple", (np.zeros((2, 5, 5, 8)), K, V), {"gqa": True}, ["Hq", "Hkv", "multiple", "5", "2"]),
+    ("gqa-no-kv-heads", (Q, np.zeros((2, 0, 7, 8)), np.zeros((2, 0, 7, 8))), {"gqa": True}, ["Hkv", ">= 1", "0"]),
     ("gqa-batch", (np.zeros((3, 4, 5, 8)), K, V), {"gqa": True}, ["batch", "q", "k"]),
     ("int-input", (np.zeros((5, 8), int), np.zeros((7, 8)), np.zeros((7, 8))), {}, ["q", "floating", "int64"]),
     ("complex-input", (QM, KM.astype(complex), VM), {}, ["k", "floating", "complex"]),

@@ -64,9 +64,9 @@ def _prepare(q, k, v, *, mask, bias, causal, window, kv_lengths, alibi, scale, g
 
     if gqa:
         hq, hkv = q.shape[-3], k.shape[-3]
-        if hq % hkv != 0:
+        if hkv == 0 or hq % hkv != 0:
             raise ShapeError(
-                f"with gqa=True the query heads Hq must be a multiple of the kv heads Hkv; "
+                f"with gqa=True the query heads Hq must be a multiple of the kv heads Hkv >= 1; "
                 f"got Hq = {hq} (q {fmt_shape(q.shape)}) and Hkv = {hkv} (k {fmt_shape(k.shape)})"
             )
         batch = broadcast_or_raise("the batch axes of q and k (before the head axis)",
