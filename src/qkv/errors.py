@@ -76,6 +76,13 @@ def as_float_array(name: str, x) -> np.ndarray:
     return x
 
 
+def positive_int(name: str, value, minimum: int = 1) -> int:
+    """``value`` as an int >= minimum (bools refused), or a ShapeError naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ShapeError(f"{name} must be an int >= {minimum}; got {value!r}")
+    return int(value)
+
+
 def expect_ndim(name: str, x: np.ndarray, at_least: int, layout: str) -> None:
     """Raise unless ``x.ndim >= at_least``; ``layout`` is the expected layout, e.g. ``(..., T, D)``."""
     if x.ndim < at_least:

@@ -32,13 +32,7 @@ import math
 
 import numpy as np
 
-from .errors import ShapeError, as_float_array, fmt_shape
-
-
-def _positive_int(name: str, value, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ShapeError(f"{name} must be an int >= {minimum}; got {value!r}")
-    return int(value)
+from .errors import ShapeError, as_float_array, fmt_shape, positive_int
 
 
 def _check_base(base, name: str = "base") -> float:
@@ -61,8 +55,8 @@ def sinusoidal(n_positions: int, d_model: int, *, base: float = 10000.0,
            [ 0.8415,  0.5403,  0.01  ,  1.    ],
            [ 0.9093, -0.4161,  0.02  ,  0.9998]])
     """
-    n_positions = _positive_int("n_positions", n_positions)
-    d_model = _positive_int("d_model", d_model)
+    n_positions = positive_int("n_positions", n_positions)
+    d_model = positive_int("d_model", d_model)
     base = _check_base(base)
     pos = np.arange(n_positions, dtype=np.float64)[:, None]  # (T, 1)
     two_i = np.arange(0, d_model, 2, dtype=np.float64)[None, :]  # (1, ceil(D/2))
@@ -79,7 +73,7 @@ def rope_angles(positions, d_head: int, *, base: float = 10000.0) -> tuple[np.nd
     ``positions`` is an int array ``(T,)``; ``theta_i = base^(-2i/d_head)``. Computed in
     float64 (positions times frequencies lose digits in float32 at long range).
     """
-    d_head = _positive_int("d_head", d_head)
+    d_head = positive_int("d_head", d_head)
     if d_head % 2:
         raise ShapeError(f"RoPE needs an even head size d_head; got {d_head}")
     base = _check_base(base)
@@ -148,7 +142,7 @@ def alibi_slopes(n_heads: int) -> np.ndarray:
     >>> alibi_slopes(4).tolist()
     [0.25, 0.0625, 0.015625, 0.00390625]
     """
-    n_heads = _positive_int("n_heads", n_heads)
+    n_heads = positive_int("n_heads", n_heads)
 
     def power_of_two(n: int) -> np.ndarray:
         start = 2.0 ** (-8.0 / n)

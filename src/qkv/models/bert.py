@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import ShapeError
+from ..errors import ShapeError, positive_int
 from ..threads import blas_one_thread, get_num_threads, set_num_threads
 from ..nn import MultiHeadAttention
 from .checkpoint import (BertConfig, CheckpointError, SentenceConfig, check_folder, default_model_path,
@@ -183,8 +183,7 @@ class Bert:
         for n, s in enumerate(texts):
             if not isinstance(s, str):
                 raise ShapeError(f"texts must be strings; texts[{n}] is {type(s).__name__}")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ShapeError(f"batch_size must be an int >= 1; got {batch_size!r}")
+        positive_int("batch_size", batch_size)
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise ShapeError(f"threads must be an int >= 1 (or None for the CPU count); got {threads!r}")
         if self.sentence.unsupported:

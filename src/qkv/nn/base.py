@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from ..errors import ShapeError, as_float_array, fmt_shape
+from ..errors import ShapeError, as_float_array, fmt_shape, positive_int
 
 FLOAT_DTYPES = (np.float16, np.float32, np.float64)
 
@@ -55,13 +55,6 @@ class Layer:
         if self._saved is None:
             raise RuntimeError(f"{type(self).__name__}.backward needs a forward call first")
         return self._saved
-
-
-def positive_int(name: str, value, minimum: int = 1) -> int:
-    """``value`` as an int >= minimum, or a ShapeError naming it."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ShapeError(f"{name} must be an int >= {minimum}; got {value!r}")
-    return int(value)
 
 
 def head_width(d_model: int, n_heads: int, d_head) -> int:

@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import ShapeError, fmt_shape
-from .base import positive_int
+from ..errors import ShapeError, fmt_shape, positive_int
 
 
 class Cache:

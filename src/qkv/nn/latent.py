@@ -35,10 +35,10 @@ import math
 import numpy as np
 
 from ..attention import attention, attention_backward
-from ..errors import ShapeError, as_float_array, fmt_shape
+from ..errors import ShapeError, as_float_array, fmt_shape, positive_int
 from ..masks import parse_causal, parse_window
 from ..positional import _check_base, rope, rope_backward
-from .base import Layer, check_input, head_width, linear_grad, merge_heads, positive_int, split_heads
+from .base import Layer, check_input, head_width, linear_grad, merge_heads, split_heads
 from .cache import LatentCache
 
 

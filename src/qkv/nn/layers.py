@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import ShapeError, as_float_array, fmt_shape
-from .base import Layer, linear_grad, positive_int
+from ..errors import ShapeError, as_float_array, fmt_shape, positive_int
+from .base import Layer, linear_grad
 
 
 class Linear(Layer):

@@ -14,9 +14,9 @@ from __future__ import annotations
 import numpy as np
 
 from ..attention import attention, attention_backward
-from ..errors import ShapeError, as_float_array, fmt_shape
+from ..errors import ShapeError, as_float_array, fmt_shape, positive_int
 from ..masks import parse_causal
-from .base import Layer, linear_grad, positive_int
+from .base import Layer, linear_grad
 
 
 class SelfAttention(Layer):
