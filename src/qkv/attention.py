@@ -108,7 +108,8 @@ AUTO_FLASH_MIN = 2 ** 18
 
 
 class _WeightsBeside:
-    """A tiled kernel for out/lse, with the dense path making the weights only."""
+    """A tiled kernel for out/lse, with the dense path making the weights only (forward only:
+    the backward never asks for weights)."""
 
     def __init__(self, kern):
         self.kern = kern
@@ -119,9 +120,6 @@ class _WeightsBeside:
         if return_weights:
             weights = reference.forward(q, k, v, spec, scale, group, return_weights=True)[2]
         return out, lse, weights
-
-    def backward(self, *args, **kwargs):
-        return self.kern.backward(*args, **kwargs)
 
 
 def _kernel(method: str, prob: Problem, need_weights: bool):
