@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import qkv
-from qkv import flash
+from qkv.kernels import flash
 
 CAUSALS = [False, True, "bottom_right"]
 
@@ -317,7 +317,7 @@ def test_flash_never_makes_a_tq_by_tk_array():
 def test_auto_picks_flash_above_the_measured_size(monkeypatch):
     import importlib
 
-    dispatch = importlib.import_module("qkv.attention")
+    dispatch = importlib.import_module("qkv.api")
     calls = []
     real = flash.forward
     monkeypatch.setattr(flash, "forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))

@@ -352,10 +352,17 @@ def test_adam_minimises_a_quadratic():
     np.testing.assert_allclose(layer.params["W"], target, atol=1e-3)
 
 
-def test_layers_at_a_size_where_auto_picks_the_tiled_kernel():
-    from qkv import attention as attention_module
+def test_layers_at_a_size_where_auto_picks_the_tiled_kernel(monkeypatch):
+    from qkv import api
+    from qkv.kernels import flash
 
-    t = int(np.ceil(np.sqrt(getattr(attention_module, "AUTO_FLASH_MIN", 128 * 128)))) + 3
+    calls = {"forward": 0, "backward": 0}
+    for name in calls:
+        real = getattr(flash, name)
+        monkeypatch.setattr(flash, name, lambda *a, _real=real, _name=name, **kw:
+                            calls.__setitem__(_name, calls[_name] + 1) or _real(*a, **kw))
+    # 4 heads x t x t score entries reach AUTO_FLASH_MIN: auto must pick the tiled kernel
+    t = int(np.ceil(np.sqrt(api.AUTO_FLASH_MIN / 4))) + 3
     x = rng(50).standard_normal((1, t, 16))
     layer = nn.MultiHeadAttention(16, 4, n_kv_heads=2, rope=True, alibi=True, window=40, bias=True,
                                   causal=True, dtype=np.float64, rng=rng(51))
@@ -366,3 +373,4 @@ def test_layers_at_a_size_where_auto_picks_the_tiled_kernel():
     steps = [layer.forward(x[:, :t - 4], cache=cache)] + [layer.forward(x[:, i:i + 1], cache=cache)
                                                            for i in range(t - 4, t)]
     np.testing.assert_allclose(np.concatenate(steps, axis=1), full, atol=1e-12)
+    assert calls["forward"] > 0 and calls["backward"] > 0, calls  # the tiled kernel really ran

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import qkv
-from qkv.softmax import merge_partials
+from qkv.numerics import merge_partials
 
 
 def test_softmax_matches_the_definition_on_small_numbers():

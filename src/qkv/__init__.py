@@ -6,10 +6,10 @@ feature). With 4-D arrays, ``q (B, Hq, Tq, D)``, ``k (B, Hkv, Tk, D)``,
 True = may attend, as in PyTorch's scaled_dot_product_attention.
 """
 from . import nn, positional
-from .attention import attention, attention_backward
+from .api import attention, attention_backward
 from .errors import ShapeError
 from .threads import get_num_threads, set_num_threads
-from .softmax import logsumexp, softmax
+from .numerics import logsumexp, softmax
 
 __version__ = "0.1.0"
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .attention import attention
-from .softmax import softmax
+from .api import attention
+from .numerics import softmax
 
 # --- the examples ------------------------------------------------------------------------
 

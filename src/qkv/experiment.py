@@ -20,7 +20,7 @@ import os
 
 import numpy as np
 
-from .attention import attention
+from .api import attention
 from .errors import ShapeError
 
 DEFAULT_DK = (1, 4, 16, 64, 256, 1024)

@@ -34,7 +34,7 @@ import math
 
 import numpy as np
 
-from ..attention import attention, attention_backward
+from ..api import attention, attention_backward
 from ..errors import ShapeError, as_float_array, fmt_shape, positive_int
 from ..masks import parse_causal, parse_window
 from ..positional import _check_base, rope, rope_backward

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import ShapeError, fmt_shape
-from ..softmax import logsumexp
+from ..numerics import logsumexp
 
 
 def cross_entropy(logits, targets) -> tuple[float, np.ndarray]:

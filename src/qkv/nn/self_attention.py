@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..attention import attention, attention_backward
+from ..api import attention, attention_backward
 from ..errors import ShapeError, as_float_array, fmt_shape, positive_int
 from ..masks import parse_causal
 from .base import Layer, linear_grad

@@ -61,9 +61,9 @@ import threading
 
 import numpy as np
 
-from . import threads
-from .errors import ShapeError
-from .masks import MaskSpec
+from .. import threads
+from ..errors import ShapeError
+from ..masks import MaskSpec
 
 # Tile sizes: a score tile of rows x keys should stay well inside a core's L2 (1 MiB here).
 ROWS = 256             # query rows per forward task

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import flash, reference
+from .kernels import flash, reference
 from .errors import ShapeError, as_float_array, broadcast_or_raise, expect_ndim, fmt_shape
 from .masks import MaskSpec, build_spec
 

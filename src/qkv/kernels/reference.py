@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .masks import MaskSpec
+from ..masks import MaskSpec
 
 
 def _expand_groups(x: np.ndarray, group: int) -> np.ndarray:

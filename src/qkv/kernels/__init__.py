@@ -1,0 +1,9 @@
+"""The attention kernels behind :func:`qkv.attention`.
+
+Each kernel module has ``forward(q, k, v, spec, scale, group, ...)`` and
+``backward(dout, q, k, v, out, lse, spec, scale, group, ...)`` on checked arrays in the
+compute dtype (the interface is described in :mod:`qkv.kernels.reference`):
+
+- :mod:`~qkv.kernels.reference`: dense and exact, the oracle every other path is tested against;
+- :mod:`~qkv.kernels.flash`: tiled, O(T·D) memory, the fast path.
+"""
