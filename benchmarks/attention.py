@@ -256,7 +256,7 @@ def run_suites(args) -> dict:
     import numpy as np
 
     import qkv
-    from qkv.cli import require
+    from qkv.extras import require
 
     rich_progress = require("rich.progress", "cli")
     from .report import console
@@ -375,7 +375,8 @@ def _blas_info() -> dict:
 
 
 def run(args) -> int:
-    from qkv.cli import out_file, require
+    from qkv.cli.common import out_file
+    from qkv.extras import require
 
     from .report import plot, report
     from qkv.errors import ShapeError

@@ -81,7 +81,7 @@ def report(results: dict) -> None:
 
 
 def plot(results: dict, path: str) -> None:
-    from qkv.cli import require
+    from qkv.extras import require
     matplotlib = require("matplotlib", "viz")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

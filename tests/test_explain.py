@@ -10,8 +10,9 @@ pytest.importorskip("safetensors", reason="qkv explain needs the models extra")
 pytest.importorskip("tokenizers", reason="qkv explain needs the models extra")
 pytest.importorskip("matplotlib", reason="qkv explain needs the viz extra")
 
-from qkv import explain  # noqa: E402
-from qkv.cli import MissingExtra, build_parser, main  # noqa: E402
+from qkv.experiments import explain  # noqa: E402
+from qkv.cli import build_parser, main  # noqa: E402
+from qkv.extras import MissingExtra  # noqa: E402
 from qkv.models import checkpoint as ckpt  # noqa: E402
 
 
@@ -76,7 +77,7 @@ def test_empty_text_is_a_clear_error(tmp_path, capsys):
 def test_token_not_in_text_is_a_clear_error(tmp_path, capsys):
     assert main(["explain", "hello there", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert "--token 'it'" in err and "hello there" in err
+    assert "token 'it'" in err and "hello there" in err
 
 
 def test_missing_model_says_how_to_install(tmp_path, capsys, monkeypatch):
@@ -112,5 +113,7 @@ def test_long_text_is_truncated_with_a_warning(tmp_path, capsys):
 def test_registered_in_the_cli():
     parser = build_parser()
     args = parser.parse_args(["explain"])
-    assert args._run is explain.run
+    from qkv.cli import explain as explain_command
+
+    assert args._run is explain_command.run
     assert args.text == explain.DEFAULT_TEXT and args.token == "it" and args.out == "explain-out"

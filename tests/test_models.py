@@ -16,7 +16,7 @@ pytest.importorskip("tokenizers", reason="needs the models extra (tokenizers)")
 from safetensors.numpy import save_file  # noqa: E402
 
 import qkv  # noqa: E402
-from qkv.cli import MissingExtra  # noqa: E402
+from qkv.extras import MissingExtra  # noqa: E402
 from qkv.models import BertConfig, CheckpointError, default_model_path, load_bert, name_table  # noqa: E402
 from qkv.models import checkpoint as ckpt  # noqa: E402
 from qkv.models.functional import erf, gelu, gelu_tanh, layer_norm  # noqa: E402

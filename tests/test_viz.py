@@ -136,7 +136,7 @@ def test_importing_costs_no_optional_dependency():
     import subprocess
     import sys
 
-    code = ("import sys, qkv.viz, qkv.models, qkv.explain; "
+    code = ("import sys, qkv.viz, qkv.models, qkv.experiments.explain; "
             "print(sorted(m for m in ('matplotlib', 'safetensors', 'tokenizers', 'torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

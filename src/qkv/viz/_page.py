@@ -231,8 +231,9 @@ PAGE_JS = r"""
       .map(function (r) { return tokens[r[1]] + " " + r[0].toFixed(2); }).join(", ");
     status.textContent = (side === "q" ? "query \u201c" + tokens[i] + "\u201d attends most to: "
                                        : "key \u201c" + tokens[i] + "\u201d is attended most by: ")
-      + (top || "(nothing above " + MIN_SHOWN + ")") + "  (layer " + state.layer + ", mean over "
-      + (n === H ? "all heads" : n === 1 ? "head " + Array.from(state.heads)[0] : n + " heads") + ")";
+      + (top || "(nothing above " + MIN_SHOWN + ")") + "  (layer " + state.layer + ", "
+      + (n === 1 ? "head " + Array.from(state.heads)[0]
+                 : "mean over " + (n === H ? "all " + H + " heads" : n + " heads")) + ")";
   }
 
   // --- model view ----------------------------------------------------------------------

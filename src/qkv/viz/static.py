@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ShapeError, fmt_shape
+from ..extras import figure
 
 FORMATS = (".png", ".svg")
 
@@ -48,14 +49,16 @@ def _check_path(path) -> Path:
     return path
 
 
-def _pyplot():
-    from ..cli import require
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
-    matplotlib = require("matplotlib", "viz")
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    return plt
+def _tick_positions(t: int, room: int) -> list[int]:
+    """At most ``room`` evenly spaced positions of ``0..t-1`` (all of them when they fit)."""
+    if t <= room:
+        return list(range(t))
+    step = -(-t // room)
+    return list(range(0, t, step))
 
 
 def heatmap(weights, tokens, path, *, title: str | None = None) -> Path:
@@ -67,54 +70,59 @@ def heatmap(weights, tokens, path, *, title: str | None = None) -> Path:
         return grid(weights, tokens, path, title=title)
     weights, tokens = check_weights(weights, tokens, 2, "(T, T)")
     path = _check_path(path)
-    plt = _pyplot()
     t = len(tokens)
     side = min(14, 2.5 + 0.32 * t)
-    fig, ax = plt.subplots(figsize=(side + 1.2, side))
+    fig = figure(figsize=(side + 1.2, side))
+    ax = fig.subplots()
     im = ax.imshow(weights, cmap="viridis", vmin=0, vmax=max(float(weights.max()), 1e-9))
-    if t <= 64:
-        ax.set_xticks(range(t), _labels(tokens), rotation=90, fontsize=8)
-        ax.set_yticks(range(t), _labels(tokens), fontsize=8)
+    ticks = _tick_positions(t, 64)
+    shown = _labels([tokens[i] for i in ticks])
+    ax.set_xticks(ticks, shown, rotation=90, fontsize=8)
+    ax.set_yticks(ticks, shown, fontsize=8)
     ax.set_xlabel("key (attended to)")
     ax.set_ylabel("query (attending)")
     if title:
         ax.set_title(title)
-    fig.colorbar(im, ax=ax, shrink=0.8)
+    fig.colorbar(im, ax=ax, shrink=0.8, label="attention weight")
     fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
     return path
 
 
 def grid(attentions, tokens, path, *, title: str | None = None) -> Path:
     """All heads of all layers, ``(layers, heads, T, T)``, as a layers × heads grid of heatmaps.
 
-    Each cell is scaled to its own maximum so sharp and diffuse heads are both visible;
-    token labels appear on the left column and bottom row while T <= 24.
+    Every cell shares one colour scale, drawn as a colorbar: a square-root scale from 0 to
+    the largest weight, so both sharp and diffuse heads show. Token labels run down the
+    left column (queries) and along the bottom row (keys) of every edge cell; past about 40
+    tokens every second (third, ...) token is labelled.
     """
+    from matplotlib.colors import PowerNorm
+
     attentions, tokens = check_weights(attentions, tokens, 4, "(layers, heads, T, T)")
     path = _check_path(path)
-    plt = _pyplot()
     n_layers, n_heads, t, _ = attentions.shape
-    cell = 1.6 if t <= 24 else 1.2
-    fig, axes = plt.subplots(n_layers, n_heads, figsize=(cell * n_heads + 1, cell * n_layers + 1),
-                             squeeze=False)
-    labels = t <= 24
+    cell = 2.4 if t <= 24 else 3.0
+    fig = figure(figsize=(cell * n_heads + 2.2, cell * n_layers + 1.6), layout="constrained")
+    axes = fig.subplots(n_layers, n_heads, squeeze=False)
+    norm = PowerNorm(0.5, vmin=0.0, vmax=max(float(attentions.max()), 1e-9))
+    ticks = _tick_positions(t, 40)
+    shown = _labels([tokens[i] for i in ticks])
+    size = 7 if len(ticks) <= 16 else 5
     for l in range(n_layers):
         for h in range(n_heads):
             ax = axes[l, h]
-            w = attentions[l, h]
-            ax.imshow(w, cmap="viridis", vmin=0, vmax=max(float(w.max()), 1e-9), interpolation="nearest")
+            im = ax.imshow(attentions[l, h], cmap="viridis", norm=norm, interpolation="nearest")
             ax.set_xticks([])
             ax.set_yticks([])
             if l == 0:
-                ax.set_title(f"head {h}", fontsize=8)
+                ax.set_title(f"head {h}", fontsize=9)
             if h == 0:
-                ax.set_ylabel(f"layer {l}", fontsize=8)
-            if labels and h == 0 and l == n_layers - 1:
-                ax.set_yticks(range(t), _labels(tokens), fontsize=4)
-                ax.set_xticks(range(t), _labels(tokens), fontsize=4, rotation=90)
-    fig.suptitle(title or f"attention weights: {n_layers} layers × {n_heads} heads, {t} tokens "
-                 "(rows attend to columns)", fontsize=10)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+                ax.set_yticks(ticks, shown, fontsize=size)
+                ax.set_ylabel(f"layer {l}", fontsize=9)
+            if l == n_layers - 1:
+                ax.set_xticks(ticks, shown, fontsize=size, rotation=90)
+    fig.colorbar(im, ax=axes, shrink=0.6, label="attention weight (one scale for all cells)")
+    fig.suptitle(title or f"attention weights: {_plural(n_layers, 'layer')} × {_plural(n_heads, 'head')}, "
+                 f"{_plural(t, 'token')} (rows attend to columns)", fontsize=11)
+    fig.savefig(path, dpi=110)
     return path

@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from qkv import demo
+from qkv.experiments import worked as demo
 from qkv.cli import main
 
 

@@ -1,4 +1,4 @@
-"""The texts' worked examples, computed by qkv and shown step by step (``qkv demo``).
+"""The texts' worked examples, computed by qkv and checked against what the texts print (``qkv demo``).
 
 The teaching texts worked their numbers by hand. Each printed number is checked here
 against what the math gives; where a text's number differs, the demo says so beside it.
@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .api import attention
-from .numerics import softmax
+from ..api import attention
+from ..numerics import softmax
+from ..extras import figure
 
 # --- the examples ------------------------------------------------------------------------
 
@@ -130,21 +131,14 @@ def report() -> str:
 
 def plot(path: str) -> None:
     """Heatmaps: the 3-token weights, and 8x8 weights at d_k = 512 without and with 1/√d_k."""
-    from .cli import require
-
-    require("matplotlib", "viz")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     t = three_tokens()
     d_k = 512
     rng = np.random.default_rng(0)
     q, k = rng.standard_normal((8, d_k)), rng.standard_normal((8, d_k))  # 8 queries, 8 keys
     _, w_raw = attention(q, k, k, scale=1.0, return_weights=True, method="reference")
     _, w_scaled = attention(q, k, k, return_weights=True, method="reference")
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    fig = figure(figsize=(13, 4))
+    axes = fig.subplots(1, 3)
     panels = [
         (t["weights"], "3-token example: weights", ["x0", "x1", "x2"]),
         (w_raw, f"d_k={d_k}, random q, k: softmax(q·k)", None),
@@ -163,19 +157,3 @@ def plot(path: str) -> None:
                     color="white" if val < 0.5 else "black")
     fig.colorbar(im, ax=axes, shrink=0.8)
     fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-
-
-def add_arguments(parser) -> None:
-    parser.add_argument("--plot", metavar="FILE.png", help="also write a heatmap of the weights")
-
-
-def run(args) -> int:
-    if args.plot:
-        from .cli import out_file
-        out_file(args.plot, "--plot", (".png", ".svg", ".pdf"))  # a bad path fails before the report
-    print(report())
-    if args.plot:
-        plot(args.plot)
-        print(f"\nwrote {args.plot}")
-    return 0

@@ -6,7 +6,7 @@ import pytest
 
 import qkv
 from qkv.cli import main
-from qkv.experiment import jacobian_norm, scale_experiment
+from qkv.experiments.scale import jacobian_norm, scale_experiment
 
 
 def test_jacobian_norm_is_the_frobenius_norm_of_the_softmax_jacobian():

@@ -6,7 +6,7 @@ import pytest
 
 import qkv
 from qkv.cli import main
-from qkv.train import LookupConfig, lookup_batch, train_lookup
+from qkv.experiments.lookup import LookupConfig, lookup_batch, train_lookup
 
 SMALL = dict(n_keys=16, n_values=8, n_pairs=6, d_model=16, batch=32, steps=250, n_eval=500)
 
@@ -38,7 +38,7 @@ def test_the_seed_makes_the_run_reproducible():
 
 def test_model_gradients_match_finite_differences():
     from qkv.nn import cross_entropy
-    from qkv.train import LookupModel
+    from qkv.experiments.lookup import LookupModel
 
     cfg = LookupConfig(n_keys=6, n_values=5, n_pairs=3, d_model=4, n_heads=2)
     model = LookupModel(cfg, np.random.default_rng(0))

@@ -20,8 +20,6 @@ exactly permutation-equivariant. The held-out set is drawn from a separate strea
 """
 from __future__ import annotations
 
-import json
-import os
 import time
 from dataclasses import asdict, dataclass
 
@@ -29,8 +27,9 @@ import numpy as np
 
 from threadpoolctl import threadpool_limits
 
-from .errors import ShapeError
-from .nn import Adam, Embedding, Linear, MultiHeadAttention, cross_entropy
+from ..errors import ShapeError
+from ..extras import figure
+from ..nn import Adam, Embedding, Linear, MultiHeadAttention, cross_entropy
 
 
 @dataclass
@@ -152,11 +151,8 @@ def train_lookup(cfg: LookupConfig, progress=None) -> dict:
 
 def plot_loss(losses: np.ndarray, path: str, chance: float) -> None:
     """Loss per step, its running mean, and the loss of guessing (log(n_values))."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig = figure(figsize=(6, 3.5))
+    ax = fig.subplots()
     if len(losses):  # --steps 0 has no curve, only the guessing line
         steps = np.arange(1, len(losses) + 1)
         ax.plot(steps, losses, lw=0.6, alpha=0.4, label="batch loss")
@@ -170,14 +166,11 @@ def plot_loss(losses: np.ndarray, path: str, chance: float) -> None:
     ax.set_title("qkv train lookup: learning the soft dictionary lookup")
     ax.legend()
     fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
 
 
 def plot_attention(model: LookupModel, data: dict, path: str, n_rows: int = 8) -> None:
     """Heatmap: rows are held-out queries, columns the pairs; the query's own key is boxed."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    fig = figure(figsize=(1.0 * n_rows + 2.5, 0.55 * n_rows + 1.5))
     from matplotlib.patches import Rectangle
 
     sub = {k: v[:n_rows] for k, v in data.items()}
@@ -185,7 +178,8 @@ def plot_attention(model: LookupModel, data: dict, path: str, n_rows: int = 8) -
     w = w.mean(axis=1)  # (rows, n_pairs), averaged over heads
     pred = np.argmax(logits, axis=-1)
     rows, n = w.shape
-    fig, ax = plt.subplots(figsize=(1.0 * n + 2.5, 0.55 * rows + 1.5))
+    fig.set_size_inches(1.0 * n + 2.5, 0.55 * rows + 1.5)
+    ax = fig.subplots()
     im = ax.imshow(w, cmap="viridis", vmin=0, vmax=1, aspect="auto")
     for r in range(rows):
         for j in range(n):
@@ -200,54 +194,3 @@ def plot_attention(model: LookupModel, data: dict, path: str, n_rows: int = 8) -
     ax.set_title("where the query attends (red box: the pair holding its key)")
     fig.colorbar(im, ax=ax, label="attention weight")
     fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-
-
-# --- command line ---------------------------------------------------------------------------
-
-def add_arguments(parser) -> None:
-    d = LookupConfig()
-    parser.add_argument("task", choices=["lookup"], help="what to learn (lookup: the soft dictionary lookup)")
-    parser.add_argument("--steps", type=int, default=d.steps, help=f"training steps (default {d.steps})")
-    parser.add_argument("--batch", type=int, default=d.batch, help=f"sequences per step (default {d.batch})")
-    parser.add_argument("--lr", type=float, default=d.lr, help=f"peak Adam learning rate (default {d.lr})")
-    parser.add_argument("--pairs", type=int, default=d.n_pairs, help=f"(key, value) pairs per sequence (default {d.n_pairs})")
-    parser.add_argument("--keys", type=int, default=d.n_keys, help=f"key vocabulary (default {d.n_keys})")
-    parser.add_argument("--values", type=int, default=d.n_values, help=f"value vocabulary (default {d.n_values})")
-    parser.add_argument("--d-model", type=int, default=d.d_model, help=f"model width (default {d.d_model})")
-    parser.add_argument("--heads", type=int, default=d.n_heads, help=f"attention heads (default {d.n_heads})")
-    parser.add_argument("--seed", type=int, default=d.seed, help=f"seed of everything random (default {d.seed})")
-    parser.add_argument("--out", metavar="DIR", help="write summary.json, loss.png and attention.png here")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
-def run(args) -> int:
-    cfg = LookupConfig(n_keys=args.keys, n_values=args.values, n_pairs=args.pairs, d_model=args.d_model,
-                       n_heads=args.heads, batch=args.batch, steps=args.steps, lr=args.lr, seed=args.seed)
-    cfg.check()
-    if args.out:
-        from .cli import out_folder, require
-        require("matplotlib", "viz")
-        out_folder(args.out)  # before training, not after it
-    if args.no_progress:
-        result = train_lookup(cfg)
-    else:
-        from .cli import require
-        require("rich", "cli")
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-        columns = (TextColumn("[bold]lookup"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                   TextColumn("loss {task.fields[loss]:.4f}"), TimeElapsedColumn())
-        with Progress(*columns) as bar:
-            task = bar.add_task("train", total=cfg.steps, loss=float("nan"))
-            result = train_lookup(cfg, progress=lambda step, loss: bar.update(task, advance=1, loss=loss))
-    s = result["summary"]
-    print(f"held-out accuracy {s['accuracy']:.4f} (chance {s['chance']:.4f}) after {s['steps']} steps "
-          f"in {s['seconds']:.1f} s; mean weight on the query's own key {s['attention_on_key']:.3f}")
-    if args.out:
-        with open(os.path.join(args.out, "summary.json"), "w") as f:
-            json.dump(s, f, indent=2)
-        plot_loss(result["losses"], os.path.join(args.out, "loss.png"), s["chance"])
-        plot_attention(result["model"], result["held_out"], os.path.join(args.out, "attention.png"))
-        print(f"wrote {args.out}/summary.json, loss.png, attention.png")
-    return 0

@@ -15,13 +15,11 @@ weights from :func:`qkv.attention` with ``scale=1`` (raw) and the default ``1/�
 """
 from __future__ import annotations
 
-import json
-import os
-
 import numpy as np
 
-from .api import attention
-from .errors import ShapeError
+from ..api import attention
+from ..errors import ShapeError
+from ..extras import figure
 
 DEFAULT_DK = (1, 4, 16, 64, 256, 1024)
 
@@ -85,12 +83,9 @@ def format_table(rows: list[dict], n_keys: int) -> str:
 
 def plot(rows: list[dict], path: str, n_keys: int) -> None:
     """Three panels over d_k: score variance, largest weight, softmax Jacobian norm."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     d = np.array([r["d_k"] for r in rows])
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    fig = figure(figsize=(13, 3.8))
+    axes = fig.subplots(1, 3)
     ax = axes[0]
     ax.loglog(d, [r["var_raw"] for r in rows], "o-", label="Var(q·k)")
     ax.loglog(d, [r["var_scaled"] for r in rows], "s-", label="Var(q·k / √d_k)")
@@ -114,29 +109,3 @@ def plot(rows: list[dict], path: str, n_keys: int) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def add_arguments(parser) -> None:
-    parser.add_argument("name", choices=["scale"], help="scale: why attention divides by sqrt(d_k)")
-    parser.add_argument("--d-k", type=int, nargs="+", default=list(DEFAULT_DK), metavar="N",
-                        help=f"key sizes to measure (default {' '.join(map(str, DEFAULT_DK))})")
-    parser.add_argument("--keys", type=int, default=32, help="keys per softmax row (default 32)")
-    parser.add_argument("--samples", type=int, default=512, help="queries per d_k (default 512)")
-    parser.add_argument("--seed", type=int, default=0, help="seed (default 0)")
-    parser.add_argument("--out", metavar="DIR", help="write scale.json and scale.png here")
-
-
-def run(args) -> int:
-    if args.out:
-        from .cli import out_folder, require
-        require("matplotlib", "viz")
-        out_folder(args.out)
-    rows = scale_experiment(args.d_k, n_keys=args.keys, n_samples=args.samples, seed=args.seed)
-    print(format_table(rows, args.keys))
-    if args.out:
-        with open(os.path.join(args.out, "scale.json"), "w") as f:
-            json.dump({"n_keys": args.keys, "n_samples": args.samples, "seed": args.seed, "rows": rows}, f, indent=2)
-        plot(rows, os.path.join(args.out, "scale.png"), args.keys)
-        print(f"\nwrote {args.out}/scale.json and scale.png")
-    return 0

@@ -1,0 +1,58 @@
+"""The ``qkv`` command: one small module per subcommand that parses, calls the library, prints or writes.
+
+A subcommand module has ``HELP`` (one line), ``add_arguments(parser)`` and
+``run(args) -> int``, and keeps its heavy imports (matplotlib, torch, rich, ...) inside
+``run`` so ``qkv --help`` stays fast. Nothing outside this package imports it.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+from ..errors import ShapeError
+from ..extras import MissingExtra
+from .common import UsageError
+
+# name -> module under qkv.cli. Add a line here (and a module) to add a subcommand.
+SUBCOMMANDS = {
+    "demo": "demo",
+    "explain": "explain",
+    "cache-table": "cache_table",
+    "train": "train",
+    "experiment": "experiment",
+    "bench": "bench",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .. import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="qkv", description="Self-attention, derived from scratch and built to be used.")
+    parser.add_argument("--version", action="version", version=f"qkv {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module in SUBCOMMANDS.items():
+        mod = importlib.import_module(f"{__name__}.{module}")
+        p = sub.add_parser(name, help=mod.HELP, description=mod.HELP)
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 0
+    try:
+        return int(args._run(args) or 0)
+    except (ShapeError, MissingExtra, UsageError) as err:
+        print(f"qkv {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # `qkv demo | head`: the reader left; not an error of ours
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush cannot fail again
+        return 0

@@ -1,0 +1,47 @@
+"""What every subcommand shares: output paths checked before the work, and progress bars."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+
+from ..extras import require
+
+
+class UsageError(Exception):
+    """A command-line argument the command cannot use (a path it cannot write, say): exit 2."""
+
+
+def out_folder(path, option: str = "--out") -> Path:
+    """Make ``path`` a folder (parents too) before any work is done, or raise UsageError naming ``option``."""
+    folder = Path(path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"{option} must be a folder qkv can write to; {str(folder)!r}: {err.strerror}") from None
+    return folder
+
+
+def out_file(path, option: str, suffixes: tuple[str, ...] = ()) -> Path:
+    """``path`` as a file qkv can write: one of ``suffixes`` (if given), in an existing folder."""
+    file = Path(path)
+    if suffixes and file.suffix.lower() not in suffixes:
+        raise UsageError(f"{option} must end in {' or '.join(suffixes)}; got {str(file)!r}")
+    if file.is_dir():
+        raise UsageError(f"{option} must be a file name; {str(file)!r} is a folder")
+    if not file.parent.is_dir():
+        raise UsageError(f"{option} must be in an existing folder; {str(file.parent)!r} is not one")
+    return file
+
+
+@contextmanager
+def progress_bar(label: str, total: int, *fields: str):
+    """A rich progress bar; yields ``update(advance=1, **fields)``. ``fields`` are shown as
+    ``name value`` after the count (floats to 4 decimals)."""
+    require("rich", "cli")
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = [TextColumn(f"[bold]{label}"), BarColumn(), TextColumn("{task.completed}/{task.total}")]
+    columns += [TextColumn(f"{f} {{task.fields[{f}]:.4f}}") for f in fields]
+    with Progress(*columns, TimeElapsedColumn()) as bar:
+        task = bar.add_task(label, total=total, **{f: float("nan") for f in fields})
+        yield lambda advance=1, **values: bar.update(task, advance=advance, **values)

@@ -1,0 +1,11 @@
+"""The texts' experiments as library functions that return data (and draw pictures on request).
+
+Nothing here prints or parses arguments: the ``qkv`` command (:mod:`qkv.cli`) does that.
+
+- :mod:`~qkv.experiments.worked`: the texts' hand-worked examples recomputed and checked;
+- :mod:`~qkv.experiments.scale`: why scores are divided by √d_k, measured;
+- :mod:`~qkv.experiments.lookup`: the soft dictionary lookup, learned end to end with :mod:`qkv.nn`;
+- :mod:`~qkv.experiments.explain`: what a real pretrained encoder attends to.
+
+Import the one you need (``from qkv.experiments import lookup``); none is imported by ``import qkv``.
+"""
