@@ -5,43 +5,71 @@ from __future__ import annotations
 import numpy as np
 
 
-def oracle_allowed(lead, tq, tk, *, causal=False, window=None, kv_lengths=None, mask=None):
-    """Bool (*lead, Tq, Tk), True = may attend, straight from DESIGN.md's definitions."""
-    align = {False: None, True: "top_left", "top_left": "top_left", "bottom_right": "bottom_right"}[causal]
-    ok = np.ones((tq, tk), dtype=bool)
-    for i in range(tq):
-        ip = i + (tk - tq if align == "bottom_right" else 0)
-        for j in range(tk):
-            if align is not None and j > ip:
-                ok[i, j] = False
-            if window is not None:
-                left, right = (window, 0) if isinstance(window, int) else window
+def _alignment(causal, align):
+    """(causal on?, align) as DESIGN.md defines the shorthands."""
+    if isinstance(causal, str):
+        return True, causal
+    return bool(causal), align or "top_left"
+
+
+def _offsets(lead, tq, tk, align, kv_lengths, q_lengths):
+    """Per batch item b, the offset of i' = i + offset: 0, or Tk_b - Tq_b (real lengths)."""
+    batch = lead[0] if lead else 1
+    out = []
+    for b in range(batch):
+        real_k = tk if kv_lengths is None else int(np.asarray(kv_lengths)[b])
+        real_q = tq if q_lengths is None else int(np.asarray(q_lengths)[b])
+        out.append(real_k - real_q if align == "bottom_right" else 0)
+    return out
+
+
+def oracle_allowed(lead, tq, tk, *, causal=False, align=None, window=None, chunk=None,
+                   kv_lengths=None, q_lengths=None, mask=None):
+    """Bool (*lead, Tq, Tk), True = may attend, straight from DESIGN.md's definitions, one
+    entry at a time."""
+    on, align = _alignment(causal, align)
+    offsets = _offsets(lead, tq, tk, align, kv_lengths, q_lengths)
+    left, right = (None, None) if window is None else ((window, 0) if isinstance(window, int) else window)
+    ok = np.ones(tuple(lead) + (tq, tk), dtype=bool)
+    for b, off in enumerate(offsets):
+        for i in range(tq):
+            ip = i + off
+            for j in range(tk):
+                allowed = True
+                if on and j > ip:
+                    allowed = False
                 if left is not None and j < ip - left:
-                    ok[i, j] = False
+                    allowed = False
                 if right is not None and j > ip + right:
-                    ok[i, j] = False
-    ok = np.broadcast_to(ok, tuple(lead) + (tq, tk)).copy()
-    if kv_lengths is not None:
-        for b, n in enumerate(np.asarray(kv_lengths)):
-            if lead:
-                ok[b, ..., n:] = False
-            else:
-                ok[..., n:] = False
+                    allowed = False
+                if chunk is not None and ip // chunk != j // chunk:
+                    allowed = False
+                if kv_lengths is not None and j >= int(np.asarray(kv_lengths)[b]):
+                    allowed = False
+                if q_lengths is not None and i >= int(np.asarray(q_lengths)[b]):
+                    allowed = False
+                if lead:
+                    ok[b, ..., i, j] = allowed
+                else:
+                    ok[i, j] = allowed
     if mask is not None:
         ok &= mask
     return ok
 
 
-def oracle_bias(lead, tq, tk, *, causal=False, bias=None, alibi=None):
-    """Float (*lead, Tq, Tk): bias plus ALiBi's -slope*|i' - j|."""
+def oracle_bias(lead, tq, tk, *, causal=False, align=None, kv_lengths=None, q_lengths=None,
+                bias=None, alibi=None):
+    """Float (*lead, Tq, Tk): bias plus ALiBi's -slope*|i' - j| (slopes (Hq,) or (B, Hq))."""
     add = np.zeros(tuple(lead) + (tq, tk))
     if bias is not None:
         add = add + bias
     if alibi is not None:
-        off = tk - tq if causal == "bottom_right" else 0
-        i = np.arange(tq)[:, None] + off
-        j = np.arange(tk)[None, :]
-        add = add - np.asarray(alibi)[:, None, None] * np.abs(i - j)
+        _, align = _alignment(causal, align)
+        alibi = np.asarray(alibi)
+        for b, off in enumerate(_offsets(lead, tq, tk, align, kv_lengths, q_lengths)):
+            dist = np.abs(np.arange(tq)[:, None] + off - np.arange(tk)[None, :])
+            slopes = alibi if alibi.ndim == 1 else alibi[b]
+            add[b] = add[b] - slopes.reshape((-1,) + (1, 1)) * dist
     return add
 
 

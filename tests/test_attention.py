@@ -47,14 +47,15 @@ def make_options(kind, rng, lead, tq, tk):
 def torch_attention(q, k, v, opts, gqa, dtype=torch.float64, dout=None):
     """PyTorch SDPA with qkv's options spelled as one float mask. Returns out, alive, grads."""
     lead, tq, tk = q.shape[:-2], q.shape[-2], k.shape[-2]
+    structure = {n: opts.get(n) for n in ("align", "kv_lengths", "q_lengths")}
     ok = oracle_allowed(lead, tq, tk, causal=opts.get("causal", False), window=opts.get("window"),
-                        kv_lengths=opts.get("kv_lengths"), mask=opts.get("mask"))
+                        chunk=opts.get("chunk"), mask=opts.get("mask"), **structure)
     alive = ok.any(-1)
     # Rows that may attend to nothing are qkv's "out 0, grad 0"; PyTorch may give NaN there,
     # so let it see every key on those rows and feed them zero dout (their grads are then 0).
     ok = ok | ~alive[..., None]
     add = oracle_bias(lead, tq, tk, causal=opts.get("causal", False), bias=opts.get("bias"),
-                      alibi=opts.get("alibi"))
+                      alibi=opts.get("alibi"), **structure)
     float_mask = torch.tensor(np.where(ok, add, -np.inf), dtype=dtype)
     tq_, tk_, tv_ = (torch.tensor(x.astype(np.float64), dtype=dtype, requires_grad=True) for x in (q, k, v))
     out = F.scaled_dot_product_attention(tq_, tk_, tv_, attn_mask=float_mask, scale=opts.get("scale"),

@@ -50,7 +50,7 @@ BAD_CALLS = [
     ("window-negative", (QM, KM, VM), {"window": (-1, 0)}, ["window", "left", ">= 0", "-1"]),
     ("window-malformed", (QM, KM, VM), {"window": (1, 2, 3)}, ["window", "(left, right)", "(1, 2, 3)"]),
     ("window-float", (QM, KM, VM), {"window": 2.5}, ["window", "2.5"]),
-    ("window-right-with-causal", (QM, KM, VM), {"window": (2, 1), "causal": True}, ["window=(2, 1)", "causal='top_left'", "(2, 0)"]),
+    ("window-right-with-causal", (QM, KM, VM), {"window": (2, 1), "causal": True}, ["window=(2, 1)", "causal=True", "(2, 0)"]),
     ("kv-lengths-shape", (QM, KM, VM), {"kv_lengths": np.array([3, 4, 5])}, ["kv_lengths", "(B,)", "(2,)", "(3,)"]),
     ("kv-lengths-range", (QM, KM, VM), {"kv_lengths": np.array([3, 8])}, ["kv_lengths", "[0, 7]", "8"]),
     ("kv-lengths-negative", (QM, KM, VM), {"kv_lengths": np.array([-1, 3])}, ["kv_lengths", "-1"]),

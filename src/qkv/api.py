@@ -33,7 +33,8 @@ def _compute_dtype(dtype: np.dtype) -> np.dtype:
     return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
 
 
-def _prepare(q, k, v, *, mask, bias, causal, window, kv_lengths, alibi, scale, gqa) -> Problem:
+def _prepare(q, k, v, *, scale, gqa, **options) -> Problem:
+    """Check q, k, v, scale, gqa and the mask ``options`` (those of :func:`qkv.masks.build_spec`)."""
     q, k, v = as_float_array("q", q), as_float_array("k", k), as_float_array("v", v)
     for name, x in (("k", k), ("v", v)):
         if x.dtype != q.dtype:
@@ -91,8 +92,7 @@ def _prepare(q, k, v, *, mask, bias, causal, window, kv_lengths, alibi, scale, g
         raise ShapeError(f"scale must be a finite real number (default 1/sqrt(D)); got {scale!r}")
 
     in_dtype, cdt = q.dtype, _compute_dtype(q.dtype)
-    spec = build_spec(lead, tq, tk, mask=mask, bias=bias, causal=causal, window=window,
-                      kv_lengths=kv_lengths, alibi=alibi, dtype=cdt)
+    spec = build_spec(lead, tq, tk, dtype=cdt, **options)
     shapes = (q.shape, k.shape, v.shape)
     q = np.broadcast_to(q.astype(cdt, copy=False), lead + (tq, d))
     k = np.broadcast_to(k.astype(cdt, copy=False), lead_kv + (tk, d))
@@ -151,9 +151,9 @@ def _check_flags(**flags) -> None:
             raise ShapeError(f"{name} must be True or False; got {value!r}")
 
 
-def attention(q, k, v, *, mask=None, bias=None, causal=False, window=None, kv_lengths=None,
-              alibi=None, scale=None, gqa=False, return_lse=False, return_weights=False,
-              method="auto"):
+def attention(q, k, v, *, mask=None, bias=None, causal=False, align=None, window=None, chunk=None,
+              kv_lengths=None, q_lengths=None, alibi=None, scale=None, gqa=False, return_lse=False,
+              return_weights=False, method="auto"):
     """Scaled dot-product attention ``softmax(scale · q kᵀ + bias) v`` with masks.
 
     Each query row ``i`` takes a weighted average of the value rows; the weights are a
@@ -161,37 +161,58 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, window=None, kv_le
     ``q (B, Hq, Tq, D)``, ``k (B, Hkv, Tk, D)``, ``v (B, Hkv, Tk, Dv)``; a 2-D ``(T, D)``
     input is a single sequence. Leading axes broadcast as in ``np.matmul``.
 
-    **Causal alignment** when ``Tq != Tk`` (1 = may attend), for ``Tq = 2, Tk = 5``::
+    **Alignment** (``align``) places the queries against the keys when ``Tq != Tk``; it
+    governs causal, window, chunk and ALiBi alike. Query i is at position ``i' = i``
+    (``"top_left"``, the default, PyTorch's ``is_causal``) or ``i' = i + Tk - Tq``
+    (``"bottom_right"``, flash-attn's and the KV-cache convention: the last query is the
+    newest token). With ``kv_lengths``/``q_lengths`` the real lengths of each batch item are
+    used: ``i' = i + kv_lengths[b] - q_lengths[b]``. For ``Tq = 2, Tk = 5`` (1 = may attend)::
 
-        causal=True / "top_left"       causal="bottom_right"
+        causal=True                    causal=True, align="bottom_right"
         (query i sees j <= i)          (query i sees j <= i + Tk - Tq)
             1 0 0 0 0                      1 1 1 1 0
             1 1 0 0 0                      1 1 1 1 1
 
-    ``"top_left"`` is PyTorch's ``is_causal``; ``"bottom_right"`` is flash-attn's and the
-    KV-cache convention (the last query is the newest token and sees every key).
+        causal=True, align="bottom_right", kv_lengths=[3] (a cache of 5 holding 3 keys)
+            1 1 0 0 0
+            1 1 1 0 0
 
-    **Window** ``(left, right)``: query i sees keys ``i' - left <= j <= i' + right``, with
-    ``i'`` aligned as ``causal`` says (top-left when causal is off); ``window=n`` is
-    ``(n, 0)``; ``None`` on a side is unbounded. Causal and window combine (both must allow);
-    a window reaching right of a causal query (``right > 0``) is a conflict and an error.
+    ``causal="top_left"``/``"bottom_right"`` are shorthands for ``causal=True`` with that align.
+
+    **Window** ``(left, right)``: query i sees keys ``i' - left <= j <= i' + right``;
+    ``window=n`` is ``(n, 0)``; ``None`` on a side is unbounded. Causal and window combine
+    (both must allow); with causal the window's right side must be 0.
+
+    **Chunk** ``C``: query i sees key j only if ``⌊i'/C⌋ = ⌊j/C⌋`` (with causal: Llama 4's
+    chunked attention). For ``Tq = Tk = 6``, ``chunk=3``, ``causal=True``::
+
+        1 0 0 0 0 0
+        1 1 0 0 0 0
+        1 1 1 0 0 0
+        0 0 0 1 0 0
+        0 0 0 1 1 0
+        0 0 0 1 1 1
 
     **Heads**: with ``gqa=True``, ``Hq`` must be a multiple of ``Hkv`` and query heads
     ``h*G .. h*G+G-1`` (``G = Hq // Hkv``) share kv head ``h``; MQA is ``Hkv = 1``.
 
-    **A row that may attend to nothing** (masked out entirely, or ``kv_lengths = 0``)
-    gets output 0, lse ``-inf``, weights 0 and gradient 0: never NaN, never a warning.
+    **A row that may attend to nothing** (masked out entirely, ``kv_lengths = 0``, or a
+    padding row at or past ``q_lengths[b]``) gets output 0, lse ``-inf``, weights 0 and gradient 0: never NaN, never a warning.
 
     Args:
         q: ``(..., Tq, D)`` float16/32/64. k: ``(..., Tk, D)``. v: ``(..., Tk, Dv)``; same dtype.
         mask: bool, True = may attend; broadcasts to ``(..., Hq, Tq, Tk)``.
         bias: float, added to the scaled scores; broadcasts to ``(..., Hq, Tq, Tk)``;
             ``-inf`` entries mean "may not attend".
-        causal: ``False``, ``True``, ``"top_left"`` or ``"bottom_right"``.
+        causal: ``False`` or ``True`` (or an alignment name, the shorthand).
+        align: ``"top_left"`` (default) or ``"bottom_right"``.
         window: ``None``, ``n`` or ``(left, right)``.
+        chunk: ``None`` or keys per chunk ``C``.
         kv_lengths: int ``(B,)`` (B = first leading axis); keys ``j >= kv_lengths[b]`` are
             never read, so whatever they hold (even NaN) cannot reach the result.
-        alibi: float slopes ``(Hq,)``: head h adds ``-slope[h] * |i' - j|``.
+        q_lengths: int ``(B,)``; query rows ``i >= q_lengths[b]`` are padding: never read,
+            output 0, lse ``-inf``, gradient 0.
+        alibi: float slopes ``(Hq,)`` or ``(B, Hq)``: head h adds ``-slope * |i' - j|``.
         scale: multiplies ``q kᵀ``; default ``1/sqrt(D)``.
         gqa: grouped-query heads, see above.
         return_lse: also return ``lse (..., Hq, Tq)``, ``log Σ_j exp(s_ij)`` over allowed keys.
@@ -214,8 +235,9 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, window=None, kv_le
     """
     try:
         _check_flags(return_lse=return_lse, return_weights=return_weights)
-        prob = _prepare(q, k, v, mask=mask, bias=bias, causal=causal, window=window,
-                        kv_lengths=kv_lengths, alibi=alibi, scale=scale, gqa=gqa)
+        prob = _prepare(q, k, v, mask=mask, bias=bias, causal=causal, align=align, window=window,
+                        chunk=chunk, kv_lengths=kv_lengths, q_lengths=q_lengths, alibi=alibi,
+                        scale=scale, gqa=gqa)
         kern = _kernel(method, prob, return_weights)
     except ShapeError as err:
         raise ShapeError(str(err)) from None  # the caller's line, not our internals
@@ -229,9 +251,9 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, window=None, kv_le
     return result[0] if len(result) == 1 else tuple(result)
 
 
-def attention_backward(dout, q, k, v, out, lse, *, mask=None, bias=None, causal=False,
-                       window=None, kv_lengths=None, alibi=None, scale=None, gqa=False,
-                       method="auto"):
+def attention_backward(dout, q, k, v, out, lse, *, mask=None, bias=None, causal=False, align=None,
+                       window=None, chunk=None, kv_lengths=None, q_lengths=None, alibi=None,
+                       scale=None, gqa=False, method="auto"):
     """Gradients ``(dq, dk, dv)`` of ``attention`` given ``dout = ∂L/∂out``.
 
     ``out`` and ``lse`` are what ``attention(..., return_lse=True)`` returned for the same
@@ -249,8 +271,9 @@ def attention_backward(dout, q, k, v, out, lse, *, mask=None, bias=None, causal=
         ``(dq, dk, dv)`` with the shapes and dtypes of ``(q, k, v)``.
     """
     try:
-        prob = _prepare(q, k, v, mask=mask, bias=bias, causal=causal, window=window,
-                        kv_lengths=kv_lengths, alibi=alibi, scale=scale, gqa=gqa)
+        prob = _prepare(q, k, v, mask=mask, bias=bias, causal=causal, align=align, window=window,
+                        chunk=chunk, kv_lengths=kv_lengths, q_lengths=q_lengths, alibi=alibi,
+                        scale=scale, gqa=gqa)
         kern = _kernel(method, prob, False)
         out_shape = prob.spec.lead + (prob.spec.tq, prob.v.shape[-1])
         names = "(..., Hq, Tq, Dv)"

@@ -195,9 +195,9 @@ def _alibi_bound(spec: MaskSpec, heads: list, q0: int, q1: int, k0: int, k1: int
     """Per stacked head, an upper bound of ``-slope·|i' - j|`` over the block (0 if slope >= 0)."""
     if spec.alibi is None:
         return np.zeros(len(heads))
-    off = spec.offset
-    far = max(abs(q0 + off - (k1 - 1)), abs(q1 - 1 + off - k0), 0)
-    slopes = np.array([spec.alibi[h[-1]] for h in heads], dtype=np.float64)
+    s = spec.shift(_batch(spec, heads[0]))
+    far = max(abs(q0 + s - (k1 - 1)), abs(q1 - 1 + s - k0), 0)
+    slopes = np.array([spec.slopes(h) for h in heads], dtype=np.float64)
     return np.where(slopes < 0, -slopes * far, 0.0)
 
 
@@ -300,7 +300,9 @@ def forward(q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_weight
 
     def task(ikv, heads, q0, q1, kv):
         kk, vv, v1, kn = kv
-        runs = spec.segments(q0, q1, 0, tk, batch=_batch(spec, heads[0]))
+        b = _batch(spec, heads[0])
+        q1 = min(q1, spec.rows(b))  # rows past q_lengths[b] are padding: never read, out 0
+        runs = spec.segments(q0, q1, 0, tk, batch=b)
         if not runs:
             return  # no key visible: out 0, lse -inf as initialised
         qs = np.empty((len(heads) * (q1 - q0), q.shape[-1]), dt)
@@ -355,15 +357,14 @@ def backward(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int =
 
     def prep_q(h):
         ls = lse[h]
-        finite = ls != -np.inf
+        finite = (ls != -np.inf) & (np.arange(tq) < spec.rows(_batch(spec, h)))  # padding rows: P = 0
         qx = np.empty((tq, d + 1), dt)                            # [log2(e)·scale·Q | -log2(e)·lse]
         np.multiply(q[h], sc, out=qx[:, :d])
         qx[:, d] = np.where(finite, -ls, 0) * dt.type(LOG2E)      # the lse rides in the score product
-        r = finite.astype(dt)                                     # rows that saw nothing: P = 0
         delta = np.einsum("td,td->t", dout[h], out[h])            # delta_i = rowsum(dO_i ∘ O_i)
         dox = np.empty((tq, dv + 1), dt)                          # [dO | -delta], the delta rides in dP
-        np.multiply(dout[h], r[:, None], out=dox[:, :dv])
-        dox[:, dv] = -delta * r
+        dox[:, :dv] = np.where(finite[:, None], dout[h], 0)
+        dox[:, dv] = np.where(finite, -delta, 0)
         return qx, dox
 
     def prep_kv(ikv):

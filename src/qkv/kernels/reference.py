@@ -34,15 +34,16 @@ def _expand_groups(x: np.ndarray, group: int) -> np.ndarray:
     return x if group == 1 else np.repeat(x, group, axis=-3)
 
 
-def _hide_padding(x: np.ndarray, spec: MaskSpec) -> np.ndarray:
-    """Zero keys/values at positions >= kv_lengths[b], so whatever they hold (NaN too) is never read."""
-    if spec.kv_lengths is None:
+def _hide_padding(x: np.ndarray, lengths: np.ndarray | None) -> np.ndarray:
+    """Zero rows at positions >= lengths[b] (padding keys/values, or padding query rows),
+    so whatever they hold (NaN too) is never read."""
+    if lengths is None:
         return x
-    pos = np.arange(x.shape[-2])[:, None]  # (Tk, 1)
+    pos = np.arange(x.shape[-2])[:, None]  # (T, 1)
     if x.ndim == 2:
-        keep = pos < spec.kv_lengths[0]
-    else:  # (B,) -> (B, 1, ..., 1) against (B, ..., Tk, 1)
-        keep = pos < spec.kv_lengths.reshape((-1,) + (1,) * (x.ndim - 1))
+        keep = pos < lengths[0]
+    else:  # (B,) -> (B, 1, ..., 1) against (B, ..., T, 1)
+        keep = pos < lengths.reshape((-1,) + (1,) * (x.ndim - 1))
     return np.where(keep, x, 0).astype(x.dtype, copy=False)
 
 
@@ -60,8 +61,9 @@ def _scores(q, k, spec: MaskSpec, scale: float) -> np.ndarray:
 
 def forward(q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_weights: bool = False):
     """Exact attention. Returns ``(out (*L,Tq,Dv), lse (*L,Tq), weights (*L,Tq,Tk) or None)``."""
-    k = _hide_padding(_expand_groups(k, group), spec)
-    v = _hide_padding(_expand_groups(v, group), spec)
+    k = _hide_padding(_expand_groups(k, group), spec.kv_lengths)
+    v = _hide_padding(_expand_groups(v, group), spec.kv_lengths)
+    q = _hide_padding(q, spec.q_lengths)
     s = _scores(q, k, spec, scale)
     m = np.max(s, axis=-1, keepdims=True)
     m = np.where(m == -np.inf, 0, m)  # a row that sees nothing: keep exp(-inf - 0) = 0
@@ -76,8 +78,11 @@ def forward(q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_weight
 
 def backward(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int = 1):
     """Gradients ``(dq (*L,Tq,D), dk (*Lk,Tk,D), dv (*Lk,Tk,Dv))`` from the saved out and lse."""
-    kx = _hide_padding(_expand_groups(k, group), spec)
-    vx = _hide_padding(_expand_groups(v, group), spec)
+    kx = _hide_padding(_expand_groups(k, group), spec.kv_lengths)
+    vx = _hide_padding(_expand_groups(v, group), spec.kv_lengths)
+    q = _hide_padding(q, spec.q_lengths)
+    dout = _hide_padding(dout, spec.q_lengths)
+    out = _hide_padding(out, spec.q_lengths)
     s = _scores(q, kx, spec, scale)
     lse_safe = np.where(lse == -np.inf, 0, lse)[..., None]
     p = np.exp(s - lse_safe)  # P = exp(S - lse); rows that see nothing are exp(-inf) = 0
