@@ -158,6 +158,14 @@ def head_width(d_model: int, n_heads: int, d_head) -> int:
     return positive_int("d_head", d_head)
 
 
+def kv_heads(n_heads: int, n_kv_heads) -> int:
+    """``n_kv_heads`` (``n_heads`` if None) as an int >= 1 that divides ``n_heads``."""
+    n_kv = n_heads if n_kv_heads is None else positive_int("n_kv_heads", n_kv_heads)
+    if n_heads % n_kv:
+        raise ShapeError(f"n_heads must be a multiple of n_kv_heads; got n_heads = {n_heads}, n_kv_heads = {n_kv}")
+    return n_kv
+
+
 def check_input(name: str, x, d_model: int, *, batch_first: bool = True) -> tuple[np.ndarray, bool]:
     """``x`` as a float array ``(B, T, d_model)``; a 2-D ``(T, d_model)`` gets B = 1.
 

@@ -24,7 +24,7 @@ import numpy as np
 from ..errors import ShapeError, positive_int
 from ..positional import alibi_slopes, rope, rope_backward
 from .attention_layer import AttentionLayer
-from .base import head_width, merge_heads, split_heads
+from .base import head_width, kv_heads, merge_heads, split_heads
 from .cache import KVCache
 
 
@@ -64,10 +64,7 @@ class MultiHeadAttention(AttentionLayer):
                  rope_base: float = 10000.0, dtype=np.float32, rng: np.random.Generator | None = None):
         super().__init__(d_model, causal=causal, window=window, scale=scale, dtype=dtype, rng=rng)
         self.n_heads = positive_int("n_heads", n_heads)
-        self.n_kv_heads = self.n_heads if n_kv_heads is None else positive_int("n_kv_heads", n_kv_heads)
-        if self.n_heads % self.n_kv_heads:
-            raise ShapeError(f"n_heads must be a multiple of n_kv_heads; got n_heads = {n_heads}, "
-                             f"n_kv_heads = {n_kv_heads}")
+        self.n_kv_heads = kv_heads(self.n_heads, n_kv_heads)
         self.d_head = head_width(self.d_model, self.n_heads, d_head)
         if rope and self.d_head % 2:
             raise ShapeError(f"rope=True needs an even d_head; got d_head = {self.d_head}")
