@@ -363,9 +363,13 @@ def test_blas_setting_is_restored_and_concurrent_callers_agree():
     before = _blas_threads()
     want = qkv.attention(q, k, v, causal=True, method="flash")
     assert _blas_threads() == before
-    with ThreadPoolExecutor(3) as pool:
+    with ThreadPoolExecutor(3) as pool:  # worker threads, alone and side by side
         outs = list(pool.map(lambda _: qkv.attention(q, k, v, causal=True, method="flash"), range(6)))
+        small = [x[:, :, :40] for x in (q, k, v)]  # below the size that hands out tiles
+        alone = qkv.attention(*small, causal=True, method="flash")
+        beside = list(pool.map(lambda _: qkv.attention(*small, causal=True, method="flash"), range(6)))
     for out in outs:
         np.testing.assert_array_equal(out, want)
-    # (whether OpenBLAS honours a restore made by another thread than the one that set the
-    # limit is up to OpenBLAS; the counted hold restores once, after the last caller)
+    for out in beside:
+        np.testing.assert_array_equal(out, alone)
+    assert _blas_threads() == before  # the last caller, whichever thread, restored it

@@ -52,3 +52,35 @@ def test_a_pool_handed_out_still_runs_after_another_caller_grows_it():
     held = threads.pool(2)  # a kernel took the pool, then another thread asked for more
     threads.pool(threads._state["pool_size"] + 1)
     assert list(held.map(lambda x: x * x, range(4))) == [0, 1, 4, 9]
+
+
+def test_a_hold_from_any_thread_limits_blas_and_any_thread_restores_it():
+    """threadpoolctl 3.8 lets only the thread that first set OpenBLAS's pool change it and
+    skips the others silently; the hold must still reach BLAS when the main thread has that
+    claim, and the last release, made on another thread than the first hold, must restore."""
+    import threading
+
+    from threadpoolctl import threadpool_limits
+
+    if not blas_threads():
+        pytest.skip("no BLAS that threadpoolctl controls")
+    original = threadpool_limits(limits=2, user_api="blas")  # the main thread claims OpenBLAS
+    try:
+        assert blas_threads() == [2] * len(blas_threads())
+        seen = []
+        first = threading.Thread(target=lambda: (threads.hold_blas(), seen.append(blas_threads())))
+        first.start()
+        first.join()
+        threads.hold_blas()                                      # a second, counted holder
+        second = threading.Thread(target=threads.release_blas)
+        second.start()
+        second.join()
+        assert seen == [[1] * len(blas_threads())] and all(n == 1 for n in blas_threads())
+        last = threading.Thread(target=threads.release_blas)    # not the thread that set it
+        last.start()
+        last.join()
+        assert threads.blas_holders() == 0
+        assert blas_threads() == [2] * len(blas_threads())
+    finally:
+        original.restore_original_limits()
+        threads._drop_claim()

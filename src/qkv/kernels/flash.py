@@ -87,24 +87,22 @@ _local = threading.local()
 
 
 class _Threads:
-    """The threads of one kernel call: ``n`` of them, BLAS held to one inside.
+    """The threads of one kernel call: ``n`` of them, BLAS held to one meanwhile.
 
-    A call with fewer than ``SERIAL_WORK`` score entries runs on the calling thread and
-    leaves BLAS alone: handing out tiles would cost more than it saves.
+    A call with fewer than ``SERIAL_WORK`` score entries runs on the calling thread: handing
+    out tiles would cost more than it saves. BLAS is held whatever the size (it costs
+    microseconds), so a call's bits never depend on what other threads run beside it.
     """
 
     def __init__(self, num_threads, work: int):
         self.n = 1 if work < SERIAL_WORK else (num_threads or threads.get_num_threads())
-        self.hold = work >= SERIAL_WORK
 
     def __enter__(self):
-        if self.hold:
-            threads.hold_blas()
+        threads.hold_blas()
         return self
 
     def __exit__(self, *exc):
-        if self.hold:
-            threads.release_blas()
+        threads.release_blas()
 
     def run(self, jobs: list) -> list:
         """Call each ``job()``; results in order."""
@@ -308,7 +306,9 @@ def forward(q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_weight
             np.multiply(q[h][q0:q1], sc, out=qs[g * (q1 - q0):(g + 1) * (q1 - q0)])
         res = None
         if v1 is not None:
-            with np.errstate(over="ignore", under="ignore"):
+            # overflow (and inf - inf inside the product, which some BLAS kernels report as
+            # invalid) is detected there and the rows redone exactly: no warning escapes
+            with np.errstate(over="ignore", under="ignore", invalid="ignore"):
                 res = _fwd_bound(qs, kk, v1, kn, spec, heads, q0, q1, runs, dt)
         if res is None:
             res = _fwd_exact(qs, kk, vv, spec, heads, q0, q1, runs, dt)
