@@ -64,6 +64,7 @@ class Bert:
         for i in range(config.num_hidden_layers):
             layer = MultiHeadAttention(config.hidden_size, config.num_attention_heads, bias=True,
                                        dtype=np.float32, rng=np.random.default_rng(0))
+            layer.eval()  # inference only: a forward keeps nothing for backward
             for name, value in layer.params.items():
                 ours = params[f"layers.{i}.attn.{name}"]
                 if ours.shape != value.shape:
