@@ -89,6 +89,14 @@ def test_eval_forward_is_the_same_and_keeps_nothing(name):
     assert layer.backward(np.ones_like(y_train)).shape == x.shape
 
 
+def test_latent_decoding_keeps_no_activations_even_in_training_mode():
+    layer = nn.LatentAttention(8, 2, 4, causal=True, rng=rng(10))
+    layer.forward(np.ones((1, 3, 8)), cache=layer.new_cache(1, 4))
+    assert all(sub._saved is None for sub in layer._sublayers)
+    with pytest.raises(RuntimeError, match="without cache"):  # the cached path is inference only
+        layer.backward(np.ones((1, 3, 8)))
+
+
 def test_eval_holds_less_memory_after_forward():
     """What a forward leaves allocated, less the kernels' own per-thread scratch (kept for reuse)."""
     x = rng(6).standard_normal((2, 256, 64)).astype(np.float32)

@@ -138,6 +138,12 @@ class Layer:
         self._saved = saved if self.training else None
         self._inference_forward = not self.training
 
+    def _forget(self) -> None:
+        """Drop what the last forward kept, here and in every sublayer."""
+        self._saved = None
+        for layer in self._sublayers:
+            layer._forget()
+
     def _need_saved(self):
         if self._saved is None:
             name = type(self).__name__

@@ -146,8 +146,7 @@ class LatentAttention(AttentionLayer):
         cache.advance(x.shape[1])
         out = np.einsum("bhtc,chd->bhtd", out_lat, p["W_UV"].reshape(dc, h, dh))  # -> (B,H,T,D)
         y = self.o_proj.forward(merge_heads(out))  # (B,T,H*D) @ (H*D,d_model) -> (B,T,d_model)
-        for layer in self._sublayers:  # decoding is inference only: the projections keep nothing
-            layer._saved = None
+        self._forget()  # decoding is inference only: the projections keep nothing for backward
         return y, w, dict(cached=True)
 
     # --- backward ------------------------------------------------------------------------
