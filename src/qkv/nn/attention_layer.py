@@ -102,10 +102,9 @@ class AttentionLayer(Layer):
     def _attend(self, q, k, v, opts: dict, return_weights: bool, *, lse: bool = True):
         """``(out, lse or None, weights or None)`` of :func:`qkv.attention` with ``opts``."""
         res = attention(q, k, v, return_lse=lse, return_weights=return_weights, **opts)
-        if not isinstance(res, tuple):
-            return res, None, None
-        out, rest = res[0], list(res[1:])
-        return out, (rest.pop(0) if lse else None), (rest.pop(0) if return_weights else None)
+        res = list(res) if isinstance(res, tuple) else [res]  # out, then lse and weights as asked
+        out = res.pop(0)
+        return out, (res.pop(0) if lse else None), (res.pop(0) if return_weights else None)
 
     @staticmethod
     def _output(y: np.ndarray, weights, squeezed: bool, return_weights: bool):
