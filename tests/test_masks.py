@@ -6,7 +6,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import qkv
-from qkv.masks import EMPTY, FULL, PARTIAL, build_spec, parse_window
+from qkv.masks import build_spec, parse_window
 
 LEAD = (2, 3)
 
@@ -38,25 +38,26 @@ def test_blocks_agree_with_the_dense_definition(seed, tq, tk, causal, window, wi
     np.testing.assert_allclose(np.broadcast_to(spec.additive(), LEAD + (tq, tk)), add, rtol=1e-12)
     for q0 in range(0, tq, bq):
         q1 = min(q0 + bq, tq)
-        for b in range(2):
-            k0, k1 = spec.key_range(q0, q1, batch=b)
-            outside = np.ones(tk, bool)
-            outside[max(k0, 0):max(k1, 0)] = False
-            assert not ok[b, :, q0:q1][..., outside].any(), "a visible key lies outside key_range"
         for k0 in range(0, tk, bk):
             k1 = min(k0 + bk, tk)
-            block = ok[:, :, q0:q1, k0:k1]
-            kind = spec.block_kind(q0, q1, k0, k1)
-            if kind == EMPTY:
-                assert not block.any()
-            if kind == FULL:
-                assert block.all()
+            for b in (None, 0, 1):  # one batch item's lengths, or any item's
+                block = ok[:, :, q0:q1, k0:k1] if b is None else ok[b, :, q0:q1, k0:k1]
+                covered = np.zeros(k1 - k0, bool)
+                end = k0
+                for a, e, full in spec.segments(q0, q1, k0, k1, batch=b):
+                    assert end <= a < e <= k1, "runs must be ordered, disjoint and inside the block"
+                    end = e
+                    covered[a - k0:e - k0] = True
+                    if full:
+                        assert block[..., a - k0:e - k0].all(), "a full run has a key some row may not see"
+                assert not block[..., ~covered].any(), "a visible key lies outside every run"
             for b in range(2):
-                kind_b = spec.block_kind(q0, q1, k0, k1, batch=b)
-                if kind_b == EMPTY:
-                    assert not block[b].any()
-                if kind_b == FULL:
-                    assert block[b].all()
+                r0, r1 = spec.query_range(k0, k1, batch=b)
+                outside = np.ones(tq, bool)
+                outside[max(r0, 0):max(r1, 0)] = False
+                assert not ok[b, :, outside, k0:k1].any(), "a row outside query_range sees a key"
+            for b in range(2):
+                block = ok[:, :, q0:q1, k0:k1]
                 for h in range(3):
                     part = spec.allowed(q0, q1, k0, k1, index=(b, h))
                     part = np.ones((q1 - q0, k1 - k0), bool) if part is None else part
@@ -66,11 +67,12 @@ def test_blocks_agree_with_the_dense_definition(seed, tq, tk, causal, window, wi
                                                add[b, h, q0:q1, k0:k1], rtol=1e-12)
 
 
-def test_structured_blocks_are_classified_exactly():
+def test_structured_blocks_are_cut_exactly():
     spec = build_spec((1,), 8, 8, causal=True)
-    assert spec.block_kind(0, 4, 4, 8) == EMPTY
-    assert spec.block_kind(4, 8, 0, 4) == FULL
-    assert spec.block_kind(0, 4, 0, 4) == PARTIAL
+    assert spec.segments(0, 4, 4, 8) == []                              # above the diagonal: empty
+    assert spec.segments(4, 8, 0, 4) == [(0, 4, True)]                  # below it: full
+    assert spec.segments(0, 4, 0, 4) == [(0, 1, True), (1, 4, False)]   # on it: key 0 is seen by all
+    assert spec.query_range(4, 8) == (4, 8) and spec.query_range(0, 2) == (0, 8)
     spec = build_spec((1,), 2, 5, causal="bottom_right")
     assert spec.offset == 3
     np.testing.assert_array_equal(spec.allowed(), [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
@@ -80,7 +82,7 @@ def test_structured_blocks_are_classified_exactly():
 def test_trivial_spec_needs_no_arrays():
     spec = build_spec((2, 3), 4, 5)
     assert spec.is_trivial and spec.allowed() is None and spec.additive() is None
-    assert spec.block_kind(0, 4, 0, 5) == FULL and spec.key_range(0, 4) == (0, 5)
+    assert spec.segments(0, 4, 0, 5) == [(0, 5, True)] and spec.query_range(0, 5) == (0, 4)
 
 
 @pytest.mark.parametrize("window,expected", [(None, (None, None)), (3, (3, 0)), ((2, None), (2, None)), ([1, 4], (1, 4))])

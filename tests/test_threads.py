@@ -84,3 +84,28 @@ def test_a_hold_from_any_thread_limits_blas_and_any_thread_restores_it():
     finally:
         original.restore_original_limits()
         threads._drop_claim()
+
+
+def test_kernel_threads_hold_for_the_calling_thread_only(monkeypatch):
+    import numpy as np
+
+    saved = threads._state["threads"]  # the process-wide default as set (None: the CPU count)
+    sizes = []
+    real_pool = threads.pool
+    monkeypatch.setattr(threads, "pool", lambda n: sizes.append(n) or real_pool(n))
+    x = np.random.default_rng(0).standard_normal((4, 300, 16)).astype(np.float32)  # tiles go to threads
+    try:
+        qkv.set_num_threads(3)
+        with threads.kernel_threads(1):
+            assert qkv.get_num_threads() == 1
+            with ThreadPoolExecutor(1) as other:  # another thread keeps the process-wide default
+                assert other.submit(qkv.get_num_threads).result() == 3
+            qkv.attention(x, x, x, method="flash")
+        assert sizes == [] and qkv.get_num_threads() == 3
+        qkv.attention(x, x, x, method="flash")
+        assert sizes and set(sizes) == {3}
+        with pytest.raises(qkv.ShapeError, match="num_threads must be an int >= 1"):
+            with threads.kernel_threads(0):
+                pass
+    finally:
+        qkv.set_num_threads(saved)

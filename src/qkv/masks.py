@@ -12,10 +12,12 @@ The options of :func:`qkv.attention` that restrict or bias the scores are:
 - ``alibi``: slopes ``(Hq,)``; head h adds ``-slope[h] * |i' - j|``.
 
 A kernel asks the spec about one block of rows ``q0:q1`` and columns ``k0:k1`` at a time:
-:meth:`MaskSpec.block_kind` says whether the structured part (causal, window, lengths)
-leaves the block empty, full or partial, :meth:`MaskSpec.allowed` gives its boolean mask
-and :meth:`MaskSpec.additive` its additive bias. No method makes a ``(Tq, Tk)`` array
-unless asked for the whole range.
+:meth:`MaskSpec.segments` says which keys of the block the structured part (causal,
+window, lengths) leaves visible, as runs that need no mask and runs that do;
+:meth:`MaskSpec.query_range` which rows see any key of a key block (for a backward that
+walks key blocks); :meth:`MaskSpec.allowed` gives a block's boolean mask and
+:meth:`MaskSpec.additive` its additive bias. No method makes a ``(Tq, Tk)`` array unless
+asked for the whole range.
 """
 from __future__ import annotations
 
@@ -24,8 +26,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import ShapeError, as_array, broadcasts_to, fmt_shape
-
-EMPTY, PARTIAL, FULL = "empty", "partial", "full"
 
 _CAUSAL = {False: None, None: None, True: "top_left", "top_left": "top_left", "bottom_right": "bottom_right"}
 
@@ -102,27 +102,22 @@ class MaskSpec:
         return (lo is None and hi is None and self.kv_lengths is None and self.mask is None
                 and self.bias is None and self.alibi is None)
 
-    def key_range(self, q0: int, q1: int, batch: int | None = None) -> tuple[int, int]:
-        """Keys ``[k0, k1)`` that any of the rows ``q0:q1`` may see through causal, window
-        and (for one ``batch`` item) kv_lengths; ``k0 >= k1`` means none."""
-        lo, hi = self.band
-        off = self.offset
-        k0 = 0 if lo is None else max(0, q0 + off - lo)
-        k1 = self.tk if hi is None else min(self.tk, q1 - 1 + off + hi + 1)
-        if self.kv_lengths is not None:
-            lengths = self.kv_lengths if batch is None else self.kv_lengths[batch]
-            k1 = min(k1, int(np.max(lengths)))
-        return k0, k1
+    def _lengths(self, batch: int | None) -> np.ndarray | None:
+        """The kv_lengths that apply: one ``batch`` item's (as a 1-array), every item's for
+        ``None``, or None without lengths."""
+        if self.kv_lengths is None:
+            return None
+        return self.kv_lengths if batch is None else self.kv_lengths[batch:batch + 1]
 
     def query_range(self, k0: int, k1: int, batch: int | None = None) -> tuple[int, int]:
         """Rows ``[q0, q1)`` that may see any of the keys ``k0:k1`` through causal, window
-        and (for one ``batch`` item) kv_lengths; ``q0 >= q1`` means none. The transpose of
-        :meth:`key_range`, for kernels that walk key blocks."""
+        and (for one ``batch`` item, or any) kv_lengths; ``q0 >= q1`` means none. For
+        kernels that walk key blocks."""
         lo, hi = self.band
         off = self.offset
-        if self.kv_lengths is not None:
-            lengths = self.kv_lengths if batch is None else self.kv_lengths[batch]
-            k1 = min(k1, int(np.max(lengths)))
+        lengths = self._lengths(batch)
+        if lengths is not None:
+            k1 = min(k1, int(lengths.max(initial=0)))
         if k0 >= k1:
             return 0, 0
         # j <= i' + hi  <=>  i >= j - hi - off ;  j >= i' - lo  <=>  i <= j + lo - off
@@ -140,12 +135,11 @@ class MaskSpec:
         """
         lo, hi = self.band
         off = self.offset
-        if self.kv_lengths is not None:
-            lengths = self.kv_lengths if batch is None else self.kv_lengths[batch]
-            k1 = min(k1, int(np.max(lengths)))
-            ragged = batch is None and int(np.min(lengths)) < k1
-        else:
-            ragged = False
+        lengths = self._lengths(batch)
+        ragged = False  # lengths that differ inside k0:k1: no run is the same for every item
+        if lengths is not None:
+            k1 = min(k1, int(lengths.max(initial=0)))
+            ragged = int(lengths.min(initial=self.tk)) < k1
         # keys some row sees, then keys every row sees
         v0 = k0 if lo is None else max(k0, q0 + off - lo)
         v1 = k1 if hi is None else min(k1, q1 - 1 + off + hi + 1)
@@ -159,31 +153,6 @@ class MaskSpec:
             return [(v0, v1, False)]
         runs = [(v0, f0, False), (f0, f1, True), (f1, v1, False)]
         return [r for r in runs if r[0] < r[1]]
-
-    def block_kind(self, q0: int, q1: int, k0: int, k1: int, batch: int | None = None) -> str:
-        """EMPTY, FULL or PARTIAL for rows q0:q1 x keys k0:k1 by causal, window and lengths.
-
-        A user ``mask`` can only make a FULL block partial, so with one it reports PARTIAL
-        for any non-empty block; ``bias``/``alibi`` do not change the kind.
-        """
-        lo, hi = self.band
-        off = self.offset
-        # Empty if the last key is left of every row's band or the first key right of it.
-        if lo is not None and k1 - 1 < q0 + off - lo:
-            return EMPTY
-        if hi is not None and k0 > q1 - 1 + off + hi:
-            return EMPTY
-        if self.kv_lengths is not None:
-            lengths = self.kv_lengths if batch is None else self.kv_lengths[batch]
-            if k0 >= int(np.max(lengths)):
-                return EMPTY
-            if k1 > int(np.min(lengths)):
-                return PARTIAL
-        if lo is not None and k0 < q1 - 1 + off - lo:
-            return PARTIAL
-        if hi is not None and k1 - 1 > q0 + off + hi:
-            return PARTIAL
-        return PARTIAL if self.mask is not None else FULL
 
     # --- per-block arrays ----------------------------------------------------------
     def allowed(self, q0: int = 0, q1: int | None = None, k0: int = 0, k1: int | None = None,

@@ -18,6 +18,7 @@ not available to test here.
 """
 from __future__ import annotations
 
+import contextvars
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -30,18 +31,39 @@ from .errors import ShapeError
 _lock = threading.Lock()
 _state = {"threads": None, "pool": None, "pool_size": 0}
 _blas = {"users": 0, "limiter": None, "controller": None}
+_here = contextvars.ContextVar("qkv_kernel_threads", default=None)  # kernel_threads(n) in force
+
+
+def _check(n) -> int | None:
+    if n is not None and (isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1):
+        raise ShapeError(f"num_threads must be an int >= 1 or None; got {n!r}")
+    return None if n is None else int(n)
 
 
 def set_num_threads(n: int | None) -> None:
-    """Threads the tiled kernels use (``None``: ``os.cpu_count()``, the default). Process-wide."""
-    if n is not None and (isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1):
-        raise ShapeError(f"num_threads must be an int >= 1 or None; got {n!r}")
-    _state["threads"] = None if n is None else int(n)
+    """Threads the tiled kernels use (``None``: ``os.cpu_count()``, the default). Process-wide:
+    the user's default; :func:`kernel_threads` overrides it for one thread's calls."""
+    _state["threads"] = _check(n)
 
 
 def get_num_threads() -> int:
-    """Threads the tiled kernels use now."""
-    return _state["threads"] or os.cpu_count() or 1
+    """Threads the tiled kernels called from here use now."""
+    return _here.get() or _state["threads"] or os.cpu_count() or 1
+
+
+@contextmanager
+def kernel_threads(n: int):
+    """``with kernel_threads(n):`` the tiled kernels called inside the block, from this thread
+    (this context), use ``n`` threads; other threads keep the process-wide default.
+
+    For code that brings its own parallelism (the encoder runs one batch a thread) without
+    touching what other callers of :func:`qkv.attention` get.
+    """
+    token = _here.set(_check(n))
+    try:
+        yield
+    finally:
+        _here.reset(token)
 
 
 def pool(n: int) -> ThreadPoolExecutor:
