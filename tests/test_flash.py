@@ -1,25 +1,51 @@
-"""The tiled kernel (qkv.flash) against the dense float64 reference, over every option.
+"""The tiled kernel (qkv.kernels.flash) against the dense float64 reference, over every option.
 
-Small tiles are forced for the randomized grid, so that tiny problems still cross many
+Small tiles are passed for the randomized grid, so that tiny problems still cross many
 query blocks, key blocks and masked-out tiles; the awkward sizes (T = 97, 1025; D = 59,
 128) run with the real tile sizes.
 """
+from functools import partial
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
 import qkv
+from qkv import api, threads
 from qkv.kernels import flash
+from qkv.kernels.flash import forward_kernel
 
 CAUSALS = [False, True, "bottom_right"]
+SMALL = flash.Tiles(rows=8, scratch=128, bwd_rows=8, bwd_keys=16, stack_rows=4)  # key chunks of 16
+
+
+def tiled(tiles):
+    """The tiled kernel with these tile sizes, for the calls it is handed to."""
+    return SimpleNamespace(forward=partial(flash.forward, tiles=tiles),
+                           backward=partial(flash.backward, tiles=tiles))
 
 
 @pytest.fixture
-def small_tiles(monkeypatch):
-    monkeypatch.setattr(flash, "ROWS", 8)
-    monkeypatch.setattr(flash, "SCRATCH", 128)   # key chunks of 16 columns
-    monkeypatch.setattr(flash, "BWD_ROWS", 8)
-    monkeypatch.setattr(flash, "BWD_KEYS", 16)
-    monkeypatch.setattr(flash, "STACK_ROWS", 4)
+def spy(monkeypatch):
+    """Counts what the forward ran: ``bound`` tries, ``bound_redo`` (it gave up), ``exact``
+    calls, and the rows of each exact call."""
+    seen = {"bound": 0, "bound_redo": 0, "exact": 0, "exact_rows": []}
+    real_bound, real_exact = forward_kernel._fwd_bound, forward_kernel._fwd_exact
+
+    def bound(*a, **kw):
+        res = real_bound(*a, **kw)
+        seen["bound"] += 1
+        seen["bound_redo"] += res is None
+        return res
+
+    def exact(qs, *a, **kw):
+        seen["exact"] += 1
+        seen["exact_rows"].append(qs.shape[0])
+        return real_exact(qs, *a, **kw)
+
+    monkeypatch.setattr(forward_kernel, "_fwd_bound", bound)
+    monkeypatch.setattr(forward_kernel, "_fwd_exact", exact)
+    return seen
 
 
 def _random_options(rng, b, hq, tq, tk):
@@ -74,19 +100,25 @@ def _case(seed):
     return q, k, v, opts
 
 
-def _both(q, k, v, dout, opts, method):
-    out, lse = qkv.attention(q, k, v, return_lse=True, method=method, **opts)
-    grads = qkv.attention_backward(dout, q, k, v, out, lse, method=method, **opts)
-    return out, lse, grads
+def _both(q, k, v, dout, opts, method, tiles=None):
+    """out, lse and (dq, dk, dv) through the public API, or with ``tiles`` through its steps
+    (the same checks and sum-back) with the tiled kernel at those sizes."""
+    if tiles is None:
+        out, lse = qkv.attention(q, k, v, return_lse=True, method=method, **opts)
+        grads = qkv.attention_backward(dout, q, k, v, out, lse, method=method, **opts)
+        return out, lse, grads
+    prob, kern = api._prepare(q, k, v, **opts), tiled(tiles)
+    out, lse = api._forward(prob, kern, return_lse=True, return_weights=False)
+    return out, lse, api._backward(prob, kern, api._saved(prob, dout, out, lse))
 
 
 @pytest.mark.parametrize("seed", range(160))
-def test_flash_matches_reference_on_random_options(seed, small_tiles):
+def test_flash_matches_reference_on_random_options(seed):
     q, k, v, opts = _case(seed)
     out_r, lse_r = qkv.attention(q, k, v, return_lse=True, method="reference", **opts)
     dout = np.random.default_rng(seed + 1000).standard_normal(out_r.shape)
     ref = _both(q, k, v, dout, opts, "reference")
-    got = _both(q, k, v, dout, opts, "flash")
+    got = _both(q, k, v, dout, opts, "flash", tiles=SMALL)
     np.testing.assert_allclose(got[0], ref[0], rtol=1e-9, atol=1e-11)
     np.testing.assert_array_equal(np.isneginf(got[1]), np.isneginf(ref[1]))
     np.testing.assert_allclose(got[1], ref[1], rtol=1e-9, atol=1e-11)
@@ -139,7 +171,7 @@ def test_float16_computes_in_float32():
 
 
 @pytest.mark.parametrize("causal", CAUSALS)
-def test_decode_one_query_against_many_keys_gqa(causal):
+def test_decode_one_query_against_many_keys_gqa(causal, spy):
     rng = np.random.default_rng(7)
     q = rng.standard_normal((2, 8, 1, 32))
     k = rng.standard_normal((2, 2, 300, 32))
@@ -151,9 +183,11 @@ def test_decode_one_query_against_many_keys_gqa(causal):
     got = _both(q, k, v, dout, opts, "flash")
     for g, r in zip([got[0], got[1], *got[2]], [ref[0], ref[1], *ref[2]]):
         np.testing.assert_allclose(g, r, rtol=1e-9, atol=1e-12)
+    # one query, 4 query heads stacked per kv head: the matrix-vector (decode) path ran
+    assert spy["exact"] > 0 and max(spy["exact_rows"]) <= flash.Tiles().thin_rows
 
 
-def test_rows_and_tiles_that_see_nothing(small_tiles):
+def test_rows_and_tiles_that_see_nothing():
     """kv_lengths 0, a fully-False mask row, a window that misses every key, and
     bottom-right causal with Tq > Tk: out 0, lse -inf, gradients 0, no NaN, no warning."""
     rng = np.random.default_rng(11)
@@ -165,7 +199,7 @@ def test_rows_and_tiles_that_see_nothing(small_tiles):
     mask[1, 1, 5] = False
     opts = {"kv_lengths": np.array([0, 12, 7]), "mask": mask, "causal": "bottom_right"}
     dout = rng.standard_normal((3, 2, 20, 8))
-    out, lse, (dq, dk, dv) = _both(q, k, v, dout, opts, "flash")
+    out, lse, (dq, dk, dv) = _both(q, k, v, dout, opts, "flash", tiles=SMALL)
     ref = _both(q, k, v, dout, opts, "reference")
     assert np.isneginf(lse[0]).all() and (out[0] == 0).all()
     assert np.isneginf(lse[1, 1, 5]) and (out[1, 1, 5] == 0).all()
@@ -182,7 +216,7 @@ def test_rows_and_tiles_that_see_nothing(small_tiles):
 
 
 @pytest.mark.parametrize("tq", [3, 40])
-def test_gqa_without_a_batch_axis_reads_kv_lengths_per_query_head(tq, small_tiles):
+def test_gqa_without_a_batch_axis_reads_kv_lengths_per_query_head(tq):
     """3-D gqa input (Hq, Tq, D): the first leading axis is the head axis, so kv_lengths
     (Hq,) differs between query heads that share a kv head (and may be stacked)."""
     rng = np.random.default_rng(13)
@@ -192,7 +226,7 @@ def test_gqa_without_a_batch_axis_reads_kv_lengths_per_query_head(tq, small_tile
     opts = {"gqa": True, "causal": "bottom_right", "kv_lengths": np.array([31, 0, 4, 9, 31, 2])}
     dout = rng.standard_normal((6, tq, 5))
     ref = _both(q, k, v, dout, opts, "reference")
-    got = _both(q, k, v, dout, opts, "flash")
+    got = _both(q, k, v, dout, opts, "flash", tiles=SMALL)
     for g, r in zip([got[0], got[1], *got[2]], [ref[0], ref[1], *ref[2]]):
         np.testing.assert_allclose(g, r, rtol=1e-9, atol=1e-12)
 
@@ -213,7 +247,7 @@ def test_nan_input_is_nan_not_a_row_that_saw_nothing(dtype):
 
 
 @pytest.mark.parametrize("dtype,score,size", [(np.float32, 55.0, 1e15), (np.float64, 290.0, 1e183)])
-def test_large_values_do_not_overflow_the_fixed_offset(dtype, score, size):
+def test_large_values_do_not_overflow_the_fixed_offset(dtype, score, size, spy):
     """The fixed offset lets exp reach 2^C; times a large but finite value that overflowed
     the accumulator to ±inf where the reference (weights <= 1) is finite."""
     rng = np.random.default_rng(15)
@@ -222,13 +256,14 @@ def test_large_values_do_not_overflow_the_fixed_offset(dtype, score, size):
     v = (rng.standard_normal((1, 1, 64, 16)) * size).astype(dtype)
     ref = qkv.attention(q, q, v, return_lse=True, method="reference")
     got = qkv.attention(q, q, v, return_lse=True, method="flash")
+    assert spy["bound"] == spy["bound_redo"] > 0  # the fixed offset was tried, and redone exactly
     assert np.isfinite(got[0]).all()
     for g, r in zip(got, ref):
         np.testing.assert_allclose(g, r, rtol=1e-5)
 
 
 @pytest.mark.parametrize("big", [1e4, -1e4])
-def test_huge_scores_take_the_exact_path(big):
+def test_huge_scores_take_the_exact_path(big, spy):
     """Scores of ±1e4: the bound is loose (or overflows exp), rows are redone exactly."""
     rng = np.random.default_rng(3)
     q = rng.standard_normal((1, 2, 70, 8)).astype(np.float32)
@@ -240,20 +275,26 @@ def test_huge_scores_take_the_exact_path(big):
         ref = qkv.attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
                             return_lse=True, method="reference", **opts)
         dense = qkv.attention(q, k, v, return_lse=True, method="reference", **opts)
+        tried, redone, exact = spy["bound"], spy["bound_redo"], spy["exact"]
         got = qkv.attention(q, k, v, return_lse=True, method="flash", **opts)
+        assert spy["exact"] > exact, opts  # (the alibi head with slope 50 sees scores near 0)
+        if "scale" in opts:  # every row's scores are huge: whatever the bound tried, it redid
+            assert spy["bound"] - tried == spy["bound_redo"] - redone
         assert np.isfinite(got[0]).all() and np.isfinite(got[1]).all()
         eps = np.finfo(np.float32).eps
         for i in (0, 1):  # scores of 1e4 carry float32 rounding of ~1e-3: the budget is dense's
             assert _err(got[i], ref[i]) <= 2 * _err(dense[i], ref[i]) + 4 * eps * np.linalg.norm(ref[i])
 
 
-def test_same_answer_for_any_thread_count():
+def test_same_answer_for_any_thread_count(monkeypatch):
     rng = np.random.default_rng(2)
     q = rng.standard_normal((2, 4, 300, 16)).astype(np.float32)
     k = rng.standard_normal((2, 2, 700, 16)).astype(np.float32)
     v = rng.standard_normal((2, 2, 700, 16)).astype(np.float32)
     dout = rng.standard_normal((2, 4, 300, 16)).astype(np.float32)
-    results = []
+    results, sizes = [], []
+    real_pool = threads.pool
+    monkeypatch.setattr(threads, "pool", lambda n: sizes.append(n) or real_pool(n))
     try:
         for n in (1, 2, 3):
             qkv.set_num_threads(n)
@@ -262,6 +303,7 @@ def test_same_answer_for_any_thread_count():
             results.append(_both(q, k, v, dout, {"gqa": True, "causal": "bottom_right"}, "flash"))
     finally:
         qkv.set_num_threads(None)
+    assert set(sizes) == {2, 3}  # the tiles really went to 2 and 3 threads (1: the calling thread)
     first = results[0]
     for res in results[1:]:
         np.testing.assert_array_equal(res[0], first[0])      # forward tiles are disjoint: same bits
@@ -280,12 +322,14 @@ def test_set_num_threads_checks_its_argument():
     assert qkv.get_num_threads() >= 1
 
 
-def test_auto_and_weights_dispatch():
+def test_auto_and_weights_dispatch(spy):
     rng = np.random.default_rng(4)
     q, k, v = (rng.standard_normal((2, 200, 16)) for _ in range(3))
     out_a, w = qkv.attention(q, k, v, causal=True, return_weights=True, method="auto")
+    assert spy["bound"] + spy["exact"] == 0  # 2·200·200 entries: below AUTO_FLASH_MIN, the dense path
     out_f, lse_f, w_f = qkv.attention(q, k, v, causal=True, return_lse=True, return_weights=True,
                                       method="flash")
+    assert spy["bound"] + spy["exact"] > 0   # out and lse from the tiled kernel, weights beside
     out_r, w_r = qkv.attention(q, k, v, causal=True, return_weights=True, method="reference")
     np.testing.assert_allclose(out_a, out_r, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(out_f, out_r, rtol=1e-10, atol=1e-12)
@@ -363,9 +407,13 @@ def test_blas_setting_is_restored_and_concurrent_callers_agree():
     before = _blas_threads()
     want = qkv.attention(q, k, v, causal=True, method="flash")
     assert _blas_threads() == before
-    with ThreadPoolExecutor(3) as pool:
+    with ThreadPoolExecutor(3) as pool:  # worker threads, alone and side by side
         outs = list(pool.map(lambda _: qkv.attention(q, k, v, causal=True, method="flash"), range(6)))
+        small = [x[:, :, :40] for x in (q, k, v)]  # below the size that hands out tiles
+        alone = qkv.attention(*small, causal=True, method="flash")
+        beside = list(pool.map(lambda _: qkv.attention(*small, causal=True, method="flash"), range(6)))
     for out in outs:
         np.testing.assert_array_equal(out, want)
-    # (whether OpenBLAS honours a restore made by another thread than the one that set the
-    # limit is up to OpenBLAS; the counted hold restores once, after the last caller)
+    for out in beside:
+        np.testing.assert_array_equal(out, alone)
+    assert _blas_threads() == before  # the last caller, whichever thread, restored it

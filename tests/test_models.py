@@ -143,6 +143,8 @@ def test_uses_the_multihead_layer(model):
     layer = model.attention_layers[0]
     assert isinstance(layer, MultiHeadAttention)
     assert layer.params["W_Q"] is model.params["layers.0.attn.W_Q"]  # the checkpoint's array, no copy
+    model.encode(["a short text"])
+    assert not layer.training and layer._saved is None  # eval mode: nothing kept for a backward
 
 
 def test_max_seq_length_from_sentence_bert_config(model):

@@ -52,3 +52,60 @@ def test_a_pool_handed_out_still_runs_after_another_caller_grows_it():
     held = threads.pool(2)  # a kernel took the pool, then another thread asked for more
     threads.pool(threads._state["pool_size"] + 1)
     assert list(held.map(lambda x: x * x, range(4))) == [0, 1, 4, 9]
+
+
+def test_a_hold_from_any_thread_limits_blas_and_any_thread_restores_it():
+    """threadpoolctl 3.8 lets only the thread that first set OpenBLAS's pool change it and
+    skips the others silently; the hold must still reach BLAS when the main thread has that
+    claim, and the last release, made on another thread than the first hold, must restore."""
+    import threading
+
+    from threadpoolctl import threadpool_limits
+
+    if not blas_threads():
+        pytest.skip("no BLAS that threadpoolctl controls")
+    original = threadpool_limits(limits=2, user_api="blas")  # the main thread claims OpenBLAS
+    try:
+        assert blas_threads() == [2] * len(blas_threads())
+        seen = []
+        first = threading.Thread(target=lambda: (threads.hold_blas(), seen.append(blas_threads())))
+        first.start()
+        first.join()
+        threads.hold_blas()                                      # a second, counted holder
+        second = threading.Thread(target=threads.release_blas)
+        second.start()
+        second.join()
+        assert seen == [[1] * len(blas_threads())] and all(n == 1 for n in blas_threads())
+        last = threading.Thread(target=threads.release_blas)    # not the thread that set it
+        last.start()
+        last.join()
+        assert threads.blas_holders() == 0
+        assert blas_threads() == [2] * len(blas_threads())
+    finally:
+        original.restore_original_limits()
+        threads._drop_claim()
+
+
+def test_kernel_threads_hold_for_the_calling_thread_only(monkeypatch):
+    import numpy as np
+
+    saved = threads._state["threads"]  # the process-wide default as set (None: the CPU count)
+    sizes = []
+    real_pool = threads.pool
+    monkeypatch.setattr(threads, "pool", lambda n: sizes.append(n) or real_pool(n))
+    x = np.random.default_rng(0).standard_normal((4, 300, 16)).astype(np.float32)  # tiles go to threads
+    try:
+        qkv.set_num_threads(3)
+        with threads.kernel_threads(1):
+            assert qkv.get_num_threads() == 1
+            with ThreadPoolExecutor(1) as other:  # another thread keeps the process-wide default
+                assert other.submit(qkv.get_num_threads).result() == 3
+            qkv.attention(x, x, x, method="flash")
+        assert sizes == [] and qkv.get_num_threads() == 3
+        qkv.attention(x, x, x, method="flash")
+        assert sizes and set(sizes) == {3}
+        with pytest.raises(qkv.ShapeError, match="num_threads must be an int >= 1"):
+            with threads.kernel_threads(0):
+                pass
+    finally:
+        qkv.set_num_threads(saved)

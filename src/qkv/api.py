@@ -33,7 +33,7 @@ def _compute_dtype(dtype: np.dtype) -> np.dtype:
     return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
 
 
-def _prepare(q, k, v, *, scale, gqa, **options) -> Problem:
+def _prepare(q, k, v, *, scale=None, gqa=False, **options) -> Problem:
     """Check q, k, v, scale, gqa and the mask ``options`` (those of :func:`qkv.masks.build_spec`)."""
     q, k, v = as_float_array("q", q), as_float_array("k", k), as_float_array("v", v)
     for name, x in (("k", k), ("v", v)):
@@ -241,6 +241,11 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, align=None, window
         kern = _kernel(method, prob, return_weights)
     except ShapeError as err:
         raise ShapeError(str(err)) from None  # the caller's line, not our internals
+    return _forward(prob, kern, return_lse, return_weights)
+
+
+def _forward(prob: Problem, kern, return_lse: bool, return_weights: bool):
+    """Run ``kern.forward`` (anything with the kernel interface) on a checked problem."""
     out, lse, weights = kern.forward(prob.q, prob.k, prob.v, prob.spec, prob.scale, prob.group,
                                      return_weights=return_weights)
     result = [out.astype(prob.in_dtype, copy=False)]
@@ -275,18 +280,29 @@ def attention_backward(dout, q, k, v, out, lse, *, mask=None, bias=None, causal=
                         chunk=chunk, kv_lengths=kv_lengths, q_lengths=q_lengths, alibi=alibi,
                         scale=scale, gqa=gqa)
         kern = _kernel(method, prob, False)
-        out_shape = prob.spec.lead + (prob.spec.tq, prob.v.shape[-1])
-        names = "(..., Hq, Tq, Dv)"
-        arrays = {}
-        for name, x, shape, nm in (("dout", dout, out_shape, names), ("out", out, out_shape, names),
-                                   ("lse", lse, out_shape[:-1], "(..., Hq, Tq)")):
-            x = as_float_array(name, x)
-            if x.shape != shape:
-                raise ShapeError(f"{name} must have shape {nm} = {fmt_shape(shape)}; got {fmt_shape(x.shape)}")
-            arrays[name] = x.astype(prob.q.dtype, copy=False)
+        saved = _saved(prob, dout, out, lse)
     except ShapeError as err:
         raise ShapeError(str(err)) from None
-    dq, dk, dv = kern.backward(arrays["dout"], prob.q, prob.k, prob.v, arrays["out"], arrays["lse"],
+    return _backward(prob, kern, saved)
+
+
+def _saved(prob: Problem, dout, out, lse) -> dict:
+    """``dout``, ``out`` and ``lse`` checked against the problem, in the compute dtype."""
+    out_shape = prob.spec.lead + (prob.spec.tq, prob.v.shape[-1])
+    names = "(..., Hq, Tq, Dv)"
+    arrays = {}
+    for name, x, shape, nm in (("dout", dout, out_shape, names), ("out", out, out_shape, names),
+                               ("lse", lse, out_shape[:-1], "(..., Hq, Tq)")):
+        x = as_float_array(name, x)
+        if x.shape != shape:
+            raise ShapeError(f"{name} must have shape {nm} = {fmt_shape(shape)}; got {fmt_shape(x.shape)}")
+        arrays[name] = x.astype(prob.q.dtype, copy=False)
+    return arrays
+
+
+def _backward(prob: Problem, kern, saved: dict):
+    """Run ``kern.backward`` on a checked problem; gradients summed back to the callers' shapes."""
+    dq, dk, dv = kern.backward(saved["dout"], prob.q, prob.k, prob.v, saved["out"], saved["lse"],
                                prob.spec, prob.scale, prob.group)
     q_shape, k_shape, v_shape = prob.shapes
     return (_sum_to(dq, q_shape).astype(prob.in_dtype, copy=False),

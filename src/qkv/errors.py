@@ -26,21 +26,6 @@ def fmt_shape(shape) -> str:
     return "(" + ", ".join(str(s) for s in shape) + ")"
 
 
-def expect_shape(name: str, array: np.ndarray, names: tuple[str, ...], expected: tuple) -> None:
-    """Raise unless ``array.shape == expected``; ``names`` spells the axes (``("B", "T", "D")``).
-
-    >>> expect_shape("k", np.zeros((2, 3)), ("T", "D"), (2, 4))
-    Traceback (most recent call last):
-    ...
-    qkv.errors.ShapeError: k must have shape (T, D) = (2, 4); got (2, 3)
-    """
-    if tuple(array.shape) != tuple(expected):
-        raise ShapeError(
-            f"{name} must have shape ({', '.join(names)}) = {fmt_shape(expected)}; "
-            f"got {fmt_shape(array.shape)}"
-        )
-
-
 def as_array(name: str, x) -> np.ndarray:
     """``np.asarray(x)``, with a ShapeError naming ``name`` where NumPy makes no array of it
     (a ragged nested list, say).

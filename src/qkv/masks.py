@@ -69,14 +69,14 @@ class MaskSpec:
         only if the offset is the same for all)."""
         off = self.offset
         if isinstance(off, np.ndarray):
-            off = int(off[batch]) if batch is not None else int(off.min())
+            off = int(off[batch]) if batch is not None else int(off.min(initial=0))
         return off + self.q_start - self.k_start
 
     def _limit(self, lengths, batch, full: int) -> int:
         """Real length of ``batch`` (the longest over batch items when None)."""
         if lengths is None:
             return full
-        return int(lengths[batch]) if batch is not None else int(lengths.max())
+        return int(lengths[batch]) if batch is not None else int(lengths.max(initial=0))
 
     def rows(self, batch: int | None = None) -> int:
         """Query rows ``[0, rows)`` that are not padding."""

@@ -35,8 +35,8 @@ import numpy as np
 from .errors import ShapeError, as_float_array, fmt_shape, positive_int
 
 
-def _check_base(base, name: str = "base") -> float:
-    """``base`` as a float > 1, or a ShapeError naming it (the layers pass ``"rope_base"``)."""
+def check_base(base, name: str = "base") -> float:
+    """``base`` as a finite float > 1, or a ShapeError naming it (the layers pass ``"rope_base"``)."""
     if isinstance(base, bool) or not isinstance(base, (int, float, np.floating, np.integer)) \
             or not math.isfinite(base) or base <= 1:
         raise ShapeError(f"{name} must be a finite number > 1 (default 10000); got {base!r}")
@@ -57,7 +57,7 @@ def sinusoidal(n_positions: int, d_model: int, *, base: float = 10000.0,
     """
     n_positions = positive_int("n_positions", n_positions)
     d_model = positive_int("d_model", d_model)
-    base = _check_base(base)
+    base = check_base(base)
     pos = np.arange(n_positions, dtype=np.float64)[:, None]  # (T, 1)
     two_i = np.arange(0, d_model, 2, dtype=np.float64)[None, :]  # (1, ceil(D/2))
     angle = pos / base ** (two_i / d_model)  # (T, ceil(D/2))
@@ -76,7 +76,7 @@ def rope_angles(positions, d_head: int, *, base: float = 10000.0) -> tuple[np.nd
     d_head = positive_int("d_head", d_head)
     if d_head % 2:
         raise ShapeError(f"RoPE needs an even head size d_head; got {d_head}")
-    base = _check_base(base)
+    base = check_base(base)
     positions = np.asarray(positions)
     if positions.ndim != 1 or positions.dtype.kind not in "iu":
         raise ShapeError(f"positions must be an int array (T,); got {fmt_shape(positions.shape)} {positions.dtype}")
@@ -91,8 +91,7 @@ def _rotate(x, positions, offset: int, base: float, sign: float) -> np.ndarray:
         raise ShapeError(f"x must have at least 2 dimensions (..., T, D); got {fmt_shape(x.shape)}")
     t, d = x.shape[-2:]
     if positions is None:
-        if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or offset < 0:
-            raise ShapeError(f"offset must be an int >= 0; got {offset!r}")
+        offset = positive_int("offset", offset, 0)
         positions = np.arange(offset, offset + t)
     else:
         if not (isinstance(offset, (int, np.integer)) and not isinstance(offset, bool) and offset == 0):

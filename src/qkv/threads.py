@@ -5,11 +5,20 @@ batches (NumPy releases the GIL in BLAS and ufuncs). A multi-threaded BLAS under
 only add threads that spin between the many mid-sized products and take the cores the
 element-wise passes need, so while any of them runs BLAS is held to one thread. The hold is
 counted under a lock: the first concurrent caller sets it, the last one restores what it
-found. (When that last caller is another thread than the first, OpenBLAS 0.3.31 was seen
-to ignore the restore, leaving one BLAS thread: harmless to results.)
+found, and these two may be different threads.
+
+It also makes results reproducible: how OpenBLAS splits a product over its threads can
+change the rounding (its Haswell kernels do), so a kernel's bits would depend on the BLAS
+thread count of the moment. threadpoolctl 3.8 lets only one thread, the first to set it,
+change a pthreads OpenBLAS's process-wide pool and silently skips sets from any other; a
+hold taken from a worker thread then did nothing. The counted hold is itself the arbiter
+between qkv's callers, so it drops that claim around each change it makes (see
+:func:`_set_blas`). With an OpenMP-threaded BLAS the limit is per thread; that build was
+not available to test here.
 """
 from __future__ import annotations
 
+import contextvars
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -22,18 +31,39 @@ from .errors import ShapeError
 _lock = threading.Lock()
 _state = {"threads": None, "pool": None, "pool_size": 0}
 _blas = {"users": 0, "limiter": None, "controller": None}
+_here = contextvars.ContextVar("qkv_kernel_threads", default=None)  # kernel_threads(n) in force
+
+
+def _check(n) -> int | None:
+    if n is not None and (isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1):
+        raise ShapeError(f"num_threads must be an int >= 1 or None; got {n!r}")
+    return None if n is None else int(n)
 
 
 def set_num_threads(n: int | None) -> None:
-    """Threads the tiled kernels use (``None``: ``os.cpu_count()``, the default). Process-wide."""
-    if n is not None and (isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1):
-        raise ShapeError(f"num_threads must be an int >= 1 or None; got {n!r}")
-    _state["threads"] = None if n is None else int(n)
+    """Threads the tiled kernels use (``None``: ``os.cpu_count()``, the default). Process-wide:
+    the user's default; :func:`kernel_threads` overrides it for one thread's calls."""
+    _state["threads"] = _check(n)
 
 
 def get_num_threads() -> int:
-    """Threads the tiled kernels use now."""
-    return _state["threads"] or os.cpu_count() or 1
+    """Threads the tiled kernels called from here use now."""
+    return _here.get() or _state["threads"] or os.cpu_count() or 1
+
+
+@contextmanager
+def kernel_threads(n: int):
+    """``with kernel_threads(n):`` the tiled kernels called inside the block, from this thread
+    (this context), use ``n`` threads; other threads keep the process-wide default.
+
+    For code that brings its own parallelism (the encoder runs one batch a thread) without
+    touching what other callers of :func:`qkv.attention` get.
+    """
+    token = _here.set(_check(n))
+    try:
+        yield
+    finally:
+        _here.reset(token)
 
 
 def pool(n: int) -> ThreadPoolExecutor:
@@ -49,24 +79,44 @@ def pool(n: int) -> ThreadPoolExecutor:
         return _state["pool"]
 
 
+def _drop_claim() -> None:
+    """Forget which thread threadpoolctl (>= 3.8) lets set OpenBLAS's pool size, if any."""
+    import threadpoolctl
+
+    clear = getattr(getattr(threadpoolctl, "OpenBLASController", None), "clear_controlling_thread", None)
+    if clear is not None:
+        clear(force=True)
+
+
+def _set_blas(change):
+    """Run ``change()`` (a threadpoolctl limit or restore) so that it takes effect from
+    whichever thread calls it: no threadpoolctl claim stands before it, and none after."""
+    _drop_claim()
+    try:
+        return change()
+    finally:
+        _drop_claim()
+
+
 def hold_blas() -> None:
-    """Hold BLAS to one thread until the matching :func:`release_blas` (counted)."""
+    """Hold BLAS to one thread until the matching :func:`release_blas` (counted; any thread)."""
     with _lock:
         if _blas["users"] == 0:
             if _blas["controller"] is None:
                 from threadpoolctl import ThreadpoolController
 
                 _blas["controller"] = ThreadpoolController()
-            _blas["limiter"] = _blas["controller"].limit(limits=1, user_api="blas")
+            ctl = _blas["controller"]
+            _blas["limiter"] = _set_blas(lambda: ctl.limit(limits=1, user_api="blas"))
         _blas["users"] += 1
 
 
 def release_blas() -> None:
-    """End one :func:`hold_blas`; the last one restores BLAS as it was found."""
+    """End one :func:`hold_blas` (from any thread); the last one restores BLAS as it was found."""
     with _lock:
         _blas["users"] -= 1
         if _blas["users"] == 0:
-            _blas["limiter"].restore_original_limits()
+            _set_blas(_blas["limiter"].restore_original_limits)
             _blas["limiter"] = None
 
 

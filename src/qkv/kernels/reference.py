@@ -16,7 +16,7 @@ Backward, from dO = ∂L/∂O (the softmax Jacobian applied row by row)::
     dS    = P ∘ (dP - delta)
     dQ    = scale · dS K,   dK = scale · dSᵀ Q
 
-Kernel interface (shared with ``flash.py``): arrays arrive checked and in the compute
+Kernel interface (shared with :mod:`qkv.kernels.flash`): arrays arrive checked and in the compute
 dtype as ``q (*L, Tq, D)``, ``k (*Lk, Tk, D)``, ``v (*Lk, Tk, Dv)``, where ``L = (..., Hq)``
 is the output's leading shape and ``Lk`` is ``L`` with its last axis divided by ``group``
 (query heads ``h*group .. h*group+group-1`` share kv head ``h``). They may be broadcast

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ShapeError, positive_int
-from ..threads import blas_one_thread, get_num_threads, set_num_threads
+from ..threads import blas_one_thread, kernel_threads
 from ..nn import MultiHeadAttention
 from .checkpoint import (BertConfig, CheckpointError, SentenceConfig, check_folder, default_model_path,
                          load_state, read_json, read_sentence_config)
@@ -64,6 +64,7 @@ class Bert:
         for i in range(config.num_hidden_layers):
             layer = MultiHeadAttention(config.hidden_size, config.num_attention_heads, bias=True,
                                        dtype=np.float32, rng=np.random.default_rng(0))
+            layer.eval()  # inference only: a forward keeps nothing for backward
             for name, value in layer.params.items():
                 ours = params[f"layers.{i}.attn.{name}"]
                 if ours.shape != value.shape:
@@ -173,9 +174,10 @@ class Bert:
         to ``max_seq_length`` tokens (specials included), then the pooling (mean, cls or max)
         and normalisation its modules.json asks for (mean and L2 without one). ``texts`` is a
         list of strings (a single string counts as a list of one). ``threads`` (default: the
-        CPU count) is how many batches run at once; while they run, BLAS and the tiled
-        attention kernel (``qkv.set_num_threads``) are held to one thread each, and restored
-        afterwards.
+        CPU count) is how many batches run at once; while they run, BLAS is held to one
+        thread (restored afterwards) and the tiled attention kernel called from them uses one
+        thread (:func:`qkv.threads.kernel_threads`; the process-wide ``qkv.set_num_threads``
+        is left alone).
         """
         if isinstance(texts, str):
             texts = [texts]
@@ -200,25 +202,21 @@ class Bert:
         units = [order[s:s + size] for s in range(0, len(texts), size)]
         out = np.empty((len(texts), d), np.float32)
 
-        def run(unit):
+        def run(unit, kernel=None):
             ids, types, lengths = self._pad([enc[j] for j in unit])
-            out[unit] = self._pool(self._forward(ids, lengths, types, False), lengths)
+            with kernel_threads(kernel):
+                out[unit] = self._pool(self._forward(ids, lengths, types, False), lengths)
 
         with blas_one_thread():
             if threads == 1 or len(units) == 1:
                 for u in units:
                     run(u)
                 return out
-            # Our threads bring the parallelism: the tiled attention kernel gets one thread
-            # per call meanwhile (a process-wide setting, restored afterwards), so that no
-            # more threads than cores compete.
-            kernel_threads = get_num_threads()
-            set_num_threads(1)
-            try:
-                with ThreadPoolExecutor(threads) as pool:
-                    list(pool.map(run, units))
-            finally:
-                set_num_threads(kernel_threads)
+            # Our threads bring the parallelism: the tiled attention kernel called from each
+            # of them gets one thread (for these calls only), so that no more threads than
+            # cores compete.
+            with ThreadPoolExecutor(threads) as pool:
+                list(pool.map(lambda u: run(u, kernel=1), units))
         return out
 
     def _pool(self, hidden: np.ndarray, lengths: np.ndarray) -> np.ndarray:

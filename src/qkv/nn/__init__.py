@@ -10,11 +10,15 @@ computes its attention through :func:`qkv.attention` / :func:`qkv.attention_back
 - :class:`LatentAttention`: DeepSeek's multi-head latent attention; its cache
   (:class:`LatentCache`) stores a low-rank latent and a shared RoPE key.
 - :class:`Linear`, :class:`Embedding`, :func:`cross_entropy`, :class:`Adam`: enough to
-  train a small model (``qkv train lookup``).
-- :func:`cache_table`: KV-cache bytes per token of MHA, GQA, MQA and MLA.
+  train a small model (``qkv train lookup``). The attention layers project through
+  :class:`Linear` and share one base (``nn/attention_layer.py``).
+- ``layer.eval()`` / ``layer.train()``: as in PyTorch; in eval mode a forward keeps nothing
+  for backward (inference, less memory), ``train()`` (the default) turns it back on.
+- :func:`cache_table` (``nn/footprint.py``): KV-cache bytes per token of MHA, GQA, MQA and MLA.
 - :func:`gradient_errors`: a finite-difference check of any layer's backward.
 """
-from .cache import Cache, KVCache, LatentCache, cache_elements_per_token, cache_table, format_cache_table
+from .cache import Cache, KVCache, LatentCache
+from .footprint import cache_elements_per_token, cache_table, format_cache_table
 from .gradcheck import gradient_errors
 from .latent import LatentAttention
 from .layers import Embedding, Linear

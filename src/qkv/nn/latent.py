@@ -34,18 +34,18 @@ import math
 
 import numpy as np
 
-from ..api import attention, attention_backward
-from ..errors import ShapeError, as_float_array, fmt_shape, positive_int
-from ..masks import parse_causal, parse_window
-from ..positional import _check_base, rope, rope_backward
-from .base import Layer, check_input, head_width, linear_grad, merge_heads, split_heads
+from ..errors import ShapeError, positive_int
+from ..positional import rope, rope_backward
+from .attention_layer import AttentionLayer
+from .base import head_width, merge_heads, split_heads
 from .cache import LatentCache
 
 
-class LatentAttention(Layer):
+class LatentAttention(AttentionLayer):
     """DeepSeek's multi-head latent attention; the cache stores the latent and k_R.
 
-    Parameters::
+    Parameters (each the ``W`` of an :class:`~qkv.nn.Linear` without bias: ``q_proj``,
+    ``kv_down``, ``k_up``, ``v_up``, ``o_proj``, ``q_rope``, ``k_rope``)::
 
         W_Q   (d_model, H * D)      W_DKV (d_model, d_latent)     W_O (H * D, d_model)
         W_UK  (d_latent, H * D)     W_UV  (d_latent, H * D)
@@ -57,34 +57,29 @@ class LatentAttention(Layer):
         d_rope: size of the decoupled RoPE query/key per head; default ``d_head // 2``
             rounded down to even (DeepSeek-V2: 64 with d_head 128); 0 disables RoPE.
         causal, window: as in :func:`qkv.attention`; a cache needs ``causal``.
+    ``eval()`` makes the forward keep nothing for backward (inference; ``train()`` undoes it).
     """
+
+    cache_type = LatentCache
 
     def __init__(self, d_model: int, n_heads: int, d_latent: int, *, d_head: int | None = None,
                  d_rope: int | None = None, causal=False, window=None, rope_base: float = 10000.0,
                  dtype=np.float32, rng: np.random.Generator | None = None):
-        super().__init__(dtype=dtype, rng=rng)
-        self.d_model = positive_int("d_model", d_model)
+        super().__init__(d_model, causal=causal, window=window, dtype=dtype, rng=rng)
         self.n_heads = positive_int("n_heads", n_heads)
         self.d_latent = positive_int("d_latent", d_latent)
         self.d_head = head_width(self.d_model, self.n_heads, d_head)
         self.d_rope = 2 * (self.d_head // 4) if d_rope is None else positive_int("d_rope", d_rope, 0)
         if self.d_rope % 2:
             raise ShapeError(f"d_rope must be even (RoPE rotates pairs); got {self.d_rope}")
-        if self.d_rope:
-            _check_base(rope_base, "rope_base")
-        parse_causal(causal)
-        parse_window(window)
-        self.causal, self.window, self.rope_base = causal, window, rope_base
+        self._check_rope_base(self.d_rope > 0, rope_base)
         self.scale = 1.0 / math.sqrt(self.d_head + self.d_rope)
-        h, dh, dr, dc = self.n_heads, self.d_head, self.d_rope, self.d_latent
-        self._add("W_Q", (self.d_model, h * dh))
-        self._add("W_DKV", (self.d_model, dc))
-        self._add("W_UK", (dc, h * dh))
-        self._add("W_UV", (dc, h * dh))
-        self._add("W_O", (h * dh, self.d_model))
-        if dr:
-            self._add("W_QR", (self.d_model, h * dr))
-            self._add("W_KR", (self.d_model, dr))
+        d, hd, hr, dc = self.d_model, self.n_heads * self.d_head, self.n_heads * self.d_rope, self.d_latent
+        shapes = dict(q_proj=("Q", d, hd), kv_down=("DKV", d, dc), k_up=("UK", dc, hd), v_up=("UV", dc, hd),
+                      o_proj=("O", hd, d))
+        if self.d_rope:
+            shapes.update(q_rope=("QR", d, hr), k_rope=("KR", d, self.d_rope))
+        self._linears(**shapes)
 
     # --- cache ---------------------------------------------------------------------------
     def new_cache(self, batch: int, max_len: int) -> LatentCache:
@@ -96,18 +91,12 @@ class LatentAttention(Layer):
         return (self.d_latent + self.d_rope) * self.dtype.itemsize
 
     # --- forward -------------------------------------------------------------------------
-    def _options(self, kv_lengths, cached: bool) -> dict:
-        causal = "bottom_right" if (cached and self.causal) else self.causal
-        return dict(causal=causal, window=self.window, kv_lengths=kv_lengths, scale=self.scale,
-                    gqa=True, method="auto")
-
     def _queries(self, x, start: int):
-        p = self.params
-        q_c = split_heads(x @ p["W_Q"], self.n_heads)  # (B,T,d_model) @ (d_model,H*D) -> (B,H,T,D)
+        q_c = split_heads(self.q_proj.forward(x), self.n_heads)  # (B,T,d_model) @ (d_model,H*D) -> (B,H,T,D)
         q_r = k_r = None
         if self.d_rope:
-            q_r = rope(split_heads(x @ p["W_QR"], self.n_heads), offset=start, base=self.rope_base)  # (B,H,T,dr)
-            k_r = rope((x @ p["W_KR"])[:, None], offset=start, base=self.rope_base)  # (B,1,T,dr)
+            q_r = rope(split_heads(self.q_rope.forward(x), self.n_heads), offset=start, base=self.rope_base)  # (B,H,T,dr)
+            k_r = rope(self.k_rope.forward(x)[:, None], offset=start, base=self.rope_base)  # (B,1,T,dr)
         return q_c, q_r, k_r
 
     def forward(self, x, *, kv_lengths=None, cache: LatentCache | None = None,
@@ -119,59 +108,46 @@ class LatentAttention(Layer):
         weights, bottom-right aligned; a full cache raises :class:`~qkv.ShapeError`.
         ``weights (B, H, T, Tk)`` are returned if asked.
         """
-        x3, squeezed = check_input("x", x, self.d_model)
-        x3 = x3.astype(self.dtype, copy=False)
+        x3, squeezed = self._input("x", x)
+        self._check_cache(cache)
         if cache is not None:
-            if not isinstance(cache, LatentCache):
-                raise ShapeError(f"cache must come from this layer's new_cache(batch, max_len); got {type(cache).__name__}")
-            if not self.causal:
-                raise ShapeError("cache= needs a causal layer (causal=True): a bidirectional layer cannot decode "
-                                 "one token at a time")
-            y, w = self._decode(x3, cache, kv_lengths, return_weights)
+            y, w, saved = self._decode(x3, cache, kv_lengths, return_weights)
         else:
-            y, w = self._full(x3, kv_lengths, return_weights)
-        self._saved["squeezed"] = squeezed
-        if squeezed:
-            y, w = y[0], (None if w is None else w[0])
-        return (y, w) if return_weights else y
+            y, w, saved = self._full(x3, kv_lengths, return_weights)
+        self._keep(dict(saved, shape=x3.shape, squeezed=squeezed))
+        return self._output(y, w, squeezed, return_weights)
 
     def _full(self, x, kv_lengths, return_weights):
-        p, h = self.params, self.n_heads
         q_c, q_r, k_r = self._queries(x, 0)
-        c = x @ p["W_DKV"]  # (B,T,d_model) @ (d_model,d_c) -> (B,T,d_c)
-        k_c = split_heads(c @ p["W_UK"], h)  # (B,T,d_c) @ (d_c,H*D) -> (B,H,T,D)
-        v = split_heads(c @ p["W_UV"], h)  # (B,T,d_c) @ (d_c,H*D) -> (B,H,T,D)
+        c = self.kv_down.forward(x)  # (B,T,d_model) @ (d_model,d_c) -> (B,T,d_c)
+        k_c = split_heads(self.k_up.forward(c), self.n_heads)  # (B,T,d_c) @ (d_c,H*D) -> (B,H,T,D)
+        v = split_heads(self.v_up.forward(c), self.n_heads)  # (B,T,d_c) @ (d_c,H*D) -> (B,H,T,D)
         if self.d_rope:
             q = np.concatenate([q_c, q_r], axis=-1)  # (B,H,T,D+dr)
             k = np.concatenate([k_c, np.broadcast_to(k_r, k_c.shape[:-1] + (self.d_rope,))], axis=-1)
         else:
             q, k = q_c, k_c
-        opts = self._options(kv_lengths, False)
-        res = attention(q, k, v, return_lse=True, return_weights=return_weights, **opts)
-        out, lse = res[0], res[1]  # (B,H,T,D), (B,H,T)
-        o = merge_heads(out)  # (B,T,H*D)
-        y = o @ p["W_O"]  # (B,T,H*D) @ (H*D,d_model) -> (B,T,d_model)
-        self._saved = dict(x=x, c=c, q=q, k=k, v=v, out=out, lse=lse, o=o, opts=opts, cached=False)
-        return y, (res[2] if return_weights else None)
+        opts = self._options(kv_lengths)
+        out, lse, w = self._attend(q, k, v, opts, return_weights)  # (B,H,T,D), (B,H,T)
+        y = self.o_proj.forward(merge_heads(out))  # (B,T,H*D) @ (H*D,d_model) -> (B,T,d_model)
+        return y, w, dict(q=q, k=k, v=v, out=out, lse=lse, opts=opts, cached=False)
 
     def _decode(self, x, cache: LatentCache, kv_lengths, return_weights):
         p, h, dh, dc = self.params, self.n_heads, self.d_head, self.d_latent
-        start = cache.length
-        q_c, q_r, k_r = self._queries(x, start)
-        c = (x @ p["W_DKV"])[:, None]  # (B,1,T,d_c)
+        q_c, q_r, k_r = self._queries(x, cache.length)
+        c = self.kv_down.forward(x)[:, None]  # (B,1,T,d_c)
         new = c if not self.d_rope else np.concatenate([c, k_r], axis=-1)  # (B,1,T,d_c+dr)
         latent = cache.write(latent=new)["latent"]  # (B,1,Tk,d_c+dr)
         w_uk = p["W_UK"].reshape(dc, h, dh)
         q_abs = np.einsum("bhtd,chd->bhtc", q_c, w_uk)  # (B,H,T,D) x (d_c,H,D) -> (B,H,T,d_c)
         q = q_abs if not self.d_rope else np.concatenate([q_abs, q_r], axis=-1)  # (B,H,T,d_c+dr)
-        opts = self._options(kv_lengths, True)
-        res = attention(q, latent, latent[..., :dc], return_weights=return_weights, **opts)
-        out_lat = res[0] if return_weights else res  # (B,H,T,d_c): attention-weighted latents
+        out_lat, _, w = self._attend(q, latent, latent[..., :dc], self._options(kv_lengths, True), return_weights,
+                                     lse=False)  # (B,H,T,d_c): attention-weighted latents
         cache.advance(x.shape[1])
         out = np.einsum("bhtc,chd->bhtd", out_lat, p["W_UV"].reshape(dc, h, dh))  # -> (B,H,T,D)
-        y = merge_heads(out) @ p["W_O"]  # (B,T,H*D) @ (H*D,d_model) -> (B,T,d_model)
-        self._saved = dict(cached=True)
-        return y, (res[1] if return_weights else None)
+        y = self.o_proj.forward(merge_heads(out))  # (B,T,H*D) @ (H*D,d_model) -> (B,T,d_model)
+        self._forget()  # decoding is inference only: the projections keep nothing for backward
+        return y, w, dict(cached=True)
 
     # --- backward ------------------------------------------------------------------------
     def backward(self, dy):
@@ -180,29 +156,16 @@ class LatentAttention(Layer):
         if s["cached"]:
             raise RuntimeError("LatentAttention.backward follows a forward without cache= (the cached "
                                "decoding path is inference only)")
-        p, g, h, dh = self.params, self.grads, self.n_heads, self.d_head
-        x, squeezed = s["x"], s["squeezed"]
-        dy = as_float_array("dy", dy)
-        want = x.shape[1:] if squeezed else x.shape
-        if dy.shape != want:
-            raise ShapeError(f"dy must have the output's shape (B, T, d_model) = {fmt_shape(want)}; got {fmt_shape(dy.shape)}")
-        dy = (dy[None] if squeezed else dy).astype(self.dtype, copy=False)
-        g["W_O"][...] = linear_grad(s["o"], dy)
-        do = split_heads(dy @ p["W_O"].T, h)  # (B,T,d_model) @ (d_model,H*D) -> (B,H,T,D)
-        dq, dk, dv = attention_backward(do, s["q"], s["k"], s["v"], s["out"], s["lse"], **s["opts"])
-        dq_c, dk_c = merge_heads(dq[..., :dh]), merge_heads(dk[..., :dh])  # (B,T,H*D)
-        dv = merge_heads(dv)  # (B,T,H*D)
-        g["W_Q"][...] = linear_grad(x, dq_c)
-        dx = dq_c @ p["W_Q"].T  # (B,T,H*D) @ (H*D,d_model) -> (B,T,d_model)
+        dh = self.d_head
+        dy = self._grad_sequences(dy, s["shape"], s["squeezed"])
+        do = split_heads(self.o_proj.backward(dy), self.n_heads)  # (B,T,d_model) -> (B,T,H*D) -> (B,H,T,D)
+        dq, dk, dv = self._attend_backward(do, s["q"], s["k"], s["v"], s["out"], s["lse"], s["opts"])
+        dx = self.q_proj.backward(merge_heads(dq[..., :dh]))  # (B,T,H*D) -> (B,T,d_model)
         if self.d_rope:
             dq_r = merge_heads(rope_backward(dq[..., dh:], base=self.rope_base))  # (B,T,H*dr)
             dk_r = rope_backward(dk[..., dh:].sum(axis=1), base=self.rope_base)  # k_R shared: sum heads -> (B,T,dr)
-            g["W_QR"][...] = linear_grad(x, dq_r)
-            g["W_KR"][...] = linear_grad(x, dk_r)
-            dx += dq_r @ p["W_QR"].T + dk_r @ p["W_KR"].T  # (B,T,H*dr) @ (H*dr,d_model), (B,T,dr) @ (dr,d_model)
-        g["W_UK"][...] = linear_grad(s["c"], dk_c)
-        g["W_UV"][...] = linear_grad(s["c"], dv)
-        dc = dk_c @ p["W_UK"].T + dv @ p["W_UV"].T  # (B,T,H*D) @ (H*D,d_c) -> (B,T,d_c)
-        g["W_DKV"][...] = linear_grad(x, dc)
-        dx += dc @ p["W_DKV"].T  # (B,T,d_c) @ (d_c,d_model) -> (B,T,d_model)
-        return dx[0] if squeezed else dx
+            dx += self.q_rope.backward(dq_r) + self.k_rope.backward(dk_r)  # (B,T,d_model)
+        # c feeds W_UK and W_UV: dc = dk_C W_UKᵀ + dv W_UVᵀ  (B,T,d_c)
+        dc = self.k_up.backward(merge_heads(dk[..., :dh])) + self.v_up.backward(merge_heads(dv))
+        dx += self.kv_down.backward(dc)  # (B,T,d_c) @ (d_c,d_model) -> (B,T,d_model)
+        return dx[0] if s["squeezed"] else dx

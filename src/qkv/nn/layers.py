@@ -25,7 +25,7 @@ class Linear(Layer):
         if x.ndim < 1 or x.shape[-1] != self.d_in:
             raise ShapeError(f"x must have shape (..., d_in) = (..., {self.d_in}); got {fmt_shape(x.shape)}")
         x = x.astype(self.dtype, copy=False)
-        self._saved = x
+        self._keep(x)
         y = x @ self.params["W"]  # (..., d_in) @ (d_in, d_out) -> (..., d_out)
         return y + self.params["b"] if self.bias else y
 
@@ -58,7 +58,7 @@ class Embedding(Layer):
             raise ShapeError(f"ids must be an integer array; got dtype {ids.dtype}")
         if ids.size and (ids.min() < 0 or ids.max() >= self.n):
             raise ShapeError(f"ids must lie in [0, n) = [0, {self.n}); got values from {ids.min()} to {ids.max()}")
-        self._saved = ids
+        self._keep(ids)
         return self.params["W"][ids]
 
     def backward(self, dy) -> None:

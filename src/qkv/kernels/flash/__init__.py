@@ -1,0 +1,18 @@
+"""Exact attention in tiles: online-softmax forward and a backward that recomputes P from lse.
+
+O(T·D) memory: no ``(Tq, Tk)`` array is ever made. The derivations live with the code:
+
+- :mod:`.forward_kernel`: softmax with any offset, the online softmax (the exact path) and
+  the fixed offset from a Cauchy–Schwarz bound (the fast path), in base 2;
+- :mod:`.backward_kernel`: ``dV = Pᵀ dO``, ``dS = P ∘ (dP - delta)``, ``dQ``, ``dK`` with
+  the subtractions folded into the products;
+- :mod:`.tiles`: the :class:`Tiles` sizes of a call, its threads, scratch buffers and masks.
+
+``forward`` and ``backward`` have the kernel interface of :mod:`qkv.kernels.reference`,
+plus ``tiles=`` and ``num_threads=`` for the one call.
+"""
+from .backward_kernel import backward
+from .forward_kernel import forward
+from .tiles import Tiles
+
+__all__ = ["forward", "backward", "Tiles"]

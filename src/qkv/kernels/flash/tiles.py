@@ -1,0 +1,154 @@
+"""How the tiled kernel cuts its work: tile sizes, threads, scratch buffers and masked tiles.
+
+**Tiles and threads.** The forward splits (head, query block) tasks over threads; the
+backward splits (kv head, key block) tasks, so each thread owns its dK and dV, and adds
+dQ into a buffer of its own (tasks are dealt to threads by a fixed rule, so a given thread
+count always gives the same bits). BLAS is held to one thread while a call runs (see
+:mod:`qkv.threads`). Keys that causal, window or kv_lengths remove are never read
+(``MaskSpec.segments``); only the narrow partial runs get a mask.
+
+Tile sizes are a :class:`Tiles` passed to each call (``None``: the defaults below), never a
+process-wide setting.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from ... import threads
+from ...errors import positive_int
+from ...masks import MaskSpec
+
+# Scores are kept in base 2 (q is scaled by scale·log2(e)) because np.exp2 is both faster
+# and more accurate than np.exp in float32: exp(s - m) = exp2(log2(e)·s - log2(e)·m).
+LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Tile sizes of one kernel call. A score tile of rows x keys should stay well inside a
+    core's L2 (1 MiB here); the defaults were measured on these machines."""
+
+    rows: int = 256              # query rows per forward task
+    scratch: int = 256 * 1024    # elements of one score tile (1 MiB in float32)
+    bwd_rows: int = 256          # query rows per backward tile
+    bwd_keys: int = 1024         # keys per backward task (fewer when that leaves threads idle)
+    thin_rows: int = 8           # at most this many rows: scores by matrix-vector products
+    gemv_keys: int = 1024        # keys per matrix-vector chunk (512 KiB of K at D = 128)
+    serial_work: int = 1 << 18   # score entries below which a call stays on one thread
+    stack_rows: int = 32         # below this many rows per head, stack a kv head's query heads
+
+    def __post_init__(self):
+        for f in fields(self):
+            positive_int(f"Tiles.{f.name}", getattr(self, f.name))
+
+
+DEFAULT = Tiles()
+
+
+class Workers:
+    """The threads of one kernel call: ``n`` of them, BLAS held to one meanwhile.
+
+    A call with fewer than ``tiles.serial_work`` score entries runs on the calling thread:
+    handing out tiles would cost more than it saves. BLAS is held whatever the size (it
+    costs microseconds), so a call's bits never depend on what other threads run beside it.
+    """
+
+    def __init__(self, num_threads: int | None, work: int, tiles: Tiles):
+        self.n = 1 if work < tiles.serial_work else (num_threads or threads.get_num_threads())
+
+    def __enter__(self):
+        threads.hold_blas()
+        return self
+
+    def __exit__(self, *exc):
+        threads.release_blas()
+
+    def run(self, jobs: list) -> list:
+        """Call each ``job()``; results in order."""
+        if self.n <= 1 or len(jobs) <= 1:
+            return [job() for job in jobs]
+        return list(threads.pool(self.n).map(lambda job: job(), jobs))
+
+
+_local = threading.local()
+
+
+def scratch(size: int, dtype, tiles: Tiles, slot: int = 0) -> np.ndarray:
+    """A flat per-thread work buffer of at least ``size`` elements (reused, never shared)."""
+    key = (slot, np.dtype(dtype).str)
+    bufs = getattr(_local, "bufs", None)
+    if bufs is None:
+        bufs = _local.bufs = {}
+    buf = bufs.get(key)
+    if buf is None or buf.size < size:
+        buf = bufs[key] = np.empty(max(size, tiles.scratch), dtype)
+    return buf[:size]
+
+
+def kv_heads(lead_kv: tuple, group: int):
+    """``(kv index, [query head indices])`` for every kv head."""
+    for ikv in np.ndindex(*lead_kv):
+        if not ikv:
+            yield ikv, [()]
+        else:
+            yield ikv, [ikv[:-1] + (ikv[-1] * group + g,) for g in range(group)]
+
+
+def batch_of(spec: MaskSpec, index: tuple) -> int:
+    """The batch item (kv_lengths entry) of a leading index."""
+    return index[0] if spec.lead else 0
+
+
+def by_batch(spec: MaskSpec, heads: list) -> list:
+    """Split query heads into runs that share a batch item, and so kv_lengths: only these
+    may be stacked. Heads of one kv head share it unless the head axis is the first
+    leading axis (3-D ``(Hq, Tq, D)`` input with gqa), where kv_lengths is per head."""
+    runs = []
+    for h in heads:
+        if runs and batch_of(spec, runs[-1][-1]) == batch_of(spec, h):
+            runs[-1].append(h)
+        else:
+            runs.append([h])
+    return runs
+
+
+def chunks(runs: list, width: int):
+    """Cover contiguous runs ``(a, b, full)`` with near-equal chunks at most ``width`` keys
+    wide (multiples of 16), each as ``(a, b, partial)``: the sub-ranges needing a mask."""
+    if not runs:
+        return
+    lo, hi = runs[0][0], runs[-1][1]
+    pieces = -(-(hi - lo) // width)
+    step = -(-(hi - lo) // pieces)
+    step = min(width, -(-step // 16) * 16) if step > 16 else step
+    masked = [(a, b) for a, b, full in runs if not full]
+    for a in range(lo, hi, step):
+        b = min(a + step, hi)
+        yield a, b, [(max(a, p), min(b, e)) for p, e in masked if p < b and e > a]
+
+
+def mask_and_bias(st: np.ndarray, spec: MaskSpec, heads: list, q0: int, q1: int,
+                  a: int, b: int, partial: list) -> None:
+    """Add bias/ALiBi (times log2(e)) to a transposed score tile ``st (keys, G*rows)`` (keys
+    a:b against rows q0:q1 of each stacked head) and set masked entries of the ``partial``
+    key sub-ranges to -inf."""
+    if st.flags.c_contiguous:
+        st3 = st.reshape(b - a, len(heads), q1 - q0)
+    else:  # the transposed view of a (G*rows, keys) tile: still a view, never a copy
+        st3 = st.T.reshape(len(heads), q1 - q0, b - a).transpose(2, 0, 1)
+    if spec.bias is not None or spec.alibi is not None:
+        for g, h in enumerate(heads):
+            add = spec.additive(q0, q1, a, b, index=h, dtype=st.dtype)
+            st3[:, g, :] += np.multiply(add, LOG2E, out=add if add.flags.owndata else None).T
+    for p, e in partial:
+        sub = st3[p - a:e - a]
+        if spec.mask is None:  # structure only: the same for every head
+            ok = spec.allowed(q0, q1, p, e, index=heads[0])
+            if ok is not None:
+                np.copyto(sub, -np.inf, where=~ok.T[:, None, :])
+        else:
+            for g, h in enumerate(heads):
+                np.copyto(sub[:, g, :], -np.inf, where=~spec.allowed(q0, q1, p, e, index=h).T)

@@ -1,0 +1,132 @@
+"""The one base of the attention layers: options, projections, checks, caches, the attention call.
+
+:class:`~qkv.nn.SelfAttention`, :class:`~qkv.nn.MultiHeadAttention` and
+:class:`~qkv.nn.LatentAttention` differ in how they make q, k and v and in what a cache
+stores. What surrounds that is the same and lives here, said once:
+
+- the options (``causal`` and ``window`` parsed in the constructor, so a bad value fails
+  there and not at the first forward; ``rope_base`` checked when RoPE is on) and the
+  keyword arguments of :func:`qkv.attention` / :func:`qkv.attention_backward` built from
+  them, with a cached call aligned bottom-right (the newest query sees the newest key);
+- the projections: one :class:`~qkv.nn.Linear` each, whose ``W`` (and ``b``) appear in
+  the layer's flat ``params``/``grads`` as ``W_<name>`` (``b_<name>``);
+- the checks of ``x``, ``context`` and ``dy`` (a 2-D ``(T, d_model)`` input is one
+  sequence, given back 2-D), and the guards of ``cache=``.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..api import attention, attention_backward
+from ..errors import ShapeError, as_float_array, fmt_shape, positive_int
+from ..masks import parse_causal, parse_window
+from ..positional import check_base
+from .base import Layer, check_input
+from .layers import Linear
+
+
+class AttentionLayer(Layer):
+    """Base of the attention layers (see the module docstring); not a layer by itself.
+
+    A subclass sets ``cache_type`` (the :class:`~qkv.nn.Cache` its ``new_cache`` makes)
+    and ``grouped`` (True: inputs are ``(B, H, T, D)`` and query heads share kv heads as
+    ``gqa=True`` says), makes its projections with :meth:`_linears`, and writes
+    ``forward``/``backward`` from the helpers below.
+    """
+
+    cache_type: type | None = None
+    grouped = True
+
+    def __init__(self, d_model: int, *, causal=False, window=None, scale: float | None = None,
+                 dtype=np.float32, rng: np.random.Generator | None = None):
+        super().__init__(dtype=dtype, rng=rng)
+        self.d_model = positive_int("d_model", d_model)
+        parse_causal(causal)  # a bad value fails here, not at the first forward
+        parse_window(window)
+        self.causal, self.window, self.scale = causal, window, scale
+        self.alibi = None  # ALiBi slopes (n_heads,) where a layer offers them
+
+    def _check_rope_base(self, used: bool, rope_base) -> None:
+        """``rope_base`` must be a number > 1 when RoPE is on (unused, it is not checked)."""
+        if used:
+            check_base(rope_base, "rope_base")
+        self.rope_base = rope_base
+
+    def _linears(self, *, bias: bool = False, **shapes: tuple[str, int, int]) -> None:
+        """``attr=(name, d_in, d_out)``: ``self.attr = Linear(d_in, d_out)``, shown as ``W_name`` (``b_name``).
+
+        The Linears are made in the order given, drawing from the layer's Generator, so a
+        seed gives the same arrays as it always did; every weight name comes before the biases.
+        """
+        links, bias_links = {}, {}
+        for attr, (name, d_in, d_out) in shapes.items():
+            layer = Linear(d_in, d_out, bias=bias, dtype=self.dtype, rng=self.rng)
+            setattr(self, attr, layer)
+            links[f"W_{name}"] = (layer, "W")
+            if bias:
+                bias_links[f"b_{name}"] = (layer, "b")
+        self._expose({**links, **bias_links})
+
+    # --- forward -------------------------------------------------------------------------
+    def _input(self, name: str, x) -> tuple[np.ndarray, bool]:
+        """``x`` as ``(B, T, d_model)`` in the layer's dtype, and whether it came 2-D."""
+        x3, squeezed = check_input(name, x, self.d_model)
+        return x3.astype(self.dtype, copy=False), squeezed
+
+    def _context(self, context, x, x3: np.ndarray, squeezed: bool) -> np.ndarray:
+        """Cross-attention's ``context (B, Tc, d_model)``, given like ``x`` (2-D or 3-D, same B)."""
+        src, c_squeezed = self._input("context", context)
+        if c_squeezed != squeezed or src.shape[0] != x3.shape[0]:
+            raise ShapeError(f"context must have x's batch: x {fmt_shape(np.shape(x))}, "
+                             f"context (B, Tc, d_model) with B = {x3.shape[0]}; got {fmt_shape(np.shape(context))}")
+        return src
+
+    def _check_cache(self, cache, *, cross: bool = False) -> None:
+        """``cache`` is None, or this layer's kind of cache on a causal self-attention call."""
+        if cache is None:
+            return
+        if cross:
+            raise ShapeError("cache= is for causal self-attention decoding; got both context= and cache=")
+        if not isinstance(cache, self.cache_type):
+            raise ShapeError(f"cache must come from this layer's new_cache(batch, max_len); got {type(cache).__name__}")
+        if not self.causal:
+            raise ShapeError("cache= needs a causal layer (causal=True): a bidirectional layer cannot decode "
+                             "one token at a time")
+
+    def _options(self, kv_lengths=None, cached: bool = False) -> dict:
+        """Keyword arguments of qkv.attention/attention_backward for one call."""
+        causal = "bottom_right" if (cached and self.causal) else self.causal
+        return dict(causal=causal, window=self.window, kv_lengths=kv_lengths, alibi=self.alibi,
+                    scale=self.scale, gqa=self.grouped, method="auto")
+
+    def _attend(self, q, k, v, opts: dict, return_weights: bool, *, lse: bool = True):
+        """``(out, lse or None, weights or None)`` of :func:`qkv.attention` with ``opts``."""
+        res = attention(q, k, v, return_lse=lse, return_weights=return_weights, **opts)
+        res = list(res) if isinstance(res, tuple) else [res]  # out, then lse and weights as asked
+        out = res.pop(0)
+        return out, (res.pop(0) if lse else None), (res.pop(0) if return_weights else None)
+
+    @staticmethod
+    def _output(y: np.ndarray, weights, squeezed: bool, return_weights: bool):
+        """``y`` (and the weights), 2-D again where the input was."""
+        if squeezed:
+            y, weights = y[0], (None if weights is None else weights[0])
+        return (y, weights) if return_weights else y
+
+    # --- backward ------------------------------------------------------------------------
+    def _grad_output(self, dy, want: tuple, layout: str) -> np.ndarray:
+        """``dy`` in the layer's dtype if it has the output's shape ``want``, else a ShapeError."""
+        dy = as_float_array("dy", dy)
+        if dy.shape != want:
+            raise ShapeError(f"dy must have the output's shape {layout} = {fmt_shape(want)}; got {fmt_shape(dy.shape)}")
+        return dy.astype(self.dtype, copy=False)
+
+    def _grad_sequences(self, dy, shape: tuple, squeezed: bool) -> np.ndarray:
+        """``dy`` of a ``(B, T, d_model)`` output (``shape``) as 3-D, given 2-D where ``x`` was."""
+        dy = self._grad_output(dy, shape[1:] if squeezed else shape, "(B, T, d_model)")
+        return dy[None] if squeezed else dy
+
+    @staticmethod
+    def _attend_backward(dout, q, k, v, out, lse, opts: dict):
+        """``(dq, dk, dv)`` of :func:`qkv.attention_backward` with the forward's ``opts``."""
+        return attention_backward(dout, q, k, v, out, lse, **opts)
