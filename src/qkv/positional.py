@@ -90,6 +90,8 @@ def _rotate(x, positions, offset: int, base: float, sign: float) -> np.ndarray:
     if x.ndim < 2:
         raise ShapeError(f"x must have at least 2 dimensions (..., T, D); got {fmt_shape(x.shape)}")
     t, d = x.shape[-2:]
+    if positions is None and isinstance(offset, (np.ndarray, list, tuple)):
+        return _rotate_per_sequence(x, offset, base, sign)
     if positions is None:
         offset = positive_int("offset", offset, 0)
         positions = np.arange(offset, offset + t)
@@ -107,11 +109,21 @@ def _rotate(x, positions, offset: int, base: float, sign: float) -> np.ndarray:
     return out.astype(x.dtype, copy=False)
 
 
+def _rotate_per_sequence(x, offsets, base: float, sign: float) -> np.ndarray:
+    """RoPE of ``x (B, ..., T, D)`` where sequence b starts at ``offsets[b]`` (a ragged KV cache)."""
+    offsets = np.asarray(offsets)
+    if offsets.dtype.kind not in "iu" or offsets.shape != x.shape[:1] or (offsets < 0).any():
+        raise ShapeError(f"offset must be an int >= 0 or ints >= 0 of shape (B,) = ({x.shape[0]},); "
+                         f"got {fmt_shape(offsets.shape)} {offsets.dtype}")
+    return np.stack([_rotate(x[b], None, int(o), base, sign) for b, o in enumerate(offsets)])
+
+
 def rope(x, positions=None, *, offset: int = 0, base: float = 10000.0) -> np.ndarray:
     """Rotary position embedding of ``x (..., T, D)`` (half-split pairing, as Llama/NeoX).
 
     Token t is at ``positions[t]`` if given (int ``(T,)``), else at ``offset + t`` (the
-    offset is the number of tokens already in a KV cache); give one of the two, not both. ``D`` must be even. Returns an
+    offset is the number of tokens already in a KV cache; an int array ``(B,)`` gives each
+    sequence of ``x (B, ..., T, D)`` its own); give one of the two, not both. ``D`` must be even. Returns an
     array of x's shape and dtype; the rotation is computed in float32 (float64 for float64).
 
     >>> q = np.array([[1.0, 0.0]])          # one token, D = 2: theta_0 = 1

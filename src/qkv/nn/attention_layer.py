@@ -19,7 +19,7 @@ import numpy as np
 
 from ..api import attention, attention_backward
 from ..errors import ShapeError, as_float_array, fmt_shape, positive_int
-from ..masks import parse_causal, parse_window
+from ..masks import parse_alignment, parse_chunk, parse_window
 from ..positional import check_base
 from .base import Layer, check_input
 from .layers import Linear
@@ -37,13 +37,14 @@ class AttentionLayer(Layer):
     cache_type: type | None = None
     grouped = True
 
-    def __init__(self, d_model: int, *, causal=False, window=None, scale: float | None = None,
-                 dtype=np.float32, rng: np.random.Generator | None = None):
+    def __init__(self, d_model: int, *, causal=False, align=None, window=None, chunk=None,
+                 scale: float | None = None, dtype=np.float32, rng: np.random.Generator | None = None):
         super().__init__(dtype=dtype, rng=rng)
         self.d_model = positive_int("d_model", d_model)
-        parse_causal(causal)  # a bad value fails here, not at the first forward
+        parse_alignment(causal, align)  # a bad value fails here, not at the first forward
         parse_window(window)
-        self.causal, self.window, self.scale = causal, window, scale
+        parse_chunk(chunk)
+        self.causal, self.align, self.window, self.chunk, self.scale = causal, align, window, chunk, scale
         self.alibi = None  # ALiBi slopes (n_heads,) where a layer offers them
 
     def _check_rope_base(self, used: bool, rope_base) -> None:
@@ -93,11 +94,42 @@ class AttentionLayer(Layer):
             raise ShapeError("cache= needs a causal layer (causal=True): a bidirectional layer cannot decode "
                              "one token at a time")
 
-    def _options(self, kv_lengths=None, cached: bool = False) -> dict:
-        """Keyword arguments of qkv.attention/attention_backward for one call."""
-        causal = "bottom_right" if (cached and self.causal) else self.causal
-        return dict(causal=causal, window=self.window, kv_lengths=kv_lengths, alibi=self.alibi,
-                    scale=self.scale, gqa=self.grouped, method="auto")
+    def _options(self, kv_lengths=None, q_lengths=None, cached: bool = False) -> dict:
+        """Keyword arguments of qkv.attention/attention_backward for one call; a cached call
+        is aligned bottom-right (each sequence's newest query sees its newest key)."""
+        causal, align = parse_alignment(self.causal, self.align)
+        if cached:
+            align = "bottom_right"
+        return dict(causal=causal, align=align, window=self.window, chunk=self.chunk,
+                    kv_lengths=kv_lengths, q_lengths=q_lengths, alibi=self.alibi, scale=self.scale,
+                    gqa=self.grouped, method="auto")
+
+    @staticmethod
+    def _cache_step(cache, t: int, kv_lengths, q_lengths):
+        """For a call on ``cache`` with ``t`` new rows: ``(start, counts, kv_lengths, q_lengths)``.
+
+        ``start`` is where the new tokens go (an int when every sequence is as long, else
+        ``(B,)``), ``counts`` how many of the ``t`` rows are real per sequence (``q_lengths``,
+        for right-padded prompts), and the lengths to attend with (None when every sequence
+        is alike, so that case runs exactly as an unpadded batch)."""
+        if kv_lengths is not None:
+            raise ShapeError("kv_lengths= is not taken with cache=: the cache knows each sequence's length "
+                             "(pass q_lengths= for right-padded new tokens)")
+        counts = cache.counts(t, q_lengths)
+        if not cache.ragged and (counts == t).all():
+            return cache.length, counts, None, None
+        return cache.lengths.copy(), counts, cache.lengths + counts, counts
+
+    @staticmethod
+    def _new_keys(dk: np.ndarray, start, t: int) -> np.ndarray:
+        """The gradient rows of this call's ``t`` keys ``(B, H, t, D)`` out of ``dk`` over the cache."""
+        if isinstance(start, (int, np.integer)):
+            return dk[:, :, start:]
+        out = np.zeros(dk.shape[:2] + (t,) + dk.shape[3:], dk.dtype)
+        for b, s0 in enumerate(start):
+            n = min(t, dk.shape[2] - s0)
+            out[b, :, :n] = dk[b, :, s0:s0 + n]
+        return out
 
     def _attend(self, q, k, v, opts: dict, return_weights: bool, *, lse: bool = True):
         """``(out, lse or None, weights or None)`` of :func:`qkv.attention` with ``opts``."""

@@ -63,9 +63,9 @@ class LatentAttention(AttentionLayer):
     cache_type = LatentCache
 
     def __init__(self, d_model: int, n_heads: int, d_latent: int, *, d_head: int | None = None,
-                 d_rope: int | None = None, causal=False, window=None, rope_base: float = 10000.0,
-                 dtype=np.float32, rng: np.random.Generator | None = None):
-        super().__init__(d_model, causal=causal, window=window, dtype=dtype, rng=rng)
+                 d_rope: int | None = None, causal=False, align=None, window=None, chunk=None,
+                 rope_base: float = 10000.0, dtype=np.float32, rng: np.random.Generator | None = None):
+        super().__init__(d_model, causal=causal, align=align, window=window, chunk=chunk, dtype=dtype, rng=rng)
         self.n_heads = positive_int("n_heads", n_heads)
         self.d_latent = positive_int("d_latent", d_latent)
         self.d_head = head_width(self.d_model, self.n_heads, d_head)
@@ -91,7 +91,7 @@ class LatentAttention(AttentionLayer):
         return (self.d_latent + self.d_rope) * self.dtype.itemsize
 
     # --- forward -------------------------------------------------------------------------
-    def _queries(self, x, start: int):
+    def _queries(self, x, start):
         q_c = split_heads(self.q_proj.forward(x), self.n_heads)  # (B,T,d_model) @ (d_model,H*D) -> (B,H,T,D)
         q_r = k_r = None
         if self.d_rope:
@@ -99,25 +99,27 @@ class LatentAttention(AttentionLayer):
             k_r = rope(self.k_rope.forward(x)[:, None], offset=start, base=self.rope_base)  # (B,1,T,dr)
         return q_c, q_r, k_r
 
-    def forward(self, x, *, kv_lengths=None, cache: LatentCache | None = None,
+    def forward(self, x, *, kv_lengths=None, q_lengths=None, cache: LatentCache | None = None,
                 return_weights: bool = False):
         """Self-attention of ``x (B, T, d_model)`` (or ``(T, d_model)``) -> ``y`` of the same shape.
 
-        With ``cache`` (from :meth:`new_cache`; needs ``causal``) the new tokens' latents
-        are appended and the queries attend to the whole cache through the absorbed
-        weights, bottom-right aligned; a full cache raises :class:`~qkv.ShapeError`.
+        ``kv_lengths``/``q_lengths (B,)``: keys/rows at or past them are padding.
+        With ``cache`` (from :meth:`new_cache`; needs ``causal``) each sequence's new tokens
+        (its first ``q_lengths[b]`` rows) are appended after its own stored ones and its
+        queries attend to them through the absorbed weights, bottom-right aligned to its own
+        length; a full cache raises :class:`~qkv.ShapeError`.
         ``weights (B, H, T, Tk)`` are returned if asked.
         """
         x3, squeezed = self._input("x", x)
         self._check_cache(cache)
         if cache is not None:
-            y, w, saved = self._decode(x3, cache, kv_lengths, return_weights)
+            y, w, saved = self._decode(x3, cache, kv_lengths, q_lengths, return_weights)
         else:
-            y, w, saved = self._full(x3, kv_lengths, return_weights)
+            y, w, saved = self._full(x3, kv_lengths, q_lengths, return_weights)
         self._keep(dict(saved, shape=x3.shape, squeezed=squeezed))
         return self._output(y, w, squeezed, return_weights)
 
-    def _full(self, x, kv_lengths, return_weights):
+    def _full(self, x, kv_lengths, q_lengths, return_weights):
         q_c, q_r, k_r = self._queries(x, 0)
         c = self.kv_down.forward(x)  # (B,T,d_model) @ (d_model,d_c) -> (B,T,d_c)
         k_c = split_heads(self.k_up.forward(c), self.n_heads)  # (B,T,d_c) @ (d_c,H*D) -> (B,H,T,D)
@@ -127,23 +129,24 @@ class LatentAttention(AttentionLayer):
             k = np.concatenate([k_c, np.broadcast_to(k_r, k_c.shape[:-1] + (self.d_rope,))], axis=-1)
         else:
             q, k = q_c, k_c
-        opts = self._options(kv_lengths)
+        opts = self._options(kv_lengths, q_lengths)
         out, lse, w = self._attend(q, k, v, opts, return_weights)  # (B,H,T,D), (B,H,T)
         y = self.o_proj.forward(merge_heads(out))  # (B,T,H*D) @ (H*D,d_model) -> (B,T,d_model)
         return y, w, dict(q=q, k=k, v=v, out=out, lse=lse, opts=opts, cached=False)
 
-    def _decode(self, x, cache: LatentCache, kv_lengths, return_weights):
+    def _decode(self, x, cache: LatentCache, kv_lengths, q_lengths, return_weights):
         p, h, dh, dc = self.params, self.n_heads, self.d_head, self.d_latent
-        q_c, q_r, k_r = self._queries(x, cache.length)
+        start, counts, kv_len, q_len = self._cache_step(cache, x.shape[1], kv_lengths, q_lengths)
+        q_c, q_r, k_r = self._queries(x, start)
         c = self.kv_down.forward(x)[:, None]  # (B,1,T,d_c)
         new = c if not self.d_rope else np.concatenate([c, k_r], axis=-1)  # (B,1,T,d_c+dr)
-        latent = cache.write(latent=new)["latent"]  # (B,1,Tk,d_c+dr)
+        latent = cache.write(latent=new, counts=counts)["latent"]  # (B,1,Tk,d_c+dr)
         w_uk = p["W_UK"].reshape(dc, h, dh)
         q_abs = np.einsum("bhtd,chd->bhtc", q_c, w_uk)  # (B,H,T,D) x (d_c,H,D) -> (B,H,T,d_c)
         q = q_abs if not self.d_rope else np.concatenate([q_abs, q_r], axis=-1)  # (B,H,T,d_c+dr)
-        out_lat, _, w = self._attend(q, latent, latent[..., :dc], self._options(kv_lengths, True), return_weights,
-                                     lse=False)  # (B,H,T,d_c): attention-weighted latents
-        cache.advance(x.shape[1])
+        out_lat, _, w = self._attend(q, latent, latent[..., :dc], self._options(kv_len, q_len, True),
+                                     return_weights, lse=False)  # (B,H,T,d_c): attention-weighted latents
+        cache.advance(counts)
         out = np.einsum("bhtc,chd->bhtd", out_lat, p["W_UV"].reshape(dc, h, dh))  # -> (B,H,T,D)
         y = self.o_proj.forward(merge_heads(out))  # (B,T,H*D) @ (H*D,d_model) -> (B,T,d_model)
         self._forget()  # decoding is inference only: the projections keep nothing for backward

@@ -59,10 +59,11 @@ class MultiHeadAttention(AttentionLayer):
     cache_type = KVCache
 
     def __init__(self, d_model: int, n_heads: int, *, n_kv_heads: int | None = None,
-                 d_head: int | None = None, causal=False, window=None, rope: bool = False,
-                 alibi: bool = False, bias: bool = False, scale: float | None = None,
+                 d_head: int | None = None, causal=False, align=None, window=None, chunk=None,
+                 rope: bool = False, alibi: bool = False, bias: bool = False, scale: float | None = None,
                  rope_base: float = 10000.0, dtype=np.float32, rng: np.random.Generator | None = None):
-        super().__init__(d_model, causal=causal, window=window, scale=scale, dtype=dtype, rng=rng)
+        super().__init__(d_model, causal=causal, align=align, window=window, chunk=chunk, scale=scale,
+                         dtype=dtype, rng=rng)
         self.n_heads = positive_int("n_heads", n_heads)
         self.n_kv_heads = kv_heads(self.n_heads, n_kv_heads)
         self.d_head = head_width(self.d_model, self.n_heads, d_head)
@@ -85,16 +86,20 @@ class MultiHeadAttention(AttentionLayer):
         return 2 * self.n_kv_heads * self.d_head * self.dtype.itemsize
 
     # --- forward / backward --------------------------------------------------------------
-    def forward(self, x, context=None, *, kv_lengths=None, cache: KVCache | None = None,
+    def forward(self, x, context=None, *, kv_lengths=None, q_lengths=None, cache: KVCache | None = None,
                 return_weights: bool = False):
         """Attend from ``x (B, T, d_model)`` to itself, or to ``context (B, Tc, d_model)``.
 
         A 2-D ``(T, d_model)`` input is one sequence (context must then be 2-D too).
-        ``kv_lengths (B,)``: keys at positions ``>= kv_lengths[b]`` (padding) are ignored.
-        ``cache``: from :meth:`new_cache`; the new tokens' keys and values are appended and
-        the queries attend to everything stored, bottom-right aligned, with RoPE positions
-        starting at the cache length. Needs ``causal`` (a bidirectional layer cannot decode
-        incrementally). A full cache raises :class:`~qkv.ShapeError` and stays unchanged.
+        ``kv_lengths (B,)``: keys at positions ``>= kv_lengths[b]`` (padding) are ignored;
+        ``q_lengths (B,)``: rows of ``x`` at positions ``>= q_lengths[b]`` are padding
+        (output 0, never read).
+        ``cache``: from :meth:`new_cache`; each sequence's new tokens (its first
+        ``q_lengths[b]`` rows: right-padded prompts of different lengths are prefilled
+        together) are appended after its own stored ones, and its queries attend to what it
+        has stored, bottom-right aligned to its own length, with RoPE positions counting
+        from it. Needs ``causal`` (a bidirectional layer cannot decode incrementally). A full
+        cache raises :class:`~qkv.ShapeError` and stays unchanged.
 
         Returns ``y (B, T, d_model)``, and ``weights (B, n_heads, T, Tk)`` if asked.
         """
@@ -102,7 +107,9 @@ class MultiHeadAttention(AttentionLayer):
         cross = context is not None
         src = self._context(context, x, x3, squeezed) if cross else x3
         self._check_cache(cache, cross=cross)
-        start = cache.length if cache is not None else 0
+        start, counts, kv_len, q_len = 0, None, kv_lengths, q_lengths
+        if cache is not None:
+            start, counts, kv_len, q_len = self._cache_step(cache, x3.shape[1], kv_lengths, q_lengths)
         q = split_heads(self.q_proj.forward(x3), self.n_heads)  # (B,T,d_model) -> (B,T,Hq*D) -> (B,Hq,T,D)
         k = split_heads(self.k_proj.forward(src), self.n_kv_heads)  # (B,Tk,d_model) -> (B,Hkv,Tk,D)
         v = split_heads(self.v_proj.forward(src), self.n_kv_heads)  # (B,Tk,d_model) -> (B,Hkv,Tk,D)
@@ -110,12 +117,12 @@ class MultiHeadAttention(AttentionLayer):
             q = rope(q, offset=start, base=self.rope_base)
             k = rope(k, offset=start, base=self.rope_base)
         if cache is not None:
-            stored = cache.write(k=k, v=v)
+            stored = cache.write(k=k, v=v, counts=counts)
             k, v = stored["k"], stored["v"]  # (B, Hkv, start+T, D)
-        opts = self._options(kv_lengths, cache is not None)
+        opts = self._options(kv_len, q_len, cache is not None)
         out, lse, w = self._attend(q, k, v, opts, return_weights)  # (B,Hq,T,D), (B,Hq,T)
         if cache is not None:
-            cache.advance(x3.shape[1])
+            cache.advance(counts)
         y = self.o_proj.forward(merge_heads(out))  # (B,T,Hq*D) @ (Hq*D,d_model) -> (B,T,d_model)
         self._keep(dict(shape=x3.shape, cross=cross, squeezed=squeezed, q=q, k=k, v=v, out=out, lse=lse,
                         opts=opts, start=start))
@@ -132,7 +139,8 @@ class MultiHeadAttention(AttentionLayer):
         do = split_heads(self.o_proj.backward(dy), self.n_heads)  # (B,T,d_model) -> (B,T,Hq*D) -> (B,Hq,T,D)
         dq, dk, dv = self._attend_backward(do, s["q"], s["k"], s["v"], s["out"], s["lse"], s["opts"])
         start = s["start"]
-        dk, dv = dk[:, :, start:], dv[:, :, start:]  # this call's keys only (all of them without a cache)
+        t = s["shape"][1]
+        dk, dv = self._new_keys(dk, start, t), self._new_keys(dv, start, t)  # this call's keys only
         if self.rope:
             dq = rope_backward(dq, offset=start, base=self.rope_base)
             dk = rope_backward(dk, offset=start, base=self.rope_base)
