@@ -1,0 +1,82 @@
+"""The score tiles' exponential: every path close to 1 ulp, exactly 0 below the underflow
+limit, NaN kept, never negative; QKV_JIT=0 turns the compiled path off; import qkv stays light."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from qkv.kernels.flash import exp2 as E
+
+
+def tile(seed=1):
+    x = np.random.default_rng(seed).uniform(-140, 100, (300, 257)).astype(np.float32)
+    x[0, :6] = [-np.inf, np.nan, -127, -126.5, 0, 1]
+    return x
+
+
+def check(y, x, m=0.0, scaled=False):
+    with np.errstate(invalid="ignore", over="ignore", under="ignore"):
+        _check(y, x, m, scaled)
+
+
+def _check(y, x, m, scaled):
+    ref = np.exp2(x.astype(np.float64) - m)
+    normal = np.isfinite(ref) & (ref >= 2.0 ** -126)
+    # 2 ulp of exp's own error; the float32 argument x - m may carry one rounding of its own
+    arg_err = np.abs(np.float32(x) - np.float32(m) - (x.astype(np.float64) - m)) * np.log(2)
+    if scaled:  # np.exp(x · ln 2): the product is rounded to float32 once more
+        arg_err = arg_err + np.abs(x) * np.log(2) * 2.0 ** -24
+    rel = np.abs(y[normal] - ref[normal]) / ref[normal]
+    assert (rel <= 2.5e-7 + 1.01 * arg_err[normal]).all(), rel.max()
+    assert (y[x - m <= -127] == 0).all()  # exactly 0 below the limit (flushed, never negative)
+    assert not (y < 0).any()
+    assert np.isnan(y[np.isnan(x)]).all() and not np.isnan(y[~np.isnan(x)]).any()
+
+
+def test_the_chosen_path_is_accurate():
+    x = tile()
+    y = x.copy()
+    E.exp2(y)
+    check(y, x)
+    m = np.random.default_rng(2).uniform(0, 50, x.shape[1]).astype(np.float32)
+    z = x.copy()
+    E.sub_exp2(z, m)
+    check(z, x, m)
+
+
+@pytest.mark.parametrize("fn", [E._np_exp2, E._np_exp])
+def test_the_numpy_paths_are_accurate(fn):
+    x = tile(3)
+    y = x.copy()
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        fn(y)
+    y[x <= -127] = np.where(y[x <= -127] < 2.0 ** -126, 0, y[x <= -127])  # NumPy keeps subnormals
+    check(y, x, scaled=fn is E._np_exp)
+
+
+def test_float64_tiles_take_numpy_exp2():
+    x = np.linspace(-1000, 50, 999).reshape(27, 37)
+    y = x.copy()
+    E.exp2(y)
+    np.testing.assert_allclose(y, np.exp2(x), rtol=1e-15)
+
+
+def test_path_is_numba_where_installed_and_off_with_qkv_jit_0():
+    code = "from qkv.kernels.flash import exp2; print(exp2.path())"
+    env = dict(os.environ, QKV_JIT="0")
+    off = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert off.stdout.strip() in ("numpy exp2", "numpy exp")
+    try:
+        import numba  # noqa: F401
+    except ImportError:
+        pytest.skip("numba is not installed (pip install 'qkv[fast]')")
+    on = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert on.stdout.strip() == "numba"
+
+
+def test_import_qkv_does_not_import_numba():
+    code = "import sys, qkv; print('numba' in sys.modules)"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert res.stdout.strip() == "False"
