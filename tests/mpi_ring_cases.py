@@ -103,6 +103,32 @@ for layout in ("zigzag", "contiguous"):
         if ring_err > 2 * single_err:
             raise AssertionError(f"float32 ring {name} error {ring_err} > 2 x single-process {single_err}")
 
+# blocks the mask removes entirely are not computed: count the kernel calls
+import qkv.distributed.ring as ring_module
+from qkv.kernels import flash as real_flash
+
+calls = []
+real_forward = real_flash.forward
+
+
+class Counting:
+    backward = staticmethod(real_flash.backward)
+
+    @staticmethod
+    def forward(*args, **kwargs):
+        calls.append(args[3])
+        return real_forward(*args, **kwargs)
+
+
+ring_module.flash = Counting
+for layout, expect in (("zigzag", 2 * W + 1), ("contiguous", r + 1)):
+    calls.clear()
+    q, k, v, _ = arrays("count", {})
+    dist.ring_attention(*(dist.shard(x, layout=layout) for x in (q, k, v)), layout=layout, causal=True)
+    if len(calls) != expect:
+        raise AssertionError(f"{layout} causal ran {len(calls)} kernel calls on rank {r}; expected {expect}")
+ring_module.flash = real_flash
+
 pos = dist.positions(T)
 if not np.array_equal(dist.shard(np.arange(T)[:, None])[:, 0], pos):
     raise AssertionError("shard(arange) != positions")
@@ -119,5 +145,10 @@ except qkv.ShapeError as err:
     say(f"rank {r} raised: {err}")
 else:
     say(f"rank {r} did not raise")
+# ranks that disagree on an option: every rank raises, naming it
+try:
+    dist.ring_attention(q, q, q, causal=(r == 0) or W == 1, window=2 if W == 1 else None)
+except qkv.ShapeError as err:
+    say(f"rank {r} disagreed: {err}")
 if len(sys.argv) > 1 and sys.argv[1] == "uncaught":
     dist.ring_attention(q, k, k, causal=True)  # now let it end the job

@@ -103,6 +103,10 @@ def test_ring_equals_whole_array_attention(size):
     raised = {line.split(" raised: ")[1] for line in _lines(res, "raised:")}
     assert len(_lines(res, "raised:")) == size and len(raised) == 1, res.stdout
     assert f"rank {size - 1} of {size}" in raised.pop()
+    if size > 1:
+        disagreed = {line.split(" disagreed: ")[1] for line in _lines(res, "disagreed:")}
+        assert len(_lines(res, "disagreed:")) == size and len(disagreed) == 1, res.stdout
+        assert "every rank must pass the same causal; got rank 0: True, rank 1: False" in disagreed.pop()
 
 
 def test_bad_shape_on_one_rank_ends_the_job():
@@ -114,3 +118,34 @@ def test_bad_shape_on_one_rank_ends_the_job():
     assert len(raised) == 1 and "rank 3 of 4" in raised.pop() and "feature size D" in res.stdout
     assert res.returncode != 0
     assert "ShapeError" in res.stderr
+
+
+class OneRank(FakeComm):
+    """W = 1 with the collective the checks use: enough to reach every check in process."""
+
+    def __init__(self):
+        super().__init__(1, 0)
+
+    def allgather(self, obj):
+        return [obj]
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(mask=np.ones((8, 8), bool)), "mask and bias are dense"),
+    (dict(bias=np.zeros((8, 8))), "mask and bias are dense"),
+    (dict(kv_lengths=np.array([9])), r"kv_lengths must lie in \[0, 8\]"),
+    (dict(layout="ring"), "layout must be one of"),
+    (dict(causal=True, window=(2, 3)), "conflicts with causal=True"),
+])
+def test_ring_refuses_bad_options_before_any_step(kwargs, match):
+    x = np.zeros((1, 2, 8, 4))
+    with pytest.raises(qkv.ShapeError, match=match):
+        dist.ring_attention(x, x, x, comm=OneRank(), **kwargs)
+
+
+def test_zigzag_needs_an_even_local_length():
+    x = np.zeros((1, 2, 7, 4))
+    with pytest.raises(qkv.ShapeError, match="local length must be even"):
+        dist.ring_attention(x, x, x, comm=OneRank())
+    with pytest.raises(qkv.ShapeError, match=r"k must hold this rank's Tq = 7 tokens"):
+        dist.ring_attention(x, np.zeros((1, 2, 5, 4)), np.zeros((1, 2, 5, 4)), comm=OneRank(), layout="contiguous")
