@@ -94,12 +94,13 @@ def _lines(res, word):
 @pytest.mark.parametrize("size", [1, 2, 3])
 def test_ring_equals_whole_array_attention(size):
     """float64 out, lse, dq, dk, dv equal qkv.attention on the whole arrays to 1e-10 for every
-    case in mpi_ring_cases.py, both layouts; float32 errs <= 2x single-process float32; a bad
+    case in mpi_ring_cases.py, both layouts, and the sequence-parallel layer (RoPE at global
+    positions) equals qkv.nn.MultiHeadAttention; float32 errs <= 2x single-process float32; a bad
     shape on the last rank raises the same ShapeError on every rank."""
     res = _launch(size)
     assert res.returncode == 0, res.stdout + res.stderr
     ok = _lines(res, "ok")
-    assert len(ok) == size and all(" ok 22 cases" in line for line in ok), res.stdout
+    assert len(ok) == size and all(" ok 26 cases" in line for line in ok), res.stdout
     raised = {line.split(" raised: ")[1] for line in _lines(res, "raised:")}
     assert len(_lines(res, "raised:")) == size and len(raised) == 1, res.stdout
     assert f"rank {size - 1} of {size}" in raised.pop()
