@@ -150,3 +150,20 @@ def test_zigzag_needs_an_even_local_length():
         dist.ring_attention(x, x, x, comm=OneRank())
     with pytest.raises(qkv.ShapeError, match=r"k must hold this rank's Tq = 7 tokens"):
         dist.ring_attention(x, np.zeros((1, 2, 5, 4)), np.zeros((1, 2, 5, 4)), comm=OneRank(), layout="contiguous")
+
+
+def test_ring_benchmark_runs_and_counts_bytes():
+    """benchmarks/ring.py (behind `qkv bench --suite ring`) on 2 ranks, tiny: its figures
+    exist and the bytes it reports are the messages the ring posts."""
+    import json
+
+    res = subprocess.run([_mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py",
+                          str(HERE.parent / "benchmarks" / "ring.py"), "--T", "256", "--repeats", "1"],
+                         capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                             [str(HERE.parent / "src"), os.environ.get("PYTHONPATH", "")])))
+    assert res.returncode == 0, res.stderr
+    fig = json.loads(res.stdout.strip().splitlines()[-1])
+    kv = 2 * 128 * 64 * 4                      # |K| + |V| of a rank: c = 128 tokens, D = 64, float32
+    assert fig["sent_bytes"] == (2 - 1) * kv + (2 - 1) * kv + 2 * kv
+    assert len(fig["compute_s"]) == 2 and fig["balance"] >= 1 and fig["ratio"] > 0
