@@ -69,27 +69,32 @@ def test_main_table_has_every_case(quick_run):
         if m:
             cases[m.group(1) + " " + m.group(2)] = m.groups()[2:]
     assert set(cases) == {"fwd full", "fwd causal", "fwd+bwd full", "fwd+bwd causal"}, text
-    for cells in cases.values():
-        assert float(cells[0]) > 0 and float(cells[3]) > 0     # qkv seconds and GFLOP/s
-        assert float(cells[1]) > 0                             # dense seconds
-    assert len(data["main"]) == 4
+    assert [r["case"] for r in data["main"]] == ["fwd full", "fwd causal", "fwd+bwd full", "fwd+bwd causal"]
     for r in data["main"]:
-        assert r["seconds"]["qkv"] > 0 and r["flop"] > 0
+        cells, sec = cases[r["case"]], r["seconds"]
+        assert sec["qkv"] > 0 and sec["dense"] > 0 and r["flop"] > 0
+        # the table shows the JSON's numbers: seconds, and GFLOP/s = FLOP / seconds
+        assert cells[0] == f"{sec['qkv']:.4f}" and cells[1] == f"{sec['dense']:.4f}"
+        assert cells[3] == f"{r['flop'] / sec['qkv'] / 1e9:.1f}"
+        if "torch" in sec:
+            assert cells[6] == f"{sec['torch'] / sec['qkv']:.2f}"
+        else:
+            assert cells[2] == cells[6] == "—"
 
 
 def test_sweep_table_has_time_and_memory(quick_run):
     text, data, out = quick_run
     ts = QUICK["sweep"]["ts"]
-    for t in ts:
-        (row,) = _rows(text, str(t))
-        assert float(row[1]) > 0 and float(row[2]) > 0      # qkv, dense seconds
-        assert float(row[4]) > 0 and float(row[5]) > 0      # qkv, dense MiB
-        assert row[6] == "—"                                # torch's memory: not in a quick run
     assert [r["t"] for r in data["sweep"]] == list(ts)
     for r in data["sweep"]:
-        assert set(r["peak"]) == {"qkv", "dense"} and r["peak"]["qkv"]["extra_bytes"] > 0
-    # the larger call needs more memory, so each size was measured on its own
-    assert data["sweep"][-1]["peak"]["dense"]["extra_bytes"] > data["sweep"][0]["peak"]["dense"]["extra_bytes"]
+        (row,) = _rows(text, str(r["t"]))
+        assert row[1] == f"{r['seconds']['qkv']:.4f}" and row[2] == f"{r['seconds']['dense']:.4f}"
+        assert set(r["peak"]) == {"qkv", "dense"}                  # torch's memory: not in a quick run
+        assert row[4] == f"{r['peak']['qkv']['extra_bytes'] / 2 ** 20:.1f}" and row[6] == "—"
+        assert all(p["extra_bytes"] >= 0 and p["how"] for p in r["peak"].values())
+    # a larger call needs more memory: each size was measured, not one figure copied
+    peaks = [r["peak"]["dense"]["extra_bytes"] for r in data["sweep"]]
+    assert peaks[-1] > peaks[0]
     if (out / "sweep.png").exists():
         assert (out / "sweep.png").stat().st_size > 1000
 
@@ -98,9 +103,10 @@ def test_decode_table_reports_bandwidth(quick_run):
     text, data, _ = quick_run
     (row,) = _rows(text, "decode")
     assert len(row) == 9
-    assert float(row[4]) > 0 and float(row[7]) > 0          # qkv GB/s, copy GB/s
-    c = QUICK["decode"]
-    assert data["decode"][0]["bytes"] == c["hkv"] * c["tk"] * (c["d"] + c["d"]) * 4
+    r, c = data["decode"][0], QUICK["decode"]
+    assert r["bytes"] == c["hkv"] * c["tk"] * (c["d"] + c["d"]) * 4
+    assert row[4] == f"{r['bytes'] / r['seconds']['qkv'] / 1e9:.1f}"     # qkv GB/s
+    assert row[7] == f"{r['copy_bytes_per_s'] / 1e9:.1f}" and r["copy_bytes_per_s"] > 0
     assert "read + written" in text
 
 
