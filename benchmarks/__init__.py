@@ -1,5 +1,17 @@
-"""qkv's benchmark suite, installed with qkv as the package ``qkv_benchmarks``.
+"""qkv's benchmark suite, installed with qkv as the package ``qkv_benchmarks``; ``qkv bench`` runs it.
 
-``attention``: the tiled kernel against dense NumPy and PyTorch SDPA (``qkv bench``).
-``encoder``: the BERT encoder against sentence-transformers (``python benchmarks/encoder.py``).
+Every case runs its methods on the same inputs, alternating them repeat by repeat, and
+reports medians, with the peer measured in the same run. The modules, each one thing:
+
+- ``suites``: the suites and their sizes; ``plan(...)`` and ``run_suites(plan, progress)``
+  return every measurement as a dict (what ``--json`` writes);
+- ``attention``: one attention case: inputs, the callables of qkv, dense NumPy and torch,
+  the FLOP and byte formulas, the copy peer of decoding;
+- ``timing``: the one timing loop (alternating, warm-up, medians of wall and CPU time);
+- ``memory``: peak extra memory of a call, measured in fresh processes;
+- ``encoder``: qkv's MiniLM encoder against sentence-transformers;
+- ``machine``: the CPU's vector level as NumPy uses it, the BLAS and its kernel, the exp path;
+- ``report``: the header, the tables (as data) and the sweep plot (a matplotlib Figure).
+
+No module here prints, parses arguments or imports a terminal library: that is ``qkv.cli.bench``.
 """

@@ -1,93 +1,150 @@
-"""The tables and the plot of ``qkv bench`` (the measuring is in ``attention.py``)."""
+"""What ``qkv bench`` shows, built from the results dict: header lines, tables as data, the plot.
+
+Nothing here prints or imports a terminal library: :func:`header` and :func:`footer` give lines of
+text, :func:`tables` gives :class:`Table` values (the command draws them with rich; ``str(t)``
+is a plain-text rendering), and :func:`sweep_figure` draws a matplotlib ``Figure``
+(without pyplot) for the caller to save.
+"""
 from __future__ import annotations
 
-import sys
+from dataclasses import dataclass, field
 
-from .attention import MIB, METHODS
+from .attention import METHODS
+
+MIB = 2 ** 20
 
 
-def console(stderr=False):
-    from rich.console import Console
-    # A wide console when not a terminal, so piped tables are never wrapped or cut.
-    return Console(stderr=stderr, width=None if sys.stdout.isatty() else 200)
+@dataclass
+class Table:
+    """A titled table of text cells; the first ``left`` columns are left-aligned, the rest
+    right-aligned. ``notes`` are lines that belong under it."""
+    title: str
+    columns: list[str]
+    rows: list[list[str]] = field(default_factory=list)
+    left: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        cells = [self.columns] + self.rows
+        widths = [max(len(r[i]) for r in cells) for i in range(len(self.columns))]
+        lines = [self.title]
+        for r in cells:
+            lines.append("  ".join(c.ljust(w) if i < self.left else c.rjust(w)
+                                   for i, (c, w) in enumerate(zip(r, widths))))
+        return "\n".join(lines + self.notes)
 
 
 def _fmt(x, spec):
     return "—" if x is None else format(x, spec)
 
 
-def report(results: dict) -> None:
-    from rich import box
-    from rich.table import Table
+def machine_line(m: dict, torch_version: str | None) -> str:
+    """One line: the CPU and the vector level NumPy uses, the BLAS and its kernel, the exp
+    path of qkv's kernel, and torch's own CPU capability."""
+    blas = m["blas"]
+    disabled = f", NPY_DISABLE_CPU_FEATURES={m['npy_disable_cpu_features']}" if m["npy_disable_cpu_features"] else ""
+    torch = (f"torch {torch_version} ({m['torch_capability'] or '?'})" if torch_version
+             else "torch not in this run")
+    found = " ".join(m["numpy_simd"]["found"]) or "none"
+    return (f"machine: {m['cpu'] or 'CPU'}, {m['cores']} cores; NumPy vector level {m['vector']} "
+            f"(SIMD paths found: {found}{disabled}); "
+            f"BLAS {blas.get('library', '?')} {blas.get('version', '')} kernel {blas.get('kernel', '?')}; "
+            f"qkv exp path: {m['exp']}; {torch}")
 
-    con = console()
-    blas = results["blas"]
-    con.print(f"qkv bench: {results['threads']} threads, median of {results['repeats']} runs"
-              f"{' (quick sizes)' if results['quick'] else ''}; torch {results['torch'] or 'not installed'};"
-              f" BLAS {blas.get('library', '?')} {blas.get('version', '')} kernel {blas.get('kernel', '?')}")
-    if blas["env"]:
-        env = " ".join(f"{k}={v}" for k, v in blas["env"].items())
-        con.print(f"note: {env} is set, which pins OpenBLAS to that kernel and can slow NumPy; for the "
-                  "machine's own speed run: env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE qkv bench")
-    con.print("FLOP: forward 4·B·H·Tq·Tk·D (causal: half); forward+backward 3.5x forward")
 
+def header(results: dict) -> list[str]:
+    """The lines above the tables: run settings, machine, notes, FLOP convention."""
+    lines = [f"qkv bench: {results['threads']} threads, median of {results['repeats']} runs"
+             f"{' (quick sizes)' if results['quick'] else ''}",
+             machine_line(results["machine"], results["torch"])]
+    if results.get("note"):
+        lines.append(f"note: {results['note']}")
+    env = results["machine"]["blas"]["env"]
+    if env:
+        pinned = " ".join(f"{k}={v}" for k, v in env.items())
+        lines.append(f"note: {pinned} is set, which pins OpenBLAS to that kernel and can slow NumPy; for the "
+                     "machine's own speed run: env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE qkv bench")
+    lines.append("FLOP: forward 4·B·H·Tq·Tk·D (causal: half); forward+backward 3.5x forward")
+    return lines
+
+
+def tables(results: dict) -> list[Table]:
+    """The tables of every suite that ran, in order."""
+    out = []
+    smoke = " (smoke-test sizes)" if results["quick"] else ""
     if results["main"]:
         s = results["main"][0]["shape"]
-        t = Table(title=f"attention B={s['b']} H={s['h']} T={s['t']} D={s['d']} float32", box=box.SIMPLE)
-        for col in ("case", "qkv s", "dense s", "torch s", "qkv GFLOP/s", "dense GFLOP/s",
-                    "torch GFLOP/s", "qkv/torch"):
-            t.add_column(col, justify="left" if col == "case" else "right")
+        t = Table(f"attention B={s['b']} H={s['h']} T={s['t']} D={s['d']} float32{smoke}",
+                  ["case", "qkv s", "dense s", "torch s", "qkv GFLOP/s", "dense GFLOP/s", "torch GFLOP/s",
+                   "qkv/torch"], left=1)
         for r in results["main"]:
             sec = r["seconds"]
             gf = {m: r["flop"] / sec[m] / 1e9 if m in sec else None for m in METHODS}
             ratio = sec["torch"] / sec["qkv"] if "torch" in sec else None
-            t.add_row(r["case"], *(_fmt(sec.get(m), ".4f") for m in METHODS),
-                      *(_fmt(gf[m], ".1f") for m in METHODS), _fmt(ratio, ".2f"))
-        con.print(t)
+            t.rows.append([r["case"], *(_fmt(sec.get(m), ".4f") for m in METHODS),
+                           *(_fmt(gf[m], ".1f") for m in METHODS), _fmt(ratio, ".2f")])
+        out.append(t)
     if results["sweep"]:
-        t = Table(title=f"scaling: forward+backward, one head, D={results['sweep'][0]['d']}, float32; "
-                        "peak extra memory = RSS high-water in a subprocess", box=box.SIMPLE)
-        for col in ("T", "qkv s", "dense s", "torch s", "qkv MiB", "dense MiB", "torch MiB", "qkv/torch"):
-            t.add_column(col, justify="right")
+        t = Table(f"scaling: forward+backward, one head, D={results['sweep'][0]['d']}, float32; "
+                  f"peak extra memory = RSS high-water in a subprocess{smoke}",
+                  ["T", "qkv s", "dense s", "torch s", "qkv MiB", "dense MiB", "torch MiB", "qkv/torch"])
         for r in results["sweep"]:
             sec, peak = r["seconds"], r["peak"]
             mib = {m: peak[m]["extra_bytes"] / MIB if peak.get(m) else None for m in METHODS}
             ratio = sec["torch"] / sec["qkv"] if "torch" in sec else None
-            t.add_row(str(r["t"]), *(_fmt(sec.get(m), ".4f") for m in METHODS),
-                      *(_fmt(mib[m], ".1f") for m in METHODS), _fmt(ratio, ".2f"))
-        con.print(t)
+            t.rows.append([str(r["t"]), *(_fmt(sec.get(m), ".4f") for m in METHODS),
+                           *(_fmt(mib[m], ".1f") for m in METHODS), _fmt(ratio, ".2f")])
+        out.append(t)
     if results["decode"]:
-        r = results["decode"][0]
-        s = r["shape"]
-        t = Table(title=f"decode: Tq=1 Tk={s['tk']} Hq={s['hq']} Hkv={s['hkv']} D={s['d']} float32; "
-                        f"GB/s of K and V read ({r['bytes'] / MIB:.0f} MiB a call)", box=box.SIMPLE)
-        for col in ("case", "qkv ms", "dense ms", "torch ms", "qkv GB/s", "dense GB/s", "torch GB/s",
-                    "copy GB/s", "qkv/copy"):
-            t.add_column(col, justify="left" if col == "case" else "right")
-        sec = r["seconds"]
-        gbs = {m: r["bytes"] / sec[m] / 1e9 if m in sec else None for m in METHODS}
-        copy = r["copy_bytes_per_s"] / 1e9
-        t.add_row("decode", *(_fmt(sec[m] * 1e3 if m in sec else None, ".2f") for m in METHODS),
-                  *(_fmt(gbs[m], ".1f") for m in METHODS), f"{copy:.1f}", f"{gbs['qkv'] / copy:.2f}")
-        con.print(t)
-        con.print(f"copy GB/s: np.copyto of {r['bytes'] / MIB:.0f} MiB of float32 on the same threads, timed "
-                  f"in the same loop; counting bytes read + written (STREAM), so it copies {copy / 2:.1f} GB/s")
+        out.append(_decode_table(results["decode"][0], smoke))
     if results.get("encoder"):
-        from .encoder import report as encoder_report
-        con.print(encoder_report(results["encoder"], results["repeats"], results["threads"]))
-    elif results.get("encoder_skipped"):
-        con.print(f"encoder suite skipped: {results['encoder_skipped']} "
-                  "(it needs: pip install 'qkv[models,test]')")
+        out.append(encoder_table(results["encoder"], results["repeats"], results["threads"]))
+    return out
 
 
-def plot(results: dict, path: str) -> None:
-    from qkv.extras import require
-    matplotlib = require("matplotlib", "viz")
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def footer(results: dict) -> list[str]:
+    """The lines below the tables: what was skipped and why."""
+    if results.get("encoder_skipped"):
+        return [f"encoder suite skipped: {results['encoder_skipped']} (it needs: pip install 'qkv[models,test]')"]
+    return []
+
+
+def _decode_table(r: dict, smoke: str) -> Table:
+    s, sec = r["shape"], r["seconds"]
+    gbs = {m: r["bytes"] / sec[m] / 1e9 if m in sec else None for m in METHODS}
+    copy = r["copy_bytes_per_s"] / 1e9
+    t = Table(f"decode: Tq=1 Tk={s['tk']} Hq={s['hq']} Hkv={s['hkv']} D={s['d']} float32; "
+              f"GB/s of K and V read ({r['bytes'] / MIB:.0f} MiB a call){smoke}",
+              ["case", "qkv ms", "dense ms", "torch ms", "qkv GB/s", "dense GB/s", "torch GB/s",
+               "copy GB/s", "qkv/copy"], left=1)
+    t.rows.append(["decode", *(_fmt(sec[m] * 1e3 if m in sec else None, ".2f") for m in METHODS),
+                   *(_fmt(gbs[m], ".1f") for m in METHODS), f"{copy:.1f}", f"{gbs['qkv'] / copy:.2f}"])
+    t.notes.append(f"copy GB/s: np.copyto of {r['bytes'] / MIB:.0f} MiB of float32 on the same threads, timed "
+                   f"in the same loop; counting bytes read + written (STREAM), so it copies {copy / 2:.1f} GB/s")
+    return t
+
+
+def encoder_table(rows: list[dict], repeats: int, threads: int) -> Table:
+    """The rows of ``encoder.measure`` as a table."""
+    t = Table(f"encoder benchmark (all-MiniLM-L6-v2), CPU, threads {threads}, medians of {repeats}; "
+              "ratio = sentence-transformers time / qkv time",
+              ["workload", "texts", "tokens", "GFLOP", "qkv s", "s-t s", "qkv GF/s", "s-t GF/s",
+               "ratio s-t/qkv", "cpu ratio", "max err"], left=1)
+    for r in rows:
+        t.rows.append([r["workload"], str(r["texts"]), str(r["tokens"]), f"{r['gflop']:.1f}",
+                       f"{r['qkv_s']:.3f}", f"{r['st_s']:.3f}", f"{r['qkv_gflops']:.1f}", f"{r['st_gflops']:.1f}",
+                       f"{r['ratio']:.2f}", f"{r['cpu_ratio']:.2f}", f"{r['max_abs_err']:.1e}"])
+    return t
+
+
+def sweep_figure(results: dict):
+    """Time and peak extra memory against T (log-log), one line per method: a matplotlib
+    ``Figure`` (extra ``viz``); the caller saves it."""
+    from qkv.extras import figure
 
     sweep = results["sweep"]
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(10, 4))
+    fig = figure(figsize=(10, 4))
+    ax_t, ax_m = fig.subplots(1, 2)
     for m in METHODS:
         pts = [(r["t"], r["seconds"][m]) for r in sweep if m in r["seconds"]]
         if pts:
@@ -95,12 +152,12 @@ def plot(results: dict, path: str) -> None:
         pts = [(r["t"], r["peak"][m]["extra_bytes"] / MIB) for r in sweep if r["peak"].get(m)]
         if pts:
             ax_m.plot(*zip(*pts), marker="o", label=m)
+    quick = " (smoke-test sizes)" if results["quick"] else ""
     for ax, title in ((ax_t, "forward+backward time (s)"), (ax_m, "peak extra memory (MiB)")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel("T (one head, D=%d)" % sweep[0]["d"])
-        ax.set_title(title)
+        ax.set_xlabel(f"T (one head, D={sweep[0]['d']})")
+        ax.set_title(title + quick)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig

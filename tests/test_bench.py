@@ -1,4 +1,4 @@
-"""`qkv bench --quick` end to end: the tables have their rows and their numbers parse.
+"""`qkv bench --quick` end to end: the header, the tables have their rows and their numbers parse.
 
 No timing is asserted: speed claims live in the benchmark's output, not in tests.
 """
@@ -13,6 +13,8 @@ pytest.importorskip("rich", reason="qkv bench needs the cli extra (rich)")
 
 from qkv import cli  # noqa: E402
 from qkv_benchmarks import attention as bench  # noqa: E402
+from qkv_benchmarks.machine import vector_level  # noqa: E402
+from qkv_benchmarks.suites import QUICK, SMOKE_NOTE  # noqa: E402
 
 NUM = r"(\d+\.\d+|—)"
 
@@ -36,31 +38,63 @@ def quick_run(tmp_path_factory):
     return res.stdout, json.loads((out / "r.json").read_text()), out
 
 
+def test_header_says_where_the_numbers_come_from(quick_run):
+    text, data, _ = quick_run
+    (line,) = [x for x in text.splitlines() if x.startswith("machine: ")]
+    m = data["machine"]
+    assert m["vector"] == vector_level() in ("AVX-512", "AVX2", "SVE", "NEON", "SSE4.2", "baseline")
+    assert f"NumPy vector level {m['vector']} " in line
+    assert "qkv exp path: numpy exp2" in line and m["exp"] == "numpy exp2"
+    if m["blas"].get("kernel"):  # threadpoolctl found NumPy's BLAS
+        assert f"kernel {m['blas']['kernel']}" in line and m["blas"]["library"] in line
+    if data["torch"]:
+        assert f"torch {data['torch']} ({m['torch_capability']})" in line
+    assert set(m["numpy_simd"]) == {"baseline", "found", "not_found"}
+
+
+def test_quick_run_says_it_is_a_smoke_test(quick_run):
+    text, data, _ = quick_run
+    assert f"note: {SMOKE_NOTE}" in text and data["quick"] and data["note"] == SMOKE_NOTE
+    assert text.count("(smoke-test sizes)") == 3     # every table's title says so
+    assert data["repeats"] == QUICK["repeats"]
+
+
 def test_main_table_has_every_case(quick_run):
     text, data, _ = quick_run
-    assert "attention B=1 H=2 T=256 D=32 float32" in text
+    s = QUICK["main"]
+    assert f"attention B={s['b']} H={s['h']} T={s['t']} D={s['d']} float32" in text
     cases = {}
     for line in text.splitlines():
         m = re.match(r"\s*(fwd\+bwd|fwd) (full|causal)\s+" + r"\s+".join([NUM] * 7) + r"\s*$", line)
         if m:
             cases[m.group(1) + " " + m.group(2)] = m.groups()[2:]
     assert set(cases) == {"fwd full", "fwd causal", "fwd+bwd full", "fwd+bwd causal"}, text
-    for cells in cases.values():
-        assert float(cells[0]) > 0 and float(cells[3]) > 0     # qkv seconds and GFLOP/s
-        assert float(cells[1]) > 0                             # dense seconds
-    assert len(data["main"]) == 4
+    assert [r["case"] for r in data["main"]] == ["fwd full", "fwd causal", "fwd+bwd full", "fwd+bwd causal"]
     for r in data["main"]:
-        assert r["seconds"]["qkv"] > 0 and r["flop"] > 0
+        cells, sec = cases[r["case"]], r["seconds"]
+        assert sec["qkv"] > 0 and sec["dense"] > 0 and r["flop"] > 0
+        # the table shows the JSON's numbers: seconds, and GFLOP/s = FLOP / seconds
+        assert cells[0] == f"{sec['qkv']:.4f}" and cells[1] == f"{sec['dense']:.4f}"
+        assert cells[3] == f"{r['flop'] / sec['qkv'] / 1e9:.1f}"
+        if "torch" in sec:
+            assert cells[6] == f"{sec['torch'] / sec['qkv']:.2f}"
+        else:
+            assert cells[2] == cells[6] == "—"
 
 
 def test_sweep_table_has_time_and_memory(quick_run):
     text, data, out = quick_run
-    for t in (128, 256, 512):
-        (row,) = _rows(text, str(t))
-        assert float(row[1]) > 0 and float(row[2]) > 0      # qkv, dense seconds
-        assert float(row[4]) >= 0 and float(row[5]) >= 0    # qkv, dense MiB
-    assert [r["t"] for r in data["sweep"]] == [128, 256, 512]
-    assert all(r["peak"]["qkv"]["extra_bytes"] >= 0 for r in data["sweep"])
+    ts = QUICK["sweep"]["ts"]
+    assert [r["t"] for r in data["sweep"]] == list(ts)
+    for r in data["sweep"]:
+        (row,) = _rows(text, str(r["t"]))
+        assert row[1] == f"{r['seconds']['qkv']:.4f}" and row[2] == f"{r['seconds']['dense']:.4f}"
+        assert set(r["peak"]) == {"qkv", "dense"}                  # torch's memory: not in a quick run
+        assert row[4] == f"{r['peak']['qkv']['extra_bytes'] / 2 ** 20:.1f}" and row[6] == "—"
+        assert all(p["extra_bytes"] >= 0 and p["how"] for p in r["peak"].values())
+    # a larger call needs more memory: each size was measured, not one figure copied
+    peaks = [r["peak"]["dense"]["extra_bytes"] for r in data["sweep"]]
+    assert peaks[-1] > peaks[0]
     if (out / "sweep.png").exists():
         assert (out / "sweep.png").stat().st_size > 1000
 
@@ -69,8 +103,10 @@ def test_decode_table_reports_bandwidth(quick_run):
     text, data, _ = quick_run
     (row,) = _rows(text, "decode")
     assert len(row) == 9
-    assert float(row[4]) > 0 and float(row[7]) > 0          # qkv GB/s, copy GB/s
-    assert data["decode"][0]["bytes"] == 2 * 2048 * (64 + 64) * 4
+    r, c = data["decode"][0], QUICK["decode"]
+    assert r["bytes"] == c["hkv"] * c["tk"] * (c["d"] + c["d"]) * 4
+    assert row[4] == f"{r['bytes'] / r['seconds']['qkv'] / 1e9:.1f}"     # qkv GB/s
+    assert row[7] == f"{r['copy_bytes_per_s'] / 1e9:.1f}" and r["copy_bytes_per_s"] > 0
     assert "read + written" in text
 
 
@@ -78,6 +114,7 @@ def test_flop_formulas():
     assert bench.forward_flops(1, 8, 4096, 4096, 64, False) == 4 * 8 * 4096 * 4096 * 64
     assert bench.forward_flops(1, 8, 4096, 4096, 64, True) == 2 * 8 * 4096 * 4096 * 64
     assert bench.fwd_bwd_flops(2, 1, 3, 5, 7, False) == 3.5 * 4 * 2 * 3 * 5 * 7
+    assert bench.kv_bytes(1, 8, 32768, 128, 128) == 8 * 32768 * 256 * 4
 
 
 def test_missing_rich_names_the_extra(monkeypatch, capsys):
@@ -89,6 +126,8 @@ def test_missing_rich_names_the_extra(monkeypatch, capsys):
 def test_bad_options_are_refused(capsys):
     assert cli.main(["bench", "--quick", "--repeats", "0"]) == 2
     assert "--repeats" in capsys.readouterr().err
+    assert cli.main(["bench", "--quick", "--threads", "-1"]) == 2
+    assert "--threads" in capsys.readouterr().err
     assert cli.main(["bench", "--quick", "--json", "/nonexistent-folder/r.json"]) == 2
     assert "--json must be in an existing folder" in capsys.readouterr().err
 
@@ -110,3 +149,4 @@ def test_encoder_suite_runs_against_sentence_transformers(tmp_path, capsys):
         assert row["qkv_s"] > 0 and row["st_s"] > 0 and row["ratio"] > 0
         assert row["max_abs_err"] < 1e-4  # the two encoders agree on what they timed
     assert data["encoder"][1]["tokens"] == 2 * 512
+    assert _rows(text, "long") and float(_rows(text, "long")[0][-3]) > 0  # the table's ratio cell

@@ -34,14 +34,18 @@ def out_file(path, option: str, suffixes: tuple[str, ...] = ()) -> Path:
 
 
 @contextmanager
-def progress_bar(label: str, total: int, *fields: str):
+def progress_bar(label: str, total: int, *fields: str, transient: bool = False, stderr: bool = False):
     """A rich progress bar; yields ``update(advance=1, **fields)``. ``fields`` are shown as
-    ``name value`` after the count (floats to 4 decimals)."""
+    ``name value`` after the count (floats to 4 decimals); ``update(description=...)``
+    replaces ``label``. ``transient`` removes the bar when done; ``stderr`` draws it there,
+    keeping standard output for the command's results."""
     require("rich", "cli")
+    from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    columns = [TextColumn(f"[bold]{label}"), BarColumn(), TextColumn("{task.completed}/{task.total}")]
+    columns = [TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}")]
     columns += [TextColumn(f"{f} {{task.fields[{f}]:.4f}}") for f in fields]
-    with Progress(*columns, TimeElapsedColumn()) as bar:
+    console = Console(stderr=True) if stderr else None
+    with Progress(*columns, TimeElapsedColumn(), transient=transient, console=console) as bar:
         task = bar.add_task(label, total=total, **{f: float("nan") for f in fields})
         yield lambda advance=1, **values: bar.update(task, advance=advance, **values)

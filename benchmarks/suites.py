@@ -1,0 +1,199 @@
+"""The suites of ``qkv bench``, their sizes, and :func:`run_suites` that measures them.
+
+Suites: ``main`` (B=1, H=8, T=4096, D=64, float32, causal and not, forward and
+forward+backward), ``sweep`` (one head, D=64, T = 512 ... 16384: time and peak memory),
+``decode`` (Tq=1, Tk=32768, Hq=32, Hkv=8, D=128), ``encoder`` (qkv's all-MiniLM-L6-v2
+encoder against sentence-transformers; see ``encoder.py``; needs the models and test
+extras). A quick plan shrinks every size so the whole run takes seconds: a smoke test
+that every path runs (the test suite runs it end to end), not a measurement: at such
+sizes call overheads decide the times, and the qkv/torch ratio swings from run to run.
+It leaves the encoder out unless asked for.
+
+Nothing here prints: progress goes to a callback ``progress(advance, description=None)``
+and the results come back as one dict of plain numbers (what ``--json`` writes).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+
+from .attention import fwd_bwd_flops, forward_flops, inputs, kv_bytes, copier, runner
+from .memory import peak_extra
+from .timing import REWARM_S, alternate, walls
+
+SUITES = ("main", "sweep", "decode", "encoder")
+QUICK_DEFAULT = ("main", "sweep", "decode")  # a quick run leaves the encoder out unless asked
+FULL = {
+    "main": dict(b=1, h=8, t=4096, d=64),
+    "sweep": dict(ts=(512, 1024, 2048, 4096, 8192, 16384), d=64, dense_max=8192),
+    "decode": dict(b=1, hq=32, hkv=8, tk=32768, d=128),
+    "repeats": 5,
+}
+QUICK = {
+    "main": dict(b=1, h=2, t=256, d=32),
+    "sweep": dict(ts=(128, 256, 512), d=32, dense_max=512),
+    "decode": dict(b=1, hq=8, hkv=2, tk=2048, d=64),
+    "repeats": 1,
+}
+SMOKE_NOTE = ("quick sizes are a smoke test that every path runs, not a measurement: at these sizes call "
+              "overheads decide the times and qkv/torch swings widely from run to run (torch's peak memory "
+              "is left out); for numbers run qkv bench without --quick")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one run measures. Make it with :func:`plan`."""
+    suites: tuple[str, ...]
+    quick: bool
+    repeats: int
+    threads: int
+    torch: bool
+    memory: bool
+
+    @property
+    def sizes(self) -> dict:
+        return QUICK if self.quick else FULL
+
+
+def plan(suites=None, *, quick=False, repeats=None, threads=None, torch=True, memory=True) -> Plan:
+    """A :class:`Plan`; ``suites`` None or containing "all" means every suite (a quick run:
+    all but the encoder); ``torch`` False leaves PyTorch out, as does its absence."""
+    from qkv.errors import ShapeError, positive_int
+
+    if suites and "all" in suites:
+        chosen = SUITES
+    elif suites:
+        unknown = sorted(set(suites) - set(SUITES))
+        if unknown:
+            raise ShapeError(f"suites must be among {SUITES + ('all',)}; got {unknown}")
+        chosen = tuple(s for s in SUITES if s in suites)
+    else:
+        chosen = QUICK_DEFAULT if quick else SUITES
+    repeats = positive_int("repeats", repeats) if repeats is not None else (QUICK if quick else FULL)["repeats"]
+    threads = positive_int("threads", threads) if threads is not None else os.cpu_count() or 1
+    torch = bool(torch) and importlib.util.find_spec("torch") is not None  # imported when the run starts
+    return Plan(chosen, bool(quick), repeats, threads, torch, bool(memory))
+
+
+def methods(p: Plan) -> list[str]:
+    return ["qkv", "dense"] + (["torch"] if p.torch else [])
+
+
+def _sweep_methods(p: Plan, t: int) -> list[str]:
+    return [m for m in methods(p) if m != "dense" or t <= p.sizes["sweep"]["dense_max"]]
+
+
+def _memory_jobs(p: Plan) -> list[tuple[str, list[int]]]:
+    """(method, sizes) per fresh process: one per size else; in a quick run one per method,
+    torch left out (a fresh process importing torch takes longer than the rest of the run)."""
+    ts = p.sizes["sweep"]["ts"]
+    if p.quick:
+        return [(m, [t for t in ts if m in _sweep_methods(p, t)]) for m in methods(p) if m != "torch"]
+    return [(m, [t]) for t in ts for m in _sweep_methods(p, t)]
+
+
+def count_steps(p: Plan) -> int:
+    """How many times :func:`run_suites` advances its progress (the bar's total)."""
+    per = 1 + p.repeats
+    n = 0
+    if "main" in p.suites:
+        n += 4 * len(methods(p)) * per
+    if "sweep" in p.suites:
+        n += sum(len(_sweep_methods(p, t)) * per for t in p.sizes["sweep"]["ts"])
+        n += len(_memory_jobs(p)) if p.memory else 0
+    if "decode" in p.suites:
+        n += (len(methods(p)) + 1) * per
+    if "encoder" in p.suites:
+        n += 1
+    return n
+
+
+def run_suites(p: Plan, progress=None) -> dict:
+    """Run the suites of ``p``; returns every measurement (seconds, FLOP, bytes) and the
+    machine it ran on. ``progress(advance, description=None)`` is told of each step."""
+    import numpy as np
+
+    import qkv
+
+    from .machine import describe
+
+    progress = progress or (lambda advance, description=None: None)
+    tick = lambda: progress(1)  # noqa: E731
+    if p.torch:
+        import torch
+        torch.set_num_threads(p.threads)
+    qkv.set_num_threads(p.threads)
+    rng = np.random.default_rng(0)
+    results = {"threads": p.threads, "quick": p.quick, "repeats": p.repeats,
+               "note": SMOKE_NOTE if p.quick else None,
+               "torch": torch.__version__ if p.torch else None, "machine": describe(p.torch),
+               "main": [], "sweep": [], "decode": [], "encoder": [], "encoder_skipped": None}
+    ms = methods(p)
+
+    def timed(fns):  # a quick run times each call once after its warm-up: nothing to re-warm for
+        return walls(alternate(fns, p.repeats, rewarm_below=0 if p.quick else REWARM_S, tick=tick))
+
+    if "main" in p.suites:
+        c = p.sizes["main"]
+        q, k, v, dout = inputs(rng, c["b"], c["h"], c["h"], c["t"], c["t"], c["d"])
+        for backward in (False, True):
+            for causal in (False, True):
+                label = f"{'fwd+bwd' if backward else 'fwd'} {'causal' if causal else 'full'}"
+                progress(0, description=f"main: {label}")
+                secs = timed({m: runner(m, q, k, v, dout, causal=causal, backward=backward) for m in ms})
+                flops = (fwd_bwd_flops if backward else forward_flops)(c["b"], c["h"], c["t"], c["t"], c["d"], causal)
+                results["main"].append({"case": label, "shape": dict(c), "causal": causal,
+                                        "backward": backward, "flop": flops, "seconds": secs})
+    if "sweep" in p.suites:
+        results["sweep"] = _sweep(p, rng, timed, progress, tick)
+    if "decode" in p.suites:
+        c = p.sizes["decode"]
+        progress(0, description="decode")
+        q, k, v, dout = inputs(rng, c["b"], c["hq"], c["hkv"], 1, c["tk"], c["d"])
+        nbytes = kv_bytes(c["b"], c["hkv"], c["tk"], c["d"], c["d"])
+        fns = {m: runner(m, q, k, v, dout, causal=False, backward=False, gqa=True) for m in ms}
+        fns["copy"] = copier(nbytes, p.threads)  # as many bytes as K and V, in the same loop
+        secs = timed(fns)
+        fns["copy"].close()
+        del q, k, v, dout, fns
+        copy_s = secs.pop("copy")
+        results["decode"].append({"shape": dict(c), "seconds": secs, "copy_seconds": copy_s,
+                                  "copy_bytes_per_s": 2 * nbytes / copy_s, "bytes": nbytes})
+    if "encoder" in p.suites:
+        progress(0, description="encoder: qkv vs sentence-transformers")
+        results["encoder"], results["encoder_skipped"] = _encoder_suite(p)
+        tick()
+    return results
+
+
+def _sweep(p: Plan, rng, timed, progress, tick) -> list[dict]:
+    sw = p.sizes["sweep"]
+    rows = []
+    for t in sw["ts"]:
+        progress(0, description=f"sweep: T={t}")
+        q, k, v, dout = inputs(rng, 1, 1, 1, t, t, sw["d"])
+        secs = timed({m: runner(m, q, k, v, dout, causal=False, backward=True) for m in _sweep_methods(p, t)})
+        del q, k, v, dout
+        rows.append({"t": t, "d": sw["d"], "seconds": secs, "flop": fwd_bwd_flops(1, 1, t, t, sw["d"], False),
+                     "peak": {}})
+    if p.memory:
+        progress(0, description="sweep: peak memory, fresh processes")
+        peak = peak_extra(_memory_jobs(p), sw["d"], False, p.threads, side_by_side=p.quick, tick=tick)
+        for row in rows:
+            row["peak"] = {m: peak[m, row["t"]] for m in _sweep_methods(p, row["t"]) if (m, row["t"]) in peak}
+    return rows
+
+
+def _encoder_suite(p: Plan):
+    """``(rows, None)`` from encoder.measure, or ``([], reason)`` when a part is missing."""
+    try:
+        import sentence_transformers  # noqa: F401
+        import torch  # noqa: F401
+
+        from qkv.models import default_model_path
+        default_model_path()
+    except Exception as err:  # a missing extra or model: say so in the report, run the rest
+        return [], f"{type(err).__name__}: {err}"
+    from .encoder import measure
+    return measure(p.repeats, n_short=16 if p.quick else 256, n_long=2 if p.quick else 16), None

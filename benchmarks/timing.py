@@ -1,0 +1,52 @@
+"""The one timing loop of the suite: callables timed in alternation, medians reported.
+
+Every suite (attention, decoding, the encoder) times its sides with :func:`alternate`:
+one untimed warm-up each, then ``repeats`` rounds in which every side runs once, so a
+change in machine load falls on all sides alike. Each timed run records the wall-clock
+time and the process's CPU time (all threads: on a shared machine it says how much work a
+side did even when other jobs stretch the wall clock).
+
+A side whose warm-up took under ``rewarm_below`` seconds is also run untimed right before
+each of its timed runs: without it a short call pays for what ran before it (OpenBLAS's
+and torch's OpenMP worker threads keep spinning after their work and steal a core, and a
+core left idle comes back slowly); both distort a 30 ms decode.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+REWARM_S = 1.0
+
+
+def alternate(fns: dict[str, Callable[[], object]], repeats: int, *, rewarm_below: float = REWARM_S,
+              tick: Callable[[], None] | None = None) -> dict[str, dict[str, float]]:
+    """``{name: {"wall": s, "cpu": s}}``: medians over ``repeats`` alternating rounds.
+
+    ``tick()`` is called after every warm-up and every timed run (a progress count:
+    ``len(fns) * (1 + repeats)`` calls in all).
+    """
+    tick = tick or (lambda: None)
+    rewarm = {}
+    for name, fn in fns.items():
+        t0 = time.perf_counter()
+        fn()
+        rewarm[name] = time.perf_counter() - t0 < rewarm_below
+        tick()
+    runs = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            if rewarm[name]:
+                fn()
+            w0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            runs[name].append((time.perf_counter() - w0, time.process_time() - c0))
+            tick()
+    return {name: {"wall": statistics.median(w for w, _ in r), "cpu": statistics.median(c for _, c in r)}
+            for name, r in runs.items()}
+
+
+def walls(medians: dict[str, dict[str, float]]) -> dict[str, float]:
+    """``{name: wall seconds}`` of :func:`alternate`'s result (what the attention tables show)."""
+    return {name: m["wall"] for name, m in medians.items()}

@@ -1,0 +1,78 @@
+"""The benchmark's one timing loop and its plan: call order, warm-ups, progress counts.
+
+These use stand-in callables and count calls; no time is asserted.
+"""
+import pytest
+
+from qkv import ShapeError
+from qkv_benchmarks import suites
+from qkv_benchmarks.report import Table
+from qkv_benchmarks.timing import alternate, walls
+
+
+def _recorder():
+    calls = []
+
+    def make(name):
+        return lambda: calls.append(name)
+    return calls, make
+
+
+@pytest.mark.parametrize("rewarm_below, expected", [
+    (0.0, ["a", "b", "a", "b", "a", "b"]),                              # warm-up each, then alternate
+    (float("inf"), ["a", "b", "a", "a", "b", "b", "a", "a", "b", "b"]),  # each timed run re-warmed first
+])
+def test_alternate_warms_up_then_alternates(rewarm_below, expected):
+    calls, make = _recorder()
+    ticks = []
+    med = alternate({"a": make("a"), "b": make("b")}, 2, rewarm_below=rewarm_below, tick=lambda: ticks.append(1))
+    assert calls == expected
+    assert len(ticks) == 2 * (1 + 2)               # warm-ups and timed runs, never the re-warms
+    assert set(med) == {"a", "b"} and all(set(m) == {"wall", "cpu"} for m in med.values())
+    assert all(m["wall"] >= 0 and m["cpu"] >= 0 for m in med.values())
+    assert walls(med) == {k: m["wall"] for k, m in med.items()}
+
+
+def test_plan_resolves_suites_and_defaults():
+    assert suites.plan(None).suites == suites.SUITES
+    assert suites.plan(None, quick=True).suites == suites.QUICK_DEFAULT          # no encoder unless asked
+    assert suites.plan(["all"], quick=True).suites == suites.SUITES
+    assert suites.plan(["decode", "main"]).suites == ("main", "decode")         # in the suite order
+    p = suites.plan(None, quick=True, torch=False, threads=3)
+    assert (p.repeats, p.threads, p.torch, p.sizes) == (suites.QUICK["repeats"], 3, False, suites.QUICK)
+    with pytest.raises(ShapeError, match="suites must be among"):
+        suites.plan(["mian"])
+    with pytest.raises(ShapeError, match="repeats must be an int >= 1; got 0"):
+        suites.plan(None, repeats=0)
+
+
+def test_progress_is_told_of_every_step_it_counted():
+    p = suites.plan(["main", "decode"], quick=True, torch=False, memory=False)
+    advanced, said = [], []
+
+    def progress(advance, description=None):
+        advanced.append(advance)
+        if description:
+            said.append(description)
+    results = suites.run_suites(p, progress)
+    assert sum(advanced) == suites.count_steps(p) == 4 * 2 * 2 + 3 * 2
+    assert said == ["main: fwd full", "main: fwd causal", "main: fwd+bwd full", "main: fwd+bwd causal", "decode"]
+    assert results["sweep"] == [] and len(results["main"]) == 4 and results["torch"] is None
+    assert set(results["decode"][0]["seconds"]) == {"qkv", "dense"}
+
+
+def test_memory_processes_one_per_method_when_quick_one_per_size_else():
+    quick = suites._memory_jobs(suites.plan(None, quick=True, torch=True))
+    assert quick == [("qkv", [128, 256, 512]), ("dense", [128, 256, 512])]  # torch: not in a quick run
+    full = suites._memory_jobs(suites.plan(None, torch=False))
+    assert ("dense", [16384]) not in full and ("qkv", [16384]) in full     # dense only up to dense_max
+    assert all(len(ts) == 1 for _, ts in full)
+
+
+def test_table_renders_as_aligned_text():
+    t = Table("title", ["case", "s"], [["fwd", "0.5"], ["fwd+bwd", "12.25"]], left=1, notes=["a note"])
+    assert str(t).splitlines() == ["title",
+                                   "case         s",
+                                   "fwd        0.5",
+                                   "fwd+bwd  12.25",
+                                   "a note"]
