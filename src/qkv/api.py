@@ -8,10 +8,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from .kernels import flash, reference
-from .errors import ShapeError, as_float_array, broadcast_or_raise, expect_ndim, fmt_shape
+from .errors import ShapeError, as_float_array, broadcast_or_raise, expect_ndim, fmt_shape, reject_options
 from .masks import MaskSpec, build_spec
 
 METHODS = ("auto", "reference", "flash")
+OPTIONS = ("mask", "bias", "causal", "window", "kv_lengths", "alibi", "scale", "gqa", "method")  # of both
 
 
 @dataclass
@@ -153,7 +154,7 @@ def _check_flags(**flags) -> None:
 
 def attention(q, k, v, *, mask=None, bias=None, causal=False, window=None, kv_lengths=None,
               alibi=None, scale=None, gqa=False, return_lse=False, return_weights=False,
-              method="auto"):
+              method="auto", **unknown):
     """Scaled dot-product attention ``softmax(scale · q kᵀ + bias) v`` with masks.
 
     Each query row ``i`` takes a weighted average of the value rows; the weights are a
@@ -213,6 +214,7 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, window=None, kv_le
            [0.752, 0.752]])
     """
     try:
+        reject_options("attention", unknown, OPTIONS + ("return_lse", "return_weights"))  # is_causal= ...
         _check_flags(return_lse=return_lse, return_weights=return_weights)
         prob = _prepare(q, k, v, mask=mask, bias=bias, causal=causal, window=window,
                         kv_lengths=kv_lengths, alibi=alibi, scale=scale, gqa=gqa)
@@ -231,7 +233,7 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, window=None, kv_le
 
 def attention_backward(dout, q, k, v, out, lse, *, mask=None, bias=None, causal=False,
                        window=None, kv_lengths=None, alibi=None, scale=None, gqa=False,
-                       method="auto"):
+                       method="auto", **unknown):
     """Gradients ``(dq, dk, dv)`` of ``attention`` given ``dout = ∂L/∂out``.
 
     ``out`` and ``lse`` are what ``attention(..., return_lse=True)`` returned for the same
@@ -249,6 +251,7 @@ def attention_backward(dout, q, k, v, out, lse, *, mask=None, bias=None, causal=
         ``(dq, dk, dv)`` with the shapes and dtypes of ``(q, k, v)``.
     """
     try:
+        reject_options("attention_backward", unknown, OPTIONS)
         prob = _prepare(q, k, v, mask=mask, bias=bias, causal=causal, window=window,
                         kv_lengths=kv_lengths, alibi=alibi, scale=scale, gqa=gqa)
         kern = _kernel(method, prob, False)
