@@ -12,7 +12,6 @@ from .errors import ShapeError, as_float_array, broadcast_or_raise, expect_ndim,
 from .masks import MaskSpec, build_spec
 
 METHODS = ("auto", "reference", "flash")
-OPTIONS = ("mask", "bias", "causal", "window", "kv_lengths", "alibi", "scale", "gqa", "method")  # of both
 
 
 @dataclass
@@ -214,7 +213,7 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, window=None, kv_le
            [0.752, 0.752]])
     """
     try:
-        reject_options("attention", unknown, OPTIONS + ("return_lse", "return_weights"))  # is_causal= ...
+        reject_options(attention, unknown)  # torch's is_causal=, attn_mask=, ...: qkv's names
         _check_flags(return_lse=return_lse, return_weights=return_weights)
         prob = _prepare(q, k, v, mask=mask, bias=bias, causal=causal, window=window,
                         kv_lengths=kv_lengths, alibi=alibi, scale=scale, gqa=gqa)
@@ -251,7 +250,7 @@ def attention_backward(dout, q, k, v, out, lse, *, mask=None, bias=None, causal=
         ``(dq, dk, dv)`` with the shapes and dtypes of ``(q, k, v)``.
     """
     try:
-        reject_options("attention_backward", unknown, OPTIONS)
+        reject_options(attention_backward, unknown)
         prob = _prepare(q, k, v, mask=mask, bias=bias, causal=causal, window=window,
                         kv_lengths=kv_lengths, alibi=alibi, scale=scale, gqa=gqa)
         kern = _kernel(method, prob, False)

@@ -97,20 +97,26 @@ FOREIGN_OPTIONS = {
 }
 
 
-def reject_options(func: str, unknown: dict, known: tuple) -> None:
-    """A ShapeError naming each keyword ``func`` does not take, with qkv's own name where it
-    is a familiar one from torch or flash-attn.
+def reject_options(func, unknown: dict) -> None:
+    """A ShapeError naming each keyword ``func`` does not take (its ``**unknown``), with qkv's
+    own name where it is a familiar one from torch or flash-attn, and ``func``'s options.
 
-    >>> reject_options("attention", {"is_causal": True}, ("mask", "causal"))
+    >>> def attention(q, *, mask=None, causal=False, **unknown):
+    ...     reject_options(attention, unknown)
+    >>> attention(1, is_causal=True)
     Traceback (most recent call last):
     ...
     qkv.errors.ShapeError: attention got an unknown keyword argument is_causal= (qkv's name: causal=True ...
     """
     if not unknown:
         return
+    import inspect
+
+    params = inspect.signature(func).parameters.values()
+    known = ", ".join(p.name for p in params if p.kind is p.KEYWORD_ONLY)
     named = [f"{k}= (qkv's name: {FOREIGN_OPTIONS[k]})" if k in FOREIGN_OPTIONS else f"{k}=" for k in unknown]
     many = "unknown keyword arguments" if len(named) > 1 else "an unknown keyword argument"
-    raise ShapeError(f"{func} got {many} {'; '.join(named)}; its options are {', '.join(known)}")
+    raise ShapeError(f"{func.__name__} got {many} {'; '.join(named)}; its options are {known}")
 
 
 def positive_int(name: str, value, minimum: int = 1) -> int:
