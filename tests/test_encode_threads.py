@@ -34,9 +34,6 @@ def blas_threads():
     return [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
 
 
-@pytest.mark.skipif(not hasattr(threads, "kernel_threads"),
-                    reason="per-call kernel threads (qkv.threads.kernel_threads) land with the flash rework on "
-                           "main; before it encode set the process-wide count and raced")
 def test_concurrent_encodes_leave_the_settings_and_agree(model):
     """Four threads calling encode(threads=2) at once (issue 13 item 5) leave the user's
     process-wide kernel threads and BLAS's limit as they were, and agree with a serial call."""
