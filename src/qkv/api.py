@@ -93,6 +93,9 @@ def _prepare(q, k, v, *, mask=None, bias=None, causal=False, window=None, kv_len
         raise ShapeError(f"scale must be a finite real number (default 1/sqrt(D)); got {scale!r}")
 
     in_dtype, cdt = q.dtype, _compute_dtype(q.dtype)
+    if abs(scale) > float(np.finfo(cdt).max):
+        raise ShapeError(f"scale must fit the compute dtype {cdt} (|scale| <= {np.finfo(cdt).max:.4g}); "
+                         f"got {scale!r}")
     spec = build_spec(lead, tq, tk, mask=mask, bias=bias, causal=causal, window=window,
                       kv_lengths=kv_lengths, alibi=alibi, dtype=cdt)
     shapes = (q.shape, k.shape, v.shape)

@@ -27,17 +27,16 @@ import numpy as np
 
 from .errors import ShapeError, as_array, broadcasts_to, fmt_shape
 
-_CAUSAL = {False: None, None: None, True: "top_left", "top_left": "top_left", "bottom_right": "bottom_right"}
-
-
 def parse_causal(causal):
-    """``False``/``None`` -> None; ``True``/``"top_left"`` -> "top_left"; ``"bottom_right"``."""
-    try:
-        return _CAUSAL[causal]
-    except (KeyError, TypeError):
-        raise ShapeError(
-            f"causal must be False, True, 'top_left' or 'bottom_right'; got {causal!r}"
-        ) from None
+    """``False``/``None`` -> None; ``True``/``"top_left"`` -> "top_left"; ``"bottom_right"``.
+
+    Only these: ``1``, ``0`` or ``1.0`` are refused rather than read as booleans.
+    """
+    if causal is None or isinstance(causal, (bool, np.bool_)):
+        return "top_left" if causal else None
+    if isinstance(causal, str) and causal in ("top_left", "bottom_right"):
+        return causal
+    raise ShapeError(f"causal must be False, True, 'top_left' or 'bottom_right'; got {causal!r}")
 
 
 def parse_window(window):
