@@ -9,7 +9,7 @@ import pytest
 from flash_helpers import SMALL, both, spy  # noqa: F401 (spy is a fixture)
 
 import qkv
-from qkv import threads
+from qkv import api, threads
 from qkv.kernels import flash
 
 CAUSALS = [False, True, "bottom_right"]
@@ -112,6 +112,9 @@ def test_rows_and_tiles_that_see_nothing():
     mask[1, 1, 5] = False
     opts = {"kv_lengths": np.array([0, 12, 7]), "mask": mask, "causal": "bottom_right"}
     dout = rng.standard_normal((3, 2, 20, 8))
+    spec = api._prepare(q, k, v, **opts).spec       # the premise: whole tiles see nothing
+    empty = [q0 for q0 in range(0, 20, SMALL.rows) if not spec.segments(q0, q0 + SMALL.rows, 0, 12, batch=2)]
+    assert empty == [0] and spec.query_range(7, 12, batch=2) == (0, 0)
     out, lse, (dq, dk, dv) = both(q, k, v, dout, opts, "flash", tiles=SMALL)
     ref = both(q, k, v, dout, opts, "reference")
     assert np.isneginf(lse[0]).all() and (out[0] == 0).all()
