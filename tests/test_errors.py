@@ -47,6 +47,11 @@ BAD_CALLS = [
     ("bias-beyond-float32", tuple(x.astype(np.float32) for x in (QM, KM, VM)), {"bias": np.full((5, 7), -1e39)},
      ["bias", "float32", "1e+39", "-inf"]),
     ("causal-word", (QM, KM, VM), {"causal": "bottom-right"}, ["causal", "bottom_right", "'bottom-right'"]),
+    ("causal-one", (QM, KM, VM), {"causal": 1}, ["causal", "True", "got 1"]),          # was read as True
+    ("causal-float", (QM, KM, VM), {"causal": 1.0}, ["causal", "got 1.0"]),
+    ("causal-zero", (QM, KM, VM), {"causal": 0}, ["causal", "got 0"]),                 # was read as False
+    ("scale-beyond-float32", tuple(x.astype(np.float32) for x in (QM, KM, VM)), {"scale": 1e39},
+     ["scale", "float32", "1e+39"]),                                                    # was all NaN, with warnings
     ("window-negative", (QM, KM, VM), {"window": (-1, 0)}, ["window", "left", ">= 0", "-1"]),
     ("window-malformed", (QM, KM, VM), {"window": (1, 2, 3)}, ["window", "(left, right)", "(1, 2, 3)"]),
     ("window-float", (QM, KM, VM), {"window": 2.5}, ["window", "2.5"]),

@@ -92,6 +92,9 @@ def _prepare(q, k, v, *, scale=None, gqa=False, **options) -> Problem:
         raise ShapeError(f"scale must be a finite real number (default 1/sqrt(D)); got {scale!r}")
 
     in_dtype, cdt = q.dtype, _compute_dtype(q.dtype)
+    if abs(scale) > float(np.finfo(cdt).max):
+        raise ShapeError(f"scale must fit the compute dtype {cdt} (|scale| <= {np.finfo(cdt).max:.4g}); "
+                         f"got {scale!r}")
     spec = build_spec(lead, tq, tk, dtype=cdt, **options)
     shapes = (q.shape, k.shape, v.shape)
     q = np.broadcast_to(q.astype(cdt, copy=False), lead + (tq, d))

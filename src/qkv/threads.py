@@ -30,7 +30,7 @@ from .errors import ShapeError
 
 _lock = threading.Lock()
 _state = {"threads": None, "pool": None, "pool_size": 0}
-_blas = {"users": 0, "limiter": None, "controller": None}
+_blas = {"users": 0, "limiter": None}
 _here = contextvars.ContextVar("qkv_kernel_threads", default=None)  # kernel_threads(n) in force
 
 
@@ -79,6 +79,15 @@ def pool(n: int) -> ThreadPoolExecutor:
         return _state["pool"]
 
 
+def _controller():
+    """threadpoolctl's view of the loaded libraries, renewed when modules were imported since
+    (a BLAS loaded later, torch's say, must be held too)."""
+    import threadpoolctl
+
+    cached = getattr(threadpoolctl, "get_cached_controller", None)  # threadpoolctl >= 3.8
+    return cached() if cached is not None else threadpoolctl.ThreadpoolController()
+
+
 def _drop_claim() -> None:
     """Forget which thread threadpoolctl (>= 3.8) lets set OpenBLAS's pool size, if any."""
     import threadpoolctl
@@ -102,11 +111,7 @@ def hold_blas() -> None:
     """Hold BLAS to one thread until the matching :func:`release_blas` (counted; any thread)."""
     with _lock:
         if _blas["users"] == 0:
-            if _blas["controller"] is None:
-                from threadpoolctl import ThreadpoolController
-
-                _blas["controller"] = ThreadpoolController()
-            ctl = _blas["controller"]
+            ctl = _controller()
             _blas["limiter"] = _set_blas(lambda: ctl.limit(limits=1, user_api="blas"))
         _blas["users"] += 1
 

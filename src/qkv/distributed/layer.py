@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import ShapeError, as_float_array, fmt_shape
-from ..nn.base import check_input, merge_heads, split_heads, linear_grad
+from ..nn.base import merge_heads, split_heads
 from ..nn.multihead import MultiHeadAttention
 from ..positional import rope, rope_backward
 from .layout import check_layout, positions, world
@@ -36,50 +35,39 @@ class RingMultiHeadAttention(MultiHeadAttention):
         self.layout = check_layout(layout)
 
     def _ring_options(self, kv_lengths) -> dict:
-        return dict(comm=self.comm, layout=self.layout, causal=self.causal, window=self.window,
-                    kv_lengths=kv_lengths, alibi=self.alibi, scale=self.scale, gqa=True)
+        return dict(comm=self.comm, layout=self.layout, causal=self.causal, align=self.align,
+                    window=self.window, chunk=self.chunk, kv_lengths=kv_lengths, alibi=self.alibi,
+                    scale=self.scale, gqa=True)
 
     def forward(self, x, *, kv_lengths=None):
         """This rank's ``y (B, c, d_model)`` from its tokens ``x (B, c, d_model)``;
         ``kv_lengths (B,)`` are global lengths (keys at global positions past them are padding)."""
-        x3, squeezed = check_input("x", x, self.d_model)
-        x3 = x3.astype(self.dtype, copy=False)
+        x3, squeezed = self._input("x", x)
         pos = positions(x3.shape[1] * self.size, comm=self.comm, layout=self.layout) if self.rope else None
-        q = self._project(x3, "Q", self.n_heads)        # (B, Hq, c, D)
-        k = self._project(x3, "K", self.n_kv_heads)     # (B, Hkv, c, D)
-        v = self._project(x3, "V", self.n_kv_heads)     # (B, Hkv, c, D)
+        q = split_heads(self.q_proj.forward(x3), self.n_heads)     # (B,c,d_model) -> (B,Hq,c,D)
+        k = split_heads(self.k_proj.forward(x3), self.n_kv_heads)  # (B,c,d_model) -> (B,Hkv,c,D)
+        v = split_heads(self.v_proj.forward(x3), self.n_kv_heads)  # (B,c,d_model) -> (B,Hkv,c,D)
         if self.rope:
             q = rope(q, pos, base=self.rope_base)       # global positions
             k = rope(k, pos, base=self.rope_base)
         opts = self._ring_options(kv_lengths)
         out, lse = ring_attention(q, k, v, return_lse=True, **opts)  # (B, Hq, c, D), (B, Hq, c)
-        o = merge_heads(out)                            # (B, c, Hq*D)
-        y = o @ self.params["W_O"]                      # (B, c, Hq*D) @ (Hq*D, d_model) -> (B, c, d_model)
-        if self.bias:
-            y = y + self.params["b_O"]
-        self._saved = dict(x=x3, squeezed=squeezed, q=q, k=k, v=v, out=out, lse=lse, o=o, opts=opts, pos=pos)
+        y = self.o_proj.forward(merge_heads(out))       # (B,c,Hq*D) @ (Hq*D,d_model) -> (B,c,d_model)
+        self._keep(dict(shape=x3.shape, squeezed=squeezed, q=q, k=k, v=v, out=out, lse=lse, opts=opts, pos=pos))
         return y[0] if squeezed else y
 
     def backward(self, dy):
         """Fill ``grads`` (summed over ranks) from this rank's ``dy (B, c, d_model)``; return ``dx``."""
         s = self._need_saved()
-        dy = as_float_array("dy", dy)
-        want = s["x"].shape[1:] if s["squeezed"] else s["x"].shape
-        if dy.shape != want:
-            raise ShapeError(f"dy must have the output's shape (B, c, d_model) = {fmt_shape(want)}; got {fmt_shape(dy.shape)}")
-        dy = (dy[None] if s["squeezed"] else dy).astype(self.dtype, copy=False)
-        p, g = self.params, self.grads
-        g["W_O"][...] = linear_grad(s["o"], dy)
-        if self.bias:
-            g["b_O"][...] = dy.sum(axis=(0, 1))
-        do = split_heads(dy @ p["W_O"].T, self.n_heads)  # (B,c,d_model) @ (d_model,Hq*D) -> (B,Hq,c,D)
+        dy = self._grad_sequences(dy, s["shape"], s["squeezed"])
+        do = split_heads(self.o_proj.backward(dy), self.n_heads)  # (B,c,d_model) -> (B,Hq,c,D)
         dq, dk, dv = ring_attention_backward(do, s["q"], s["k"], s["v"], s["out"], s["lse"], **s["opts"])
         if self.rope:
             dq = rope_backward(dq, s["pos"], base=self.rope_base)
             dk = rope_backward(dk, s["pos"], base=self.rope_base)
-        dx = (self._project_backward("Q", s["x"], merge_heads(dq))
-              + self._project_backward("K", s["x"], merge_heads(dk))
-              + self._project_backward("V", s["x"], merge_heads(dv)))
+        dx = (self.q_proj.backward(merge_heads(dq)) + self.k_proj.backward(merge_heads(dk))
+              + self.v_proj.backward(merge_heads(dv)))    # x feeds all three projections
+        g = self.grads
         for name in sorted(g):  # token sums over the whole sequence: add every rank's part
             total = np.empty_like(g[name])
             self.comm.Allreduce(np.ascontiguousarray(g[name]), total)

@@ -8,7 +8,10 @@ Forward, for one (batch, head) and scores in the compute dtype::
     P   = exp(S - lse)                             (Tq, Tk), rows sum to 1 (or are all 0)
     O   = P V                                      (Tq, Dv)
 
-Backward, from dO = ∂L/∂O (the softmax Jacobian applied row by row)::
+Backward, from dO = ∂L/∂O (the softmax Jacobian applied row by row), with P recomputed as
+``exp(S - lse)`` and divided by its row sums: they are 1 up to the rounding of the saved
+lse, which is all that is left when a score is ``finfo.min`` (a Hugging Face mask) and
+``log Σ`` vanishes beside it (lse = max score, and P would sum to the number of keys)::
 
     dV    = Pᵀ dO
     dP    = dO Vᵀ
@@ -86,6 +89,8 @@ def backward(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int =
     s = _scores(q, kx, spec, scale)
     lse_safe = np.where(lse == -np.inf, 0, lse)[..., None]
     p = np.exp(s - lse_safe)  # P = exp(S - lse); rows that see nothing are exp(-inf) = 0
+    total = p.sum(axis=-1, keepdims=True)
+    p /= np.where(total > 0, total, 1)  # rows sum to 1 even where lse could not hold log Σ (see above)
     dv = np.matmul(np.swapaxes(p, -1, -2), dout)  # (*L,Tk,Tq) @ (*L,Tq,Dv) -> (*L,Tk,Dv)
     dp = np.matmul(dout, np.swapaxes(vx, -1, -2))  # (*L,Tq,Dv) @ (*L,Dv,Tk) -> (*L,Tq,Tk)
     delta = np.sum(dout * out, axis=-1, keepdims=True)  # (*L,Tq,1)

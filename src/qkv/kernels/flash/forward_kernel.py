@@ -31,19 +31,48 @@ is exact to rounding as long as the largest term is not tiny: rows whose ``l < e
 
 **Base 2.** ``exp(s - m) = 2^(log2(e)·s - log2(e)·m)``: q is scaled by ``log2(e)·scale``
 once, offsets and ``lse`` are kept in base 2 inside the kernel, and ``np.exp2`` replaces
-``np.exp`` (in float32 it is about twice as fast and more accurate).
+``np.exp`` (in float32 on AVX-512 it is about twice as fast). ``lse = (m + log2 l) · ln 2``
+is formed in float64 and rounded once.
+
+**Large scores: the precise path.** Scores of size ``|s|`` carry a rounding error of about
+``eps·|s|`` in the compute dtype, and a float32 ``lse`` an error of half its ulp. Where a
+row's ``lse`` says its largest score is beyond ``±LARGE`` (:func:`large_rows`: 16, beyond
+``log Tk`` on the high side; ordinary attention stays inside), the task is redone by the
+online softmax with the scores ``(Q Kᵀ)·scale`` and the offsets in float64 and natural
+units (:func:`_fwd_precise`); each ``s - m <= 0`` is rounded to the compute dtype only
+before its exponential. For float32 input the scores are then exact far below what float32
+shows; for float64 input it is the dense path's arithmetic, without base-2 roundings. A bias
+such as ``finfo(float32).min`` (Hugging Face's mask value) neither overflows there nor hides
+the row's other terms; on the fast path it is clipped (:func:`~.tiles.bias_limit`), which
+changes nothing unless a row sees only such keys, and such a row is large. A row that sees
+nothing is one the *mask* empties (``-inf`` or a structural mask), never one whose finite
+scores are merely large. The exact path stops as soon as a row maximum shows the task is
+large, and the bound path is not tried where only large rows could pass it. The backward
+applies the same test to the saved ``lse`` to choose its precise, self-normalised path.
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
 from ...errors import ShapeError
 from ...masks import MaskSpec
-from .tiles import DEFAULT, LN2, LOG2E, Tiles, Workers, by_batch, batch_of, chunks, kv_heads, mask_and_bias, scratch
+from .tiles import (DEFAULT, LN2, LOG2E, Tiles, Workers, batch_of, bias_limit, by_batch, chunks, kv_heads,
+                    mask_and_bias, scratch)
 
 # Base-2 exponent headroom C, and the "bound too loose" threshold: l < 2^-LOOSE.
 _HEADROOM = {np.dtype(np.float32): 86.0, np.dtype(np.float64): 430.0}
 _LOOSE = {np.dtype(np.float32): 58.0, np.dtype(np.float64): 290.0}
+# A row maximum beyond ±LARGE (read from lse) takes the precise path; see large_rows.
+LARGE = {np.dtype(np.float32): 16.0, np.dtype(np.float64): 16.0}
+
+
+def large_rows(lse: np.ndarray, tk: int, dt) -> np.ndarray:
+    """Rows whose ``lse`` says their largest score is beyond ``±LARGE`` (``lse <= max + log Tk``).
+    NaN and ``-inf`` (a NaN input, a row that sees nothing) are not large."""
+    big = LARGE[np.dtype(dt)]
+    return (lse > big + math.log(tk)) | ((lse < -big) & (lse > -np.inf))  # NaN compares False, quietly
 
 
 def _alibi_bound(spec: MaskSpec, heads: list, q0: int, q1: int, k0: int, k1: int) -> np.ndarray:
@@ -56,8 +85,9 @@ def _alibi_bound(spec: MaskSpec, heads: list, q0: int, q1: int, k0: int, k1: int
     return np.where(slopes < 0, -slopes * far, 0.0)
 
 
-def _fwd_exact(qs, kk, vv, spec, heads, q0, q1, runs, dt, tiles):
-    """Online softmax over the runs. Returns ``(out (R, Dv), lse (R,))``."""
+def _fwd_exact(qs, kk, vv, spec, heads, q0, q1, runs, dt, tiles, clip=None, stop=np.inf):
+    """Online softmax over the runs, in base 2. Returns ``(out (R, Dv), m (R,), l (R,))``
+    (``lse = (m + log2 l) · ln 2``), or None as soon as a row's maximum passes ``stop``."""
     nrow, dv = qs.shape[0], vv.shape[-1]
     m = np.full(nrow, -np.inf, dt)
     l = np.zeros(nrow, dt)
@@ -74,8 +104,10 @@ def _fwd_exact(qs, kk, vv, spec, heads, q0, q1, runs, dt, tiles):
         else:
             st = scratch(nrow * (b - a), dt, tiles).reshape(b - a, nrow)  # the tile, transposed
             np.matmul(kk[a:b], qs.T, out=st)                 # (w,D) @ (D,R) -> (w,R)
-        mask_and_bias(st, spec, heads, q0, q1, a, b, partial)
+        mask_and_bias(st, spec, heads, q0, q1, a, b, partial, LOG2E, clip)
         m_new = np.maximum(m, st.max(axis=0))                # m' = max(m, max_j s_j)
+        if (m_new > stop).any():
+            return None                                      # a large row: the precise path will redo it
         m_safe = np.where(m_new == -np.inf, 0, m_new).astype(dt, copy=False)
         alpha = np.exp2(m - m_safe)                          # exp(m - m'); 0 while m = -inf
         st -= m_safe
@@ -86,14 +118,43 @@ def _fwd_exact(qs, kk, vv, spec, heads, q0, q1, runs, dt, tiles):
         acc += st.T @ vv[a:b]                                # (R,w) @ (w,Dv) -> (R,Dv)
         m = m_new
     seen = l != 0  # l = 0: the row saw nothing; l = NaN (a NaN input) stays NaN, as in the reference
-    out = acc / np.where(seen, l, 1)[:, None]
-    with np.errstate(divide="ignore"):
-        lse = np.where(seen, (np.where(seen, m, 0) + np.log2(np.where(seen, l, 1))) * LN2, -np.inf)
-    return out, lse.astype(dt, copy=False)
+    return acc / np.where(seen, l, 1)[:, None], m, l
+
+
+def _fwd_precise(qs, kk, vv, scale, spec, heads, q0, q1, runs, dt, tiles):
+    """The online softmax with the scores and offsets in float64 and natural units: ``qs``
+    (unscaled) and ``kk`` are float64, ``vv`` in the compute dtype ``dt``. ``exp(s - m)`` (at most 1)
+    is rounded to ``dt`` before the exponential, so the terms and sums cost what the exact
+    path's do. Returns ``(out (R, Dv), m (R,) float64, l (R,))``."""
+    nrow, dv = qs.shape[0], vv.shape[-1]
+    m = np.full(nrow, -np.inf)
+    l = np.zeros(nrow)
+    acc = np.zeros((nrow, dv), dt)
+    width = max(16, tiles.scratch // nrow)
+    for a, b, partial in chunks(runs, width):
+        s64 = scratch(nrow * (b - a), np.float64, tiles, 1).reshape(b - a, nrow)
+        np.matmul(kk[a:b], qs.T, out=s64)                    # (w,D) @ (D,R) -> (w,R), float64
+        s64 *= scale                                         # scaled after the sum, as the dense path does
+        mask_and_bias(s64, spec, heads, q0, q1, a, b, partial, 1.0)
+        m_new = np.maximum(m, s64.max(axis=0))               # m' = max(m, max_j s_j)
+        m_safe = np.where(m_new == -np.inf, 0, m_new)
+        alpha = np.exp(m - m_safe)                           # exp(m - m'); 0 while m = -inf
+        s64 -= m_safe
+        st = scratch(nrow * (b - a), dt, tiles).reshape(b - a, nrow)
+        np.copyto(st, s64)                                   # s_j - m' <= 0, rounded to dt
+        np.exp(st, out=st)                                   # exp(s_j - m')
+        l *= alpha
+        l += st.sum(axis=0, dtype=np.float64)                # l' = alpha l + Σ exp(s_j - m')
+        acc *= alpha[:, None].astype(dt)
+        acc += st.T @ vv[a:b]                                # (R,w) @ (w,Dv) -> (R,Dv)
+        m = m_new
+    seen = l != 0
+    return acc / np.where(seen, l, 1)[:, None].astype(dt), m, l
 
 
 def _fwd_bound(qs, kk, v1, knorm, spec, heads, q0, q1, runs, dt, tiles):
-    """Fixed offset from the Cauchy–Schwarz bound; ``None`` if some row needs the exact path."""
+    """Fixed offset from the Cauchy–Schwarz bound; ``None`` if some row needs the exact path.
+    Returns ``(out (R, Dv), m (R,), l (R,))`` in base 2."""
     nrow, dv = qs.shape[0], v1.shape[-1] - 1
     kmax = max(float(knorm[a:b].max()) for a, b, _ in runs)
     qnorm = np.sqrt(np.einsum("rd,rd->r", qs, qs))
@@ -117,8 +178,24 @@ def _fwd_bound(qs, kk, v1, knorm, spec, heads, q0, q1, runs, dt, tiles):
         return None  # a row's largest term is tiny (or it sees nothing): redo exactly
     if not np.isfinite(acc).all():
         return None  # terms up to 2^C times large values overflowed: redo with terms <= 1
-    out = acc[:, :dv] / l[:, None]
-    return out, (m + np.log2(l)) * dt.type(LN2)   # lse = m + log l
+    return acc[:, :dv] / l[:, None], m, l
+
+
+def _bound_may_do(qs, knorm, runs, stop2, dt) -> bool:
+    """False when the bound path could only succeed for rows beyond ``stop2`` (it succeeds
+    when the largest term is at least 2^-LOOSE of 2^(U - C)), which are redone precisely."""
+    kmax = max(float(knorm[a:b].max()) for a, b, _ in runs)
+    with np.errstate(over="ignore", invalid="ignore"):
+        u = float(np.sqrt(np.einsum("rd,rd->r", qs, qs)).max()) * kmax
+    return u - _HEADROOM[dt] - _LOOSE[dt] <= stop2
+
+
+def _lse(m, l, unit) -> np.ndarray:
+    """``(m + log l) / unit`` in float64 (log in base e^unit), ``-inf`` where l = 0."""
+    m, l = np.asarray(m, np.float64), np.asarray(l, np.float64)
+    seen = l != 0
+    log = np.log2 if unit != 1.0 else np.log
+    return np.where(seen, (np.where(seen, m, 0) + log(np.where(seen, l, 1))) / unit, -np.inf)
 
 
 def forward(q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_weights: bool = False,
@@ -132,47 +209,82 @@ def forward(q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_weight
     if return_weights:
         raise ShapeError("the tiled kernel does not make weights; use method='reference' for them")
     tiles = DEFAULT if tiles is None else tiles
-    dt = q.dtype
-    tq, tk, dv = q.shape[-2], k.shape[-2], v.shape[-1]
+    dt = np.dtype(q.dtype)
+    tq, tk, d, dv = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
     lead, lead_kv = spec.lead, k.shape[:-2]
     out = np.zeros(lead + (tq, dv), dt)
     lse = np.full(lead + (tq,), -np.inf, dt)
-    dt = np.dtype(dt)
     stack = tq < tiles.stack_rows
     rows = tq if stack else tiles.rows
-    sc = dt.type(scale * LOG2E)
+    with np.errstate(over="ignore"):
+        sc = dt.type(scale * LOG2E)
+    fast = bool(np.isfinite(sc))  # else scores in base 2 overflow the dtype: precise path only
+    clip = bias_limit(spec, dt)
     bound_ok = spec.bias is None  # a bias array has no cheap bound: exact path
+
+    stop2 = (LARGE[dt] + np.log(tk)) * LOG2E     # in base 2: a row maximum beyond it is large
 
     def prep(ikv):
         kk = np.ascontiguousarray(k[ikv])  # (Tk, D)
         vv = np.ascontiguousarray(v[ikv])  # (Tk, Dv)
-        if not bound_ok or (group * tq if stack else tq) < tiles.stack_rows:
-            return kk, vv, None, None
         with np.errstate(over="ignore", invalid="ignore"):  # padding may hold anything
             kn = np.sqrt(np.einsum("td,td->t", kk, kk))  # ‖k_j‖, only ever read inside kv_lengths
+        if not bound_ok or (group * tq if stack else tq) < tiles.stack_rows:
+            return kk, vv, None, kn
         v1 = np.empty((tk, dv + 1), dt)
         v1[:, :dv] = vv
         v1[:, dv] = 1
         return kk, vv, v1, kn
 
-    def task(ikv, heads, q0, q1, kv):
+    def fast_task(heads, q0, q1, runs, kv):
+        """The compute-dtype attempt: ``(out, lse float64)``, or None to go precise."""
         kk, vv, v1, kn = kv
-        b = batch_of(spec, heads[0])
-        q1 = min(q1, spec.rows(b))  # rows past q_lengths[b] are padding: never read, out 0
-        runs = spec.segments(q0, q1, 0, tk, batch=b)
-        if not runs:
-            return  # no key visible: out 0, lse -inf as initialised
-        qs = np.empty((len(heads) * (q1 - q0), q.shape[-1]), dt)
-        for g, h in enumerate(heads):
-            np.multiply(q[h][q0:q1], sc, out=qs[g * (q1 - q0):(g + 1) * (q1 - q0)])
+        n = q1 - q0
+        qs = np.empty((len(heads) * n, d), dt)
+        with np.errstate(over="ignore"):
+            for g, h in enumerate(heads):
+                np.multiply(q[h][q0:q1], sc, out=qs[g * n:(g + 1) * n])
+        if np.isinf(qs).any():
+            return None
         res = None
-        if v1 is not None:
+        if v1 is not None and _bound_may_do(qs, kn, runs, stop2, dt):
             # overflow (and inf - inf inside the product, which some BLAS kernels report as
             # invalid) is detected there and the rows redone exactly: no warning escapes
             with np.errstate(over="ignore", under="ignore", invalid="ignore"):
                 res = _fwd_bound(qs, kk, v1, kn, spec, heads, q0, q1, runs, dt, tiles)
         if res is None:
-            res = _fwd_exact(qs, kk, vv, spec, heads, q0, q1, runs, dt, tiles)
+            with np.errstate(over="ignore", under="ignore"):
+                res = _fwd_exact(qs, kk, vv, spec, heads, q0, q1, runs, dt, tiles, clip, stop2)
+            if res is None:
+                return None
+        o, m, l = res
+        ls = _lse(m, l, LOG2E)
+        if large_rows(ls, tk, dt).any() or np.isinf(o).any():
+            return None
+        return o, ls
+
+    def precise_task(heads, q0, q1, runs, kv):
+        """Scores in float64 and natural units (see the module docstring)."""
+        lo, hi = runs[0][0], runs[-1][1]
+        kk = np.zeros((tk, d))
+        kk[lo:hi] = kv[0][lo:hi]                 # the visible span only: padding is never read
+        n = q1 - q0
+        qs = np.empty((len(heads) * n, d), np.float64)
+        for g, h in enumerate(heads):
+            qs[g * n:(g + 1) * n] = q[h][q0:q1]
+        with np.errstate(under="ignore"):
+            o, m, l = _fwd_precise(qs, kk, kv[1], scale, spec, heads, q0, q1, runs, dt, tiles)
+        return o, _lse(m, l, 1.0)
+
+    def task(ikv, heads, q0, q1, kv):
+        b = batch_of(spec, heads[0])
+        q1 = min(q1, spec.rows(b))  # rows past q_lengths[b] are padding: never read, out 0
+        runs = spec.segments(q0, q1, 0, tk, batch=b)
+        if not runs:
+            return  # no key visible: out 0, lse -inf as initialised
+        res = fast_task(heads, q0, q1, runs, kv) if fast else None
+        if res is None:
+            res = precise_task(heads, q0, q1, runs, kv)
         o, ls = res
         n = q1 - q0
         for g, h in enumerate(heads):

@@ -130,11 +130,24 @@ def chunks(runs: list, width: int):
         yield a, b, [(max(a, p), min(b, e)) for p, e in masked if p < b and e > a]
 
 
+def bias_limit(spec: MaskSpec, dt) -> float | None:
+    """The bound to clip a tile's scaled bias to in the compute dtype ``dt``, or None when no
+    finite bias comes near it. Beyond it (HF masks with ``finfo.min``, say) the bias times
+    log2(e) would overflow; clipped, such entries still weigh exactly 0 beside any other,
+    and a row that sees only them is redone on the precise path."""
+    limit = float(np.finfo(dt).max) / 8
+    if spec.bias is None:
+        return None
+    finite = spec.bias[np.isfinite(spec.bias)]
+    return limit if finite.size and float(np.abs(finite).max()) * LOG2E > limit else None
+
+
 def mask_and_bias(st: np.ndarray, spec: MaskSpec, heads: list, q0: int, q1: int,
-                  a: int, b: int, partial: list) -> None:
-    """Add bias/ALiBi (times log2(e)) to a transposed score tile ``st (keys, G*rows)`` (keys
-    a:b against rows q0:q1 of each stacked head) and set masked entries of the ``partial``
-    key sub-ranges to -inf."""
+                  a: int, b: int, partial: list, unit: float = LOG2E, clip: float | None = None) -> None:
+    """Add bias/ALiBi (times ``unit``: log2(e) for base-2 scores) to a transposed score tile
+    ``st (keys, G*rows)`` (keys a:b against rows q0:q1 of each stacked head), clipped to
+    ``±clip`` if given (``-inf`` stays), and set masked entries of the ``partial`` key
+    sub-ranges to -inf."""
     if st.flags.c_contiguous:
         st3 = st.reshape(b - a, len(heads), q1 - q0)
     else:  # the transposed view of a (G*rows, keys) tile: still a view, never a copy
@@ -142,7 +155,14 @@ def mask_and_bias(st: np.ndarray, spec: MaskSpec, heads: list, q0: int, q1: int,
     if spec.bias is not None or spec.alibi is not None:
         for g, h in enumerate(heads):
             add = spec.additive(q0, q1, a, b, index=h, dtype=st.dtype)
-            st3[:, g, :] += np.multiply(add, LOG2E, out=add if add.flags.owndata else None).T
+            if not add.flags.owndata or not add.flags.writeable:
+                add = add.copy()
+            if clip is not None:  # before scaling, so nothing overflows; -inf (cannot attend) stays
+                np.minimum(add, clip / unit, out=add)
+                np.maximum(add, -clip / unit, out=add, where=add > -np.inf)
+            if unit != 1.0:
+                np.multiply(add, unit, out=add)
+            st3[:, g, :] += add.T
     for p, e in partial:
         sub = st3[p - a:e - a]
         if spec.mask is None:  # structure only: the same for every head
