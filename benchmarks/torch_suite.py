@@ -18,7 +18,9 @@ Cases (``--quick`` shrinks every size so the run takes seconds):
   ``kv_lengths``, SDPA the ``(B, 1, 1, T)`` bool key mask.
 
 Each pass (forward; forward+backward) runs the methods in turn, the first one rotating from
-repeat to repeat, after one warm-up each; the median is reported. FLOP convention for the
+repeat to repeat, after one warm-up each; the median time is reported, and each ratio is the
+median of the ratios within a repeat (runs that close together share the machine's load,
+which matters on a shared machine). FLOP convention for the
 plain case: forward ``4·B·H·T²·D``, forward+backward 3.5 times that.
 
 Peak memory (``memory=True``, the default of full runs) is the resident-set high-water mark
@@ -123,7 +125,7 @@ def runner(method: str, pass_: str, case: str, size: dict):
 
 
 def _time(fns: dict, repeats: int) -> dict:
-    """Median seconds of each callable, run in turn (the first one rotating), after a warm-up."""
+    """Seconds of each run of each callable, run in turn (the first one rotating), after a warm-up."""
     names = list(fns)
     for name in names:
         fns[name]()
@@ -133,7 +135,13 @@ def _time(fns: dict, repeats: int) -> dict:
             t0 = time.perf_counter()
             fns[name]()
             times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return times
+
+
+def paired_ratio(times: dict, num: str, den: str) -> float:
+    """Median over repeats of ``num``'s time / ``den``'s time in the same repeat: runs that
+    close together see the same machine load, which a ratio of two medians does not ensure."""
+    return statistics.median(a / b for a, b in zip(times[num], times[den]))
 
 
 def _child_peak(method: str, pass_: str, case: str, size: dict) -> float:
@@ -179,10 +187,11 @@ def measure(repeats: int, quick: bool, progress=None, *, memory: bool | None = N
         memory: measure peak memory in subprocesses (default: ``not quick``).
         threads: threads for qkv and torch alike (default ``qkv.get_num_threads()``).
 
-    Returns one dict per case and pass: ``case``, ``pass``, ``shape``, ``seconds`` and
-    ``peak_mib`` (dicts by method; ``peak_mib`` None where not measured), ``gflops``
+    Returns one dict per case and pass: ``case``, ``pass``, ``shape``, ``seconds`` (medians)
+    and ``peak_mib`` (dicts by method; ``peak_mib`` None where not measured), ``gflops``
     (per method, plain case only), ``wrapper`` (qkv.torch time / qkv time: the wrapper's
-    cost) and ``vs_sdpa`` (sdpa time / qkv.torch time: above 1, qkv.torch is faster).
+    cost) and ``vs_sdpa`` (sdpa time / qkv.torch time: above 1, qkv.torch is faster), both
+    medians of the ratios within each repeat (:func:`paired_ratio`).
     """
     import torch
 
@@ -198,14 +207,15 @@ def measure(repeats: int, quick: bool, progress=None, *, memory: bool | None = N
         for pass_ in PASSES:
             if progress:
                 progress(f"{case} {pass_}")
-            secs = _time({m: runner(m, pass_, case, size) for m in METHODS}, repeats)
+            times = _time({m: runner(m, pass_, case, size) for m in METHODS}, repeats)
+            secs = {m: statistics.median(ts) for m, ts in times.items()}
             peaks = None
             if memory:
                 if progress:
                     progress(f"{case} {pass_}: peak memory")
                 peaks = {m: peak_memory(m, pass_, case, size, threads) for m in METHODS}
             row = dict(case=case, pass_=pass_, shape=describe(case, size), seconds=secs, peak_mib=peaks,
-                       wrapper=secs["qkv.torch"] / secs["qkv"], vs_sdpa=secs["sdpa"] / secs["qkv.torch"])
+                       wrapper=paired_ratio(times, "qkv.torch", "qkv"), vs_sdpa=paired_ratio(times, "sdpa", "qkv.torch"))
             row["pass"] = row.pop("pass_")
             if case == "plain":
                 row["gflops"] = {m: plain_flops(size, pass_) / s / 1e9 for m, s in secs.items()}
