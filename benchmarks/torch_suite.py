@@ -18,7 +18,9 @@ Cases (``--quick`` shrinks every size so the run takes seconds):
   ``kv_lengths``, SDPA the ``(B, 1, 1, T)`` bool key mask.
 
 Each pass (forward; forward+backward) runs the methods in turn, the first one rotating from
-repeat to repeat, after one warm-up each; the median time is reported, and each ratio is the
+repeat to repeat, after one warm-up each (a call under a second also runs once untimed right
+before each timed run, so that it does not pay for the previous method's still-spinning
+worker threads); the median time is reported, and each ratio is the
 median of the ratios within a repeat (runs that close together share the machine's load,
 which matters on a shared machine). FLOP convention for the
 plain case: forward ``4·B·H·T²·D``, forward+backward 3.5 times that.
@@ -51,6 +53,9 @@ QUICK = {
     "padding": dict(b=4, h=2, t=256, d=32),
 }
 MIB = 2 ** 20
+# A call shorter than this runs once untimed right before each timed run: torch's OpenMP
+# workers keep spinning after SDPA returns and would otherwise slow whatever runs next.
+REWARM_S = 1.0
 
 
 def describe(case: str, size: dict) -> str:
@@ -127,11 +132,17 @@ def runner(method: str, pass_: str, case: str, size: dict):
 def _time(fns: dict, repeats: int) -> dict:
     """Seconds of each run of each callable, run in turn (the first one rotating), after a warm-up."""
     names = list(fns)
+    short = set()
     for name in names:
+        t0 = time.perf_counter()
         fns[name]()
+        if time.perf_counter() - t0 < REWARM_S:
+            short.add(name)
     times = {name: [] for name in names}
     for r in range(repeats):
         for name in names[r % len(names):] + names[:r % len(names)]:
+            if name in short:
+                fns[name]()  # untimed: the previous method's spinning threads are gone after it
             t0 = time.perf_counter()
             fns[name]()
             times[name].append(time.perf_counter() - t0)

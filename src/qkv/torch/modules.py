@@ -91,7 +91,7 @@ class SelfAttention(nn.Module):
     >>> import torch
     >>> layer = SelfAttention(2, 2)
     >>> with torch.no_grad():
-    ...     for w in (layer.W_Q, layer.W_K, layer.W_V): w.weight.copy_(torch.eye(2))
+    ...     for w in (layer.W_Q, layer.W_K, layer.W_V): _ = w.weight.copy_(torch.eye(2))
     >>> layer(torch.tensor([[1., 0.], [0., 1.], [1., 1.]])).detach().numpy().round(3)  # the texts' §5
     array([[0.802, 0.599],
            [0.599, 0.802],

@@ -75,6 +75,9 @@ weights = torch.library.custom_op(WEIGHTS, _weights_kernel, mutates_args=(), sch
 
 def out_lead(q, k, gqa: bool) -> tuple:
     """The output's leading shape ``(..., Hq)`` for q ``(..., Hq, Tq, D)`` and k."""
+    if gqa and (q.ndim < 3 or k.ndim < 3):
+        raise ShapeError(f"with gqa=True q and k need a head axis (..., H, T, D); got q {fmt_shape(q.shape)} "
+                         f"and k {fmt_shape(k.shape)}")
     try:
         if gqa:
             return tuple(torch.broadcast_shapes(q.shape[:-3], k.shape[:-3])) + (q.shape[-3],)

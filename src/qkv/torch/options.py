@@ -121,7 +121,8 @@ OPTIONS: tuple[Option, ...] = (
 
 NAMES = tuple(opt.name for opt in OPTIONS)
 SCHEMA_ARGS = ", ".join(arg for opt in OPTIONS for arg in opt.args)
-N_ARGS = sum(len(opt.args) for opt in OPTIONS)
+# each option's default, read once from qkv.attention's signature
+DEFAULTS = {name: inspect.signature(np_attention).parameters[name].default for name in NAMES}
 
 
 def accepted() -> tuple[str, ...]:
@@ -130,19 +131,17 @@ def accepted() -> tuple[str, ...]:
     return tuple(p.name for p in params if p.kind is p.KEYWORD_ONLY and p.name not in RETURNS)
 
 
-def defaults() -> dict:
-    """Each option's default, read from :func:`qkv.attention`'s signature."""
-    params = inspect.signature(np_attention).parameters
-    return {name: params[name].default for name in NAMES}
-
-
 def encode(options: dict) -> tuple:
     """Keyword options (missing ones take qkv's defaults) -> the operator's option arguments."""
     unknown = sorted(set(options) - set(NAMES))
+    unwired = [name for name in unknown if name in accepted()]
+    if unwired:
+        raise ShapeError(f"qkv.attention's option(s) {unwired} are not wired into qkv.torch yet: each needs "
+                         "a row in qkv.torch.options.OPTIONS")
     if unknown:
         raise ShapeError(f"unknown option(s) {unknown} for qkv.torch.attention; the options are "
                          f"{list(NAMES) + list(RETURNS)}")
-    values = {**defaults(), **options}
+    values = {**DEFAULTS, **options}
     out = []
     for opt in OPTIONS:
         out.extend(opt.encode(values[opt.name]))
