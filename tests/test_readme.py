@@ -19,5 +19,9 @@ def test_readme_example_runs(index, tmp_path, monkeypatch):
         pytest.importorskip("safetensors", reason="the example needs qkv[models]")
         pytest.importorskip("tokenizers", reason="the example needs qkv[models]")
         pytest.importorskip("matplotlib", reason="the example needs qkv[viz]")
+    if "qkv.torch" in code:
+        pytest.importorskip("torch", reason="the example needs qkv[torch]")
+    if "register_hf" in code:
+        pytest.importorskip("transformers", reason="the example needs qkv[hf]")
     monkeypatch.chdir(tmp_path)  # examples that write files write them here
     exec(compile(code, f"README.md python block {index}", "exec"), {"__name__": "readme"})

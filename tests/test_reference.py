@@ -98,3 +98,12 @@ def test_cross_attention_shapes():
     dec, enc = rng.standard_normal((2, 3, 8)), rng.standard_normal((2, 11, 8))
     out, w = qkv.attention(dec, enc, enc, return_weights=True)
     assert out.shape == (2, 3, 8) and w.shape == (2, 3, 11)
+
+
+def test_gqa_backward_with_an_empty_batch():
+    # B = 0 with grouped heads: the per-group sum cannot infer its head axis from size 0
+    q, k = np.zeros((0, 4, 5, 3)), np.zeros((0, 2, 6, 3))
+    for method in ("reference", "flash"):
+        out, lse = qkv.attention(q, k, k, gqa=True, return_lse=True, method=method)
+        grads = qkv.attention_backward(out, q, k, k, out, lse, gqa=True, method=method)
+        assert [g.shape for g in grads] == [q.shape, k.shape, k.shape]

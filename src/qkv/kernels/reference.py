@@ -99,6 +99,7 @@ def backward(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int =
     dq = np.matmul(ds, kx) * sc  # (*L,Tq,Tk) @ (*L,Tk,D) -> (*L,Tq,D)
     dk = np.matmul(np.swapaxes(ds, -1, -2), q) * sc  # (*L,Tk,Tq) @ (*L,Tq,D) -> (*L,Tk,D)
     if group > 1:  # sum the G query heads that shared each kv head
-        dk = dk.reshape(dk.shape[:-3] + (-1, group) + dk.shape[-2:]).sum(axis=-3)
-        dv = dv.reshape(dv.shape[:-3] + (-1, group) + dv.shape[-2:]).sum(axis=-3)
+        hkv = dk.shape[-3] // group  # spelled out: a -1 cannot be inferred when B = 0
+        dk = dk.reshape(dk.shape[:-3] + (hkv, group) + dk.shape[-2:]).sum(axis=-3)
+        dv = dv.reshape(dv.shape[:-3] + (hkv, group) + dv.shape[-2:]).sum(axis=-3)
     return dq, dk, dv

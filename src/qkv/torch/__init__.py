@@ -1,0 +1,23 @@
+"""qkv inside PyTorch (extra ``torch``): qkv's attention as custom operators with autograd,
+the texts' modules, and ``attn_implementation="qkv"`` for Hugging Face transformers.
+
+- :func:`attention` (q, k, v, **every option of qkv.attention): CPU tensors in SDPA's
+  layout, differentiable in q, k and v, one node under ``torch.compile``.
+- :class:`SelfAttention` (d_model, d_k): the texts' module (``W_Q``, ``W_K``, ``W_V`` as
+  ``nn.Linear(d_model, d_k, bias=False)``), its ``state_dict`` interchangeable with theirs.
+- :class:`MultiHeadAttention`: :class:`qkv.nn.MultiHeadAttention` as an ``nn.Module``
+  (GQA/MQA, causal, window, RoPE, ALiBi, kv_lengths, :class:`KVCache`), convertible both ways.
+- :func:`register_hf`: ``AutoModel.from_pretrained(path, attn_implementation="qkv")``.
+
+``import qkv`` does not import this package (nor torch); ``import qkv.torch`` does.
+"""
+from ..extras import require
+
+require("torch", "torch")
+
+from .functional import attention  # noqa: E402  (after the check that torch is there)
+from .hf import register_hf  # noqa: E402
+from .modules import SelfAttention  # noqa: E402
+from .multihead import KVCache, MultiHeadAttention  # noqa: E402
+
+__all__ = ["attention", "SelfAttention", "MultiHeadAttention", "KVCache", "register_hf"]

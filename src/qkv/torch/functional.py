@@ -1,0 +1,78 @@
+"""``qkv.torch.attention``: :func:`qkv.attention` on CPU tensors, differentiable in q, k and v."""
+from __future__ import annotations
+
+import torch
+
+from ..errors import ShapeError
+from . import ops, options as opt
+
+FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _check_qkv(q, k, v) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ShapeError(f"{name} must be a torch.Tensor (qkv.attention takes NumPy arrays); "
+                             f"got {type(t).__name__}")
+        opt.check_cpu(name, t)
+        if t.dtype not in FLOATS:
+            raise ShapeError(f"{name} must be a float16, bfloat16, float32 or float64 tensor; got {t.dtype}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise ShapeError(f"{name} must have q's dtype {q.dtype}; got {t.dtype}")
+
+
+def attention(q, k, v, *, return_lse=False, return_weights=False, **options):
+    """:func:`qkv.attention` on CPU tensors in SDPA's layout, with autograd and ``torch.compile``.
+
+    Every keyword of :func:`qkv.attention` is accepted with qkv's meaning (``mask`` True =
+    may attend, ``causal`` ``True``/``"top_left"``/``"bottom_right"``, ``window``,
+    ``kv_lengths``, ``alibi``, ``scale``, ``gqa``, ``method``); mask, bias, kv_lengths and
+    alibi may be tensors or arrays. A query row that may attend to nothing gets output 0
+    and gradient 0, never NaN. Gradients flow to ``q``, ``k`` and ``v`` (and through
+    ``lse`` when it is returned); ``bias`` and ``alibi`` are constants, and the weights
+    carry no gradient.
+
+    Contiguous (or simply strided) float16/32/64 tensors reach qkv's kernels as NumPy views
+    without a copy and the results come back without one. float16 computes in float32 (as
+    in qkv), bfloat16 is converted to float32 at the boundary (NumPy has no bfloat16) and
+    the results are cast back; float64 computes in float64.
+
+    Args:
+        q: ``(..., Hq, Tq, D)``. k: ``(..., Hkv, Tk, D)``. v: ``(..., Hkv, Tk, Dv)``; CPU
+            tensors of one float dtype.
+        return_lse: also return ``lse (..., Hq, Tq)`` (float32, float64 for float64).
+        return_weights: also return the weights ``(..., Hq, Tq, Tk)`` (no gradient).
+        **options: the keywords of :func:`qkv.attention`.
+
+    Returns:
+        ``out (..., Hq, Tq, Dv)`` in q's dtype, then lse and weights if asked.
+
+    Raises:
+        qkv.ShapeError: a tensor not on the CPU, a bad shape, dtype or option.
+
+    >>> import torch, qkv.torch
+    >>> x = torch.tensor([[1., 0.], [0., 1.], [1., 1.]], requires_grad=True)
+    >>> out = qkv.torch.attention(x, x, x)
+    >>> out.detach().numpy().round(3)
+    array([[0.802, 0.599],
+           [0.599, 0.802],
+           [0.752, 0.752]], dtype=float32)
+    >>> out.sum().backward(); tuple(x.grad.shape)
+    (3, 2)
+    """
+    try:
+        _check_qkv(q, k, v)
+        for name, flag in (("return_lse", return_lse), ("return_weights", return_weights)):
+            if not isinstance(flag, bool):
+                raise ShapeError(f"{name} must be True or False; got {flag!r}")
+        args = opt.encode(options)
+        out, lse = ops.fwd(q, k, v, *args, return_lse)
+        result = [out]
+        if return_lse:
+            result.append(lse)
+        if return_weights:
+            result.append(ops.weights(q.detach(), k.detach(), v.detach(), *args))
+    except ShapeError as err:
+        raise ShapeError(str(err)) from None  # the caller's line, not our internals
+    return result[0] if len(result) == 1 else tuple(result)

@@ -1,0 +1,135 @@
+"""qkv's attention as PyTorch operators, with autograd, fake kernels and torch.compile.
+
+Three operators in the ``qkv`` namespace (``<options>`` is the typed list of
+:mod:`qkv.torch.options`, one or two arguments per keyword of :func:`qkv.attention`)::
+
+    qkv::attention_fwd(q, k, v, <options>, bool return_lse) -> (out, lse)
+    qkv::attention_bwd(dout, q, k, v, out, lse, <options>) -> (dq, dk, dv)
+    qkv::attention_weights(q, k, v, <options>) -> weights
+
+Each is a ``torch.library.custom_op`` whose kernel hands NumPy views of the tensors to
+:func:`qkv.attention` / :func:`qkv.attention_backward` (no copy for contiguous or strided
+float16/32/64 tensors; bfloat16 becomes float32) and wraps what comes back without a copy.
+Each has a fake kernel (``register_fake``: shapes and dtypes only), so ``torch.compile``
+and ``torch.export`` trace through it as one node. ``register_autograd`` makes the
+forward differentiable in q, k and v by calling the backward operator, which is what
+PyTorch's documentation asks for instead of an ``autograd.Function`` around opaque code.
+
+**The gradient of lse.** With ``return_lse=True`` the caller may use ``lse`` in the loss.
+Since ``∂lse_i/∂s_ij = P_ij``, a gradient ``dlse_i`` adds ``P_ij · dlse_i`` to the
+backward's ``dS_ij = P_ij (dP_ij - delta_i)``, where ``dP = dO Vᵀ`` and
+``delta_i = rowsum(dO_i * O_i)``. The backward operator gets that term for free from one
+more value column: with ``v' = [v, 1]``, ``o' = [o, 0]`` and ``dO' = [dO, dlse]``,
+``dP'_ij = dP_ij + dlse_i`` while ``delta'_i = delta_i``, so
+``dS'_ij = P_ij (dP_ij - delta_i + dlse_i)``; the extra column of ``dv'`` is dropped.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..api import attention as np_attention, attention_backward as np_attention_backward
+from ..errors import ShapeError, fmt_shape
+from . import options as opt
+
+FWD = "qkv::attention_fwd"
+BWD = "qkv::attention_bwd"
+WEIGHTS = "qkv::attention_weights"
+
+FWD_SCHEMA = f"(Tensor q, Tensor k, Tensor v, {opt.SCHEMA_ARGS}, bool return_lse) -> (Tensor, Tensor)"
+BWD_SCHEMA = (f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, {opt.SCHEMA_ARGS}) "
+              "-> (Tensor, Tensor, Tensor)")
+WEIGHTS_SCHEMA = f"(Tensor q, Tensor k, Tensor v, {opt.SCHEMA_ARGS}) -> Tensor"
+
+
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# --- kernels: NumPy views in, qkv, tensors out ----------------------------------------------
+
+def _fwd_kernel(q, k, v, *args):
+    kwargs = opt.decode(args[:-1])
+    out, lse = np_attention(opt.to_numpy(q), opt.to_numpy(k), opt.to_numpy(v), return_lse=True, **kwargs)
+    return opt.from_numpy(out, q.dtype), opt.from_numpy(lse, _lse_dtype(q.dtype))
+
+
+def _bwd_kernel(dout, q, k, v, out, lse, *args):
+    kwargs = opt.decode(args)
+    arrays = [opt.to_numpy(t) for t in (dout, q, k, v, out, lse)]
+    dq, dk, dv = np_attention_backward(*arrays, **kwargs)
+    return opt.from_numpy(dq, q.dtype), opt.from_numpy(dk, k.dtype), opt.from_numpy(dv, v.dtype)
+
+
+def _weights_kernel(q, k, v, *args):
+    kwargs = opt.decode(args)
+    _, weights = np_attention(opt.to_numpy(q), opt.to_numpy(k), opt.to_numpy(v), return_weights=True, **kwargs)
+    return opt.from_numpy(weights, q.dtype)
+
+
+fwd = torch.library.custom_op(FWD, _fwd_kernel, mutates_args=(), schema=FWD_SCHEMA)
+bwd = torch.library.custom_op(BWD, _bwd_kernel, mutates_args=(), schema=BWD_SCHEMA)
+weights = torch.library.custom_op(WEIGHTS, _weights_kernel, mutates_args=(), schema=WEIGHTS_SCHEMA)
+
+
+# --- fake kernels: shapes and dtypes only ---------------------------------------------------
+
+def out_lead(q, k, gqa: bool) -> tuple:
+    """The output's leading shape ``(..., Hq)`` for q ``(..., Hq, Tq, D)`` and k."""
+    if gqa and (q.ndim < 3 or k.ndim < 3):
+        raise ShapeError(f"with gqa=True q and k need a head axis (..., H, T, D); got q {fmt_shape(q.shape)} "
+                         f"and k {fmt_shape(k.shape)}")
+    try:
+        if gqa:
+            return tuple(torch.broadcast_shapes(q.shape[:-3], k.shape[:-3])) + (q.shape[-3],)
+        return tuple(torch.broadcast_shapes(q.shape[:-2], k.shape[:-2]))
+    except RuntimeError:
+        raise ShapeError(f"the leading axes of q and k must broadcast; got q {fmt_shape(q.shape)} "
+                         f"and k {fmt_shape(k.shape)}") from None
+
+
+@fwd.register_fake
+def _fwd_fake(q, k, v, *args):
+    lead = out_lead(q, k, opt.option(args[:-1], "gqa"))
+    out = q.new_empty(lead + (q.shape[-2], v.shape[-1]))
+    return out, q.new_empty(lead + (q.shape[-2],), dtype=_lse_dtype(q.dtype))
+
+
+@bwd.register_fake
+def _bwd_fake(dout, q, k, v, out, lse, *args):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+@weights.register_fake
+def _weights_fake(q, k, v, *args):
+    lead = out_lead(q, k, opt.option(args, "gqa"))
+    return q.new_empty(lead + (q.shape[-2], k.shape[-2]))
+
+
+# --- autograd: the forward's gradient is the backward operator ------------------------------
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, *args = inputs
+    options, ctx.return_lse = tuple(args[:-1]), bool(args[-1])
+    ctx.slots = tuple(i for i, a in enumerate(options) if isinstance(a, torch.Tensor))
+    ctx.options = tuple(None if isinstance(a, torch.Tensor) else a for a in options)
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, *(options[i] for i in ctx.slots))
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, *saved = ctx.saved_tensors
+    options = list(ctx.options)
+    for i, t in zip(ctx.slots, saved):
+        options[i] = t
+    width = v.shape[-1]
+    if ctx.return_lse:  # one more value column carries dlse, see the module's docstring
+        v = torch.cat([v, v.new_ones(v.shape[:-1] + (1,))], dim=-1)  # (..., Tk, Dv+1)
+        out = torch.cat([out, out.new_zeros(out.shape[:-1] + (1,))], dim=-1)  # (..., Tq, Dv+1)
+        dout = torch.cat([dout, dlse.unsqueeze(-1).to(dout.dtype)], dim=-1)  # (..., Tq, Dv+1)
+    dq, dk, dv = bwd(dout, q, k, v, out, lse, *options)
+    if ctx.return_lse:
+        dv = dv[..., :width]
+    return (dq, dk, dv) + (None,) * (len(options) + 1)
+
+
+fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,222 @@
+"""The options of :func:`qkv.attention` as typed arguments of a PyTorch operator schema.
+
+A ``torch.library`` operator takes tensors and plain typed scalars, nothing else, and
+``torch.compile`` records every scalar argument as a constant of the graph. So each
+keyword of :func:`qkv.attention` becomes one or more explicitly typed schema arguments:
+
+==============  =======================================  ===================================
+keyword         schema arguments                         encoded as
+==============  =======================================  ===================================
+mask            ``Tensor? mask``                         bool tensor, True = may attend
+bias            ``Tensor? bias``                         float tensor (no gradient)
+kv_lengths      ``Tensor? kv_lengths``                   int tensor ``(B,)``
+alibi           ``Tensor? alibi``                        float slopes ``(Hq,)`` (no gradient)
+causal          ``str causal``                           ``"none"``, ``"top_left"``, ``"bottom_right"``
+window          ``int? window_left, int? window_right``  the parsed ``(left, right)``
+scale           ``float? scale``                         ``None`` = ``1/sqrt(D)``
+gqa             ``bool gqa``
+method          ``str method``
+==============  =======================================  ===================================
+
+Each row of :data:`OPTIONS` says this for one keyword; a new option of
+:func:`qkv.attention` is one more row (``tensor("q_lengths")``, ``scalar("chunk", "int?")``,
+``scalar("align", "str")``). ``tests/test_torch_ops.py`` checks that the rows cover
+exactly the keywords :func:`qkv.attention` accepts, so an option added there and not
+here fails a test instead of being refused at run time.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ..api import METHODS, attention as np_attention
+from ..errors import ShapeError
+from ..masks import parse_causal, parse_window
+
+# keywords of qkv.attention that choose what is returned rather than what is computed
+RETURNS = ("return_lse", "return_weights")
+
+
+@dataclass(frozen=True)
+class Option:
+    """One keyword of :func:`qkv.attention` and its arguments in the operator schema."""
+
+    name: str                        # the keyword
+    args: tuple                      # its typed schema arguments, e.g. ("Tensor? mask",)
+    encode: Callable                 # keyword value -> tuple of operator argument values
+    decode: Callable                 # tuple of operator argument values -> keyword value
+    is_tensor: bool = False
+
+
+def tensor(name: str) -> Option:
+    """An optional tensor argument (mask, bias, lengths, slopes)."""
+    return Option(name, (f"Tensor? {name}",), lambda value: (_as_tensor(name, value),),
+                  lambda args: None if args[0] is None else to_numpy(args[0]), is_tensor=True)
+
+
+def scalar(name: str, kind: str, check: Callable | None = None) -> Option:
+    """A typed scalar argument (``"bool"``, ``"int?"``, ``"float?"``, ``"str"``) passed as is,
+    after ``check(value)`` (which raises ShapeError or returns the value to pass)."""
+    check = check or (lambda value: value)
+    return Option(name, (f"{kind} {name}",), lambda value: (check(value),), lambda args: args[0])
+
+
+def _encode_causal(value) -> tuple:
+    return (parse_causal(value) or "none",)
+
+
+def _decode_causal(args):
+    return False if args[0] == "none" else args[0]
+
+
+def _encode_window(value) -> tuple:
+    return parse_window(value)
+
+
+def _decode_window(args):
+    return None if args == (None, None) else tuple(args)
+
+
+def _check_scale(value):
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_complex:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ShapeError(f"scale must be a finite real number (default 1/sqrt(D)); got {value!r}")
+    return float(value)
+
+
+def _check_bool(name: str):
+    def check(value):
+        if not isinstance(value, (bool, np.bool_)):
+            raise ShapeError(f"{name} must be True or False; got {value!r}")
+        return bool(value)
+    return check
+
+
+def _check_method(value):
+    if not isinstance(value, str) or value not in METHODS:
+        raise ShapeError(f"method must be one of {METHODS}; got {value!r}")
+    return value
+
+
+OPTIONS: tuple[Option, ...] = (
+    tensor("mask"),
+    tensor("bias"),
+    tensor("kv_lengths"),
+    tensor("alibi"),
+    Option("causal", ("str causal",), _encode_causal, _decode_causal),
+    Option("window", ("int? window_left", "int? window_right"), _encode_window, _decode_window),
+    scalar("scale", "float?", _check_scale),
+    scalar("gqa", "bool", _check_bool("gqa")),
+    scalar("method", "str", _check_method),
+)
+
+NAMES = tuple(opt.name for opt in OPTIONS)
+SCHEMA_ARGS = ", ".join(arg for opt in OPTIONS for arg in opt.args)
+# each option's default, read once from qkv.attention's signature
+DEFAULTS = {name: inspect.signature(np_attention).parameters[name].default for name in NAMES}
+
+
+def accepted() -> tuple[str, ...]:
+    """The keywords of :func:`qkv.attention` that configure the computation (not the returns)."""
+    params = inspect.signature(np_attention).parameters.values()
+    return tuple(p.name for p in params if p.kind is p.KEYWORD_ONLY and p.name not in RETURNS)
+
+
+def encode(options: dict) -> tuple:
+    """Keyword options (missing ones take qkv's defaults) -> the operator's option arguments."""
+    unknown = sorted(set(options) - set(NAMES))
+    unwired = [name for name in unknown if name in accepted()]
+    if unwired:
+        raise ShapeError(f"qkv.attention's option(s) {unwired} are not wired into qkv.torch yet: each needs "
+                         "a row in qkv.torch.options.OPTIONS")
+    if unknown:
+        raise ShapeError(f"unknown option(s) {unknown} for qkv.torch.attention; the options are "
+                         f"{list(NAMES) + list(RETURNS)}")
+    values = {**DEFAULTS, **options}
+    out = []
+    for opt in OPTIONS:
+        out.extend(opt.encode(values[opt.name]))
+    return tuple(out)
+
+
+def decode(args: tuple) -> dict:
+    """The operator's option arguments -> keyword arguments for :func:`qkv.attention`."""
+    out, i = {}, 0
+    for opt in OPTIONS:
+        n = len(opt.args)
+        out[opt.name] = opt.decode(tuple(args[i:i + n]))
+        i += n
+    return out
+
+
+def tensors(args: tuple) -> list:
+    """The option arguments that are tensors (or None), in schema order."""
+    out, i = [], 0
+    for opt in OPTIONS:
+        if opt.is_tensor:
+            out.append(args[i])
+        i += len(opt.args)
+    return out
+
+
+def option(args: tuple, name: str):
+    """The decoded value of one option from the operator's option arguments (no tensors)."""
+    i = 0
+    for opt in OPTIONS:
+        n = len(opt.args)
+        if opt.name == name:
+            return opt.decode(tuple(args[i:i + n]))
+        i += n
+    raise KeyError(name)
+
+
+# --- tensors at the boundary ----------------------------------------------------------------
+
+def check_cpu(name: str, t: torch.Tensor) -> None:
+    """qkv computes on the CPU: any other device is a ShapeError naming the tensor."""
+    if t.device.type != "cpu":
+        raise ShapeError(f"{name} must be a CPU tensor (qkv computes in NumPy on the CPU); got a tensor "
+                         f"on {t.device}. Move it with .cpu() first")
+
+
+def _as_tensor(name: str, value):
+    """An option value as a CPU tensor (arrays and lists are converted), or None."""
+    if value is None:
+        return None
+    if not isinstance(value, torch.Tensor):
+        try:
+            value = torch.as_tensor(np.asarray(value))
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise ShapeError(f"{name} must be a tensor or an array; got {type(value).__name__} ({err})") from None
+    check_cpu(name, value)
+    if value.requires_grad and name in ("bias", "alibi"):
+        raise ShapeError(f"{name} must not require grad: qkv.torch.attention differentiates q, k and v "
+                         f"only; pass {name}.detach()")
+    return value
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A NumPy view of a CPU tensor: no copy for every dtype NumPy has (strided views too);
+    bfloat16, which NumPy lacks, becomes float32."""
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        t = t.to(torch.float32)
+    return t.numpy()
+
+
+def from_numpy(a: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A contiguous tensor sharing ``a``'s memory where ``a`` is contiguous and writable
+    (what qkv returns always is), cast to ``dtype`` if given."""
+    if not (a.flags.c_contiguous and a.flags.writeable):
+        a = np.array(a, order="C", copy=True)
+    t = torch.from_numpy(a)
+    return t if dtype is None or t.dtype == dtype else t.to(dtype)

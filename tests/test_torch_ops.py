@@ -1,0 +1,206 @@
+"""qkv.torch.attention: the custom operators against PyTorch SDPA in float64, gradcheck,
+opcheck, torch.compile, dtypes, zero-copy and errors."""
+import inspect
+
+import numpy as np
+import pytest
+
+import qkv
+
+torch = pytest.importorskip("torch", reason="qkv.torch needs PyTorch: pip install 'qkv[torch]'")
+F = torch.nn.functional
+qt = pytest.importorskip("qkv.torch")
+from qkv.torch import ops, options  # noqa: E402
+
+DT = torch.float64
+
+
+def rand(*shape, grad=True, dtype=DT, seed=None):
+    g = torch.Generator().manual_seed(seed if seed is not None else hash(shape) % 2**31)
+    return torch.randn(*shape, generator=g, dtype=dtype).requires_grad_(grad)
+
+
+def fwd_bwd(fn, q, k, v, seed=0):
+    """out and the three gradients of sum(out * w) for a fixed random w."""
+    q, k, v = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+    out = fn(q, k, v)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=out.dtype)
+    (out * w).sum().backward()
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+CASES = {
+    # name: (Hq, Hkv, Tq, Tk, qkv options, SDPA options)
+    "mask": (4, 4, 7, 9, "mask", "mask"),
+    "causal": (4, 4, 9, 9, dict(causal=True), dict(is_causal=True)),
+    "causal_tq_ne_tk": (4, 4, 5, 9, dict(causal=True), dict(is_causal=True)),
+    "scale": (4, 4, 7, 9, dict(scale=0.3), dict(scale=0.3)),
+    "gqa": (6, 2, 7, 9, dict(gqa=True, causal=True), dict(enable_gqa=True, is_causal=True)),
+    "mqa": (4, 1, 9, 5, dict(gqa=True, scale=0.7), dict(enable_gqa=True, scale=0.7)),
+    "mask_gqa_tq_ne_tk": (4, 2, 3, 11, "mask_gqa", "mask_gqa"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_float64_forward_and_gradients_equal_sdpa(case):
+    hq, hkv, tq, tk, qo, so = CASES[case]
+    q, k, v = rand(2, hq, tq, 8), rand(2, hkv, tk, 8), rand(2, hkv, tk, 5)
+    if isinstance(qo, str):
+        mask = torch.rand(2, 1, tq, tk, generator=torch.Generator().manual_seed(1)) < 0.7
+        mask[..., 0] = True  # SDPA gives NaN on a row with no key; qkv gives 0 (tested below)
+        qo, so = dict(mask=mask, gqa=hq != hkv), dict(attn_mask=mask, enable_gqa=hq != hkv)
+    ours = fwd_bwd(lambda q, k, v: qt.attention(q, k, v, **qo), q, k, v)
+    theirs = fwd_bwd(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, **so), q, k, v)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), ours, theirs):
+        assert a.shape == b.shape and a.dtype == DT, name
+        assert (a - b).abs().max().item() <= 1e-9, name
+
+
+GRADCHECK = {
+    "window": dict(window=(2, 1)),
+    "bottom_right": dict(causal="bottom_right"),
+    "window_bottom_right_gqa": dict(window=3, causal="bottom_right", gqa=True),
+    "kv_lengths": dict(kv_lengths=torch.tensor([9, 3])),
+    "alibi": dict(alibi=torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=DT), gqa=True),
+    "flash_everything": dict(causal="bottom_right", window=(4, 0), kv_lengths=torch.tensor([7, 9]),
+                             alibi=torch.tensor([0.5, 0.25, 0.1, 0.2], dtype=DT), gqa=True, method="flash"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GRADCHECK))
+def test_gradcheck(case):
+    q, k, v = rand(2, 4, 4, 3), rand(2, 2, 9, 3), rand(2, 2, 9, 2)
+    opts = GRADCHECK[case]
+    if not opts.get("gqa"):
+        q, k, v = rand(2, 2, 4, 3), rand(2, 2, 9, 3), rand(2, 2, 9, 2)
+    assert torch.autograd.gradcheck(lambda q, k, v: qt.attention(q, k, v, **opts), (q, k, v))
+
+
+def test_gradcheck_through_lse():
+    # lse in the loss: its gradient rides on one more value column (see qkv.torch.ops)
+    q, k, v = rand(2, 4, 4, 3), rand(2, 2, 6, 3), rand(2, 2, 6, 2)
+    fn = lambda q, k, v: qt.attention(q, k, v, gqa=True, causal="bottom_right", return_lse=True)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+
+
+def test_opcheck_both_operators():
+    q, k, v = rand(2, 4, 5, 8, dtype=torch.float32), rand(2, 2, 7, 8, dtype=torch.float32), rand(2, 2, 7, 3, dtype=torch.float32)
+    mask = torch.rand(2, 1, 5, 7, generator=torch.Generator().manual_seed(0)) < 0.7
+    args = options.encode(dict(mask=mask, causal="bottom_right", gqa=True))
+    q_view = rand(2, 4, 8, 5, dtype=torch.float32).transpose(-1, -2)  # non-contiguous, requires grad
+    empty = options.encode(dict(gqa=True, kv_lengths=torch.zeros(0, dtype=torch.int64)))
+    with torch.no_grad():
+        out, lse = ops.fwd(q, k, v, *args, True)
+    dout = torch.randn_like(out).transpose(-1, -2).contiguous().transpose(-1, -2)  # a strided dout
+    calls = [
+        (ops.fwd, (q, k, v, *args, True)),
+        (ops.fwd, (q_view, k, v, *args, False)),
+        (ops.fwd, (torch.zeros(0, 4, 5, 8, requires_grad=True), torch.zeros(0, 2, 7, 8), torch.zeros(0, 2, 7, 3),
+                   *empty, False)),
+        (ops.bwd, (dout, q.detach(), k.detach(), v.detach(), out, lse, *args)),
+        (ops.bwd, (torch.zeros(0, 4, 5, 3), torch.zeros(0, 4, 5, 8), torch.zeros(0, 2, 7, 8), torch.zeros(0, 2, 7, 3),
+                   torch.zeros(0, 4, 5, 3), torch.zeros(0, 4, 5), *empty)),
+        (ops.weights, (q.detach(), k.detach(), v.detach(), *args)),
+    ]
+    for op, call in calls:
+        result = torch.library.opcheck(op, call)
+        assert set(result.values()) == {"SUCCESS"}, (op, result)
+
+
+@pytest.mark.slow
+def test_torch_compile_fullgraph_equals_eager():
+    q, k, v = rand(2, 4, 6, 8, dtype=torch.float32), rand(2, 2, 9, 8, dtype=torch.float32), rand(2, 2, 9, 8, dtype=torch.float32)
+
+    def loss(q, k, v):
+        out, lse = qt.attention(q, k, v, gqa=True, causal="bottom_right", window=4, return_lse=True)
+        return (out ** 2).sum() + lse.sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(loss, fullgraph=True)
+    eager = fwd_bwd(lambda q, k, v: loss(q, k, v).reshape(1), q, k, v)
+    comp = fwd_bwd(lambda q, k, v: compiled(q, k, v).reshape(1), q, k, v)
+    for a, b in zip(eager, comp):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_low_precision_computes_in_float32(dtype):
+    q, k, v = rand(1, 2, 6, 8, dtype=dtype), rand(1, 2, 6, 8, dtype=dtype), rand(1, 2, 6, 8, dtype=dtype)
+    out, lse = qt.attention(q, k, v, causal=True, return_lse=True)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    out.float().sum().backward()
+    assert q.grad.dtype == dtype and k.grad.dtype == dtype and v.grad.dtype == dtype
+    # the float32 result of the same (rounded) inputs, cast once at the end
+    ref = qt.attention(q.detach().float(), k.detach().float(), v.detach().float(), causal=True).to(dtype)
+    assert torch.equal(out.detach(), ref)
+
+
+def test_inputs_reach_numpy_without_a_copy(monkeypatch):
+    seen = {}
+    real = ops.np_attention
+
+    def spy(q, k, v, **kw):
+        seen.update(q=q, k=k, v=v)
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(ops, "np_attention", spy)
+    q = torch.randn(2, 3, 5, 4)
+    k = torch.randn(2, 3, 4, 5).transpose(-1, -2)  # strided: a view, still no copy
+    v = torch.randn(2, 3, 5, 4)
+    qt.attention(q, k, v)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        assert seen[name].__array_interface__["data"][0] == t.data_ptr(), name
+    arr = np.arange(6.0).reshape(2, 3)
+    assert options.from_numpy(arr).data_ptr() == arr.__array_interface__["data"][0]
+
+
+def test_a_row_with_no_key_gives_zero_output_and_gradient():
+    q, k, v = rand(1, 1, 3, 4), rand(1, 1, 5, 4), rand(1, 1, 5, 4)
+    mask = torch.ones(1, 1, 3, 5, dtype=torch.bool)
+    mask[0, 0, 1] = False
+    out, lse = qt.attention(q, k, v, mask=mask, return_lse=True)
+    out.sum().backward()
+    assert torch.all(out[0, 0, 1] == 0) and lse[0, 0, 1] == -torch.inf
+    assert torch.isfinite(q.grad).all() and torch.all(q.grad[0, 0, 1] == 0)
+
+
+def test_weights_match_qkv_and_arrays_are_accepted_as_options():
+    q, k, v = rand(2, 4, 5, 6), rand(2, 2, 7, 6), rand(2, 2, 7, 6)
+    lengths = np.array([7, 4])  # a NumPy array where a tensor is expected
+    out, w = qt.attention(q, k, v, gqa=True, kv_lengths=lengths, return_weights=True)
+    ref_out, ref_w = qkv.attention(*(x.detach().numpy() for x in (q, k, v)), gqa=True, kv_lengths=lengths,
+                                   return_weights=True)
+    np.testing.assert_allclose(out.detach().numpy(), ref_out, atol=1e-12)
+    np.testing.assert_allclose(w.numpy(), ref_w, atol=1e-12)
+    assert not w.requires_grad
+
+
+def test_every_option_of_qkv_attention_is_forwarded():
+    # a new keyword of qkv.attention needs one row in qkv.torch.options.OPTIONS
+    assert set(options.NAMES) == set(options.accepted())
+    params = inspect.signature(qt.attention).parameters
+    assert {"return_lse", "return_weights"} <= set(params)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(q=torch.zeros(1, 2, 3, 4, device="meta")), "q must be a CPU tensor"),
+    (dict(mask=torch.ones(3, 3, dtype=torch.bool, device="meta")), "mask must be a CPU tensor"),
+    (dict(q=np.zeros((3, 4))), "q must be a torch.Tensor"),
+    (dict(v=torch.zeros(1, 2, 3, 4, dtype=torch.float64)), "v must have q's dtype"),
+    (dict(q=torch.zeros(1, 2, 3, 4, dtype=torch.int64)), "q must be a float16, bfloat16"),
+    (dict(causal="sideways"), "causal must be"),
+    (dict(window=(1, 2, 3)), "window must be"),
+    (dict(scale="big"), "scale must be a finite real"),
+    (dict(gqa=1), "gqa must be True or False"),
+    (dict(method="fast"), "method must be one of"),
+    (dict(flavour=1), "unknown option"),
+    (dict(bias=torch.zeros(3, 3, requires_grad=True)), "bias must not require grad"),
+    (dict(k=torch.zeros(1, 2, 3, 5)), "k must have the feature size D of q"),
+    (dict(kv_lengths=torch.tensor([9])), "kv_lengths must lie in"),
+])
+def test_bad_inputs_raise_shape_error_naming_them(bad, message):
+    args = dict(q=torch.zeros(1, 2, 3, 4), k=torch.zeros(1, 2, 3, 4), v=torch.zeros(1, 2, 3, 4))
+    args.update(bad)
+    q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
+    with pytest.raises(qkv.ShapeError, match=message):
+        qt.attention(q, k, v, **args)
