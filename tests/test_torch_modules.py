@@ -68,6 +68,7 @@ MHA_OPTIONS = {
     "gqa_causal_rope": dict(n_kv_heads=2, causal=True, rope=True),
     "mqa_window_alibi_bias": dict(n_kv_heads=1, window=(2, 1), alibi=True, bias=True),
     "mha_scale_rope_base": dict(scale=0.2, rope=True, rope_base=500.0, d_head=6),
+    "bottom_right_chunk_window": dict(n_kv_heads=2, causal=True, align="bottom_right", chunk=3, window=4, alibi=True),
 }
 
 

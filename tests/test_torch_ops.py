@@ -64,6 +64,9 @@ GRADCHECK = {
     "alibi": dict(alibi=torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=DT), gqa=True),
     "flash_everything": dict(causal="bottom_right", window=(4, 0), kv_lengths=torch.tensor([7, 9]),
                              alibi=torch.tensor([0.5, 0.25, 0.1, 0.2], dtype=DT), gqa=True, method="flash"),
+    "align_ragged_chunk": dict(causal=True, align="bottom_right", chunk=4, kv_lengths=torch.tensor([6, 9]),
+                               q_lengths=torch.tensor([3, 4]), alibi=torch.rand(2, 4, dtype=DT), gqa=True),
+    "window_right_bottom_right": dict(window=(1, 2), align="bottom_right", method="flash"),
 }
 
 
@@ -204,3 +207,14 @@ def test_bad_inputs_raise_shape_error_naming_them(bad, message):
     q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
     with pytest.raises(qkv.ShapeError, match=message):
         qt.attention(q, k, v, **args)
+
+
+@pytest.mark.parametrize("case", ["align_ragged_chunk", "window_right_bottom_right"])
+def test_alignment_options_equal_qkv_on_arrays(case):
+    opts = GRADCHECK[case]
+    q, k, v = rand(2, 4, 4, 3, grad=False), rand(2, 2, 9, 3, grad=False), rand(2, 2, 9, 2, grad=False)
+    if not opts.get("gqa"):
+        q, k, v = rand(2, 2, 4, 3, grad=False), rand(2, 2, 9, 3, grad=False), rand(2, 2, 9, 2, grad=False)
+    out = qt.attention(q, k, v, **opts)
+    as_np = {n: (x.numpy() if isinstance(x, torch.Tensor) else x) for n, x in opts.items()}
+    np.testing.assert_allclose(out.numpy(), qkv.attention(q.numpy(), k.numpy(), v.numpy(), **as_np), atol=1e-14)

@@ -24,7 +24,7 @@ from torch import nn
 
 from .. import nn as qnn
 from ..errors import ShapeError, fmt_shape, positive_int
-from ..masks import parse_causal, parse_window
+from ..options import parse_alignment, parse_chunk, parse_window
 from ..nn.base import head_width
 from ..positional import alibi_slopes
 from .functional import attention
@@ -102,8 +102,8 @@ class MultiHeadAttention(nn.Module):
     """
 
     def __init__(self, d_model: int, n_heads: int, *, n_kv_heads: int | None = None,
-                 d_head: int | None = None, causal=False, window=None, rope: bool = False,
-                 alibi: bool = False, bias: bool = False, scale: float | None = None,
+                 d_head: int | None = None, causal=False, align=None, window=None, chunk=None,
+                 rope: bool = False, alibi: bool = False, bias: bool = False, scale: float | None = None,
                  rope_base: float = 10000.0, dtype=torch.float32, device=None):
         super().__init__()
         self.d_model, self.n_heads = positive_int("d_model", d_model), positive_int("n_heads", n_heads)
@@ -117,9 +117,10 @@ class MultiHeadAttention(nn.Module):
         if isinstance(rope_base, bool) or not isinstance(rope_base, numbers.Real) \
                 or not math.isfinite(rope_base) or rope_base <= 1:
             raise ShapeError(f"rope_base must be a finite number > 1 (default 10000); got {rope_base!r}")
-        parse_causal(causal)
+        parse_alignment(causal, align)
         parse_window(window)
-        self.causal, self.window, self.scale = causal, window, scale
+        parse_chunk(chunk)
+        self.causal, self.align, self.window, self.chunk, self.scale = causal, align, window, chunk, scale
         self.rope, self.alibi, self.bias, self.rope_base = bool(rope), bool(alibi), bool(bias), float(rope_base)
         slopes = torch.from_numpy(alibi_slopes(self.n_heads)) if alibi else None
         self.register_buffer("alibi_slopes", slopes, persistent=False)
@@ -132,7 +133,8 @@ class MultiHeadAttention(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, "
-                f"d_head={self.d_head}, causal={self.causal!r}, window={self.window!r}, rope={self.rope}, "
+                f"d_head={self.d_head}, causal={self.causal!r}, align={self.align!r}, window={self.window!r}, "
+                f"chunk={self.chunk!r}, rope={self.rope}, "
                 f"alibi={self.alibi}")
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
@@ -150,10 +152,11 @@ class MultiHeadAttention(nn.Module):
         b, t, _ = y.shape
         return y.view(b, t, heads, self.d_head).transpose(1, 2)  # (B, T, H*D) -> (B, H, T, D)
 
-    def forward(self, x, context=None, *, kv_lengths=None, cache: KVCache | None = None):
+    def forward(self, x, context=None, *, kv_lengths=None, q_lengths=None, cache: KVCache | None = None):
         """Attend from ``x (B, T, d_model)`` to itself, or to ``context (B, Tc, d_model)``.
 
-        ``kv_lengths (B,)``: keys at positions ``>= kv_lengths[b]`` are ignored. ``cache``
+        ``kv_lengths (B,)``: keys at positions ``>= kv_lengths[b]`` are ignored;
+        ``q_lengths (B,)``: rows of ``x`` at or past them are padding (output 0). ``cache``
         (from :meth:`new_cache`, causal self-attention only): the new tokens' keys and values
         are appended and the queries attend to everything stored, bottom-right aligned, with
         RoPE positions starting at the cache length. Returns ``y (B, T, d_model)``.
@@ -176,7 +179,7 @@ class MultiHeadAttention(nn.Module):
         v = self._split(self.v_proj(src), self.n_kv_heads)  # (B,Tk,d_model) -> (B,Hkv,Tk,D)
         if self.rope:
             q, k = rope(q, start, self.rope_base), rope(k, start, self.rope_base)
-        causal = self.causal
+        causal, align = parse_alignment(self.causal, self.align)
         if cache is not None:
             end = cache.write(k, v)
             if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):  # this call's keys keep their graph
@@ -184,9 +187,10 @@ class MultiHeadAttention(nn.Module):
                 v = torch.cat([cache.v[:, :, :start], v], dim=2)
             else:  # decoding: attend to the stored keys in place
                 k, v = cache.k[:, :, :end], cache.v[:, :, :end]
-            causal = "bottom_right"
-        out = attention(q, k, v, causal=causal, window=self.window, kv_lengths=kv_lengths,
-                        alibi=self.alibi_slopes, scale=self.scale, gqa=True)  # (B, Hq, T, D)
+            align = "bottom_right"
+        out = attention(q, k, v, causal=causal, align=align, window=self.window, chunk=self.chunk,
+                        kv_lengths=kv_lengths, q_lengths=q_lengths, alibi=self.alibi_slopes, scale=self.scale,
+                        gqa=True)  # (B, Hq, T, D)
         if cache is not None:
             cache.advance(x3.shape[1])
         b, _, t, _ = out.shape
@@ -199,7 +203,8 @@ class MultiHeadAttention(nn.Module):
         if not isinstance(layer, qnn.MultiHeadAttention):
             raise ShapeError(f"layer must be a qkv.nn.MultiHeadAttention; got {type(layer).__name__}")
         mod = cls(layer.d_model, layer.n_heads, n_kv_heads=layer.n_kv_heads, d_head=layer.d_head,
-                  causal=layer.causal, window=layer.window, rope=layer.rope, alibi=layer.alibi is not None,
+                  causal=layer.causal, align=layer.align, window=layer.window, chunk=layer.chunk,
+                  rope=layer.rope, alibi=layer.alibi is not None,
                   bias=layer.bias, scale=layer.scale, rope_base=getattr(layer, "rope_base", 10000.0),
                   dtype=torch_dtype(layer.dtype))
         for attr, name in _PROJ:
@@ -210,7 +215,8 @@ class MultiHeadAttention(nn.Module):
     def to_numpy(self) -> qnn.MultiHeadAttention:
         """A :class:`qkv.nn.MultiHeadAttention` with this module's weights and options."""
         layer = qnn.MultiHeadAttention(self.d_model, self.n_heads, n_kv_heads=self.n_kv_heads, d_head=self.d_head,
-                                       causal=self.causal, window=self.window, rope=self.rope, alibi=self.alibi,
+                                       causal=self.causal, align=self.align, window=self.window,
+                                       chunk=self.chunk, rope=self.rope, alibi=self.alibi,
                                        bias=self.bias, scale=self.scale, rope_base=self.rope_base,
                                        dtype=numpy_dtype(self.q_proj.weight.dtype))
         for attr, name in _PROJ:

@@ -10,8 +10,11 @@ keyword         schema arguments                         encoded as
 mask            ``Tensor? mask``                         bool tensor, True = may attend
 bias            ``Tensor? bias``                         float tensor (no gradient)
 kv_lengths      ``Tensor? kv_lengths``                   int tensor ``(B,)``
-alibi           ``Tensor? alibi``                        float slopes ``(Hq,)`` (no gradient)
-causal          ``str causal``                           ``"none"``, ``"top_left"``, ``"bottom_right"``
+alibi           ``Tensor? alibi``                        float slopes ``(Hq,)`` or ``(B, Hq)`` (no gradient)
+q_lengths       ``Tensor? q_lengths``                    int tensor ``(B,)``
+causal          ``str causal``                           ``"none"``, ``"on"``, ``"top_left"``, ``"bottom_right"``
+align           ``str? align``                           ``None``, ``"top_left"``, ``"bottom_right"``
+chunk           ``int? chunk``                           keys per chunk
 window          ``int? window_left, int? window_right``  the parsed ``(left, right)``
 scale           ``float? scale``                         ``None`` = ``1/sqrt(D)``
 gqa             ``bool gqa``
@@ -19,8 +22,7 @@ method          ``str method``
 ==============  =======================================  ===================================
 
 Each row of :data:`OPTIONS` says this for one keyword; a new option of
-:func:`qkv.attention` is one more row (``tensor("q_lengths")``, ``scalar("chunk", "int?")``,
-``scalar("align", "str")``). ``tests/test_torch_ops.py`` checks that the rows cover
+:func:`qkv.attention` is one more row. ``tests/test_torch_ops.py`` checks that the rows cover
 exactly the keywords :func:`qkv.attention` accepts, so an option added there and not
 here fails a test instead of being refused at run time.
 """
@@ -37,7 +39,7 @@ import torch
 
 from ..api import METHODS, attention as np_attention
 from ..errors import ShapeError
-from ..masks import parse_causal, parse_window
+from ..options import parse_alignment, parse_chunk, parse_window
 
 # keywords of qkv.attention that choose what is returned rather than what is computed
 RETURNS = ("return_lse", "return_weights")
@@ -68,11 +70,17 @@ def scalar(name: str, kind: str, check: Callable | None = None) -> Option:
 
 
 def _encode_causal(value) -> tuple:
-    return (parse_causal(value) or "none",)
+    on, _ = parse_alignment(value)  # refuses anything but False/None, True and an alignment name
+    return ("none" if not on else value if isinstance(value, str) else "on",)
 
 
 def _decode_causal(args):
-    return False if args[0] == "none" else args[0]
+    return {"none": False, "on": True}.get(args[0], args[0])
+
+
+def _check_align(value):
+    parse_alignment(False, value)
+    return value
 
 
 def _encode_window(value) -> tuple:
@@ -112,7 +120,10 @@ OPTIONS: tuple[Option, ...] = (
     tensor("bias"),
     tensor("kv_lengths"),
     tensor("alibi"),
+    tensor("q_lengths"),
     Option("causal", ("str causal",), _encode_causal, _decode_causal),
+    scalar("align", "str?", _check_align),
+    scalar("chunk", "int?", parse_chunk),
     Option("window", ("int? window_left", "int? window_right"), _encode_window, _decode_window),
     scalar("scale", "float?", _check_scale),
     scalar("gqa", "bool", _check_bool("gqa")),
