@@ -15,7 +15,8 @@
   layer's ``sliding_window`` (as flash-attention does: keys ``j > i' - W``, i.e.
   ``window=(W - 1, 0)``), bottom-right aligned so that a decoding step's query sees the
   whole cache. A right-padded mask becomes ``kv_lengths`` (keys past a sequence's end are
-  never read), any other padding a ``(B, 1, 1, Tk)`` bool mask. Every other pattern
+  never read; with causal also ``q_lengths``, so that the alignment stays the padded
+  buffer's, as transformers has it), any other padding a ``(B, 1, 1, Tk)`` bool mask. Every other pattern
   (packed sequences, image-token overlays, chunked attention, a static cache) is left to
   transformers' own dense bool mask ``(B, 1, Tq, Tk)``, which qkv takes as ``mask=``.
 
@@ -88,6 +89,18 @@ def _padding(mask: torch.Tensor) -> dict:
     return {"mask": mask[:, None, None, :]}
 
 
+def _aligned_to_the_buffer(kv_lengths: torch.Tensor, tq: int, tk: int) -> dict:
+    """transformers aligns a causal query to the padded key buffer (query i is at position
+    ``i + Tk - Tq``); qkv aligns bottom-right to each sequence's real lengths. With right
+    padding the two agree when the query rows past the keys are padding too:
+    ``q_lengths = kv_lengths - (Tk - Tq)`` (those rows are padding tokens whose output
+    nobody reads). Where that is not a length in ``[0, Tq]``, the keys go as a mask."""
+    q_lengths = kv_lengths - (tk - tq)
+    if bool(((q_lengths >= 0) & (q_lengths <= tq)).all()):
+        return {"kv_lengths": kv_lengths, "q_lengths": q_lengths}
+    return {"mask": (torch.arange(tk) < kv_lengths[:, None])[:, None, None, :]}
+
+
 def hf_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                  is_causal=None, sliding_window=None, position_bias=None, **kwargs):
     """The attention function registered as ``"qkv"``: transformers' call, qkv's kernel.
@@ -117,6 +130,8 @@ def hf_attention(module, query, key, value, attention_mask, dropout: float = 0.0
                 options["window"] = (int(sliding_window) - 1, 0)
         if mask is not None:
             options.update(_padding(mask.to(torch.bool)))
+        if causal and "kv_lengths" in options:
+            options.update(_aligned_to_the_buffer(options.pop("kv_lengths"), query.shape[-2], key.shape[-2]))
     out = attention(query, key, value, **options)  # (B, Hq, Tq, D)
     return out.transpose(1, 2).contiguous(), None  # (B, Tq, Hq, D)
 
