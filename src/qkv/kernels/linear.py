@@ -41,15 +41,18 @@ second array and subtracted from the next term, so the state stays accurate to a
 ulp whatever T (at T = 65536 float32 against float64: see tests/test_linear.py).
 
 **Backward.** With ``g_i = ∂L/∂y_i = [dout_i / den_i, -(dout_i·out_i) / den_i]``
-(``den_i = y_i[Dv]``; the quotient rule) the three gradients are products of the same
-kind, two of them anti-causal (causal on the reversed timeline)::
+(``den_i = y_i[Dv]``; the quotient rule) the three gradients are sums of the same kind,
+two of them running backwards in time when causal::
 
-    da_i = Σ_{j <= i} (g_i·u_j) b_j         causal product of (g, u, b), state Sᵀ
-    db_j = Σ_{i >= j} (u_j·g_i) a_i         anti-causal product of (u, g, a)
-    du_j = Σ_{i >= j} (b_j·a_i) g_i         anti-causal product of (b, a, g)
+    da_i = Σ_{j <= i} (g_i·u_j) b_j         = g_i S_<iᵀ  + in-chunk part
+    db_j = Σ_{i >= j} (u_j·g_i) a_i         = u_j R_>jᵀ  + in-chunk part
+    du_j = Σ_{i >= j} (b_j·a_i) g_i         = b_j R_>j   + in-chunk part
 
-and ``dq = da ∘ φ'(q)``, ``dk = db ∘ φ'(k)``, ``dv = du[:, :Dv]`` with
-``φ'(x) = exp(min(x, 0))``. Without causal the sums run over all rows.
+with the forward's prefix states ``S_<c`` and one backward-running state
+``R_>c = Σ_{i in later chunks} a_iᵀ g_i`` (also compensated). The in-chunk parts reuse the
+forward's masked scores ``M∘(a bᵀ)`` and one more masked product ``M∘(g uᵀ)``. Then
+``dq = da ∘ φ'(q)``, ``dk = db ∘ φ'(k)``, ``dv = du[:, :Dv]`` with ``φ'(x) = exp(min(x, 0))``.
+Without causal the sums run over all rows and the states are totals.
 
 **Heads.** Arrays arrive as in :mod:`qkv.kernels.reference` (``q (*L, Tq, D)``,
 ``k (*Lk, Tk, D)``, ``group`` query heads per kv head). Inside, q is viewed as
@@ -121,8 +124,32 @@ def state_sum(b: np.ndarray, u: np.ndarray, state=None, chunk: int = SUM_CHUNK) 
     Returns ``(s, comp)`` of shape ``(*, D, E)``.
     """
     c = max(1, min(chunk, b.shape[-2]))
-    ds = np.swapaxes(_chunks(b, c), -1, -2) @ _chunks(u, c)  # (*,n,D,c) @ (*,n,c,E) -> (*,n,D,E)
+    ds = _swap(_chunks(b, c)) @ _chunks(u, c)  # (*,n,D,c) @ (*,n,c,E) -> (*,n,D,E)
     return _prefix(ds, state)[1]
+
+
+def _swap(x: np.ndarray) -> np.ndarray:
+    return np.swapaxes(x, -1, -2)
+
+
+def _unchunk(x: np.ndarray, t: int) -> np.ndarray:
+    """``(*, n, c, F) -> (*, t, F)``: the inverse of :func:`_chunks`."""
+    return x.reshape(x.shape[:-3] + (-1, x.shape[-1]))[..., :t, :]
+
+
+def _causal_parts(a, b, u, state, chunk: int) -> dict:
+    """The chunked forward: ``ac, bc, uc (*, n, c, ·)``, the prefix states ``S_<c``, the
+    masked in-chunk scores, ``y (*, n, c, E)`` and the final state."""
+    c = max(1, min(chunk, a.shape[-2]))
+    ac, bc, uc = _chunks(a, c), _chunks(b, c), _chunks(u, c)  # (*, n, c, ·)
+    ds = _swap(bc) @ uc  # (*,n,D,c) @ (*,n,c,E) -> (*,n,D,E): each chunk's state
+    prefix, final = _prefix(ds, state)  # S_<c for every chunk c
+    y = ac @ prefix  # (*,n,c,D) @ (*,n,D,E) -> (*,n,c,E): what the earlier chunks give
+    tri = np.tri(c, dtype=ac.dtype)  # s <= t inside the chunk
+    scores = ac @ _swap(bc)  # (*,n,c,D) @ (*,n,D,c) -> (*,n,c,c)
+    scores *= tri
+    y += scores @ uc  # (*,n,c,c) @ (*,n,c,E) -> (*,n,c,E): the chunk itself
+    return dict(ac=ac, bc=bc, uc=uc, prefix=prefix, tri=tri, scores=scores, y=y, final=final)
 
 
 def causal_product(a: np.ndarray, b: np.ndarray, u: np.ndarray, state=None,
@@ -133,17 +160,29 @@ def causal_product(a: np.ndarray, b: np.ndarray, u: np.ndarray, state=None,
     ``state`` None or ``(s, comp)`` broadcasting to ``(*, D, E)``: ``S0 = s - comp``.
     Returns ``y (*, T, E)`` and the state after the last row, ``(s, comp)``.
     """
-    t = a.shape[-2]
-    c = max(1, min(chunk, t))
-    ac, bc, uc = _chunks(a, c), _chunks(b, c), _chunks(u, c)  # (*, n, c, ·)
-    ds = np.swapaxes(bc, -1, -2) @ uc  # (*,n,D,c) @ (*,n,c,E) -> (*,n,D,E): each chunk's state
-    prefix, final = _prefix(ds, state)  # S_<c for every chunk c
-    y = ac @ prefix  # (*,n,c,D) @ (*,n,D,E) -> (*,n,c,E): what the earlier chunks give
-    scores = ac @ np.swapaxes(bc, -1, -2)  # (*,n,c,D) @ (*,n,D,c) -> (*,n,c,c)
-    scores *= np.tri(c, dtype=scores.dtype)  # s <= t inside the chunk
-    y += scores @ uc  # (*,n,c,c) @ (*,n,c,E) -> (*,n,c,E): the chunk itself
-    y = y.reshape(y.shape[:-3] + (-1, y.shape[-1]))
-    return y[..., :t, :], final
+    parts = _causal_parts(a, b, u, state, chunk)
+    return _unchunk(parts["y"], a.shape[-2]), parts["final"]
+
+
+def _causal_grads(parts: dict, gc: np.ndarray) -> tuple:
+    """``(da, db, du)`` chunked, from the forward's parts and ``gc = ∂L/∂y`` chunked ``(*, G, n, c, E)``.
+
+    In a chunk: ``da = g S_<cᵀ + (M∘g uᵀ) b``, ``db = u R_>cᵀ + (M∘g uᵀ)ᵀ a`` and
+    ``du = b R_>c + (M∘a bᵀ)ᵀ g``, where ``R_>c = Σ_{later chunks} aᵀ g`` (summed over the
+    G query heads) is the backward-running state and M the in-chunk causal mask.
+    """
+    ac, bc, uc, tri = parts["ac"], parts["bc"], parts["uc"], parts["tri"]
+    gu = gc @ _swap(uc)  # (*,G,n,c,E) @ (*,1,n,E,c) -> (*,G,n,c,c): g_t·u_s
+    gu *= tri
+    da = gc @ _swap(parts["prefix"])  # (*,G,n,c,E) @ (*,1,n,E,D) -> (*,G,n,c,D)
+    da += gu @ bc  # (*,G,n,c,c) @ (*,1,n,c,D) -> (*,G,n,c,D)
+    dr = np.sum(_swap(ac) @ gc, axis=-4, keepdims=True)  # (*,G,n,D,c) @ (*,G,n,c,E) -> (*,1,n,D,E)
+    suffix = _prefix(dr[..., ::-1, :, :], None)[0][..., ::-1, :, :]  # R_>c
+    db = uc @ _swap(suffix)  # (*,1,n,c,E) @ (*,1,n,E,D) -> (*,1,n,c,D)
+    db = db + np.sum(_swap(gu) @ ac, axis=-4, keepdims=True)  # (*,G,n,c,c) @ (*,G,n,c,D), over G
+    du = bc @ suffix  # (*,1,n,c,D) @ (*,1,n,D,E) -> (*,1,n,c,E)
+    du = du + np.sum(_swap(parts["scores"]) @ gc, axis=-4, keepdims=True)  # (*,G,n,c,c) @ (*,G,n,c,E)
+    return da, db, du
 
 
 # --- the attention problem -------------------------------------------------------------------
@@ -216,37 +255,37 @@ def forward(q, k, v, *, causal: bool = False, offset: int = 0, group: int = 1, s
     return out.reshape(q.shape[:-1] + (v.shape[-1],)), s
 
 
-def _reverse(x: np.ndarray) -> np.ndarray:
-    return x[..., ::-1, :]
+def _grad_y(dout, out, den, group):
+    """``g = ∂L/∂y = [dout / den, -(dout·out) / den]`` ``(*Lk, G, Tq, E)``; 0 on rows that saw nothing."""
+    do = _grouped(dout, group)  # (*Lk, G, Tq, Dv)
+    g = np.concatenate([do, -np.sum(do * out, axis=-1, keepdims=True)], axis=-1)
+    return np.where(den > 0, g / np.where(den > 0, den, 1), 0)
 
 
 def backward(dout, q, k, v, *, causal: bool = False, offset: int = 0, group: int = 1, state=None):
     """``(dq, dk, dv)`` of :func:`forward` from ``dout (*L, Tq, Dv)``; the keys behind
     ``state`` are constants. Recomputes the forward products (nothing is saved)."""
     a, b, u = _features(q, k, v, group)
-    y, s = _products(a, b, u, causal, offset, state)
-    out, den = _normalise(y)
-    do = _grouped(dout, group)  # (*Lk, G, Tq, Dv)
-    safe = np.where(den > 0, den, 1)
-    g = np.concatenate([do, -np.sum(do * out, axis=-1, keepdims=True)], axis=-1)
-    g = np.where(den > 0, g / safe, 0)  # ∂L/∂y (*Lk, G, Tq, E); 0 for rows that saw nothing
+    tq, tk = q.shape[-2], k.shape[-2]
     if not causal:
+        s = state_sum(b, u, state)
         total = s[0] - s[1]  # (*, 1, D, E)
-        da = g @ np.swapaxes(total, -1, -2)  # (*,G,Tq,E) @ (*,1,E,D) -> (*,G,Tq,D)
+        out, den = _normalise(a @ total)  # (*,G,Tq,D) @ (*,1,D,E) -> (*,G,Tq,E)
+        g = _grad_y(dout, out, den, group)
+        da = g @ _swap(total)  # (*,G,Tq,E) @ (*,1,E,D) -> (*,G,Tq,D)
         r = state_sum(a, g)
         r = np.sum(r[0] - r[1], axis=-3, keepdims=True)  # Σ_i a_iᵀ g_i over the G heads: (*,1,D,E)
-        db = u @ np.swapaxes(r, -1, -2)  # (*,1,Tk,E) @ (*,1,E,D) -> (*,1,Tk,D)
+        db = u @ _swap(r)  # (*,1,Tk,E) @ (*,1,E,D) -> (*,1,Tk,D)
         du = b @ r  # (*,1,Tk,D) @ (*,1,D,E) -> (*,1,Tk,E)
     else:
-        tq, tk = q.shape[-2], k.shape[-2]
         p, r0, length = timeline(tq, tk, offset)
-        at, bt, ut, gt = _place(a, r0, length), _place(b, p, length), _place(u, p, length), _place(g, r0, length)
-        st = None if state is None else tuple(np.swapaxes(x, -1, -2) for x in state)
-        da = causal_product(gt, ut, bt, st)[0][..., r0:r0 + tq, :]
-        db = _reverse(causal_product(_reverse(ut), _reverse(gt), _reverse(at))[0])
-        du = _reverse(causal_product(_reverse(bt), _reverse(at), _reverse(gt))[0])
-        db = np.sum(db, axis=-3, keepdims=True)[..., p:p + tk, :]  # the G heads of a kv head
-        du = np.sum(du, axis=-3, keepdims=True)[..., p:p + tk, :]
+        parts = _causal_parts(_place(a, r0, length), _place(b, p, length), _place(u, p, length), state, CHUNK)
+        out, den = _normalise(_unchunk(parts["y"], length)[..., r0:r0 + tq, :])
+        gc = _chunks(_place(_grad_y(dout, out, den, group), r0, length), parts["ac"].shape[-2])
+        da, db, du = _causal_grads(parts, gc)
+        da = _unchunk(da, length)[..., r0:r0 + tq, :]
+        db = _unchunk(db, length)[..., p:p + tk, :]
+        du = _unchunk(du, length)[..., p:p + tk, :]
     dq = (da * feature_grad(_grouped(q, group))).reshape(q.shape)
     dk = db[..., 0, :, :] * feature_grad(k)
     dv = du[..., 0, :, :-1]
