@@ -104,7 +104,10 @@ def _prefix(ds: np.ndarray, state) -> tuple[np.ndarray, tuple]:
     prefix = np.empty_like(ds)
     for c in range(n):
         prefix[..., c, :, :] = s - comp
-        s, comp = compensated_add(s, comp, ds[..., c, :, :])
+        if c == 0 and state is None:
+            s = ds[..., 0, :, :].copy()  # 0 + ds[0] is exact: nothing to compensate yet
+        else:
+            s, comp = compensated_add(s, comp, ds[..., c, :, :])
     return prefix, (s, comp)
 
 
