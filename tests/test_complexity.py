@@ -102,4 +102,6 @@ def test_the_command_writes_json_and_png(tmp_path, monkeypatch, capsys):
     assert rec["T"] == [256, 512] and set(rec["methods"]) == {"dense", "flash", "linear"}
     assert (tmp_path / "complexity.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "linear" in capsys.readouterr().out
+    monkeypatch.chdir(tmp_path)
     assert main(["experiment", "complexity", "--memory-limit", "0"]) == 2
+    assert not (tmp_path / "experiment-out").exists()  # refused before anything was made

@@ -70,7 +70,6 @@ def _complexity(args) -> int:
     from ..experiments.complexity_report import format_table, plot
 
     require("matplotlib", "viz")
-    out = out_folder(args.out or "experiment-out")
     cfg = ComplexityConfig.quick() if args.quick else ComplexityConfig()
     cfg.seed, cfg.threads, cfg.clock = args.seed, args.threads, args.clock
     if args.memory_limit is not None:
@@ -78,6 +77,7 @@ def _complexity(args) -> int:
             raise UsageError(f"--memory-limit must be > 0 MiB; got {args.memory_limit}")
         cfg.memory_limit_mib = args.memory_limit
     cfg.check()
+    out = out_folder(args.out or "experiment-out")
     rec = _with_progress(args, "complexity", cfg.n_steps, lambda p: complexity_experiment(cfg, progress=p))
     print(format_table(rec))
     (out / "complexity.json").write_text(json.dumps(rec, indent=2))
@@ -90,10 +90,10 @@ def _recall(args) -> int:
     from ..experiments.recall import RecallConfig, format_table, plot, recall_experiment
 
     require("matplotlib", "viz")
-    out = out_folder(args.out or "experiment-out")
     cfg = RecallConfig.quick() if args.quick else RecallConfig()
     cfg.seed = args.seed
     cfg.check()
+    out = out_folder(args.out or "experiment-out")
     rec = _with_progress(args, "recall", cfg.n_steps, lambda p: recall_experiment(cfg, progress=p))
     print(format_table(rec))
     (out / "recall.json").write_text(json.dumps(rec, indent=2))
