@@ -192,3 +192,12 @@ def test_bad_inputs_raise_the_same_errors_as_attention():
         assert ours.traceback[-1].name == "linear_attention"  # raised from the public entry point
     with pytest.raises(qkv.ShapeError, match=r"dout must have the output's shape \(\.\.\., Hq, Tq, Dv\) = \(2, 4, 7, 5\)"):
         qkv.linear_attention_backward(np.ones((2, 4, 7, 4)), q, k, v)
+
+
+def test_float32_errs_no_more_than_twice_the_plain_float32_quadratic_form():
+    """The numerics policy: against float64, at most twice the error of the dense float32 form."""
+    q, k, v = case(np.random.default_rng(12), b=1, hq=2, hkv=2, tq=1024, tk=1024, d=32, dv=32)
+    want = quadratic(q, k, v, True)
+    plain = quadratic(*(x.astype(np.float32) for x in (q, k, v)), True)
+    got = qkv.linear_attention(*(x.astype(np.float32) for x in (q, k, v)), causal=True)
+    assert np.abs(got - want).max() <= 2 * np.abs(plain - want).max()

@@ -22,7 +22,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--quick", action="store_true", help="complexity, recall: a short run (under a minute)")
     parser.add_argument("--no-progress", action="store_true", help="complexity, recall: no progress bar")
     parser.add_argument("--memory-limit", type=float, metavar="MIB",
-                        help="complexity: stop a method before a run predicted to trace more MiB (default 4096; "
+                        help="complexity: stop a method before a run predicted to trace more MiB (default 6144; "
                              "--quick 1024)")
     parser.add_argument("--threads", type=int, metavar="N",
                         help="complexity: kernel and BLAS threads while measuring (default: as configured)")

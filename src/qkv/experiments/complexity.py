@@ -64,10 +64,10 @@ class ComplexityConfig:
     d: int = 64
     repeats: int = 3
     min_seconds: float = 0.3       # stop repeating once this much was spent on one point
-    memory_limit_mib: float = 4096.0
+    memory_limit_mib: float = 6144.0
     time_limit_s: float = 120.0    # predicted seconds of one forward+backward
     decode_tokens: int = 20
-    fit_from: int = 1024
+    fit_from: int = 4096           # slopes from here on: below it, fixed costs blur them
     seed: int = 0
     methods: tuple = METHODS
     threads: int | None = None     # kernel and BLAS threads while measuring (None: as they are)
@@ -77,7 +77,7 @@ class ComplexityConfig:
     def quick(cls) -> "ComplexityConfig":
         """Under a minute: T up to 4096, one run per point."""
         return cls(ts=_powers(256, 4096), decode_ts=_powers(256, 4096), repeats=1, min_seconds=0.0,
-                   memory_limit_mib=1024.0, time_limit_s=10.0, decode_tokens=5, fit_from=512)
+                   memory_limit_mib=1024.0, time_limit_s=10.0, decode_tokens=5, fit_from=1024)
 
     def check(self) -> None:
         if not self.ts or any(int(t) < 1 for t in self.ts) or any(int(t) < 1 for t in self.decode_ts):
@@ -256,6 +256,7 @@ def _run(cfg: ComplexityConfig, progress) -> dict:
         "seconds": f"{'wall-clock' if cfg.clock == 'wall' else 'CPU'} seconds, minimum over up to "
                    f"{cfg.repeats} runs; causal, B = H = 1, D = {cfg.d}, float32, {get_num_threads()} kernel threads",
     }
+    notes["slopes"] = f"least-squares slopes of log(cost) on log(T) over the runs with T >= {cfg.fit_from}"
     chunked_ok = chunk_supported()
     if not chunked_ok:
         notes["chunked"] = ("skipped: this qkv.attention has no chunk= option yet; the method runs as "

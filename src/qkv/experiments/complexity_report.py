@@ -86,6 +86,7 @@ def plot(rec: dict, path) -> None:
         ax2.loglog(ctx, np.array(dec["kv_cache"]["bytes"]) / 1024, "s--", color="C0", alpha=0.5, label="KV cache: KiB kept")
         ax2.loglog(ctx, np.array(dec["linear_state"]["bytes"]) / 1024, "D--", color="C1", alpha=0.5, label="linear state: KiB kept")
         ax2.set_ylabel("KiB kept (dashed)")
+        ax2.set_xscale("log", base=2)  # the twin shares x: loglog above set it to base 10
         lines = ax.get_legend_handles_labels()
         more = ax2.get_legend_handles_labels()
         ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=8, loc="upper left")
