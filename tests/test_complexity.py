@@ -105,3 +105,23 @@ def test_the_command_writes_json_and_png(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main(["experiment", "complexity", "--memory-limit", "0"]) == 2
     assert not (tmp_path / "experiment-out").exists()  # refused before anything was made
+
+
+def test_the_chunked_hook_calls_attention_with_chunk_once_it_exists(monkeypatch):
+    import qkv
+
+    seen = []
+
+    def with_chunk(q, k, v, *, chunk=None, **options):  # stands in for an attention that has chunk=
+        seen.append(chunk)
+        return qkv.attention(q, k, v, **options)
+
+    def backward_with_chunk(*args, chunk=None, **options):
+        seen.append(chunk)
+        return qkv.attention_backward(*args, **options)
+
+    monkeypatch.setattr(complexity, "attention", with_chunk)
+    monkeypatch.setattr(complexity, "attention_backward", backward_with_chunk)
+    rec = complexity_experiment(ComplexityConfig(ts=(256,), decode_ts=(), methods=("chunked",), repeats=1, threads=1))
+    assert rec["methods"]["chunked"]["seconds"][0] is not None and "chunked" not in rec["notes"]
+    assert set(seen) == {complexity.CHUNK}

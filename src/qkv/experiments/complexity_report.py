@@ -54,8 +54,12 @@ def plot(rec: dict, path) -> None:
     fig = figure(figsize=(14, 10))
     axes = fig.subplots(2, 2)
     ts = np.array(rec["T"], dtype=float)
-    panels = ((axes[0, 0], "seconds", "time", "forward: seconds"),
-              (axes[0, 1], "seconds_fwd_bwd", "time_fwd_bwd", "forward + backward: seconds"),
+    cfg = rec["config"]
+    sec = "CPU seconds" if cfg.get("clock") == "cpu" else "seconds"
+    if cfg.get("threads"):
+        sec += f" ({cfg['threads']} thread{'s' if cfg['threads'] > 1 else ''})"
+    panels = ((axes[0, 0], "seconds", "time", f"forward: {sec}"),
+              (axes[0, 1], "seconds_fwd_bwd", "time_fwd_bwd", f"forward + backward: {sec}"),
               (axes[1, 0], "peak_mib_fwd_bwd", "memory_fwd_bwd", "forward + backward: peak traced MiB"))
     for ax, key, slope_key, title in panels:
         for m, r in rec["methods"].items():
@@ -74,7 +78,8 @@ def plot(rec: dict, path) -> None:
         t = rec["crossover"].get(key)
         if t is not None:
             ax.axvline(t, color="gray", ls=":", lw=1)
-            ax.annotate(f"linear faster\nfrom T = {t}", (t, ax.get_ylim()[1]), ha="left", va="top", fontsize=8)
+            text = "linear faster at\nevery T measured" if t == rec["T"][0] else f"linear faster\nfrom T = {t}"
+            ax.annotate(text, (t, ax.get_ylim()[1]), ha="left", va="top", fontsize=8)
     ax = axes[1, 1]
     dec = rec["decode"]
     ctx = np.array(dec["context"], dtype=float)
