@@ -1,27 +1,46 @@
-"""``qkv experiment scale``: the texts' measurement of why scores are divided by √d_k."""
+"""``qkv experiment NAME``: the texts' measurements (scale), the cost of attention against T
+(complexity) and what linear attention can recall (recall)."""
 from __future__ import annotations
 
 import json
 
 from ..extras import require
-from .common import out_folder
+from .common import UsageError, out_folder, progress_bar
 
-HELP = "the texts' measurements (experiment scale: why divide by sqrt(d_k))"
+HELP = "the texts' measurements (scale: why divide by sqrt(d_k); complexity: cost against T; recall: linear vs softmax)"
 
 
 def add_arguments(parser) -> None:
     from ..experiments.scale import DEFAULT_DK
 
-    parser.add_argument("name", choices=["scale"], help="scale: why attention divides by sqrt(d_k)")
+    parser.add_argument("name", choices=["scale", "complexity", "recall"],
+                        help="scale: why attention divides by sqrt(d_k); complexity: time and memory against T "
+                             "of dense, tiled, chunked and linear attention; recall: the dictionary lookup "
+                             "learned by softmax and by linear attention as the pairs grow")
+    parser.add_argument("--out", metavar="DIR", help="write NAME.json and NAME.png here (complexity and recall: "
+                                                      "default ./experiment-out)")
+    parser.add_argument("--quick", action="store_true", help="complexity, recall: a short run (under a minute)")
+    parser.add_argument("--no-progress", action="store_true", help="complexity, recall: no progress bar")
+    parser.add_argument("--memory-limit", type=float, metavar="MIB",
+                        help="complexity: stop a method before a run predicted to trace more MiB (default 6144; "
+                             "--quick 1024)")
+    parser.add_argument("--threads", type=int, metavar="N",
+                        help="complexity: kernel and BLAS threads while measuring (default: as configured)")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="complexity: wall-clock seconds (default), or this process's CPU seconds, which "
+                             "other processes on a shared machine barely change")
     parser.add_argument("--d-k", type=int, nargs="+", default=list(DEFAULT_DK), metavar="N",
-                        help=f"key sizes to measure (default {' '.join(map(str, DEFAULT_DK))})")
-    parser.add_argument("--keys", type=int, default=32, help="keys per softmax row (default 32)")
-    parser.add_argument("--samples", type=int, default=512, help="queries per d_k (default 512)")
+                        help=f"scale: key sizes to measure (default {' '.join(map(str, DEFAULT_DK))})")
+    parser.add_argument("--keys", type=int, default=32, help="scale: keys per softmax row (default 32)")
+    parser.add_argument("--samples", type=int, default=512, help="scale: queries per d_k (default 512)")
     parser.add_argument("--seed", type=int, default=0, help="seed (default 0)")
-    parser.add_argument("--out", metavar="DIR", help="write scale.json and scale.png here")
 
 
 def run(args) -> int:
+    return {"scale": _scale, "complexity": _complexity, "recall": _recall}[args.name](args)
+
+
+def _scale(args) -> int:
     from ..experiments.scale import format_table, plot, scale_experiment
 
     out = None
@@ -35,4 +54,49 @@ def run(args) -> int:
         (out / "scale.json").write_text(json.dumps(record, indent=2))
         plot(rows, out / "scale.png", args.keys)
         print(f"\nwrote {out / 'scale.json'} and {out / 'scale.png'}")
+    return 0
+
+
+def _with_progress(args, label: str, total: int, work):
+    """``work(progress)`` under a progress bar (unless --no-progress)."""
+    if args.no_progress:
+        return work(None)
+    with progress_bar(label, total) as update:
+        return work(lambda *_: update())
+
+
+def _complexity(args) -> int:
+    from ..experiments.complexity import ComplexityConfig, complexity_experiment
+    from ..experiments.complexity_report import format_table, plot
+
+    require("matplotlib", "viz")
+    cfg = ComplexityConfig.quick() if args.quick else ComplexityConfig()
+    cfg.seed, cfg.threads, cfg.clock = args.seed, args.threads, args.clock
+    if args.memory_limit is not None:
+        if args.memory_limit <= 0:
+            raise UsageError(f"--memory-limit must be > 0 MiB; got {args.memory_limit}")
+        cfg.memory_limit_mib = args.memory_limit
+    cfg.check()
+    out = out_folder(args.out or "experiment-out")
+    rec = _with_progress(args, "complexity", cfg.n_steps, lambda p: complexity_experiment(cfg, progress=p))
+    print(format_table(rec))
+    (out / "complexity.json").write_text(json.dumps(rec, indent=2))
+    plot(rec, out / "complexity.png")
+    print(f"\nwrote {out / 'complexity.json'} and {out / 'complexity.png'}")
+    return 0
+
+
+def _recall(args) -> int:
+    from ..experiments.recall import RecallConfig, format_table, plot, recall_experiment
+
+    require("matplotlib", "viz")
+    cfg = RecallConfig.quick() if args.quick else RecallConfig()
+    cfg.seed = args.seed
+    cfg.check()
+    out = out_folder(args.out or "experiment-out")
+    rec = _with_progress(args, "recall", cfg.n_steps, lambda p: recall_experiment(cfg, progress=p))
+    print(format_table(rec))
+    (out / "recall.json").write_text(json.dumps(rec, indent=2))
+    plot(rec, out / "recall.png")
+    print(f"\nwrote {out / 'recall.json'} and {out / 'recall.png'}")
     return 0

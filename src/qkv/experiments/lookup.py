@@ -11,9 +11,13 @@ Model (all of it ``qkv.nn``)::
 
     pair_j  = E_key[key_j] + E_val[value_j]              (B, n_pairs, d)
     query   = E_key[query_key]                           (B, 1, d)
-    y       = MultiHeadAttention(query, context=pairs)   (B, 1, d)     cross-attention
+    y       = Attention(query, context=pairs)            (B, 1, d)     cross-attention
     logits  = y W_out + b_out                            (B, n_values)
     loss    = cross_entropy(logits, value under the query key), optimised with Adam
+
+``Attention`` is :class:`qkv.nn.MultiHeadAttention` (``attention="softmax"``, the default) or
+:class:`qkv.nn.LinearAttention` (``attention="linear"``), with the same parameters drawn in
+the same order; ``qkv experiment recall`` compares the two.
 
 The pairs carry no position: a dictionary is a set, and attention without positions is
 exactly permutation-equivariant. The held-out set is drawn from a separate stream.
@@ -29,7 +33,9 @@ from threadpoolctl import threadpool_limits
 
 from ..errors import ShapeError
 from ..extras import figure
-from ..nn import Adam, Embedding, Linear, MultiHeadAttention, cross_entropy
+from ..nn import Adam, Embedding, Linear, LinearAttention, MultiHeadAttention, cross_entropy
+
+ATTENTION = {"softmax": MultiHeadAttention, "linear": LinearAttention}
 
 
 @dataclass
@@ -46,8 +52,11 @@ class LookupConfig:
     lr: float = 1e-2
     seed: int = 0
     n_eval: int = 2000
+    attention: str = "softmax"
 
     def check(self) -> None:
+        if self.attention not in ATTENTION:
+            raise ShapeError(f"attention must be one of {tuple(ATTENTION)}; got {self.attention!r}")
         for name in ("n_keys", "n_values", "n_pairs", "d_model", "n_heads", "batch", "n_eval"):
             if getattr(self, name) < 1:
                 raise ShapeError(f"{name} must be >= 1; got {getattr(self, name)}")
@@ -72,13 +81,13 @@ def lookup_batch(rng: np.random.Generator, batch: int, n_pairs: int, n_keys: int
 
 
 class LookupModel:
-    """Embeddings, one cross-attention layer and a linear read-out (see the module docstring)."""
+    """Embeddings, one cross-attention layer (softmax or linear) and a linear read-out (see the module docstring)."""
 
     def __init__(self, cfg: LookupConfig, rng: np.random.Generator):
         self.cfg = cfg
         self.key_emb = Embedding(cfg.n_keys, cfg.d_model, rng=rng)
         self.val_emb = Embedding(cfg.n_values, cfg.d_model, rng=rng)
-        self.attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, rng=rng)
+        self.attn = ATTENTION[cfg.attention](cfg.d_model, cfg.n_heads, rng=rng)
         self.out = Linear(cfg.d_model, cfg.n_values, rng=rng)
         self.layers = [self.key_emb, self.val_emb, self.attn, self.out]
 

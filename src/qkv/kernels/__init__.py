@@ -5,5 +5,8 @@ Each kernel module has ``forward(q, k, v, spec, scale, group, ...)`` and
 compute dtype (the interface is described in :mod:`qkv.kernels.reference`):
 
 - :mod:`~qkv.kernels.reference`: dense and exact, the oracle every other path is tested against;
-- :mod:`~qkv.kernels.flash`: tiled, O(T·D) memory, the fast path.
+- :mod:`~qkv.kernels.flash`: tiled, O(T·D) memory, the fast path;
+- :mod:`~qkv.kernels.linear`: linear attention (φ = elu + 1), a different function with its
+  own interface (``forward(q, k, v, causal=, offset=, group=, state=)``), behind
+  :func:`qkv.linear_attention`.
 """

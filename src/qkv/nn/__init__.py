@@ -9,6 +9,8 @@ computes its attention through :func:`qkv.attention` / :func:`qkv.attention_back
   padding lengths, KV cache (:class:`KVCache`).
 - :class:`LatentAttention`: DeepSeek's multi-head latent attention; its cache
   (:class:`LatentCache`) stores a low-rank latent and a shared RoPE key.
+- :class:`LinearAttention`: linear attention (φ = elu + 1), MHA/GQA/MQA, self/cross, with a
+  constant-size decoding state (:class:`LinearState`).
 - :class:`Linear`, :class:`Embedding`, :func:`cross_entropy`, :class:`Adam`: enough to
   train a small model (``qkv train lookup``). The attention layers project through
   :class:`Linear` and share one base (``nn/attention_layer.py``).
@@ -22,12 +24,14 @@ from .footprint import cache_elements_per_token, cache_table, format_cache_table
 from .gradcheck import gradient_errors
 from .latent import LatentAttention
 from .layers import Embedding, Linear
+from .linear_attention import LinearAttention, LinearState
 from .multihead import MultiHeadAttention
 from .optim import Adam, cross_entropy
 from .self_attention import SelfAttention
 
 __all__ = [
-    "SelfAttention", "MultiHeadAttention", "LatentAttention", "Linear", "Embedding",
+    "SelfAttention", "MultiHeadAttention", "LatentAttention", "LinearAttention", "LinearState",
+    "Linear", "Embedding",
     "Adam", "cross_entropy", "Cache", "KVCache", "LatentCache", "cache_table",
     "cache_elements_per_token", "format_cache_table", "gradient_errors",
 ]
