@@ -9,12 +9,11 @@ from .kernels import linear
 
 def _problem(q, k, v, causal, gqa):
     """Checked, broadcast arrays in the compute dtype (exactly as :func:`qkv.attention` checks them)."""
-    return _prepare(q, k, v, mask=None, bias=None, causal=causal, window=None, kv_lengths=None,
-                    alibi=None, scale=None, gqa=gqa)
+    return _prepare(q, k, v, causal=causal, gqa=gqa)
 
 
 def _options(prob) -> dict:
-    return dict(causal=prob.spec.causal is not None, offset=prob.spec.offset, group=prob.group)
+    return dict(causal=bool(prob.spec.causal), offset=int(prob.spec.offset), group=prob.group)
 
 
 def linear_attention(q, k, v, *, causal=False, gqa=False):

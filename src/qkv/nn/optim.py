@@ -1,6 +1,8 @@
 """Softmax cross-entropy and the Adam optimizer, in NumPy."""
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 
 from ..errors import ShapeError, fmt_shape
@@ -48,7 +50,7 @@ class Adam:
                  weight_decay: float = 0.0, clip: float | None = None):
         self.layers = list(layers)
         for n, layer in enumerate(self.layers):
-            if not all(isinstance(getattr(layer, name, None), dict) for name in ("params", "grads")):
+            if not all(isinstance(getattr(layer, name, None), Mapping) for name in ("params", "grads")):
                 raise ShapeError(f"layers must be qkv.nn layers (objects with params and grads dicts, as the "
                                  f"optimizer updates layer.params from layer.grads); layers[{n}] is "
                                  f"{type(layer).__name__}")
