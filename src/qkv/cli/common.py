@@ -1,6 +1,7 @@
 """What every subcommand shares: output paths checked before the work, and progress bars."""
 from __future__ import annotations
 
+import numbers
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -44,8 +45,13 @@ def progress_bar(label: str, total: int, *fields: str, transient: bool = False, 
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     columns = [TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}")]
-    columns += [TextColumn(f"{f} {{task.fields[{f}]:.4f}}") for f in fields]
+    columns += [TextColumn(f"{f} {{task.fields[{f}]}}") for f in fields]
     console = Console(stderr=True) if stderr else None
+
+    def shown(value):  # a number to 4 decimals; before the first one, a dash (not "nan")
+        return f"{value:.4f}" if isinstance(value, numbers.Real) else str(value)
+
     with Progress(*columns, TimeElapsedColumn(), transient=transient, console=console) as bar:
-        task = bar.add_task(label, total=total, **{f: float("nan") for f in fields})
-        yield lambda advance=1, **values: bar.update(task, advance=advance, **values)
+        task = bar.add_task(label, total=total, **{f: "—" for f in fields})
+        yield lambda advance=1, **values: bar.update(
+            task, advance=advance, **{k: (v if k == "description" else shown(v)) for k, v in values.items()})
