@@ -192,6 +192,10 @@ def _bound_tile(qs, kk, v1, m, acc, spec, heads, q0, q1, a, b, rows, shift, dt, 
     i0, i1 = (0, qs.shape[0]) if (r0, r1) == (q0, q1) else (r0 - q0, r1 - q0)  # all stacked heads, or a row block
     st = scratch((i1 - i0) * (b - a), dt, tiles).reshape(b - a, i1 - i0)  # the tile, transposed
     np.matmul(kk[a:b], qs[i0:i1].T, out=st)        # (w,D) @ (D,r) -> (w,r)
+    if partial and len(heads) == 1 and _structural(spec) and \
+            pow2.band_sub_exp2(st, m[i0:i1], a, r0, spec.shift(batch_of(spec, heads[0])), *spec.band):
+        acc[i0:i1] += st.T @ v1[a:b]               # a diagonal masked inside the exponential's pass
+        return
     if partial or spec.alibi is not None:
         mask_and_bias(st, spec, heads, r0, r1, a, b, partial)
     if shift:
@@ -199,6 +203,12 @@ def _bound_tile(qs, kk, v1, m, acc, spec, heads, q0, q1, a, b, rows, shift, dt, 
     else:
         pow2.exp2(st)
     acc[i0:i1] += st.T @ v1[a:b]                   # (r,w) @ (w,Dv+1) -> (r,Dv+1): [Σ p v | Σ p]
+
+
+def _structural(spec: MaskSpec) -> bool:
+    """True when a tile's mask is the band alone (causal, window): no user mask, chunk,
+    bias or ALiBi. Key and query lengths only cut the tile's extent (``segments``)."""
+    return spec.mask is None and spec.chunk is None and spec.bias is None and spec.alibi is None
 
 
 def _diagonal_pieces(spec, head, q0, q1, a, b, partial, step):
