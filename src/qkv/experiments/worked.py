@@ -137,7 +137,7 @@ def plot(path: str) -> None:
     q, k = rng.standard_normal((8, d_k)), rng.standard_normal((8, d_k))  # 8 queries, 8 keys
     _, w_raw = attention(q, k, k, scale=1.0, return_weights=True, method="reference")
     _, w_scaled = attention(q, k, k, return_weights=True, method="reference")
-    fig = figure(figsize=(13, 4))
+    fig = figure(figsize=(14, 4.2), layout="constrained")
     axes = fig.subplots(1, 3)
     panels = [
         (t["weights"], "3-token example: weights", ["x0", "x1", "x2"]),

@@ -6,13 +6,16 @@ O(T·D) memory: no ``(Tq, Tk)`` array is ever made. The derivations live with th
   the fixed offset from a Cauchy–Schwarz bound (the fast path), in base 2;
 - :mod:`.backward_kernel`: ``dV = Pᵀ dO``, ``dS = P ∘ (dP - delta)``, ``dQ``, ``dK`` with
   the subtractions folded into the products;
-- :mod:`.tiles`: the :class:`Tiles` sizes of a call, its threads, scratch buffers and masks.
+- :mod:`.tiles`: the :class:`Tiles` sizes of a call, its threads, scratch buffers and masks;
+- :mod:`.exp2`: the exponential of the score tiles, the one element-wise pass that decides
+  the speed: compiled (the ``fast`` extra) or NumPy's fastest on this CPU (``EXP_PATH()``).
 
 ``forward`` and ``backward`` have the kernel interface of :mod:`qkv.kernels.reference`,
 plus ``tiles=`` and ``num_threads=`` for the one call.
 """
 from .backward_kernel import backward
+from .exp2 import path as EXP_PATH
 from .forward_kernel import forward
 from .tiles import Tiles
 
-__all__ = ["forward", "backward", "Tiles"]
+__all__ = ["forward", "backward", "Tiles", "EXP_PATH"]

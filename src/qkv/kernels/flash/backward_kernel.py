@@ -37,6 +37,7 @@ import numpy as np
 
 from ...masks import MaskSpec
 from .forward_kernel import large_rows
+from . import exp2 as pow2
 from .tiles import (DEFAULT, LOG2E, Tiles, Workers, batch_of, bias_limit, by_batch, chunks, kv_heads,
                     mask_and_bias, scratch)
 
@@ -162,7 +163,7 @@ def backward(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int =
                 np.matmul(kx[a:e], qb.T, out=et)                     # (w,D+2) @ (D+2,r) -> (w,r): (S - lse)ᵀ
                 if partial or masked:
                     mask_and_bias(et, spec, [h], q0, q1, a, e, partial, LOG2E, clip)
-                np.exp2(et, out=et)                                  # P = exp(S - lse)
+                pow2.exp2(et)                                        # P = exp(S - lse)
             dst = scratch((q1 - q0) * w, dt, tiles, 1).reshape(w, q1 - q0)
             np.matmul(v1[a:e], dob.T, out=dst)                       # (w,Dv+1) @ (Dv+1,r): dP - delta
             dst *= et                                                # dS = P ∘ (dP - delta)

@@ -68,10 +68,22 @@ def _numba_kernels():
             for j in range(r):
                 st[i, j] = pow2(st[i, j])
 
+    @numba.njit(nogil=True, cache=True, fastmath={"contract", "afn", "reassoc", "nsz", "arcp"})
+    def band_exp2(st, m, k0, r0, shift, lo, hi):  # 2^(st - m[col]) where the band allows, else 0
+        w, r = st.shape
+        for i in range(w):
+            for j in range(r):
+                d = (k0 + i) - (r0 + j + shift)     # key position minus aligned row position
+                if d < -lo or d > hi:
+                    st[i, j] = f32(0.0)
+                else:
+                    st[i, j] = pow2(st[i, j] - m[j])
+
     tile = np.zeros((4, 4), f32)
     sub_exp2(tile, np.zeros(4, f32))  # compile now (or load), not inside a kernel's tile loop
     exp2(tile)
-    return sub_exp2, exp2
+    band_exp2(tile, np.zeros(4, f32), 0, 0, 0, 0, 0)
+    return sub_exp2, exp2, band_exp2
 
 
 def _np_exp2(x):
@@ -135,3 +147,19 @@ def sub_exp2(x: np.ndarray, m: np.ndarray) -> None:
         return
     x -= m
     exp2(x)
+
+
+_FAR = 1 << 62  # an unbounded side of the band
+
+
+def band_sub_exp2(x: np.ndarray, m: np.ndarray, k0: int, r0: int, shift: int, lo, hi) -> bool:
+    """``x[i, j] = 2^(x[i, j] - m[j])`` where key ``k0 + i`` lies in the band of row ``r0 + j``
+    (``i' - lo <= key <= i' + hi``, ``i' = row + shift``; None: unbounded), else exactly 0: a
+    causal or window diagonal masked in the same pass. False (nothing done) where the
+    compiled path is off; the caller then masks with -inf and calls :func:`sub_exp2`."""
+    c = _choose()
+    if c["numba"] is None or x.dtype != np.float32 or not x.flags.c_contiguous:
+        return False
+    c["numba"][2](x, m.astype(np.float32, copy=False), k0, r0, shift,
+                  _FAR if lo is None else lo, _FAR if hi is None else hi)
+    return True

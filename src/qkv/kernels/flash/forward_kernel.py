@@ -30,9 +30,15 @@ is exact to rounding as long as the largest term is not tiny: rows whose ``l < e
 ``acc`` overflowed (terms up to ``2^C`` times values near the top of the dtype's range).
 
 **Base 2.** ``exp(s - m) = 2^(log2(e)·s - log2(e)·m)``: q is scaled by ``log2(e)·scale``
-once, offsets and ``lse`` are kept in base 2 inside the kernel, and ``np.exp2`` replaces
-``np.exp`` (in float32 on AVX-512 it is about twice as fast). ``lse = (m + log2 l) · ln 2``
-is formed in float64 and rounded once.
+once, offsets and ``lse`` are kept in base 2 inside the kernel, and the tiles need
+``2^(s - m)``: one pass of :mod:`.exp2` (compiled with the ``fast`` extra, else NumPy's
+fastest exponential on the CPU). ``lse = (m + log2 l) · ln 2`` is formed in float64 and
+rounded once.
+
+**Masked diagonals.** Where a causal or window diagonal crosses a task's key chunk, the
+bound path takes the masked keys by row blocks of ``Tiles.diagonal_rows`` (64), each over
+only the keys it may see: a 256-row causal diagonal then costs 5/8 of its square, and its
+masks are 64 rows wide.
 
 **Large scores: the precise path.** Scores of size ``|s|`` carry a rounding error of about
 ``eps·|s|`` in the compute dtype, and a float32 ``lse`` an error of half its ulp. Where a
@@ -58,6 +64,7 @@ import numpy as np
 
 from ...errors import ShapeError
 from ...masks import MaskSpec
+from . import exp2 as pow2
 from .tiles import (DEFAULT, LN2, LOG2E, Tiles, Workers, batch_of, bias_limit, by_batch, chunks, kv_heads,
                     mask_and_bias, scratch)
 
@@ -110,8 +117,7 @@ def _fwd_exact(qs, kk, vv, spec, heads, q0, q1, runs, dt, tiles, clip=None, stop
             return None                                      # a large row: the precise path will redo it
         m_safe = np.where(m_new == -np.inf, 0, m_new).astype(dt, copy=False)
         alpha = np.exp2(m - m_safe)                          # exp(m - m'); 0 while m = -inf
-        st -= m_safe
-        np.exp2(st, out=st)                                  # exp(s_j - m')
+        pow2.sub_exp2(st, m_safe)                            # exp(s_j - m'), in one pass
         l *= alpha
         l += st.sum(axis=0)                                  # l' = alpha l + Σ exp(s_j - m')
         acc *= alpha[:, None]
@@ -164,21 +170,64 @@ def _fwd_bound(qs, kk, v1, knorm, spec, heads, q0, q1, runs, dt, tiles):
     shift = bool(m.any())
     acc = np.zeros((nrow, dv + 1), dt)                              # [acc | l]
     width = max(16, tiles.scratch // nrow)
+    split = len(heads) == 1 and spec.mask is None and nrow > tiles.diagonal_rows
     for a, b, partial in chunks(runs, width):
-        st = scratch(nrow * (b - a), dt, tiles).reshape(b - a, nrow)  # the tile, transposed
-        np.matmul(kk[a:b], qs.T, out=st)           # (w,D) @ (D,R) -> (w,R)
-        if shift:
-            st -= m
-        if partial or spec.alibi is not None:
-            mask_and_bias(st, spec, heads, q0, q1, a, b, partial)
-        np.exp2(st, out=st)                        # exp(s_ij - m_i) <= 2^C
-        acc += st.T @ v1[a:b]                      # (R,w) @ (w,Dv+1) -> (R,Dv+1): [Σ p v | Σ p]
+        if split and partial:  # the masked keys by narrower row blocks: each computes only what it sees
+            for c0, c1, rows in _diagonal_pieces(spec, heads[0], q0, q1, a, b, partial, tiles.diagonal_rows):
+                _bound_tile(qs, kk, v1, m, acc, spec, heads, q0, q1, c0, c1, rows, shift, dt, tiles)
+            continue
+        _bound_tile(qs, kk, v1, m, acc, spec, heads, q0, q1, a, b, (q0, q1, partial), shift, dt, tiles)
     l = acc[:, dv]
     if not (l >= 2.0 ** -_LOOSE[dt]).all():
         return None  # a row's largest term is tiny (or it sees nothing): redo exactly
     if not np.isfinite(acc).all():
         return None  # terms up to 2^C times large values overflowed: redo with terms <= 1
     return acc[:, :dv] / l[:, None], m, l
+
+
+def _bound_tile(qs, kk, v1, m, acc, spec, heads, q0, q1, a, b, rows, shift, dt, tiles) -> None:
+    """One tile of the bound path: keys a:b against rows ``r0:r1`` (of the task's q0:q1),
+    ``rows = (r0, r1, partial)``; adds ``[Σ p v | Σ p]`` into ``acc``."""
+    r0, r1, partial = rows
+    i0, i1 = (0, qs.shape[0]) if (r0, r1) == (q0, q1) else (r0 - q0, r1 - q0)  # all stacked heads, or a row block
+    st = scratch((i1 - i0) * (b - a), dt, tiles).reshape(b - a, i1 - i0)  # the tile, transposed
+    np.matmul(kk[a:b], qs[i0:i1].T, out=st)        # (w,D) @ (D,r) -> (w,r)
+    if partial and len(heads) == 1 and _structural(spec) and \
+            pow2.band_sub_exp2(st, m[i0:i1], a, r0, spec.shift(batch_of(spec, heads[0])), *spec.band):
+        acc[i0:i1] += st.T @ v1[a:b]               # a diagonal masked inside the exponential's pass
+        return
+    if partial or spec.alibi is not None:
+        mask_and_bias(st, spec, heads, r0, r1, a, b, partial)
+    if shift:
+        pow2.sub_exp2(st, m[i0:i1])                # exp(s_ij - m_i) <= 2^C, in one pass
+    else:
+        pow2.exp2(st)
+    acc[i0:i1] += st.T @ v1[a:b]                   # (r,w) @ (w,Dv+1) -> (r,Dv+1): [Σ p v | Σ p]
+
+
+def _structural(spec: MaskSpec) -> bool:
+    """True when a tile's mask is the band alone (causal, window): no user mask, chunk,
+    bias or ALiBi. Key and query lengths only cut the tile's extent (``segments``)."""
+    return spec.mask is None and spec.chunk is None and spec.bias is None and spec.alibi is None
+
+
+def _diagonal_pieces(spec, head, q0, q1, a, b, partial, step):
+    """Keys a:b of a task's rows q0:q1, where ``partial`` key runs need a mask (a causal or
+    window diagonal), as tiles ``(k0, k1, (r0, r1, partial'))``: the unmasked keys against all
+    rows, then each masked run against row blocks of ``step``, each only over the keys it may
+    see (``MaskSpec.segments``). A 256-row causal diagonal so costs 5/8 of its square."""
+    cuts = sorted({a, b} | {x for run in partial for x in run})
+    masked = set(partial)
+    batch = head[0] if spec.lead else 0
+    for k0, k1 in zip(cuts, cuts[1:]):
+        if (k0, k1) not in masked:
+            yield k0, k1, (q0, q1, [])
+            continue
+        for r0 in range(q0, q1, step):
+            r1 = min(r0 + step, q1)
+            segs = spec.segments(r0, r1, k0, k1, batch=batch)
+            if segs:
+                yield segs[0][0], segs[-1][1], (r0, r1, [(x, y) for x, y, full in segs if not full])
 
 
 def _bound_may_do(qs, knorm, runs, stop2, dt) -> bool:

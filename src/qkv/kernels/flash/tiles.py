@@ -39,6 +39,7 @@ class Tiles:
     gemv_keys: int = 1024        # keys per matrix-vector chunk (512 KiB of K at D = 128)
     serial_work: int = 1 << 18   # score entries below which a call stays on one thread
     stack_rows: int = 32         # below this many rows per head, stack a kv head's query heads
+    diagonal_rows: int = 64      # row blocks of a masked diagonal (causal, window) in the forward
 
     def __post_init__(self):
         for f in fields(self):
