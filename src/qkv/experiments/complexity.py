@@ -41,7 +41,8 @@ from ..api import attention, attention_backward
 from ..errors import ShapeError
 from ..linear_api import linear_attention, linear_attention_backward
 from ..nn import LinearAttention, MultiHeadAttention
-from ..threads import get_num_threads, set_num_threads
+from ..kernels.flash import EXP_PATH
+from ..threads import get_num_threads, kernel_threads
 
 METHODS = ("dense", "flash", "chunked", "linear")
 # "wall": what a user waits; "cpu": the CPU seconds of this process (all its threads), which
@@ -129,6 +130,7 @@ def _measure(method: str, t: int, cfg: ComplexityConfig, rng: np.random.Generato
     """Seconds and traced peak MiB of one forward and of one forward+backward at length t."""
     q, k, v = (rng.standard_normal((1, 1, t, cfg.d), dtype=np.float32) for _ in range(3))  # (B, H, T, D)
     fwd, bwd = _runner(method)
+    EXP_PATH()  # the kernel's one-time choice of its exponential (and numba's compile) is not traced
     tracemalloc.start()
     try:
         saved = fwd(q, k, v)
@@ -223,13 +225,8 @@ def _threads(n: int | None):
     if n is None:
         yield
         return
-    before = get_num_threads()
-    set_num_threads(n)
-    try:
-        with threadpool_limits(limits=n, user_api="blas"):
-            yield
-    finally:
-        set_num_threads(before)
+    with kernel_threads(n), threadpool_limits(limits=n, user_api="blas"):  # this thread's calls only
+        yield
 
 
 def complexity_experiment(cfg: ComplexityConfig | None = None, progress=None) -> dict:
