@@ -35,9 +35,12 @@ class RingMultiHeadAttention(MultiHeadAttention):
         self.layout = check_layout(layout)
 
     def _ring_options(self, kv_lengths) -> dict:
-        return dict(comm=self.comm, layout=self.layout, causal=self.causal, align=self.align,
-                    window=self.window, chunk=self.chunk, kv_lengths=kv_lengths, alibi=self.alibi,
-                    scale=self.scale, gqa=True)
+        """The base's options of qkv.attention (one list for both layers), less the two the
+        ring does not take (``q_lengths``: no padded query rows here; ``method``: the ring
+        runs the tiled kernel), plus the communicator and the layout."""
+        opts = self._options(kv_lengths)
+        del opts["q_lengths"], opts["method"]
+        return dict(opts, comm=self.comm, layout=self.layout)
 
     def forward(self, x, *, kv_lengths=None):
         """This rank's ``y (B, c, d_model)`` from its tokens ``x (B, c, d_model)``;
@@ -54,7 +57,7 @@ class RingMultiHeadAttention(MultiHeadAttention):
         out, lse = ring_attention(q, k, v, return_lse=True, **opts)  # (B, Hq, c, D), (B, Hq, c)
         y = self.o_proj.forward(merge_heads(out))       # (B,c,Hq*D) @ (Hq*D,d_model) -> (B,c,d_model)
         self._keep(dict(shape=x3.shape, squeezed=squeezed, q=q, k=k, v=v, out=out, lse=lse, opts=opts, pos=pos))
-        return y[0] if squeezed else y
+        return self._output(y, None, squeezed, False)
 
     def backward(self, dy):
         """Fill ``grads`` (summed over ranks) from this rank's ``dy (B, c, d_model)``; return ``dx``."""

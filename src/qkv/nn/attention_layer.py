@@ -1,8 +1,10 @@
 """The one base of the attention layers: options, projections, checks, caches, the attention call.
 
-:class:`~qkv.nn.SelfAttention`, :class:`~qkv.nn.MultiHeadAttention` and
-:class:`~qkv.nn.LatentAttention` differ in how they make q, k and v and in what a cache
-stores. What surrounds that is the same and lives here, said once:
+:class:`~qkv.nn.SelfAttention`, :class:`~qkv.nn.MultiHeadAttention`,
+:class:`~qkv.nn.LatentAttention` and :class:`~qkv.nn.LinearAttention` (and
+``qkv.distributed.RingMultiHeadAttention`` on top of MultiHeadAttention) differ in how they
+make q, k and v, in the attention they call and in what a cache or state stores. What
+surrounds that is the same and lives here, said once:
 
 - the options (``causal`` and ``window`` parsed in the constructor, so a bad value fails
   there and not at the first forward; ``rope_base`` checked when RoPE is on) and the
