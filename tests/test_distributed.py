@@ -158,7 +158,7 @@ def test_ring_benchmark_runs_and_counts_bytes():
     import json
 
     res = subprocess.run([_mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py",
-                          str(HERE.parent / "benchmarks" / "ring.py"), "--T", "256", "--repeats", "1"],
+                          "-m", "qkv_benchmarks.ring", "--T", "256", "--repeats", "1"],
                          capture_output=True, text=True, timeout=120,
                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(
                              [str(HERE.parent / "src"), os.environ.get("PYTHONPATH", "")])))
