@@ -47,9 +47,7 @@ class RingMultiHeadAttention(MultiHeadAttention):
         ``kv_lengths (B,)`` are global lengths (keys at global positions past them are padding)."""
         x3, squeezed = self._input("x", x)
         pos = positions(x3.shape[1] * self.size, comm=self.comm, layout=self.layout) if self.rope else None
-        q = split_heads(self.q_proj.forward(x3), self.n_heads)     # (B,c,d_model) -> (B,Hq,c,D)
-        k = split_heads(self.k_proj.forward(x3), self.n_kv_heads)  # (B,c,d_model) -> (B,Hkv,c,D)
-        v = split_heads(self.v_proj.forward(x3), self.n_kv_heads)  # (B,c,d_model) -> (B,Hkv,c,D)
+        q, k, v = self._heads(x3, x3)                  # (B, Hq, c, D), (B, Hkv, c, D), (B, Hkv, c, D)
         if self.rope:
             q = rope(q, pos, base=self.rope_base)       # global positions
             k = rope(k, pos, base=self.rope_base)
@@ -68,11 +66,10 @@ class RingMultiHeadAttention(MultiHeadAttention):
         if self.rope:
             dq = rope_backward(dq, s["pos"], base=self.rope_base)
             dk = rope_backward(dk, s["pos"], base=self.rope_base)
-        dx = (self.q_proj.backward(merge_heads(dq)) + self.k_proj.backward(merge_heads(dk))
-              + self.v_proj.backward(merge_heads(dv)))    # x feeds all three projections
+        dx = self._heads_backward(dq, dk, dv, cross=False, squeezed=s["squeezed"])  # (B, c, d_model): x fed all three
         g = self.grads
         for name in sorted(g):  # token sums over the whole sequence: add every rank's part
             total = np.empty_like(g[name])
             self.comm.Allreduce(np.ascontiguousarray(g[name]), total)
             g[name][...] = total
-        return dx[0] if s["squeezed"] else dx
+        return dx

@@ -140,10 +140,7 @@ class LinearAttention(AttentionLayer):
         self._check_state(state, cross, x3.shape[0])
         if return_weights and state is not None:
             raise ShapeError("return_weights needs the keys, which a state does not keep; got state= too")
-        cd = self._compute_dtype
-        q = split_heads(self.q_proj.forward(x3), self.n_heads).astype(cd, copy=False)      # (B,T,d_model) -> (B,Hq,T,D)
-        k = split_heads(self.k_proj.forward(src), self.n_kv_heads).astype(cd, copy=False)  # (B,Tk,d_model) -> (B,Hkv,Tk,D)
-        v = split_heads(self.v_proj.forward(src), self.n_kv_heads).astype(cd, copy=False)  # (B,Tk,d_model) -> (B,Hkv,Tk,D)
+        q, k, v = (a.astype(self._compute_dtype, copy=False) for a in self._heads(x3, src))  # (B,Hq,T,D), (B,Hkv,Tk,D) x2
         opts = self._kernel_options(q.shape[-2], k.shape[-2], state is not None)
         before = None if state is None else (state.s.copy(), state.comp.copy())
         out, after = linear.forward(q, k, v, state=before, **opts)  # (B, Hq, T, D)
@@ -162,9 +159,4 @@ class LinearAttention(AttentionLayer):
         do = split_heads(self.o_proj.backward(dy), self.n_heads)  # (B,T,d_model) -> (B,T,Hq*D) -> (B,Hq,T,D)
         dq, dk, dv = linear.backward(do.astype(s["q"].dtype, copy=False), s["q"], s["k"], s["v"],
                                      state=s["before"], **s["opts"])
-        dx = self.q_proj.backward(merge_heads(dq))  # (B,T,Hq*D) -> (B,T,d_model)
-        dsrc = self.k_proj.backward(merge_heads(dk)) + self.v_proj.backward(merge_heads(dv))  # (B,Tk,d_model)
-        if s["cross"]:
-            return (dx[0], dsrc[0]) if s["squeezed"] else (dx, dsrc)
-        dx = dx + dsrc
-        return dx[0] if s["squeezed"] else dx
+        return self._heads_backward(dq, dk, dv, s["cross"], s["squeezed"])
