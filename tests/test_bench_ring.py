@@ -5,36 +5,20 @@ the whole job instead of leaving the other ranks waiting in a collective.
 No timing is asserted: speed claims live in the benchmark's output, not in tests.
 """
 import json
-import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from helpers import mpiexec
 
 pytest.importorskip("rich", reason="qkv bench needs the cli extra (rich)")
 pytest.importorskip("mpi4py", reason="the ring suite needs the mpi extra (mpi4py with mpich)")
 
 from qkv_benchmarks.suites import QUICK  # noqa: E402
 
-SRC = Path(__file__).parent.parent / "src"
-
-
-def _mpiexec(n, *args, timeout):
-    exe = Path(sys.executable).parent / "mpiexec"
-    exe = str(exe) if exe.exists() else shutil.which("mpiexec")
-    if exe is None:
-        pytest.skip("no mpiexec next to the interpreter or on PATH (pip install 'qkv[mpi]')")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    return subprocess.run([exe, "-n", str(n), sys.executable, *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
-
 
 def test_two_ranks_run_the_quick_ring_suite_and_rank_0_reports(tmp_path):
     out = tmp_path / "ring.json"
-    res = _mpiexec(2, "-m", "qkv", "bench", "--suite", "ring", "--quick", "--no-torch", "--json", str(out),
-                   timeout=120)
+    res = mpiexec(2, "-m", "qkv", "bench", "--suite", "ring", "--quick", "--no-torch", "--json", str(out),
+                  timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
     assert res.stdout.count("qkv bench: ") == 1 and res.stdout.count("json: ") == 1   # one rank printed
     assert "2 MPI ranks (ring suite)" in res.stdout and "ring attention over MPI" in res.stdout
@@ -75,7 +59,7 @@ sys.exit(main(["bench", "--suite", "ring", "--quick", "--no-torch"]))
 def test_an_exception_on_one_rank_ends_the_whole_job():
     """Not run under `python -m mpi4py`: the command itself aborts the job. Without that, rank 0
     waits for rank 1's block forever (the timeout would fire)."""
-    res = _mpiexec(2, "-c", FAIL_ON_RANK_1, timeout=60)
+    res = mpiexec(2, "-c", FAIL_ON_RANK_1, timeout=60)
     assert res.returncode != 0
     assert "injected failure inside a ring step on rank 1" in res.stderr
     assert "MPI_Abort" in res.stdout + res.stderr
