@@ -6,8 +6,8 @@ and draws the tables; the measuring, the tables' content and the plot are in
 
 **Under MPI** (``mpiexec -n W qkv bench --suite ring``) every rank runs this command; rank 0
 alone checks and writes the output files and prints. The command then has the semantics of
-``python -m mpi4py``: an exception (or an error status) on any rank ends the whole job with
-``MPI_Abort`` when that rank exits, instead of leaving the other ranks waiting in a
+``python -m mpi4py``: an exception on any rank (an output path only rank 0 finds bad
+included) ends the whole job with ``MPI_Abort`` when that rank exits, instead of leaving the other ranks waiting in a
 collective forever. Other suites refuse to run under mpiexec without the ring: every rank
 would run them at once, on the same cores.
 """
@@ -37,7 +37,8 @@ def add_arguments(parser) -> None:
                         help=f"timed runs per method and case; the median is reported "
                         f"(default {FULL['repeats']}, quick {QUICK['repeats']})")
     parser.add_argument("--threads", type=int, default=None,
-                        help="threads for qkv and torch (default: os.cpu_count())")
+                        help="threads for qkv and torch (default: os.cpu_count()); the ring suite runs one "
+                        "kernel thread a rank and its single-process peer W threads")
     parser.add_argument("--no-torch", action="store_true", help="leave PyTorch out even if installed")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     parser.add_argument("--plot", metavar="PNG", help="also draw the scaling sweep (needs qkv[viz])")
