@@ -181,10 +181,13 @@ def test_torch_suite_runs_from_the_command_line(tmp_path, capsys, monkeypatch):
     rows = data["torch_suite"]
     assert [(r["case"], r["pass"]) for r in rows] == [(c, p) for c in torch_suite.QUICK for p in torch_suite.PASSES]
     assert "qkv.torch.attention against qkv on NumPy and PyTorch SDPA" in text and "(smoke-test sizes)" in text
-    for r in rows:
+    lines = [x.split() for x in text.splitlines() if re.search(r"\s(forward|forward\+backward)\s+\d+\.\d{3}\s", x)]
+    assert len(lines) == len(rows)
+    for cells, r in zip(lines, rows):                          # the table shows the JSON's numbers, in order
         assert set(r["seconds"]) == set(torch_suite.METHODS) and r["wrapper"] > 0 and r["vs_sdpa"] > 0
-        line = [x for x in text.splitlines() if f" {r['pass']} " in x and f"{r['seconds']['sdpa']:.3f}" in x]
-        assert line and f"{r['vs_sdpa']:.2f}" in line[0]      # the table shows the JSON's numbers
+        assert cells[-7:-1] == [r["pass"], *(f"{r['seconds'][m]:.3f}" for m in torch_suite.METHODS),
+                                f"{r['wrapper']:.2f}", f"{r['vs_sdpa']:.2f}"]
+        assert cells[-1] == "—"                                # no peak memory in a quick run
 
 
 def test_a_suite_without_its_extra_is_skipped_with_the_reason(tmp_path, capsys, monkeypatch):
