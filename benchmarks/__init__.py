@@ -8,8 +8,10 @@ reports medians, with the peer measured in the same run. The modules, each one t
 - ``attention``: one attention case: inputs, the callables of qkv, dense NumPy and torch,
   the FLOP and byte formulas, the copy peer of decoding;
 - ``timing``: the one timing loop (alternating, warm-up, medians of wall and CPU time);
-- ``memory``: peak extra memory of a call, measured in fresh processes;
+- ``memory``: peak extra memory of a call (the resident-set high-water mark), in fresh processes;
 - ``encoder``: qkv's MiniLM encoder against sentence-transformers;
+- ``torch_suite``: ``qkv.torch.attention`` against qkv on NumPy and PyTorch SDPA (``--suite torch``);
+- ``ring``: ring attention over MPI against one process (``mpiexec -n W qkv bench --suite ring``);
 - ``machine``: the CPU's vector level as NumPy uses it, the BLAS and its kernel, the exp path;
 - ``report``: the header, the tables (as data) and the sweep plot (a matplotlib Figure).
 

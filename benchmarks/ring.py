@@ -1,9 +1,11 @@
 """``qkv bench --suite ring``: ring attention over MPI against the same problem on one process.
 
-Run under MPI, one process per rank, e.g. (this file runs alone too)::
+Run under MPI, one process per rank: ``mpiexec -n W qkv bench --suite ring`` runs
+:func:`suite` (both layouts at T = 16384 and the ping-pong bandwidth); this file runs alone
+too, for other sizes::
 
-    mpiexec -n 2 python -m mpi4py benchmarks/ring.py --T 16384
-    mpiexec -n 4 python -m mpi4py benchmarks/ring.py --T 131072 --single none   # headline
+    mpiexec -n 2 python -m mpi4py -m qkv_benchmarks.ring --T 16384
+    mpiexec -n 4 python -m mpi4py -m qkv_benchmarks.ring --T 131072 --single none   # headline
 
 :func:`measure` is collective: every rank calls it and rank 0 gets the figures. For one
 problem (B = 1, H heads, D, float32, causal unless ``causal=False``) it reports:
@@ -19,7 +21,7 @@ problem (B = 1, H heads, D, float32, causal unless ``causal=False``) it reports:
       backward  (W - 1) · (|K| + |V|) + W · (|dK| + |dV|)
 
 - ``peak_mib`` per rank: the resident-set high-water mark during the timed calls minus the
-  resident set before them (``/proc/self/clear_refs``);
+  resident set before them (``memory.mark``);
 - ``single_*``: the same problem on rank 0 alone with ``qkv.attention(method="flash")`` and
   W kernel threads, while the other ranks wait without spinning (``Ibarrier`` + sleep);
 - ``ratio = ring / single`` for forward+backward.
@@ -30,37 +32,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import sys
 import time
 
 import numpy as np
 
+from .memory import extra_bytes, mark
+
 
 def _mpi():
     from mpi4py import MPI
 
     return MPI
-
-
-def _rss_mark() -> None:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
-def _status_kib(field: str) -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
 class _KernelClock:
@@ -71,26 +55,19 @@ class _KernelClock:
         from qkv.kernels import flash
 
         self.ring, self.flash, self.seconds = ring, flash, 0.0
-        clock = self
+        # a stand-in for the flash module with its two entry points timed
+        self.timed = type("Timed", (), {name: staticmethod(self._timing(getattr(flash, name)))
+                                        for name in ("forward", "backward")})
 
-        class Timed:
-            @staticmethod
-            def forward(*a, **kw):
-                t = time.perf_counter()
-                try:
-                    return flash.forward(*a, **kw)
-                finally:
-                    clock.seconds += time.perf_counter() - t
-
-            @staticmethod
-            def backward(*a, **kw):
-                t = time.perf_counter()
-                try:
-                    return flash.backward(*a, **kw)
-                finally:
-                    clock.seconds += time.perf_counter() - t
-
-        self.timed = Timed
+    def _timing(self, fn):
+        """``fn`` that adds the seconds each call takes to ``self.seconds``."""
+        def call(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.seconds += time.perf_counter() - t
+        return call
 
     def __enter__(self):
         self.ring.flash = self.timed
@@ -100,8 +77,9 @@ class _KernelClock:
         self.ring.flash = self.flash
 
 
-def _idle_wait(comm) -> None:
-    """Wait for the other ranks without spinning a core (MPICH's Barrier busy-polls)."""
+def idle_wait(comm) -> None:
+    """Wait for the other ranks without spinning a core (MPICH's Barrier busy-polls): a
+    collective, every rank calls it."""
     req = comm.Ibarrier()
     while not req.Test():
         time.sleep(0.005)
@@ -122,9 +100,8 @@ def measure(comm=None, *, T=16384, H=1, D=64, causal=True, layout="zigzag", repe
     opts = dict(comm=comm, layout=layout, causal=causal)
     qkv.threads.set_num_threads(threads)
     fwd, both = [], []
-    _idle_wait(comm)
-    _rss_mark()
-    base = _status_kib("VmRSS")
+    idle_wait(comm)
+    since = mark()
     for i in range(int(not warmup), repeats + 1):  # i = 0 is a warm-up
         comm.Barrier()
         t0 = time.perf_counter()
@@ -136,7 +113,7 @@ def measure(comm=None, *, T=16384, H=1, D=64, causal=True, layout="zigzag", repe
         if i:
             fwd.append(comm.allreduce(t1 - t0, op=MPI.MAX))
             both.append(comm.allreduce(t2 - t0, op=MPI.MAX))
-    peak = (_status_kib("VmHWM") - base) / 1024
+    peak = extra_bytes(since) / 2 ** 20
     with _KernelClock() as timer:
         if clock:
             out, lse = dist.ring_attention(q, k, v, return_lse=True, **opts)
@@ -158,7 +135,7 @@ def measure(comm=None, *, T=16384, H=1, D=64, causal=True, layout="zigzag", repe
         if r == 0:
             res.update(_single(T, H, D, causal, W, repeats, backward))
             res["ratio"] = res["ring_fwdbwd_s" if backward else "ring_fwd_s"] / res["single_fwdbwd_s" if backward else "single_fwd_s"]
-        _idle_wait(comm)
+        idle_wait(comm)
     return res
 
 
@@ -169,8 +146,7 @@ def _single(T, H, D, causal, threads, repeats, backward) -> dict:
     q, k, v, dout = (rng.standard_normal((1, H, T, D), dtype=np.float32) for _ in range(4))
     qkv.threads.set_num_threads(threads)
     fwd, both = [], []
-    _rss_mark()
-    base = _status_kib("VmRSS")
+    since = mark()
     for i in range(repeats + 1):
         t0 = time.perf_counter()
         out, lse = qkv.attention(q, k, v, causal=causal, return_lse=True, method="flash")
@@ -183,7 +159,30 @@ def _single(T, H, D, causal, threads, repeats, backward) -> dict:
             both.append(t2 - t0)
     return dict(single_threads=threads, single_fwd_s=statistics.median(fwd),
                 single_fwdbwd_s=statistics.median(both) if backward else None,
-                single_peak_mib=(_status_kib("VmHWM") - base) / 1024)
+                single_peak_mib=extra_bytes(since) / 2 ** 20)
+
+
+def suite(comm, size: dict, repeats: int, layouts, progress=None) -> tuple[list | None, float | None]:
+    """``qkv bench --suite ring``: :func:`measure` for each ``(layout, single)`` of ``layouts``
+    at the largest T <= ``size["t"]`` that 2W chunks divide (both layouts can split it),
+    then :func:`bandwidth` of ``size["pingpong_bytes"]``. Collective; rank 0 gets
+    ``(rows, GB/s)``, the others ``(None, None)``. One process (W = 1) leaves out every
+    layout after the first: with one rank they all hold the sequence in order.
+    ``progress(advance, description=None)`` as in ``suites.run_suites``."""
+    progress = progress or (lambda advance, description=None: None)
+    w = comm.Get_size()
+    t = size["t"] - size["t"] % (2 * w)
+    rows = []
+    for i, (layout, single) in enumerate(layouts):
+        if w > 1 or i == 0:
+            progress(0, description=f"ring: {layout}, {w} ranks, T={t}")
+            rows.append(measure(comm, T=t, H=size["h"], D=size["d"], layout=layout, repeats=repeats,
+                                single=single))
+        progress(1)
+    progress(0, description="ring: ping-pong")
+    gbs = bandwidth(comm, size["pingpong_bytes"], repeats)
+    progress(1)
+    return (rows, gbs) if comm.Get_rank() == 0 else (None, None)
 
 
 def bandwidth(comm=None, nbytes=64 << 20, repeats=5) -> float | None:

@@ -4,10 +4,20 @@ Suites: ``main`` (B=1, H=8, T=4096, D=64, float32, causal and not, forward and
 forward+backward), ``sweep`` (one head, D=64, T = 512 ... 16384: time and peak memory),
 ``decode`` (Tq=1, Tk=32768, Hq=32, Hkv=8, D=128), ``encoder`` (qkv's all-MiniLM-L6-v2
 encoder against sentence-transformers; see ``encoder.py``; needs the models and test
-extras). A quick plan shrinks every size so the whole run takes seconds: a smoke test
-that every path runs (the test suite runs it end to end), not a measurement: at such
-sizes call overheads decide the times, and the qkv/torch ratio swings from run to run.
-It leaves the encoder out unless asked for.
+extras), ``torch`` (``qkv.torch.attention`` against qkv on NumPy and SDPA; see
+``torch_suite.py``; needs the torch extra) and ``ring`` (ring attention over the ranks of
+``MPI.COMM_WORLD`` against one process; see ``ring.py``; needs the mpi extra, and is meant
+to run under ``mpiexec -n W``). Without a choice a run measures :data:`DEFAULT` (a quick
+run :data:`QUICK_DEFAULT`); torch and ring run when named (or with "all"). A suite whose
+extra is missing is skipped with the reason in ``results["skipped"]``.
+
+A quick plan shrinks every size so the whole run takes seconds: a smoke test that every
+path runs (the test suite runs it end to end), not a measurement: at such sizes call
+overheads decide the times, and the qkv/torch ratio swings from run to run.
+
+Under MPI (the ring suite) every rank calls :func:`run_suites`: the ring is measured by
+all of them together, then rank 0 alone runs the other suites while the others wait
+without spinning, and only rank 0 gets the results (the others get None).
 
 Nothing here prints: progress goes to a callback ``progress(advance, description=None)``
 and the results come back as one dict of plain numbers (what ``--json`` writes).
@@ -18,22 +28,31 @@ import importlib.util
 import os
 from dataclasses import dataclass
 
+from . import torch_suite
 from .attention import fwd_bwd_flops, forward_flops, inputs, kv_bytes, copier, runner
 from .memory import peak_extra
 from .timing import REWARM_S, alternate, walls
 
-SUITES = ("main", "sweep", "decode", "encoder")
+SUITES = ("main", "sweep", "decode", "encoder", "torch", "ring")
+DEFAULT = ("main", "sweep", "decode", "encoder")  # torch and ring run when named
 QUICK_DEFAULT = ("main", "sweep", "decode")  # a quick run leaves the encoder out unless asked
+# What each suite needs beyond the core, as the extra that brings it (said when one is skipped).
+EXTRAS = {"encoder": "models,test", "torch": "torch", "ring": "mpi"}
 FULL = {
     "main": dict(b=1, h=8, t=4096, d=64),
     "sweep": dict(ts=(512, 1024, 2048, 4096, 8192, 16384), d=64, dense_max=8192),
     "decode": dict(b=1, hq=32, hkv=8, tk=32768, d=128),
+    "torch": torch_suite.FULL,
+    # T is cut to the largest multiple of 2W (zigzag's chunks) at or below it
+    "ring": dict(t=16384, h=1, d=64, pingpong_bytes=64 << 20),
     "repeats": 5,
 }
 QUICK = {
     "main": dict(b=1, h=2, t=256, d=32),
     "sweep": dict(ts=(128, 256, 512), d=32, dense_max=512),
     "decode": dict(b=1, hq=8, hkv=2, tk=2048, d=64),
+    "torch": torch_suite.QUICK,
+    "ring": dict(t=384, h=1, d=32, pingpong_bytes=1 << 20),
     "repeats": 1,
 }
 SMOKE_NOTE = ("quick sizes are a smoke test that every path runs, not a measurement: at these sizes call "
@@ -57,8 +76,9 @@ class Plan:
 
 
 def plan(suites=None, *, quick=False, repeats=None, threads=None, torch=True, memory=True) -> Plan:
-    """A :class:`Plan`; ``suites`` None or containing "all" means every suite (a quick run:
-    all but the encoder); ``torch`` False leaves PyTorch out, as does its absence."""
+    """A :class:`Plan`; ``suites`` None means :data:`DEFAULT` (a quick run:
+    :data:`QUICK_DEFAULT`), containing "all" every suite; ``torch`` False leaves PyTorch
+    out (its suite is then skipped), as does its absence."""
     from qkv.errors import ShapeError, positive_int
 
     if suites and "all" in suites:
@@ -69,7 +89,7 @@ def plan(suites=None, *, quick=False, repeats=None, threads=None, torch=True, me
             raise ShapeError(f"suites must be among {SUITES + ('all',)}; got {unknown}")
         chosen = tuple(s for s in SUITES if s in suites)
     else:
-        chosen = QUICK_DEFAULT if quick else SUITES
+        chosen = QUICK_DEFAULT if quick else DEFAULT
     repeats = positive_int("repeats", repeats) if repeats is not None else (QUICK if quick else FULL)["repeats"]
     threads = positive_int("threads", threads) if threads is not None else os.cpu_count() or 1
     torch = bool(torch) and importlib.util.find_spec("torch") is not None  # imported when the run starts
@@ -106,12 +126,33 @@ def count_steps(p: Plan) -> int:
         n += (len(methods(p)) + 1) * per
     if "encoder" in p.suites:
         n += 1
+    if "torch" in p.suites:
+        n += len(torch_suite_steps(p))
+    if "ring" in p.suites:
+        n += len(RING_LAYOUTS) + 1  # each layout, then the ping-pong
     return n
 
 
-def run_suites(p: Plan, progress=None) -> dict:
+RING_LAYOUTS = (("zigzag", True), ("contiguous", False))  # (layout, also time one process)
+
+
+def torch_suite_steps(p: Plan) -> list[str]:
+    """The progress labels :func:`torch_suite.measure` gives, in order (one step each)."""
+    labels = [f"{case} {pass_}" for case in p.sizes["torch"] for pass_ in torch_suite.PASSES]
+    return [x for label in labels for x in ([label, f"{label}: peak memory"] if _torch_memory(p) else [label])]
+
+
+def _torch_memory(p: Plan) -> bool:
+    """Peak memory in the torch suite: fresh processes that import torch, so not in a quick run."""
+    return p.memory and not p.quick
+
+
+def run_suites(p: Plan, progress=None) -> dict | None:
     """Run the suites of ``p``; returns every measurement (seconds, FLOP, bytes) and the
-    machine it ran on. ``progress(advance, description=None)`` is told of each step."""
+    machine it ran on. ``progress(advance, description=None)`` is told of each step.
+
+    With the ring suite, call it on every rank of ``MPI.COMM_WORLD``: ranks other than 0
+    return None once rank 0 is done (see the module docstring)."""
     import numpy as np
 
     import qkv
@@ -120,6 +161,10 @@ def run_suites(p: Plan, progress=None) -> dict:
 
     progress = progress or (lambda advance, description=None: None)
     tick = lambda: progress(1)  # noqa: E731
+    ring = _ring_suite(p, progress) if "ring" in p.suites else None  # first: every rank takes part
+    if ring and ring["rank"] != 0:
+        ring["wait"]()  # idle until rank 0 has run the other suites
+        return None
     if p.torch:
         import torch
         torch.set_num_threads(p.threads)
@@ -128,7 +173,8 @@ def run_suites(p: Plan, progress=None) -> dict:
     results = {"threads": p.threads, "quick": p.quick, "repeats": p.repeats,
                "note": SMOKE_NOTE if p.quick else None,
                "torch": torch.__version__ if p.torch else None, "machine": describe(p.torch),
-               "main": [], "sweep": [], "decode": [], "encoder": [], "encoder_skipped": None}
+               "main": [], "sweep": [], "decode": [], "encoder": [], "torch_suite": [], "ring": [],
+               "ring_pingpong_gb_s": None, "mpi_ranks": None, "skipped": {}}
     ms = methods(p)
 
     def timed(fns):  # a quick run times each call once after its warm-up: nothing to re-warm for
@@ -162,8 +208,16 @@ def run_suites(p: Plan, progress=None) -> dict:
                                   "copy_bytes_per_s": 2 * nbytes / copy_s, "bytes": nbytes})
     if "encoder" in p.suites:
         progress(0, description="encoder: qkv vs sentence-transformers")
-        results["encoder"], results["encoder_skipped"] = _encoder_suite(p)
+        results["encoder"], results["skipped"]["encoder"] = _encoder_suite(p)
         tick()
+    if "torch" in p.suites:
+        results["torch_suite"], results["skipped"]["torch"] = _torch_suite(p, progress)
+    if ring:
+        results["ring"], results["ring_pingpong_gb_s"] = ring["rows"], ring["pingpong_gb_s"]
+        results["mpi_ranks"] = ring["size"]
+        results["skipped"]["ring"] = ring["skipped"]
+        ring["wait"]()  # the other ranks may finish now
+    results["skipped"] = {k: v for k, v in results["skipped"].items() if v}
     return results
 
 
@@ -194,6 +248,43 @@ def _encoder_suite(p: Plan):
         from qkv.models import default_model_path
         default_model_path()
     except Exception as err:  # a missing extra or model: say so in the report, run the rest
-        return [], f"{type(err).__name__}: {err}"
+        return [], _needs("encoder", f"{type(err).__name__}: {err}")
     from .encoder import measure
     return measure(p.repeats, n_short=16 if p.quick else 256, n_long=2 if p.quick else 16), None
+
+
+def _needs(suite: str, why: str) -> str:
+    """Why ``suite`` was skipped, and the extra that brings what it lacks."""
+    return f"{why} (it needs: pip install 'qkv[{EXTRAS[suite]}]')"
+
+
+def _torch_suite(p: Plan, progress):
+    """``(rows, None)`` from torch_suite.measure, or ``([], reason)`` without PyTorch."""
+    if not p.torch:
+        if importlib.util.find_spec("torch") is None:
+            return [], _needs("torch", "torch is not installed")
+        return [], "PyTorch was left out (torch=False, --no-torch)"
+    started = []
+
+    def told(label):  # measure says a label before each step: the step before it is done
+        progress(1 if started else 0, description=f"torch: {label}")
+        started.append(label)
+    rows = torch_suite.measure(p.repeats, p.quick, told, memory=_torch_memory(p), threads=p.threads)
+    progress(1)
+    return rows, None
+
+
+def _ring_suite(p: Plan, progress) -> dict:
+    """Every rank: ring.suite's rows (rank 0) and this rank's ``wait`` (the end of the run), or
+    the reason it was skipped (no mpi4py)."""
+    try:
+        from mpi4py import MPI
+    except ImportError as err:
+        return dict(rank=0, size=None, rows=[], pingpong_gb_s=None, skipped=_needs("ring", f"{type(err).__name__}: {err}"),
+                    wait=lambda: None)
+    from . import ring
+
+    comm = MPI.COMM_WORLD
+    rows, gbs = ring.suite(comm, p.sizes["ring"], p.repeats, RING_LAYOUTS, progress)
+    return dict(rank=comm.Get_rank(), size=comm.Get_size(), rows=rows or [], pingpong_gb_s=gbs, skipped=None,
+                wait=lambda: ring.idle_wait(comm))

@@ -1,8 +1,9 @@
 """The one timing loop of the suite: callables timed in alternation, medians reported.
 
-Every suite (attention, decoding, the encoder) times its sides with :func:`alternate`:
-one untimed warm-up each, then ``repeats`` rounds in which every side runs once, so a
-change in machine load falls on all sides alike. Each timed run records the wall-clock
+Every suite (attention, decoding, the encoder, the torch suite) times its sides with
+:func:`rounds` (or :func:`alternate`, its medians): one untimed warm-up each, then
+``repeats`` rounds in which every side runs once, so a change in machine load falls on all
+sides alike. Each timed run records the wall-clock
 time and the process's CPU time (all threads: on a shared machine it says how much work a
 side did even when other jobs stretch the wall clock).
 
@@ -20,12 +21,14 @@ from typing import Callable
 REWARM_S = 1.0
 
 
-def alternate(fns: dict[str, Callable[[], object]], repeats: int, *, rewarm_below: float = REWARM_S,
-              tick: Callable[[], None] | None = None) -> dict[str, dict[str, float]]:
-    """``{name: {"wall": s, "cpu": s}}``: medians over ``repeats`` alternating rounds.
+def rounds(fns: dict[str, Callable[[], object]], repeats: int, *, rewarm_below: float = REWARM_S,
+           rotate: bool = False, tick: Callable[[], None] | None = None) -> dict[str, list[tuple[float, float]]]:
+    """``{name: [(wall s, cpu s), ...]}``, one pair per round: the runs themselves.
 
-    ``tick()`` is called after every warm-up and every timed run (a progress count:
-    ``len(fns) * (1 + repeats)`` calls in all).
+    One untimed warm-up each, then ``repeats`` rounds in which every side runs once, in the
+    order given or, with ``rotate``, starting one side later each round (so no side always
+    runs right after the same other one). ``tick()`` is called after every warm-up and every
+    timed run (a progress count: ``len(fns) * (1 + repeats)`` calls in all).
     """
     tick = tick or (lambda: None)
     rewarm = {}
@@ -34,15 +37,24 @@ def alternate(fns: dict[str, Callable[[], object]], repeats: int, *, rewarm_belo
         fn()
         rewarm[name] = time.perf_counter() - t0 < rewarm_below
         tick()
-    runs = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
+    names = list(fns)
+    runs = {name: [] for name in names}
+    for r in range(repeats):
+        shift = r % len(names) if rotate else 0
+        for name in names[shift:] + names[:shift]:
             if rewarm[name]:
-                fn()
+                fns[name]()
             w0, c0 = time.perf_counter(), time.process_time()
-            fn()
+            fns[name]()
             runs[name].append((time.perf_counter() - w0, time.process_time() - c0))
             tick()
+    return runs
+
+
+def alternate(fns: dict[str, Callable[[], object]], repeats: int, *, rewarm_below: float = REWARM_S,
+              tick: Callable[[], None] | None = None) -> dict[str, dict[str, float]]:
+    """``{name: {"wall": s, "cpu": s}}``: medians over the :func:`rounds` (order as given)."""
+    runs = rounds(fns, repeats, rewarm_below=rewarm_below, tick=tick)
     return {name: {"wall": statistics.median(w for w, _ in r), "cpu": statistics.median(c for _, c in r)}
             for name, r in runs.items()}
 

@@ -17,28 +17,29 @@ Cases (``--quick`` shrinks every size so the run takes seconds):
 - ``padding``: B=4, H=8, T=2048, D=64, sequences of T, 3T/4, T/2 and T/4 tokens: qkv gets
   ``kv_lengths``, SDPA the ``(B, 1, 1, T)`` bool key mask.
 
-Each pass (forward; forward+backward) runs the methods in turn, the first one rotating from
-repeat to repeat, after one warm-up each (a call under a second also runs once untimed right
-before each timed run, so that it does not pay for the previous method's still-spinning
-worker threads); the median time is reported, and each ratio is the
-median of the ratios within a repeat (runs that close together share the machine's load,
-which matters on a shared machine). FLOP convention for the
-plain case: forward ``4·B·H·T²·D``, forward+backward 3.5 times that.
+Each pass (forward; forward+backward) runs the methods in turn with the suite's one timing
+loop (``timing.rounds``, the first method rotating from repeat to repeat, after one warm-up
+each; a call under a second also runs once untimed right before each timed run, so that it
+does not pay for the previous method's still-spinning worker threads); the median time is
+reported, and each ratio is the median of the ratios within a repeat (runs that close
+together share the machine's load, which matters on a shared machine). FLOP convention for
+the plain case: forward ``4·B·H·T²·D``, forward+backward 3.5 times that.
 
 Peak memory (``memory=True``, the default of full runs) is the resident-set high-water mark
 of a fresh subprocess during one call minus its resident set just before it
-(``/proc/self/clear_refs`` resets the mark once the inputs exist and a tiny call of the same
-method has loaded its code), so it counts what the call allocates, outputs and gradients
-included, for NumPy and torch alike.
+(``memory.mark``, set once the inputs exist and a tiny call of the same method has loaded
+its code), so it counts what the call allocates, outputs and gradients included, for NumPy
+and torch alike.
 """
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
-import time
+
+from .memory import extra_bytes, mark
+from .timing import rounds
 
 METHODS = ("qkv.torch", "qkv", "sdpa")
 PASSES = ("forward", "forward+backward")
@@ -53,9 +54,11 @@ QUICK = {
     "padding": dict(b=4, h=2, t=256, d=32),
 }
 MIB = 2 ** 20
-# A call shorter than this runs once untimed right before each timed run: torch's OpenMP
-# workers keep spinning after SDPA returns and would otherwise slow whatever runs next.
-REWARM_S = 1.0
+_CHILD = """
+import json, sys
+from qkv_benchmarks.torch_suite import child_peak
+print(json.dumps(child_peak(*json.loads(sys.argv[1]))))
+"""
 
 
 def describe(case: str, size: dict) -> str:
@@ -130,23 +133,8 @@ def runner(method: str, pass_: str, case: str, size: dict):
 
 
 def _time(fns: dict, repeats: int) -> dict:
-    """Seconds of each run of each callable, run in turn (the first one rotating), after a warm-up."""
-    names = list(fns)
-    short = set()
-    for name in names:
-        t0 = time.perf_counter()
-        fns[name]()
-        if time.perf_counter() - t0 < REWARM_S:
-            short.add(name)
-    times = {name: [] for name in names}
-    for r in range(repeats):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            if name in short:
-                fns[name]()  # untimed: the previous method's spinning threads are gone after it
-            t0 = time.perf_counter()
-            fns[name]()
-            times[name].append(time.perf_counter() - t0)
-    return times
+    """Seconds of each run of each callable (``timing.rounds``, the first one rotating)."""
+    return {name: [wall for wall, _ in runs] for name, runs in rounds(fns, repeats, rotate=True).items()}
 
 
 def paired_ratio(times: dict, num: str, den: str) -> float:
@@ -155,33 +143,28 @@ def paired_ratio(times: dict, num: str, den: str) -> float:
     return statistics.median(a / b for a, b in zip(times[num], times[den]))
 
 
-def _child_peak(method: str, pass_: str, case: str, size: dict) -> float:
+def child_peak(method: str, pass_: str, case: str, size: dict, threads: int) -> float:
     """In a fresh process: MiB the call adds to the resident set at its peak."""
+    import torch
+
+    import qkv
+
+    qkv.set_num_threads(threads)
+    torch.set_num_threads(threads)
     tiny = dict(size, t=64, d=8, **({"window": 8} if case == "window" else {}))
     runner(method, pass_, case, tiny)()  # load the method's code and thread pools
     fn = runner(method, pass_, case, size)
-
-    def status_kib(field: str) -> int:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-        raise RuntimeError(f"{field} not in /proc/self/status")
-
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current resident set
-    before = status_kib("VmRSS")
+    since = mark()
     fn()
-    return (status_kib("VmHWM") - before) * 1024 / MIB
+    return extra_bytes(since) / MIB
 
 
 def peak_memory(method: str, pass_: str, case: str, size: dict, threads: int | None = None) -> float | None:
     """Peak extra MiB of one call of ``method`` in a fresh subprocess (None where it failed)."""
-    env = dict(os.environ)
-    if threads:
-        env["QKV_TORCH_SUITE_THREADS"] = str(threads)
-    res = subprocess.run([sys.executable, os.path.abspath(__file__), "--peak", json.dumps([method, pass_, case, size])],
-                         capture_output=True, text=True, env=env)
+    import qkv
+
+    args = json.dumps([method, pass_, case, size, threads or qkv.get_num_threads()])
+    res = subprocess.run([sys.executable, "-c", _CHILD, args], capture_output=True, text=True)
     if res.returncode != 0:
         return None
     return float(res.stdout.strip().splitlines()[-1])
@@ -235,32 +218,7 @@ def measure(repeats: int, quick: bool, progress=None, *, memory: bool | None = N
 
 
 def format_table(rows: list[dict]) -> str:
-    """The rows of :func:`measure` as a Markdown table."""
-    lines = ["| case | pass | qkv.torch | qkv (NumPy) | SDPA | wrapper (torch ÷ NumPy time) | SDPA ÷ qkv.torch time | peak MiB qkv.torch / qkv / SDPA |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        s = r["seconds"]
-        peak = "-" if not r.get("peak_mib") else " / ".join(
-            "?" if r["peak_mib"][m] is None else f"{r['peak_mib'][m]:.0f}" for m in METHODS)
-        lines.append(f"| {r['case']} ({r['shape']}) | {r['pass']} | {s['qkv.torch']:.3f} s | {s['qkv']:.3f} s | "
-                     f"{s['sdpa']:.3f} s | {r['wrapper']:.3f} | {r['vs_sdpa']:.2f} | {peak} |")
-    return "\n".join(lines)
+    """The rows of :func:`measure` as a Markdown table (the table ``qkv bench --suite torch`` shows)."""
+    from .report import torch_table
 
-
-if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--peak":  # the peak-memory child
-        import torch
-
-        import qkv
-
-        n = int(os.environ.get("QKV_TORCH_SUITE_THREADS", "0")) or qkv.get_num_threads()
-        qkv.set_num_threads(n)
-        torch.set_num_threads(n)
-        method, pass_, case, size = json.loads(sys.argv[2])
-        print(f"{_child_peak(method, pass_, case, size):.3f}")
-    else:  # python benchmarks/torch_suite.py [--quick] [repeats]
-        args = sys.argv[1:]
-        quick = "--quick" in args
-        nums = [a for a in args if a.isdigit()]
-        print(format_table(measure(int(nums[0]) if nums else (2 if quick else 5), quick,
-                                   progress=lambda label: print("...", label, file=sys.stderr))))
+    return torch_table(rows).markdown()

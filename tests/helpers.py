@@ -1,6 +1,12 @@
 """Test-side oracles, written independently of qkv.masks, so the tests check semantics
-rather than repeat the implementation."""
+rather than repeat the implementation; and the launcher of the tests that run under mpiexec."""
 from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -79,3 +85,18 @@ def random_case(rng, *, dtype=np.float64, b=2, hq=4, hkv=2, tq=7, tk=9, d=8, dv=
     k = rng.standard_normal((b, hkv, tk, d)).astype(dtype)
     v = rng.standard_normal((b, hkv, tk, dv)).astype(dtype)
     return q, k, v
+
+
+def mpiexec(n: int, *args: str, timeout: float) -> subprocess.CompletedProcess:
+    """``mpiexec -n n python *args`` with this checkout's src/ first on PYTHONPATH, its output
+    captured; a skip with the reason where mpi4py or mpiexec is missing."""
+    import pytest
+
+    pytest.importorskip("mpi4py", reason="the mpi extra (mpi4py with mpich) is not installed")
+    exe = Path(sys.executable).parent / "mpiexec"
+    exe = str(exe) if exe.exists() else shutil.which("mpiexec")
+    if exe is None:
+        pytest.skip("no mpiexec next to the interpreter or on PATH (pip install 'qkv[mpi]')")
+    paths = [str(Path(__file__).parent.parent / "src")] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return subprocess.run([exe, "-n", str(n), sys.executable, *args], capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ, PYTHONPATH=os.pathsep.join(paths)))

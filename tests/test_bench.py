@@ -2,6 +2,7 @@
 
 No timing is asserted: speed claims live in the benchmark's output, not in tests.
 """
+import contextlib
 import json
 import re
 import subprocess
@@ -150,3 +151,57 @@ def test_encoder_suite_runs_against_sentence_transformers(tmp_path, capsys):
         assert row["max_abs_err"] < 1e-4  # the two encoders agree on what they timed
     assert data["encoder"][1]["tokens"] == 2 * 512
     assert _rows(text, "long") and float(_rows(text, "long")[0][-3]) > 0  # the table's ratio cell
+
+
+# --- qkv bench --suite torch -------------------------------------------------------------
+
+def test_torch_suite_runs_from_the_command_line(tmp_path, capsys, monkeypatch):
+    """`qkv bench --quick --suite torch`: a smoke run of every case and pass; the JSON has its
+    rows and the table shows them; the progress bar is told of every step it counted."""
+    pytest.importorskip("torch", reason="the torch suite needs PyTorch: pip install 'qkv[torch]'")
+    from qkv.cli import bench as bench_cli
+    from qkv_benchmarks import torch_suite
+
+    told = {}
+
+    @contextlib.contextmanager
+    def recording_bar(label, total, *fields, **kw):
+        told["total"], told["advanced"] = total, 0
+
+        def update(advance=1, **values):
+            told["advanced"] += advance
+        yield update
+    monkeypatch.setattr(bench_cli, "progress_bar", recording_bar)
+    out = tmp_path / "t.json"
+    assert cli.main(["bench", "--quick", "--suite", "torch", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert told["advanced"] == told["total"] == 3 * 2          # 3 cases x 2 passes, no memory when quick
+    assert data["main"] == [] and data["skipped"] == {}
+    rows = data["torch_suite"]
+    assert [(r["case"], r["pass"]) for r in rows] == [(c, p) for c in torch_suite.QUICK for p in torch_suite.PASSES]
+    assert "qkv.torch.attention against qkv on NumPy and PyTorch SDPA" in text and "(smoke-test sizes)" in text
+    lines = [x.split() for x in text.splitlines() if re.search(r"\s(forward|forward\+backward)\s+\d+\.\d{3}\s", x)]
+    assert len(lines) == len(rows)
+    for cells, r in zip(lines, rows):                          # the table shows the JSON's numbers, in order
+        assert set(r["seconds"]) == set(torch_suite.METHODS) and r["wrapper"] > 0 and r["vs_sdpa"] > 0
+        assert cells[-7:-1] == [r["pass"], *(f"{r['seconds'][m]:.3f}" for m in torch_suite.METHODS),
+                                f"{r['wrapper']:.2f}", f"{r['vs_sdpa']:.2f}"]
+        assert cells[-1] == "—"                                # no peak memory in a quick run
+
+
+def test_a_suite_without_its_extra_is_skipped_with_the_reason(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "mpi4py", None)          # as if the mpi extra were not installed
+    out = tmp_path / "s.json"
+    assert cli.main(["bench", "--quick", "--suite", "torch", "--suite", "ring", "--no-torch", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    skipped = json.loads(out.read_text())["skipped"]
+    assert skipped["torch"] == "PyTorch was left out (torch=False, --no-torch)"
+    assert "Error: import of mpi4py halted" in skipped["ring"] and skipped["ring"].endswith("(it needs: pip install 'qkv[mpi]')")
+    assert f"torch suite skipped: {skipped['torch']}" in text and f"ring suite skipped: {skipped['ring']}" in text
+
+
+def test_under_mpiexec_only_the_ring_suite_runs(monkeypatch, capsys):
+    monkeypatch.setenv("PMI_SIZE", "2")                       # what MPICH's mpiexec sets in each rank
+    assert cli.main(["bench", "--quick", "--suite", "main"]) == 2
+    assert "under mpiexec only --suite ring runs" in capsys.readouterr().err

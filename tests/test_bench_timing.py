@@ -7,7 +7,7 @@ import pytest
 from qkv import ShapeError
 from qkv_benchmarks import suites
 from qkv_benchmarks.report import Table
-from qkv_benchmarks.timing import alternate, walls
+from qkv_benchmarks.timing import alternate, rounds, walls
 
 
 def _recorder():
@@ -34,9 +34,10 @@ def test_alternate_warms_up_then_alternates(rewarm_below, expected):
 
 
 def test_plan_resolves_suites_and_defaults():
-    assert suites.plan(None).suites == suites.SUITES
+    assert suites.plan(None).suites == suites.DEFAULT == ("main", "sweep", "decode", "encoder")  # torch, ring: named
     assert suites.plan(None, quick=True).suites == suites.QUICK_DEFAULT          # no encoder unless asked
     assert suites.plan(["all"], quick=True).suites == suites.SUITES
+    assert suites.plan(["ring", "torch"]).suites == ("torch", "ring")
     assert suites.plan(["decode", "main"]).suites == ("main", "decode")         # in the suite order
     p = suites.plan(None, quick=True, torch=False, threads=3)
     assert (p.repeats, p.threads, p.torch, p.sizes) == (suites.QUICK["repeats"], 3, False, suites.QUICK)
@@ -61,6 +62,21 @@ def test_progress_is_told_of_every_step_it_counted():
     assert set(results["decode"][0]["seconds"]) == {"qkv", "dense"}
 
 
+def test_rounds_rotate_the_first_side_when_asked():
+    calls, make = _recorder()
+    runs = rounds({"a": make("a"), "b": make("b"), "c": make("c")}, 3, rewarm_below=0.0, rotate=True)
+    assert calls == ["a", "b", "c", "a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert all(len(r) == 3 and all(w >= 0 and c >= 0 for w, c in r) for r in runs.values())
+
+
+def test_torch_and_ring_steps_are_counted():
+    p = suites.plan(["torch", "ring"], quick=True, torch=True)
+    labels = suites.torch_suite_steps(p)
+    assert labels[:2] == ["plain forward", "plain forward+backward"] and len(labels) == 3 * 2  # no memory: quick
+    assert len(suites.torch_suite_steps(suites.plan(["torch"], torch=True))) == 3 * 2 * 2   # full: + peak memory
+    assert suites.count_steps(p) == len(labels) + len(suites.RING_LAYOUTS) + 1
+
+
 def test_memory_processes_one_per_method_when_quick_one_per_size_else():
     quick = suites._memory_jobs(suites.plan(None, quick=True, torch=True))
     assert quick == [("qkv", [128, 256, 512]), ("dense", [128, 256, 512])]  # torch: not in a quick run
@@ -76,3 +92,4 @@ def test_table_renders_as_aligned_text():
                                    "fwd        0.5",
                                    "fwd+bwd  12.25",
                                    "a note"]
+    assert t.markdown().splitlines() == ["| case | s |", "|---|---:|", "| fwd | 0.5 |", "| fwd+bwd | 12.25 |"]

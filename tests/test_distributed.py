@@ -3,10 +3,6 @@ real ``mpiexec -n W python -m mpi4py`` jobs (W = 1..4) against qkv.attention on 
 arrays (tests/mpi_ring_cases.py holds the cases; one launch per W)."""
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +10,8 @@ import pytest
 
 import qkv
 from qkv import distributed as dist
+
+from helpers import mpiexec
 
 HERE = Path(__file__).parent
 
@@ -70,21 +68,8 @@ def test_layout_errors_name_the_problem(call, match):
 
 
 # --------------------------------------------------------------------------- under mpiexec
-def _mpiexec():
-    pytest.importorskip("mpi4py", reason="the mpi extra (mpi4py with mpich) is not installed")
-    exe = Path(sys.executable).parent / "mpiexec"
-    exe = str(exe) if exe.exists() else shutil.which("mpiexec")
-    if exe is None:
-        pytest.skip("no mpiexec next to the interpreter or on PATH (pip install 'qkv[mpi]')")
-    return exe
-
-
 def _launch(size, *args, timeout=120):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(HERE.parent / "src")] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    return subprocess.run([_mpiexec(), "-n", str(size), sys.executable, "-m", "mpi4py",
-                           str(HERE / "mpi_ring_cases.py"), *args],
-                          capture_output=True, text=True, timeout=timeout, env=env)
+    return mpiexec(size, "-m", "mpi4py", str(HERE / "mpi_ring_cases.py"), *args, timeout=timeout)
 
 
 def _lines(res, word):
@@ -157,11 +142,7 @@ def test_ring_benchmark_runs_and_counts_bytes():
     exist and the bytes it reports are the messages the ring posts."""
     import json
 
-    res = subprocess.run([_mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py",
-                          str(HERE.parent / "benchmarks" / "ring.py"), "--T", "256", "--repeats", "1"],
-                         capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, PYTHONPATH=os.pathsep.join(
-                             [str(HERE.parent / "src"), os.environ.get("PYTHONPATH", "")])))
+    res = mpiexec(2, "-m", "mpi4py", "-m", "qkv_benchmarks.ring", "--T", "256", "--repeats", "1", timeout=120)
     assert res.returncode == 0, res.stderr
     fig = json.loads(res.stdout.strip().splitlines()[-1])
     kv = 2 * 128 * 64 * 4                      # |K| + |V| of a rank: c = 128 tokens, D = 64, float32

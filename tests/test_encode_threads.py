@@ -12,8 +12,6 @@ pytest.importorskip("tokenizers", reason="needs the models extra (tokenizers)")
 
 import qkv  # noqa: E402
 from qkv import threads  # noqa: E402
-from qkv.extras import MissingExtra  # noqa: E402
-from qkv.models import load_bert  # noqa: E402
 
 # ~120 tokens each: a batch of 2 has 2 x 12 heads x 120^2 score entries, past
 # api.AUTO_FLASH_MIN, so the tiled kernel runs and would hand tiles to threads.
@@ -21,11 +19,8 @@ TEXTS = [f"Text {i}: " + "the animal did not cross the street because it was too
 
 
 @pytest.fixture(scope="module")
-def model():
-    try:
-        return load_bert()
-    except MissingExtra as err:
-        pytest.skip(str(err))
+def model(minilm):
+    return minilm
 
 
 def blas_threads():

@@ -12,18 +12,12 @@ pytest.importorskip("matplotlib", reason="qkv explain needs the viz extra")
 
 from qkv.experiments import explain  # noqa: E402
 from qkv.cli import build_parser, main  # noqa: E402
-from qkv.extras import MissingExtra  # noqa: E402
 from qkv.models import locate  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def model():
-    from qkv.models import load_bert
-
-    try:
-        return load_bert()
-    except MissingExtra as err:
-        pytest.skip(str(err))
+def model(minilm):
+    return minilm
 
 
 @pytest.fixture(autouse=True)

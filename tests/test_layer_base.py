@@ -16,6 +16,7 @@ LAYERS = {
     "self": lambda: nn.SelfAttention(8, 4, causal=True, rng=rng(1)),
     "mha": lambda: nn.MultiHeadAttention(8, 2, n_kv_heads=1, bias=True, rope=True, causal=True, rng=rng(1)),
     "latent": lambda: nn.LatentAttention(8, 2, 4, causal=True, rng=rng(1)),
+    "linear": lambda: nn.LinearAttention(8, 2, n_kv_heads=1, bias=True, causal=True, rng=rng(1)),
 }
 
 
@@ -30,6 +31,9 @@ def test_projections_are_linear_layers_shown_under_the_flat_names():
     latent = nn.LatentAttention(8, 2, 4, rng=rng())
     assert latent.params["W_UK"] is latent.k_up.params["W"] and latent.params["W_KR"] is latent.k_rope.params["W"]
     assert nn.SelfAttention(4, 2).params["W_V"] is not None
+    lin = nn.LinearAttention(8, 2, bias=True, rng=rng())
+    assert lin.params["W_O"] is lin.o_proj.params["W"] and lin.grads["b_K"] is lin.k_proj.grads["b"]
+    assert list(lin.params) == list(layer.params)
 
 
 def test_assigning_a_param_reaches_the_projection_as_a_checkpoint_loader_does():

@@ -36,11 +36,14 @@ def test_the_seed_makes_the_run_reproducible():
     assert not np.array_equal(a["losses"], c["losses"])
 
 
-def test_model_gradients_match_finite_differences():
+@pytest.mark.parametrize("attention", ["softmax", "linear"])
+def test_model_gradients_match_finite_differences(attention):
+    """The whole lookup model (embeddings, attention, readout, loss) in float64, every
+    parameter sampled: its backward is the derivative of its loss, for both attentions."""
     from qkv.nn import cross_entropy
     from qkv.experiments.lookup import LookupModel
 
-    cfg = LookupConfig(n_keys=6, n_values=5, n_pairs=3, d_model=4, n_heads=2)
+    cfg = LookupConfig(n_keys=6, n_values=5, n_pairs=3, d_model=4, n_heads=2, attention=attention)
     model = LookupModel(cfg, np.random.default_rng(0))
     for layer in model.layers:
         for k in layer.params:

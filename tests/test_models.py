@@ -37,16 +37,9 @@ SENTENCES = [
 ]
 
 
-def _default_model_or_skip():
-    try:
-        return load_bert()
-    except MissingExtra as err:
-        pytest.skip(str(err))
-
-
 @pytest.fixture(scope="module")
-def model():
-    return _default_model_or_skip()
+def model(minilm):
+    return minilm
 
 
 @pytest.fixture(scope="module")

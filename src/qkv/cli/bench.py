@@ -3,30 +3,42 @@
 This module parses, checks the output paths before minutes of measuring, shows progress
 and draws the tables; the measuring, the tables' content and the plot are in
 ``qkv_benchmarks`` (``suites``, ``report``).
+
+**Under MPI** (``mpiexec -n W qkv bench --suite ring``) every rank runs this command; rank 0
+alone checks and writes the output files and prints. The command then has the semantics of
+``python -m mpi4py``: an exception on any rank (an output path only rank 0 finds bad
+included) ends the whole job with ``MPI_Abort`` when that rank exits, instead of leaving the other ranks waiting in a
+collective forever. Other suites refuse to run under mpiexec without the ring: every rank
+would run them at once, on the same cores.
 """
 from __future__ import annotations
 
 import json
+import os
 import sys
+from contextlib import contextmanager
 
 from ..extras import require
 from .common import UsageError, out_file, progress_bar
 
-HELP = "qkv's tiled attention against dense NumPy and PyTorch SDPA: speed, memory, decoding"
+HELP = ("qkv's tiled attention against dense NumPy and PyTorch SDPA: speed, memory, decoding; "
+        "qkv.torch against SDPA; ring attention over MPI")
 
 
 def add_arguments(parser) -> None:
-    from qkv_benchmarks.suites import FULL, QUICK, SUITES  # light: the measuring imports come with the run
+    from qkv_benchmarks.suites import DEFAULT, FULL, QUICK, QUICK_DEFAULT, SUITES  # light: the measuring imports come with the run
 
     parser.add_argument("--quick", action="store_true",
                         help="tiny sizes, one run each: a smoke test of every path in seconds, not a measurement")
     parser.add_argument("--suite", action="append", choices=SUITES + ("all",),
-                        help="which suite to run (repeatable; default: all, or all but encoder with --quick)")
+                        help=f"which suite to run (repeatable; default: {', '.join(DEFAULT)}; with --quick: "
+                        f"{', '.join(QUICK_DEFAULT)}; 'all': every suite; ring runs under mpiexec -n W)")
     parser.add_argument("--repeats", type=int, default=None,
                         help=f"timed runs per method and case; the median is reported "
                         f"(default {FULL['repeats']}, quick {QUICK['repeats']})")
     parser.add_argument("--threads", type=int, default=None,
-                        help="threads for qkv and torch (default: os.cpu_count())")
+                        help="threads for qkv and torch (default: os.cpu_count()); the ring suite runs one "
+                        "kernel thread a rank and its single-process peer W threads")
     parser.add_argument("--no-torch", action="store_true", help="leave PyTorch out even if installed")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     parser.add_argument("--plot", metavar="PNG", help="also draw the scaling sweep (needs qkv[viz])")
@@ -38,18 +50,31 @@ def run(args) -> int:
     for option, value in (("--repeats", args.repeats), ("--threads", args.threads)):
         if value is not None and value < 1:
             raise UsageError(f"{option} must be >= 1; got {value}")
-    if args.plot:
-        require("matplotlib", "viz")
-        out_file(args.plot, "--plot", (".png", ".svg", ".pdf"))
-    if args.json:
-        out_file(args.json, "--json")  # both checked before minutes of measuring, not after
     from qkv_benchmarks import report, suites
 
     plan = suites.plan(args.suite, quick=args.quick, repeats=args.repeats, threads=args.threads,
                        torch=not args.no_torch, memory=not args.no_memory)
-    with progress_bar("qkv bench", suites.count_steps(plan), transient=True, stderr=True) as update:
-        results = suites.run_suites(plan, progress=lambda advance, description=None:
-                                    update(advance=advance, description=description))
+    if "ring" not in plan.suites and _mpiexec_ranks() > 1:
+        raise UsageError(f"under mpiexec only --suite ring runs (with {_mpiexec_ranks()} ranks every other "
+                         "suite would run once per rank, all at once on the same cores)")
+    with _abort_on_error("ring" in plan.suites) as rank:
+        return _measure(args, plan, rank, report, suites)
+
+
+def _measure(args, plan, rank: int, report, suites) -> int:
+    if rank == 0:  # only rank 0 writes: checked before minutes of measuring, not after
+        if args.plot:
+            require("matplotlib", "viz")
+            out_file(args.plot, "--plot", (".png", ".svg", ".pdf"))
+        if args.json:
+            out_file(args.json, "--json")
+        with progress_bar("qkv bench", suites.count_steps(plan), transient=True, stderr=True) as update:
+            results = suites.run_suites(plan, progress=lambda advance, description=None:
+                                        update(advance=advance, description=description))
+    else:
+        results = suites.run_suites(plan)
+    if results is None:  # a rank other than 0: rank 0 reports
+        return 0
     _show(results, report)
     if args.plot and results["sweep"]:
         report.sweep_figure(results).savefig(args.plot, dpi=120)
@@ -59,6 +84,38 @@ def run(args) -> int:
             json.dump(results, f, indent=1)
         print(f"json: {args.json}")
     return 0
+
+
+def _mpiexec_ranks() -> int:
+    """The job size an MPI launcher gave this process (MPICH's or Open MPI's), 1 if none."""
+    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 1
+
+
+@contextmanager
+def _abort_on_error(mpi: bool):
+    """Yields this process's rank in ``MPI.COMM_WORLD`` (0 without ``mpi`` or mpi4py).
+
+    With MPI, ``python -m mpi4py``'s rule (``mpi4py.run.set_abort_status``, what that runner
+    calls): an exception that leaves the block (a ShapeError or UsageError included, which
+    ``qkv.cli.main`` turns into exit status 2) makes this rank call ``MPI_Abort`` when it
+    exits, which ends every rank of the job, instead of a normal finalize that the other
+    ranks, blocked in a collective, would wait for forever."""
+    try:
+        from mpi4py import MPI
+        from mpi4py.run import set_abort_status
+    except ImportError:  # the ring suite is then skipped, with the reason, on this one process
+        mpi = False
+    if not mpi:
+        yield 0
+        return
+    try:
+        yield MPI.COMM_WORLD.Get_rank()
+    except BaseException as err:
+        set_abort_status(err)
+        raise
 
 
 def _show(results: dict, report) -> None:

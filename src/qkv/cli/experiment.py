@@ -69,34 +69,32 @@ def _complexity(args) -> int:
     from ..experiments.complexity import ComplexityConfig, complexity_experiment
     from ..experiments.complexity_report import format_table, plot
 
-    require("matplotlib", "viz")
     cfg = ComplexityConfig.quick() if args.quick else ComplexityConfig()
     cfg.seed, cfg.threads, cfg.clock = args.seed, args.threads, args.clock
     if args.memory_limit is not None:
         if args.memory_limit <= 0:
             raise UsageError(f"--memory-limit must be > 0 MiB; got {args.memory_limit}")
         cfg.memory_limit_mib = args.memory_limit
-    cfg.check()
-    out = out_folder(args.out or "experiment-out")
-    rec = _with_progress(args, "complexity", cfg.n_steps, lambda p: complexity_experiment(cfg, progress=p))
-    print(format_table(rec))
-    (out / "complexity.json").write_text(json.dumps(rec, indent=2))
-    plot(rec, out / "complexity.png")
-    print(f"\nwrote {out / 'complexity.json'} and {out / 'complexity.png'}")
-    return 0
+    return _record(args, "complexity", cfg, complexity_experiment, format_table, plot)
 
 
 def _recall(args) -> int:
     from ..experiments.recall import RecallConfig, format_table, plot, recall_experiment
 
-    require("matplotlib", "viz")
     cfg = RecallConfig.quick() if args.quick else RecallConfig()
     cfg.seed = args.seed
+    return _record(args, "recall", cfg, recall_experiment, format_table, plot)
+
+
+def _record(args, name: str, cfg, experiment, format_table, plot) -> int:
+    """Check ``cfg``, run ``experiment(cfg, progress=...)`` (with a bar unless --no-progress),
+    print its table and write ``NAME.json`` and ``NAME.png`` into --out (default ./experiment-out)."""
+    require("matplotlib", "viz")
     cfg.check()
     out = out_folder(args.out or "experiment-out")
-    rec = _with_progress(args, "recall", cfg.n_steps, lambda p: recall_experiment(cfg, progress=p))
+    rec = _with_progress(args, name, cfg.n_steps, lambda p: experiment(cfg, progress=p))
     print(format_table(rec))
-    (out / "recall.json").write_text(json.dumps(rec, indent=2))
-    plot(rec, out / "recall.png")
-    print(f"\nwrote {out / 'recall.json'} and {out / 'recall.png'}")
+    (out / f"{name}.json").write_text(json.dumps(rec, indent=2))
+    plot(rec, out / f"{name}.png")
+    print(f"\nwrote {out / f'{name}.json'} and {out / f'{name}.png'}")
     return 0

@@ -35,18 +35,19 @@ class RingMultiHeadAttention(MultiHeadAttention):
         self.layout = check_layout(layout)
 
     def _ring_options(self, kv_lengths) -> dict:
-        return dict(comm=self.comm, layout=self.layout, causal=self.causal, align=self.align,
-                    window=self.window, chunk=self.chunk, kv_lengths=kv_lengths, alibi=self.alibi,
-                    scale=self.scale, gqa=True)
+        """The base's options of qkv.attention (one list for both layers), less the two the
+        ring does not take (``q_lengths``: no padded query rows here; ``method``: the ring
+        runs the tiled kernel), plus the communicator and the layout."""
+        opts = self._options(kv_lengths)
+        del opts["q_lengths"], opts["method"]
+        return dict(opts, comm=self.comm, layout=self.layout)
 
     def forward(self, x, *, kv_lengths=None):
         """This rank's ``y (B, c, d_model)`` from its tokens ``x (B, c, d_model)``;
         ``kv_lengths (B,)`` are global lengths (keys at global positions past them are padding)."""
         x3, squeezed = self._input("x", x)
         pos = positions(x3.shape[1] * self.size, comm=self.comm, layout=self.layout) if self.rope else None
-        q = split_heads(self.q_proj.forward(x3), self.n_heads)     # (B,c,d_model) -> (B,Hq,c,D)
-        k = split_heads(self.k_proj.forward(x3), self.n_kv_heads)  # (B,c,d_model) -> (B,Hkv,c,D)
-        v = split_heads(self.v_proj.forward(x3), self.n_kv_heads)  # (B,c,d_model) -> (B,Hkv,c,D)
+        q, k, v = self._heads(x3, x3)                  # (B, Hq, c, D), (B, Hkv, c, D), (B, Hkv, c, D)
         if self.rope:
             q = rope(q, pos, base=self.rope_base)       # global positions
             k = rope(k, pos, base=self.rope_base)
@@ -54,7 +55,7 @@ class RingMultiHeadAttention(MultiHeadAttention):
         out, lse = ring_attention(q, k, v, return_lse=True, **opts)  # (B, Hq, c, D), (B, Hq, c)
         y = self.o_proj.forward(merge_heads(out))       # (B,c,Hq*D) @ (Hq*D,d_model) -> (B,c,d_model)
         self._keep(dict(shape=x3.shape, squeezed=squeezed, q=q, k=k, v=v, out=out, lse=lse, opts=opts, pos=pos))
-        return y[0] if squeezed else y
+        return self._output(y, None, squeezed, False)
 
     def backward(self, dy):
         """Fill ``grads`` (summed over ranks) from this rank's ``dy (B, c, d_model)``; return ``dx``."""
@@ -65,11 +66,10 @@ class RingMultiHeadAttention(MultiHeadAttention):
         if self.rope:
             dq = rope_backward(dq, s["pos"], base=self.rope_base)
             dk = rope_backward(dk, s["pos"], base=self.rope_base)
-        dx = (self.q_proj.backward(merge_heads(dq)) + self.k_proj.backward(merge_heads(dk))
-              + self.v_proj.backward(merge_heads(dv)))    # x feeds all three projections
+        dx = self._heads_backward(dq, dk, dv, cross=False, squeezed=s["squeezed"])  # (B, c, d_model): x fed all three
         g = self.grads
         for name in sorted(g):  # token sums over the whole sequence: add every rank's part
             total = np.empty_like(g[name])
             self.comm.Allreduce(np.ascontiguousarray(g[name]), total)
             g[name][...] = total
-        return dx[0] if s["squeezed"] else dx
+        return dx

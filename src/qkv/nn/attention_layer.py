@@ -1,8 +1,10 @@
 """The one base of the attention layers: options, projections, checks, caches, the attention call.
 
-:class:`~qkv.nn.SelfAttention`, :class:`~qkv.nn.MultiHeadAttention` and
-:class:`~qkv.nn.LatentAttention` differ in how they make q, k and v and in what a cache
-stores. What surrounds that is the same and lives here, said once:
+:class:`~qkv.nn.SelfAttention`, :class:`~qkv.nn.MultiHeadAttention`,
+:class:`~qkv.nn.LatentAttention` and :class:`~qkv.nn.LinearAttention` (and
+``qkv.distributed.RingMultiHeadAttention`` on top of MultiHeadAttention) differ in how they
+make q, k and v, in the attention they call and in what a cache or state stores. What
+surrounds that is the same and lives here, said once:
 
 - the options (``causal`` and ``window`` parsed in the constructor, so a bad value fails
   there and not at the first forward; ``rope_base`` checked when RoPE is on) and the
@@ -21,7 +23,7 @@ from ..api import attention, attention_backward
 from ..errors import ShapeError, as_float_array, fmt_shape, positive_int
 from ..masks import parse_alignment, parse_chunk, parse_window
 from ..positional import check_base
-from .base import Layer, check_input
+from .base import Layer, check_input, merge_heads, split_heads
 from .layers import Linear
 
 
@@ -69,6 +71,15 @@ class AttentionLayer(Layer):
         self._expose({**links, **bias_links})
 
     # --- forward -------------------------------------------------------------------------
+    def _heads(self, x3: np.ndarray, src: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``q (B, Hq, T, D)`` from ``x3`` and ``k``, ``v (B, Hkv, Tk, D)`` from the key/value
+        source ``src``, through ``q_proj``, ``k_proj``, ``v_proj`` (layers with ``n_heads`` and
+        ``n_kv_heads``: MultiHeadAttention, LinearAttention)."""
+        q = split_heads(self.q_proj.forward(x3), self.n_heads)      # (B,T,d_model) -> (B,T,Hq*D) -> (B,Hq,T,D)
+        k = split_heads(self.k_proj.forward(src), self.n_kv_heads)  # (B,Tk,d_model) -> (B,Hkv,Tk,D)
+        v = split_heads(self.v_proj.forward(src), self.n_kv_heads)  # (B,Tk,d_model) -> (B,Hkv,Tk,D)
+        return q, k, v
+
     def _input(self, name: str, x) -> tuple[np.ndarray, bool]:
         """``x`` as ``(B, T, d_model)`` in the layer's dtype, and whether it came 2-D."""
         x3, squeezed = check_input(name, x, self.d_model)
@@ -157,6 +168,17 @@ class AttentionLayer(Layer):
         """``dy`` of a ``(B, T, d_model)`` output (``shape``) as 3-D, given 2-D where ``x`` was."""
         dy = self._grad_output(dy, shape[1:] if squeezed else shape, "(B, T, d_model)")
         return dy[None] if squeezed else dy
+
+    def _heads_backward(self, dq, dk, dv, cross: bool, squeezed: bool):
+        """The inverse of :meth:`_heads`: fills the projections' grads and returns ``dx``, or
+        ``(dx, dcontext)`` for cross-attention (self-attention's x fed all three), 2-D where
+        the input was."""
+        dx = self.q_proj.backward(merge_heads(dq))  # (B,Hq,T,D) -> (B,T,Hq*D) -> (B,T,d_model)
+        dsrc = self.k_proj.backward(merge_heads(dk)) + self.v_proj.backward(merge_heads(dv))  # (B,Tk,d_model)
+        if cross:
+            return (dx[0], dsrc[0]) if squeezed else (dx, dsrc)
+        dx = dx + dsrc
+        return dx[0] if squeezed else dx
 
     @staticmethod
     def _attend_backward(dout, q, k, v, out, lse, opts: dict):

@@ -19,7 +19,9 @@ float32 stays as accurate as the full pass.
 
 Backward runs the steps in reverse as in :class:`~qkv.nn.MultiHeadAttention`, with
 :func:`qkv.linear_attention_backward`'s products; after a forward with a state the tokens
-the state held before are constants.
+the state held before are constants. The layer stands on the attention-layer base
+(:class:`~qkv.nn.attention_layer.AttentionLayer`): options, the ``Linear`` projections
+``q_proj`` … ``o_proj``, the checks of ``x``, ``context`` and ``dy``, train/eval.
 """
 from __future__ import annotations
 
@@ -27,8 +29,9 @@ import numpy as np
 
 from ..errors import ShapeError, fmt_shape, positive_int
 from ..kernels import linear
-from ..masks import parse_causal
-from .base import Layer, check_input, head_width, linear_grad, merge_heads, split_heads
+from ..masks import parse_alignment
+from .attention_layer import AttentionLayer
+from .base import head_width, kv_heads, merge_heads, split_heads
 
 
 class LinearState:
@@ -62,10 +65,11 @@ class LinearState:
         return f"LinearState({self.length} tokens, {self.s.shape}, {self.nbytes} bytes)"
 
 
-class LinearAttention(Layer):
+class LinearAttention(AttentionLayer):
     """Multi-head linear attention with ``n_heads`` query heads and ``n_kv_heads`` kv heads.
 
-    Parameters (projections are ``x @ W + b``), the same names and shapes as
+    Parameters (projections are ``x @ W + b``, each an :class:`~qkv.nn.Linear`: ``q_proj``,
+    ``k_proj``, ``v_proj``, ``o_proj``), the same names and shapes as
     :class:`~qkv.nn.MultiHeadAttention`, drawn from ``rng`` in the same order::
 
         W_Q (d_model, n_heads * d_head)      b_Q (n_heads * d_head,)
@@ -80,24 +84,14 @@ class LinearAttention(Layer):
     def __init__(self, d_model: int, n_heads: int, *, n_kv_heads: int | None = None,
                  d_head: int | None = None, causal=False, bias: bool = False,
                  dtype=np.float32, rng: np.random.Generator | None = None):
-        super().__init__(dtype=dtype, rng=rng)
-        self.d_model = positive_int("d_model", d_model)
+        super().__init__(d_model, causal=causal, dtype=dtype, rng=rng)
         self.n_heads = positive_int("n_heads", n_heads)
-        self.n_kv_heads = self.n_heads if n_kv_heads is None else positive_int("n_kv_heads", n_kv_heads)
-        if self.n_heads % self.n_kv_heads:
-            raise ShapeError(f"n_heads must be a multiple of n_kv_heads; got n_heads = {n_heads}, "
-                             f"n_kv_heads = {n_kv_heads}")
+        self.n_kv_heads = kv_heads(self.n_heads, n_kv_heads)
         self.d_head = head_width(self.d_model, self.n_heads, d_head)
-        parse_causal(causal)
-        self.causal, self.bias = causal, bool(bias)
-        hq, hkv = self.n_heads * self.d_head, self.n_kv_heads * self.d_head
-        self._add("W_Q", (self.d_model, hq))
-        self._add("W_K", (self.d_model, hkv))
-        self._add("W_V", (self.d_model, hkv))
-        self._add("W_O", (hq, self.d_model))
-        if self.bias:
-            for name, n in (("b_Q", hq), ("b_K", hkv), ("b_V", hkv), ("b_O", self.d_model)):
-                self._add(name, (n,), zero=True)
+        self.bias = bool(bias)
+        d, hq, hkv = self.d_model, self.n_heads * self.d_head, self.n_kv_heads * self.d_head
+        self._linears(bias=self.bias, q_proj=("Q", d, hq), k_proj=("K", d, hkv), v_proj=("V", d, hkv),
+                      o_proj=("O", hq, d))
 
     # --- state ---------------------------------------------------------------------------
     def new_state(self, batch: int) -> LinearState:
@@ -109,16 +103,11 @@ class LinearAttention(Layer):
         return np.dtype(np.float64) if self.dtype == np.float64 else np.dtype(np.float32)
 
     # --- forward / backward --------------------------------------------------------------
-    def _project(self, x, name: str, heads: int) -> np.ndarray:
-        y = x @ self.params["W_" + name]  # (B, T, d_model) @ (d_model, H*D) -> (B, T, H*D)
-        if self.bias:
-            y = y + self.params["b_" + name]
-        return split_heads(y, heads).astype(self._compute_dtype, copy=False)  # (B, H, T, D)
-
     def _kernel_options(self, t: int, tk: int, stateful: bool) -> dict:
-        align = parse_causal(self.causal)
-        offset = tk - t if (align == "bottom_right" and not stateful) else 0
-        return dict(causal=align is not None, offset=offset, group=self.n_heads // self.n_kv_heads)
+        """Keyword arguments of the linear kernel: causal, the alignment offset, heads per kv head."""
+        causal, align = parse_alignment(self.causal, self.align)
+        offset = tk - t if (causal and align == "bottom_right" and not stateful) else 0
+        return dict(causal=causal, offset=offset, group=self.n_heads // self.n_kv_heads)
 
     def _check_state(self, state, cross: bool, batch: int) -> None:
         if state is None:
@@ -127,7 +116,7 @@ class LinearAttention(Layer):
             raise ShapeError("state= is for causal self-attention decoding; got both context= and state=")
         if not isinstance(state, LinearState):
             raise ShapeError(f"state must come from this layer's new_state(batch); got {type(state).__name__}")
-        if not parse_causal(self.causal):
+        if not parse_alignment(self.causal, self.align)[0]:
             raise ShapeError("state= needs a causal layer (causal=True): a bidirectional layer cannot decode "
                              "one token at a time")
         want = (batch, self.n_kv_heads, 1, self.d_head, self.d_head + 1)
@@ -145,68 +134,29 @@ class LinearAttention(Layer):
 
         Returns ``y (B, T, d_model)`` (and the weights).
         """
-        x3, squeezed = check_input("x", x, self.d_model)
-        x3 = x3.astype(self.dtype, copy=False)
+        x3, squeezed = self._input("x", x)
         cross = context is not None
-        src = x3
-        if cross:
-            src, c_squeezed = check_input("context", context, self.d_model)
-            src = src.astype(self.dtype, copy=False)
-            if c_squeezed != squeezed or src.shape[0] != x3.shape[0]:
-                raise ShapeError(f"context must have x's batch: x {fmt_shape(np.shape(x))}, context (B, Tc, d_model) "
-                                 f"with B = {x3.shape[0]}; got {fmt_shape(np.shape(context))}")
+        src = self._context(context, x, x3, squeezed) if cross else x3
         self._check_state(state, cross, x3.shape[0])
         if return_weights and state is not None:
             raise ShapeError("return_weights needs the keys, which a state does not keep; got state= too")
-        q = self._project(x3, "Q", self.n_heads)  # (B, Hq, T, D)
-        k = self._project(src, "K", self.n_kv_heads)  # (B, Hkv, Tk, D)
-        v = self._project(src, "V", self.n_kv_heads)  # (B, Hkv, Tk, D)
+        q, k, v = (a.astype(self._compute_dtype, copy=False) for a in self._heads(x3, src))  # (B,Hq,T,D), (B,Hkv,Tk,D) x2
         opts = self._kernel_options(q.shape[-2], k.shape[-2], state is not None)
         before = None if state is None else (state.s.copy(), state.comp.copy())
         out, after = linear.forward(q, k, v, state=before, **opts)  # (B, Hq, T, D)
         if state is not None:
             state.s[...], state.comp[...] = after
             state.length += x3.shape[1]
-        o = merge_heads(out).astype(self.dtype, copy=False)  # (B, T, Hq*D)
-        y = o @ self.params["W_O"]  # (B, T, Hq*D) @ (Hq*D, d_model) -> (B, T, d_model)
-        if self.bias:
-            y = y + self.params["b_O"]
-        self._saved = dict(x=x3, src=src, cross=cross, squeezed=squeezed, q=q, k=k, v=v, o=o,
-                           opts=opts, before=before)
-        if squeezed:
-            y = y[0]
-        if not return_weights:
-            return y
-        w = linear.weights(q, k, **{n: opts[n] for n in ("causal", "offset", "group")})
-        return y, (w[0] if squeezed else w).astype(self.dtype, copy=False)
+        y = self.o_proj.forward(merge_heads(out))  # (B,T,Hq*D) @ (Hq*D,d_model) -> (B,T,d_model)
+        self._keep(dict(shape=x3.shape, cross=cross, squeezed=squeezed, q=q, k=k, v=v, opts=opts, before=before))
+        w = linear.weights(q, k, **opts).astype(self.dtype, copy=False) if return_weights else None
+        return self._output(y, w, squeezed, return_weights)
 
     def backward(self, dy):
         """Fill ``grads`` from ``dy (B, T, d_model)``; return ``dx``, or ``(dx, dcontext)``."""
         s = self._need_saved()
-        dy = np.asarray(dy)
-        want = s["x"].shape[1:] if s["squeezed"] else s["x"].shape
-        if dy.shape != want:
-            raise ShapeError(f"dy must have the output's shape (B, T, d_model) = {fmt_shape(want)}; got {fmt_shape(dy.shape)}")
-        dy = (dy[None] if s["squeezed"] else dy).astype(self.dtype, copy=False)
-        p, g = self.params, self.grads
-        g["W_O"][...] = linear_grad(s["o"], dy)
-        if self.bias:
-            g["b_O"][...] = dy.sum(axis=(0, 1))
-        do = split_heads(dy @ p["W_O"].T, self.n_heads)  # (B,T,d_model) @ (d_model,Hq*D) -> (B,Hq,T,D)
+        dy = self._grad_sequences(dy, s["shape"], s["squeezed"])
+        do = split_heads(self.o_proj.backward(dy), self.n_heads)  # (B,T,d_model) -> (B,T,Hq*D) -> (B,Hq,T,D)
         dq, dk, dv = linear.backward(do.astype(s["q"].dtype, copy=False), s["q"], s["k"], s["v"],
                                      state=s["before"], **s["opts"])
-        dx = self._project_backward("Q", s["x"], merge_heads(dq))
-        dsrc = self._project_backward("K", s["src"], merge_heads(dk)) \
-            + self._project_backward("V", s["src"], merge_heads(dv))
-        if s["cross"]:
-            return (dx[0], dsrc[0]) if s["squeezed"] else (dx, dsrc)
-        dx = dx + dsrc
-        return dx[0] if s["squeezed"] else dx
-
-    def _project_backward(self, name: str, x, dy) -> np.ndarray:
-        """Grads of ``y = x W + b`` for ``x (B, T, d_model)``, ``dy (B, T, H*D)``; returns dx."""
-        dy = dy.astype(self.dtype, copy=False)
-        self.grads["W_" + name][...] = linear_grad(x, dy)
-        if self.bias:
-            self.grads["b_" + name][...] = dy.sum(axis=(0, 1))
-        return dy @ self.params["W_" + name].T  # (B, T, H*D) @ (H*D, d_model) -> (B, T, d_model)
+        return self._heads_backward(dq, dk, dv, s["cross"], s["squeezed"])

@@ -110,9 +110,7 @@ class MultiHeadAttention(AttentionLayer):
         start, counts, kv_len, q_len = 0, None, kv_lengths, q_lengths
         if cache is not None:
             start, counts, kv_len, q_len = self._cache_step(cache, x3.shape[1], kv_lengths, q_lengths)
-        q = split_heads(self.q_proj.forward(x3), self.n_heads)  # (B,T,d_model) -> (B,T,Hq*D) -> (B,Hq,T,D)
-        k = split_heads(self.k_proj.forward(src), self.n_kv_heads)  # (B,Tk,d_model) -> (B,Hkv,Tk,D)
-        v = split_heads(self.v_proj.forward(src), self.n_kv_heads)  # (B,Tk,d_model) -> (B,Hkv,Tk,D)
+        q, k, v = self._heads(x3, src)  # (B, Hq, T, D), (B, Hkv, Tk, D), (B, Hkv, Tk, D)
         if self.rope:
             q = rope(q, offset=start, base=self.rope_base)
             k = rope(k, offset=start, base=self.rope_base)
@@ -144,9 +142,4 @@ class MultiHeadAttention(AttentionLayer):
         if self.rope:
             dq = rope_backward(dq, offset=start, base=self.rope_base)
             dk = rope_backward(dk, offset=start, base=self.rope_base)
-        dx = self.q_proj.backward(merge_heads(dq))  # (B,T,Hq*D) -> (B,T,d_model)
-        dsrc = self.k_proj.backward(merge_heads(dk)) + self.v_proj.backward(merge_heads(dv))  # (B,Tk,d_model)
-        if s["cross"]:
-            return (dx[0], dsrc[0]) if s["squeezed"] else (dx, dsrc)
-        dx = dx + dsrc
-        return dx[0] if s["squeezed"] else dx
+        return self._heads_backward(dq, dk, dv, s["cross"], s["squeezed"])
