@@ -6,7 +6,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import qkv
-from qkv.masks import build_spec, parse_window
+from qkv.masks import build_spec
+from qkv.options import parse_window
 
 LEAD = (2, 3)
 

@@ -33,9 +33,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import ShapeError, as_array, broadcasts_to, fmt_shape
-from .options import ALIGNS, parse_alignment, parse_causal, parse_chunk, parse_window
+from .options import parse_alignment, parse_chunk, parse_window
 
-__all__ = ["MaskSpec", "build_spec", "parse_alignment", "parse_causal", "parse_window", "parse_chunk", "ALIGNS"]
+__all__ = ["MaskSpec", "build_spec"]
 
 
 @dataclass(frozen=True)

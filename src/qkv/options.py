@@ -73,10 +73,3 @@ def parse_chunk(chunk) -> int | None:
     if isinstance(chunk, (bool, np.bool_)) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
         raise ShapeError(f"chunk must be an int >= 1 (keys per chunk) or None; got {chunk!r}")
     return int(chunk)
-
-
-def parse_causal(causal):
-    """Check ``causal`` alone (as layers do in their constructor): ``None`` when off, else
-    its alignment (``True`` is ``"top_left"``)."""
-    on, align = parse_alignment(causal)
-    return align if on else None

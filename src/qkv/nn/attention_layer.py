@@ -21,7 +21,7 @@ import numpy as np
 
 from ..api import attention, attention_backward
 from ..errors import ShapeError, as_float_array, fmt_shape, positive_int
-from ..masks import parse_alignment, parse_chunk, parse_window
+from ..options import parse_alignment, parse_chunk, parse_window
 from ..positional import check_base
 from .base import Layer, check_input, merge_heads, split_heads
 from .layers import Linear

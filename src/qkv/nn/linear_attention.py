@@ -29,7 +29,7 @@ import numpy as np
 
 from ..errors import ShapeError, fmt_shape, positive_int
 from ..kernels import linear
-from ..masks import parse_alignment
+from ..options import parse_alignment
 from .attention_layer import AttentionLayer
 from .base import head_width, kv_heads, merge_heads, split_heads
 

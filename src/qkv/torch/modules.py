@@ -23,7 +23,7 @@ from torch import nn
 
 from .. import nn as qnn
 from ..errors import ShapeError, fmt_shape, positive_int
-from ..masks import parse_causal
+from ..options import parse_alignment
 from .functional import attention
 
 _TORCH = {np.dtype(np.float16): torch.float16, np.dtype(np.float32): torch.float32,
@@ -103,7 +103,7 @@ class SelfAttention(nn.Module):
         super().__init__()
         self.d_model, self.d_k = positive_int("d_model", d_model), positive_int("d_k", d_k)
         self.d_v = self.d_k if d_v is None else positive_int("d_v", d_v)
-        parse_causal(causal)
+        parse_alignment(causal)  # a bad value fails here, not at the first forward
         self.causal = causal
         kw = dict(bias=False, dtype=torch_dtype(dtype), device=device)
         self.W_Q = nn.Linear(self.d_model, self.d_k, **kw)
