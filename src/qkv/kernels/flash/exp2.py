@@ -113,6 +113,8 @@ def _measure_numpy() -> tuple[str, object]:
 
 
 def _choose() -> dict:
+    if _chosen:  # every tile asks: no lock once the choice is made
+        return _chosen
     with _lock:
         if not _chosen:
             kernels = None if os.environ.get("QKV_JIT", "1") == "0" else _numba_kernels()
