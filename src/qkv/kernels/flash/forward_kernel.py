@@ -36,9 +36,8 @@ fastest exponential on the CPU). ``lse = (m + log2 l) · ln 2`` is formed in flo
 rounded once.
 
 **Masked diagonals.** Where a causal or window diagonal crosses a task's key chunk, the
-bound path takes the masked keys by row blocks of ``Tiles.diagonal_rows`` (64), each over
-only the keys it may see: a 256-row causal diagonal then costs 5/8 of its square, and its
-masks are 64 rows wide.
+bound path takes the masked keys by row blocks of ``Tiles.diagonal_rows`` (128), each over
+only the keys it may see: a 512-row causal diagonal then costs 5/8 of its square.
 
 **Large scores: the precise path.** Scores of size ``|s|`` carry a rounding error of about
 ``eps·|s|`` in the compute dtype, and a float32 ``lse`` an error of half its ulp. Where a
@@ -215,7 +214,7 @@ def _diagonal_pieces(spec, head, q0, q1, a, b, partial, step):
     """Keys a:b of a task's rows q0:q1, where ``partial`` key runs need a mask (a causal or
     window diagonal), as tiles ``(k0, k1, (r0, r1, partial'))``: the unmasked keys against all
     rows, then each masked run against row blocks of ``step``, each only over the keys it may
-    see (``MaskSpec.segments``). A 256-row causal diagonal so costs 5/8 of its square."""
+    see (``MaskSpec.segments``). A causal diagonal of four row blocks so costs 5/8 of its square."""
     cuts = sorted({a, b} | {x for run in partial for x in run})
     masked = set(partial)
     batch = head[0] if spec.lead else 0
@@ -264,7 +263,7 @@ def forward(q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_weight
     out = np.zeros(lead + (tq, dv), dt)
     lse = np.full(lead + (tq,), -np.inf, dt)
     stack = tq < tiles.stack_rows
-    rows = tq if stack else tiles.rows
+    rows = tq if stack else _task_rows(tiles.rows, tq, int(np.prod(lead)))
     with np.errstate(over="ignore"):
         sc = dt.type(scale * LOG2E)
     fast = bool(np.isfinite(sc))  # else scores in base 2 overflow the dtype: precise path only
@@ -344,6 +343,15 @@ def forward(q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_weight
     with Workers(num_threads, int(np.prod(lead)) * tq * tk, tiles) as pool:
         _forward_tiles(pool, spec, heads_of, prep, task, stack, rows, tq)
     return out, lse, None
+
+
+def _task_rows(rows: int, tq: int, heads: int) -> int:
+    """Query rows per task: ``rows``, halved (down to 128) while that leaves fewer than 16
+    tasks, so a causal problem's uneven tasks can still be balanced over threads. It depends
+    on the problem alone, so every thread count adds in the same order (the same bits)."""
+    while rows > 128 and heads * -(-tq // rows) < 16:
+        rows //= 2
+    return rows
 
 
 def _forward_tiles(pool, spec, heads_of, prep, task, stack, rows, tq):
