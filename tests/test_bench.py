@@ -109,7 +109,9 @@ def test_decode_table_reports_bandwidth(quick_run):
     r, c = data["decode"][0], QUICK["decode"]
     assert r["bytes"] == c["hkv"] * c["tk"] * (c["d"] + c["d"]) * 4
     assert row[4] == f"{r['bytes'] / r['seconds']['qkv'] / 1e9:.1f}"     # qkv GB/s
-    assert row[7] == f"{r['copy_bytes_per_s'] / 1e9:.1f}" and r["copy_bytes_per_s"] > 0
+    copied = r["copy_bytes_per_s"] / 2e9                                  # STREAM counts read + written
+    assert row[7] == f"{copied:.1f}" and r["copy_bytes_per_s"] > 0
+    assert abs(float(row[8]) - r["bytes"] / r["seconds"]["qkv"] / 1e9 / copied) <= 0.005  # reads ÷ copied
     assert "read + written" in text
 
 
