@@ -99,3 +99,21 @@ def test_the_band_is_masked_in_the_same_pass(lo, hi, shift):
     want = np.where(inside, np.exp2(x.astype(np.float64) - m), 0)
     np.testing.assert_allclose(y, want, rtol=1e-6)
     assert (y[~inside] == 0).all()
+
+
+@pytest.mark.parametrize("offset", [True, False])
+def test_column_sums_ride_in_the_same_pass(offset):
+    """``l`` gets each column's sum added (the softmax denominators), on every path."""
+    x = np.random.default_rng(6).uniform(-30, 4, (70, 33)).astype(np.float32)
+    m = np.random.default_rng(7).uniform(0, 3, 33).astype(np.float32) if offset else None
+    l = np.full(33, 0.25, np.float32)
+    y = x.copy()
+    E.sub_exp2(y, m, l)
+    want = np.exp2(x.astype(np.float64) - (0 if m is None else m))
+    np.testing.assert_allclose(y, want, rtol=4e-6)  # x - m rounded to float32 first: |x| eps ln 2
+    np.testing.assert_allclose(l, 0.25 + want.sum(axis=0), rtol=4e-6)
+    lb = np.zeros(33, np.float32)
+    z = x.copy()
+    if E.band_sub_exp2(z, np.zeros(33, np.float32), 0, 0, 0, 3, 0, l=lb):  # compiled: sums of the band only
+        np.testing.assert_allclose(lb, z.sum(axis=0, dtype=np.float64), rtol=2e-6)
+        assert (z[np.arange(70)[:, None] > np.arange(33)[None, :]] == 0).all()

@@ -290,10 +290,10 @@ def test_masked_diagonals_are_split_into_row_blocks(monkeypatch, opts):
     area = []
     real = flash.forward_kernel._bound_tile
 
-    def counted(qs, kk, v1, m, acc, spec, heads, q0, q1, a, b, rows, *rest):
+    def counted(qs, kk, vv, m, acc, l, spec, heads, q0, q1, a, b, rows, *rest):
         r0, r1, _ = rows
         area.append(((qs.shape[0] if (r0, r1) == (q0, q1) else r1 - r0)) * (b - a))
-        return real(qs, kk, v1, m, acc, spec, heads, q0, q1, a, b, rows, *rest)
+        return real(qs, kk, vv, m, acc, l, spec, heads, q0, q1, a, b, rows, *rest)
 
     monkeypatch.setattr(flash.forward_kernel, "_bound_tile", counted)
     want = qkv.attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),

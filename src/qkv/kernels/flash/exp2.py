@@ -5,7 +5,7 @@ offset ``m`` (``sub_exp2``) or ``2^s`` (``exp2``), in place. Three ways to compu
 chosen per process at the first call (:func:`path` says which) and kept:
 
 - ``"numba"`` (the ``fast`` extra; ``QKV_JIT=0`` turns it off): one compiled pass that
-  subtracts the offset and evaluates ``2^x = 2^n · 2^f`` with ``n = round(x)``,
+  subtracts the offset, adds each column's sum into ``l`` (the softmax denominators) and evaluates ``2^x = 2^n · 2^f`` with ``n = round(x)``,
   ``f = x - n ∈ [-1/2, 1/2]``, ``2^f`` by a degree-6 polynomial fitted to relative error
   ``2e-9`` on that interval (below float32's rounding, so about 1 ulp in all), and ``2^n``
   written into the exponent bits. Inputs at or below ``-127`` give exactly 0 (never a
@@ -55,11 +55,13 @@ def _numba_kernels():
         return p * i32(bits).view(f32)
 
     @numba.njit(nogil=True, cache=True, fastmath={"contract", "afn", "reassoc", "nsz", "arcp"})
-    def sub_exp2(st, m):              # st (w, R) float32 in place: 2^(st - m[col])
+    def sub_exp2_sum(st, m, l):       # st (w, R) float32 in place: 2^(st - m[col]); l[col] += Σ_rows
         w, r = st.shape
         for i in range(w):
             for j in range(r):
-                st[i, j] = pow2(st[i, j] - m[j])
+                p = pow2(st[i, j] - m[j])
+                st[i, j] = p
+                l[j] += p
 
     @numba.njit(nogil=True, cache=True, fastmath={"contract", "afn", "reassoc", "nsz", "arcp"})
     def exp2(st):                     # st (w, R) float32 in place: 2^st
@@ -69,7 +71,7 @@ def _numba_kernels():
                 st[i, j] = pow2(st[i, j])
 
     @numba.njit(nogil=True, cache=True, fastmath={"contract", "afn", "reassoc", "nsz", "arcp"})
-    def band_exp2(st, m, k0, r0, shift, lo, hi):  # 2^(st - m[col]) where the band allows, else 0
+    def band_exp2_sum(st, m, l, k0, r0, shift, lo, hi):  # as sub_exp2_sum where the band allows, else 0
         w, r = st.shape
         for i in range(w):
             for j in range(r):
@@ -77,13 +79,15 @@ def _numba_kernels():
                 if d < -lo or d > hi:
                     st[i, j] = f32(0.0)
                 else:
-                    st[i, j] = pow2(st[i, j] - m[j])
+                    p = pow2(st[i, j] - m[j])
+                    st[i, j] = p
+                    l[j] += p
 
-    tile = np.zeros((4, 4), f32)
-    sub_exp2(tile, np.zeros(4, f32))  # compile now (or load), not inside a kernel's tile loop
+    tile, row = np.zeros((4, 4), f32), np.zeros(4, f32)
+    sub_exp2_sum(tile, row, row.copy())  # compile now (or load), not inside a kernel's tile loop
     exp2(tile)
-    band_exp2(tile, np.zeros(4, f32), 0, 0, 0, 0, 0)
-    return sub_exp2, exp2, band_exp2
+    band_exp2_sum(tile, row, row.copy(), 0, 0, 0, 0, 0)
+    return sub_exp2_sum, exp2, band_exp2_sum
 
 
 def _np_exp2(x):
@@ -141,27 +145,34 @@ def exp2(x: np.ndarray) -> None:
         np.exp2(x, out=x)
 
 
-def sub_exp2(x: np.ndarray, m: np.ndarray) -> None:
-    """``x[i, j] = 2^(x[i, j] - m[j])`` in place, for a C-contiguous tile ``x (w, R)``."""
+def sub_exp2(x: np.ndarray, m: np.ndarray | None, l: np.ndarray | None = None) -> None:
+    """``x[i, j] = 2^(x[i, j] - m[j])`` in place, for a C-contiguous tile ``x (w, R)`` (``m``
+    None: no offset); with ``l (R,)`` also ``l[j] += Σ_i x[i, j]``, in the same pass where compiled."""
     c = _choose()
     if c["numba"] is not None and x.dtype == np.float32 and x.flags.c_contiguous:
-        c["numba"][0](x, m.astype(np.float32, copy=False))
+        m = np.zeros(x.shape[1], np.float32) if m is None else m.astype(np.float32, copy=False)
+        c["numba"][0](x, m, np.zeros(x.shape[1], np.float32) if l is None else l)
         return
-    x -= m
+    if m is not None:
+        x -= m
     exp2(x)
+    if l is not None:
+        l += x.sum(axis=0)
 
 
 _FAR = 1 << 62  # an unbounded side of the band
 
 
-def band_sub_exp2(x: np.ndarray, m: np.ndarray, k0: int, r0: int, shift: int, lo, hi) -> bool:
+def band_sub_exp2(x: np.ndarray, m: np.ndarray, k0: int, r0: int, shift: int, lo, hi,
+                  l: np.ndarray | None = None) -> bool:
     """``x[i, j] = 2^(x[i, j] - m[j])`` where key ``k0 + i`` lies in the band of row ``r0 + j``
     (``i' - lo <= key <= i' + hi``, ``i' = row + shift``; None: unbounded), else exactly 0: a
-    causal or window diagonal masked in the same pass. False (nothing done) where the
-    compiled path is off; the caller then masks with -inf and calls :func:`sub_exp2`."""
+    causal or window diagonal masked in the same pass; with ``l``, ``l[j] += Σ_i x[i, j]``.
+    False (nothing done) where the compiled path is off; the caller then masks with -inf and
+    calls :func:`sub_exp2`."""
     c = _choose()
     if c["numba"] is None or x.dtype != np.float32 or not x.flags.c_contiguous:
         return False
-    c["numba"][2](x, m.astype(np.float32, copy=False), k0, r0, shift,
-                  _FAR if lo is None else lo, _FAR if hi is None else hi)
+    c["numba"][2](x, m.astype(np.float32, copy=False), np.zeros(x.shape[1], np.float32) if l is None else l,
+                  k0, r0, shift, _FAR if lo is None else lo, _FAR if hi is None else hi)
     return True

@@ -21,9 +21,9 @@ and at the end ``o_i = acc / l``, ``lse_i = m + log l``. That is the *exact* pat
 **A fixed offset from a bound (the fast path).** By Cauchy–Schwarz,
 ``s_j <= U_i = scale · ‖q_i‖ · max_j ‖k_j‖`` (plus an upper bound of the ALiBi term). With
 ``m = max(0, U_i - C)`` no exponent exceeds ``C`` (about 60 in float32), so nothing overflows and
-``m`` never changes: no rescaling of ``acc``, no max pass, and the row sum comes out of the
-value product for free by giving V a column of ones, ``[acc | l] = Σ_j exp(s_j - m) [v_j | 1]``.
-A block then costs two matrix products and one in-place ``exp``. The bound may be loose;
+``m`` never changes: no rescaling of ``acc``, no max pass, and the row sums ``l`` are added
+up in the exponential's own pass. A block then costs two matrix products and one in-place
+``exp``. The bound may be loose;
 float32 keeps full relative precision for ``exp(x)`` down to ``x ≈ -87``, so the result
 is exact to rounding as long as the largest term is not tiny: rows whose ``l < e^-40``
 (including rows that see nothing) are redone on the exact path, and so are rows whose
@@ -116,9 +116,8 @@ def _fwd_exact(qs, kk, vv, spec, heads, q0, q1, runs, dt, tiles, clip=None, stop
             return None                                      # a large row: the precise path will redo it
         m_safe = np.where(m_new == -np.inf, 0, m_new).astype(dt, copy=False)
         alpha = np.exp2(m - m_safe)                          # exp(m - m'); 0 while m = -inf
-        pow2.sub_exp2(st, m_safe)                            # exp(s_j - m'), in one pass
         l *= alpha
-        l += st.sum(axis=0)                                  # l' = alpha l + Σ exp(s_j - m')
+        pow2.sub_exp2(st, m_safe, l)                         # exp(s_j - m'); l' = alpha l + Σ exp(s_j - m')
         acc *= alpha[:, None]
         if thin:  # by L2-sized chunks of V too: OpenBLAS takes (R,1024) @ (1024,Dv) at twice the rate
             for c in range(a, b, tiles.gemv_keys):
@@ -162,51 +161,52 @@ def _fwd_precise(qs, kk, vv, scale, spec, heads, q0, q1, runs, dt, tiles):
     return acc / np.where(seen, l, 1)[:, None].astype(dt), m, l
 
 
-def _fwd_bound(qs, kk, v1, knorm, spec, heads, q0, q1, runs, dt, tiles):
+def _fwd_bound(qs, kk, vv, knorm, spec, heads, q0, q1, runs, dt, tiles):
     """Fixed offset from the Cauchy–Schwarz bound; ``None`` if some row needs the exact path.
     Returns ``(out (R, Dv), m (R,), l (R,))`` in base 2."""
-    nrow, dv = qs.shape[0], v1.shape[-1] - 1
+    nrow, dv = qs.shape[0], vv.shape[-1]
     kmax = max(float(knorm[a:b].max()) for a, b, _ in runs)
     qnorm = np.sqrt(np.einsum("rd,rd->r", qs, qs))
     bound = qnorm * dt.type(kmax)                                   # U_i >= every s_ij
     bound = bound.reshape(len(heads), -1) + LOG2E * _alibi_bound(spec, heads, q0, q1, runs[0][0], runs[-1][1])[:, None]
     m = np.maximum(bound.reshape(-1) - _HEADROOM[dt], 0).astype(dt)  # m = max(0, U - C)
-    shift = bool(m.any())
-    acc = np.zeros((nrow, dv + 1), dt)                              # [acc | l]
+    offset = m if m.any() else None                                 # m = 0: no subtraction
+    acc = np.zeros((nrow, dv), dt)
+    l = np.zeros(nrow, dt)
     width = max(16, tiles.scratch // nrow)
     split = len(heads) == 1 and spec.mask is None and nrow > tiles.diagonal_rows
     for a, b, partial in chunks(runs, width):
         if split and partial:  # the masked keys by narrower row blocks: each computes only what it sees
             for c0, c1, rows in _diagonal_pieces(spec, heads[0], q0, q1, a, b, partial, tiles.diagonal_rows):
-                _bound_tile(qs, kk, v1, m, acc, spec, heads, q0, q1, c0, c1, rows, shift, dt, tiles)
+                _bound_tile(qs, kk, vv, offset, acc, l, spec, heads, q0, q1, c0, c1, rows, dt, tiles)
             continue
-        _bound_tile(qs, kk, v1, m, acc, spec, heads, q0, q1, a, b, (q0, q1, partial), shift, dt, tiles)
-    l = acc[:, dv]
+        _bound_tile(qs, kk, vv, offset, acc, l, spec, heads, q0, q1, a, b, (q0, q1, partial), dt, tiles)
     if not (l >= 2.0 ** -_LOOSE[dt]).all():
         return None  # a row's largest term is tiny (or it sees nothing): redo exactly
-    if not np.isfinite(acc).all():
+    if not (np.isfinite(acc).all() and np.isfinite(l).all()):
         return None  # terms up to 2^C times large values overflowed: redo with terms <= 1
-    return acc[:, :dv] / l[:, None], m, l
+    return acc / l[:, None], m, l
 
 
-def _bound_tile(qs, kk, v1, m, acc, spec, heads, q0, q1, a, b, rows, shift, dt, tiles) -> None:
+def _bound_tile(qs, kk, vv, m, acc, l, spec, heads, q0, q1, a, b, rows, dt, tiles) -> None:
     """One tile of the bound path: keys a:b against rows ``r0:r1`` (of the task's q0:q1),
-    ``rows = (r0, r1, partial)``; adds ``[Σ p v | Σ p]`` into ``acc``."""
+    ``rows = (r0, r1, partial)``, offsets ``m`` (None: 0); adds ``Σ p v`` into ``acc`` and
+    ``Σ p`` into ``l`` (in the exponential's pass: a column of ones beside V, which was how
+    the sums came before, slows OpenBLAS's product by 10 % at Dv = 64)."""
     r0, r1, partial = rows
     i0, i1 = (0, qs.shape[0]) if (r0, r1) == (q0, q1) else (r0 - q0, r1 - q0)  # all stacked heads, or a row block
     st = scratch((i1 - i0) * (b - a), dt, tiles).reshape(b - a, i1 - i0)  # the tile, transposed
     np.matmul(kk[a:b], qs[i0:i1].T, out=st)        # (w,D) @ (D,r) -> (w,r)
+    mi = None if m is None else m[i0:i1]
     if partial and len(heads) == 1 and _structural(spec) and \
-            pow2.band_sub_exp2(st, m[i0:i1], a, r0, spec.shift(batch_of(spec, heads[0])), *spec.band):
-        acc[i0:i1] += st.T @ v1[a:b]               # a diagonal masked inside the exponential's pass
+            pow2.band_sub_exp2(st, np.zeros(i1 - i0, dt) if mi is None else mi, a, r0,
+                               spec.shift(batch_of(spec, heads[0])), *spec.band, l=l[i0:i1]):
+        acc[i0:i1] += st.T @ vv[a:b]               # a diagonal masked inside the exponential's pass
         return
     if partial or spec.alibi is not None:
         mask_and_bias(st, spec, heads, r0, r1, a, b, partial)
-    if shift:
-        pow2.sub_exp2(st, m[i0:i1])                # exp(s_ij - m_i) <= 2^C, in one pass
-    else:
-        pow2.exp2(st)
-    acc[i0:i1] += st.T @ v1[a:b]                   # (r,w) @ (w,Dv+1) -> (r,Dv+1): [Σ p v | Σ p]
+    pow2.sub_exp2(st, mi, l[i0:i1])                # exp(s_ij - m_i) <= 2^C, and Σ_j, in one pass
+    acc[i0:i1] += st.T @ vv[a:b]                   # (r,w) @ (w,Dv) -> (r,Dv): Σ p v
 
 
 def _structural(spec: MaskSpec) -> bool:
@@ -281,17 +281,14 @@ def forward(q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_weight
         kk = np.ascontiguousarray(k[ikv])  # (Tk, D)
         vv = np.ascontiguousarray(v[ikv])  # (Tk, Dv)
         if not bound_ok or (group * tq if stack else tq) < tiles.stack_rows:
-            return kk, vv, None, None      # the exact path alone: no key norms (decoding reads K once)
+            return kk, vv, None            # the exact path alone: no key norms (decoding reads K once)
         with np.errstate(over="ignore", invalid="ignore"):  # padding may hold anything
             kn = np.sqrt(np.einsum("td,td->t", kk, kk))  # ‖k_j‖, only ever read inside kv_lengths
-        v1 = np.empty((tk, dv + 1), dt)
-        v1[:, :dv] = vv
-        v1[:, dv] = 1
-        return kk, vv, v1, kn
+        return kk, vv, kn
 
     def fast_task(heads, q0, q1, runs, kv):
         """The compute-dtype attempt: ``(out, lse float64)``, or None to go precise."""
-        kk, vv, v1, kn = kv
+        kk, vv, kn = kv
         n = q1 - q0
         qs = np.empty((len(heads) * n, d), dt)
         with np.errstate(over="ignore"):
@@ -300,11 +297,11 @@ def forward(q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_weight
         if np.isinf(qs).any():
             return None
         res = None
-        if v1 is not None and _bound_may_do(qs, kn, runs, stop2, dt):
+        if kn is not None and _bound_may_do(qs, kn, runs, stop2, dt):
             # overflow (and inf - inf inside the product, which some BLAS kernels report as
             # invalid) is detected there and the rows redone exactly: no warning escapes
             with np.errstate(over="ignore", under="ignore", invalid="ignore"):
-                res = _fwd_bound(qs, kk, v1, kn, spec, heads, q0, q1, runs, dt, tiles)
+                res = _fwd_bound(qs, kk, vv, kn, spec, heads, q0, q1, runs, dt, tiles)
         if res is None:
             with np.errstate(over="ignore", under="ignore"):
                 res = _fwd_exact(qs, kk, vv, spec, heads, q0, q1, runs, dt, tiles, clip, stop2)
