@@ -117,3 +117,17 @@ def test_column_sums_ride_in_the_same_pass(offset):
     if E.band_sub_exp2(z, np.zeros(33, np.float32), 0, 0, 0, 3, 0, l=lb):  # compiled: sums of the band only
         np.testing.assert_allclose(lb, z.sum(axis=0, dtype=np.float64), rtol=2e-6)
         assert (z[np.arange(70)[:, None] > np.arange(33)[None, :]] == 0).all()
+
+
+def test_compiled_once_per_machine():
+    """The second process loads the passes from numba's on-disk cache: nothing is compiled again."""
+    pytest.importorskip("numba", reason="numba is not installed (pip install 'qkv[fast]')")
+    code = ("from qkv.kernels.flash import exp2; import qkv.compiled as c; exp2.path(); "
+            "fs = (c.sub_exp2_sum, c.exp2, c.band_exp2_sum); "
+            "print(sum(sum(f.stats.cache_hits.values()) for f in fs), "
+            "sum(sum(f.stats.cache_misses.values()) for f in fs))")
+    env = {k: v for k, v in os.environ.items() if k != "QKV_JIT"}
+    runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+            for _ in range(2)]
+    hits, misses = map(int, runs[1].stdout.split())
+    assert (hits, misses) == (3, 0), runs[1].stdout

@@ -19,7 +19,7 @@ import qkv  # noqa: E402
 from qkv.extras import MissingExtra  # noqa: E402
 from qkv.models import BertConfig, CheckpointError, default_model_path, load_bert, name_table  # noqa: E402
 from qkv.models import locate  # noqa: E402
-from qkv.models.functional import erf, gelu, gelu_tanh, layer_norm  # noqa: E402
+from qkv.models.functional import bias_act, erf, gelu, gelu_tanh, layer_norm  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -158,6 +158,31 @@ def test_gelu_is_the_exact_erf_gelu():
     buf = x32.copy()
     gelu(buf, out=buf)  # in place, as the feed-forward calls it
     np.testing.assert_array_equal(buf, gelu(x32))
+
+
+@pytest.mark.parametrize("act", ["gelu", "gelu_new", "relu"])
+def test_bias_act_is_act_of_h_plus_bias(act):
+    """The feed-forward's fused ``act(h + b)`` (one compiled pass for GELU with the fast extra)
+    against the exact function in float64, NaN and the float32 extremes included."""
+    rng = np.random.default_rng(3)
+    h = (rng.standard_normal((37, 129)) * 4).astype(np.float32)
+    h[0, :6] = [np.nan, 60, -60, 3e38, -3e38, 0]
+    bias = rng.standard_normal(129).astype(np.float32)
+    x = h.astype(np.float64) + bias
+    exact = {"gelu": lambda v: v * (1 + math.erf(v / math.sqrt(2))) / 2,
+             "gelu_new": lambda v: 0.5 * v * (1 + math.tanh(math.sqrt(2 / math.pi) * (v + 0.044715 * v ** 3))),
+             "relu": lambda v: max(v, 0.0)}[act]
+    ok = np.isfinite(x) & (np.abs(x) < 1e3)
+    want = np.where(ok, np.vectorize(lambda v: exact(v) if abs(v) < 1e3 else 0.0)(np.where(ok, x, 0)), 0)
+    got = h.copy()
+    with np.errstate(all="ignore"):
+        bias_act(got, bias, act)
+    assert got.dtype == np.float32
+    err = np.abs(got.astype(np.float64) - want)[ok]
+    assert (err <= 2e-6 * np.maximum(1, np.abs(want[ok]))).all(), err.max()  # float32 rounding of h + b
+    assert np.isnan(got[0, 0])                                 # NaN in, NaN out
+    if act == "gelu":
+        assert got[0, 2] == 0 and got[0, 1] == h[0, 1] + bias[1]   # Φ rounds to 0 and 1 out there
 
 
 def test_gelu_tanh_and_layer_norm():

@@ -34,7 +34,7 @@ from ..threads import blas_one_thread, kernel_threads
 from ..nn import MultiHeadAttention
 from .checkpoint import BertConfig, CheckpointError, SentenceConfig, load_state, read_json, read_sentence_config
 from .locate import DEFAULT_NAME, model_folder
-from .functional import ACTIVATIONS, layer_norm
+from .functional import bias_act, layer_norm
 
 FFN_ROWS = 256  # rows of the feed-forward per block: (256, d_ff) float32 fits in L2
 
@@ -59,7 +59,6 @@ class Bert:
         self.max_seq_length = int(max_seq_length)
         self.path = path
         self.pad_id = int(config.pad_token_id)
-        self._activation = ACTIVATIONS[config.hidden_act]
         # The attention blocks are qkv.nn.MultiHeadAttention layers holding the checkpoint's
         # arrays (the same objects as in params: no copy).
         self.attention_layers = []
@@ -162,8 +161,7 @@ class Bert:
             blk = rows[r0:r0 + FFN_ROWS]
             h = hid[:blk.shape[0]]
             np.matmul(blk, w1, out=h)                         # (rows, d) @ (d, d_ff) -> (rows, d_ff)
-            h += b1
-            self._activation(h, out=h)
+            bias_act(h, b1, self.config.hidden_act)           # act(h + b_1), in place
             np.matmul(h, w2, out=out[r0:r0 + FFN_ROWS])       # (rows, d_ff) @ (d_ff, d) -> (rows, d)
         out += b2
         return out.reshape(x.shape)

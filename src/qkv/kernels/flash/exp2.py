@@ -5,12 +5,10 @@ offset ``m`` (``sub_exp2``) or ``2^s`` (``exp2``), in place. Three ways to compu
 chosen per process at the first call (:func:`path` says which) and kept:
 
 - ``"numba"`` (the ``fast`` extra; ``QKV_JIT=0`` turns it off): one compiled pass that
-  subtracts the offset, adds each column's sum into ``l`` (the softmax denominators) and evaluates ``2^x = 2^n · 2^f`` with ``n = round(x)``,
-  ``f = x - n ∈ [-1/2, 1/2]``, ``2^f`` by a degree-6 polynomial fitted to relative error
-  ``2e-9`` on that interval (below float32's rounding, so about 1 ulp in all), and ``2^n``
-  written into the exponent bits. Inputs at or below ``-127`` give exactly 0 (never a
-  negative or NaN), NaN stays NaN. float32 only: float64 takes NumPy's path. Compiled once
-  per machine (numba's on-disk cache), never on ``import qkv``.
+  subtracts the offset, adds each column's sum into ``l`` (the softmax denominators) and
+  evaluates ``2^x`` by :func:`qkv.compiled.pow2` (a degree-6 polynomial, about 1 ulp, exactly 0 at
+  or below ``-127``, NaN kept). float32 only: float64 takes NumPy's path. Compiled once per
+  machine (numba's on-disk cache), never on ``import qkv``.
 - ``"numpy exp2"``: ``np.exp2``, vectorised for float32 only where NumPy has AVX-512.
 - ``"numpy exp"``: ``np.exp(x · ln 2)``; on AVX2-only CPUs NumPy's float32 ``exp`` is
   vectorised and ``exp2`` is not (0.44 against 0.22 G elements/s a core, Zen 3).
@@ -18,76 +16,30 @@ chosen per process at the first call (:func:`path` says which) and kept:
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
 
 import numpy as np
 
-LN2 = 0.6931471805599453
+from ... import jit
 
-# 2^f ≈ Σ c_k f^k on [-1/2, 1/2], least squares on Chebyshev nodes against relative error
-# (max 1.9e-9); c_0 = 1 exactly, so 2^0 = 1 exactly.
-_COEF = (1.0, 0.6931471824645996, 0.24022646248340607, 0.05550329014658928,
-         0.009618519805371761, 0.0013399859890341759, 0.00015337577497120947)
+LN2 = 0.6931471805599453
 
 _lock = threading.Lock()
 _chosen: dict = {}
 
 
 def _numba_kernels():
-    """Compile (or load from numba's cache) the float32 passes; None if numba is missing."""
-    try:
-        import numba
-    except ImportError:
+    """The compiled float32 passes (loaded from numba's cache, or compiled once now, not inside
+    a kernel's tile loop); None without numba or with QKV_JIT=0."""
+    c = jit.compiled()
+    if c is None:
         return None
-    f32, i32 = np.float32, np.int32
-    c0, c1, c2, c3, c4, c5, c6 = (f32(c) for c in _COEF)
-    lo, hi = f32(-127.0), f32(127.0)
-
-    @numba.njit(inline="always", fastmath={"contract", "afn", "reassoc", "nsz", "arcp"})
-    def pow2(x):
-        x = min(max(x, lo), hi)       # NaN passes through both (comparisons with NaN are false)
-        n = np.floor(x + f32(0.5))
-        f = x - n                     # in [-1/2, 1/2]
-        p = ((((((c6 * f + c5) * f + c4) * f + c3) * f + c2) * f + c1) * f + c0)
-        bits = (i32(n) + i32(127)) << i32(23)   # 2^n as float bits; n = -127 gives 0.0
-        return p * i32(bits).view(f32)
-
-    @numba.njit(nogil=True, cache=True, fastmath={"contract", "afn", "reassoc", "nsz", "arcp"})
-    def sub_exp2_sum(st, m, l):       # st (w, R) float32 in place: 2^(st - m[col]); l[col] += Σ_rows
-        w, r = st.shape
-        for i in range(w):
-            for j in range(r):
-                p = pow2(st[i, j] - m[j])
-                st[i, j] = p
-                l[j] += p
-
-    @numba.njit(nogil=True, cache=True, fastmath={"contract", "afn", "reassoc", "nsz", "arcp"})
-    def exp2(st):                     # st (w, R) float32 in place: 2^st
-        w, r = st.shape
-        for i in range(w):
-            for j in range(r):
-                st[i, j] = pow2(st[i, j])
-
-    @numba.njit(nogil=True, cache=True, fastmath={"contract", "afn", "reassoc", "nsz", "arcp"})
-    def band_exp2_sum(st, m, l, k0, r0, shift, lo, hi):  # as sub_exp2_sum where the band allows, else 0
-        w, r = st.shape
-        for i in range(w):
-            for j in range(r):
-                d = (k0 + i) - (r0 + j + shift)     # key position minus aligned row position
-                if d < -lo or d > hi:
-                    st[i, j] = f32(0.0)
-                else:
-                    p = pow2(st[i, j] - m[j])
-                    st[i, j] = p
-                    l[j] += p
-
-    tile, row = np.zeros((4, 4), f32), np.zeros(4, f32)
-    sub_exp2_sum(tile, row, row.copy())  # compile now (or load), not inside a kernel's tile loop
-    exp2(tile)
-    band_exp2_sum(tile, row, row.copy(), 0, 0, 0, 0, 0)
-    return sub_exp2_sum, exp2, band_exp2_sum
+    tile, row = np.zeros((4, 4), np.float32), np.zeros(4, np.float32)
+    c.sub_exp2_sum(tile, row, row.copy())
+    c.exp2(tile)
+    c.band_exp2_sum(tile, row, row.copy(), 0, 0, 0, 0, 0)
+    return c.sub_exp2_sum, c.exp2, c.band_exp2_sum
 
 
 def _np_exp2(x):
@@ -121,7 +73,7 @@ def _choose() -> dict:
         return _chosen
     with _lock:
         if not _chosen:
-            kernels = None if os.environ.get("QKV_JIT", "1") == "0" else _numba_kernels()
+            kernels = _numba_kernels()
             name, fn = _measure_numpy()
             _chosen.update(numpy=fn, numpy_name=name, numba=kernels)
         return _chosen
