@@ -134,6 +134,30 @@ def test_mha_self_attention_gradients(name):
     assert err < TOL, which
 
 
+@pytest.mark.parametrize("name", ["bias", "gqa_rope_alibi_causal_bias", "d_head"])
+def test_fused_projections_equal_the_three_linears(monkeypatch, name):
+    """From FUSE_ROWS rows on, self-attention's q, k, v come from one product against the
+    three matrices side by side: the same output and the same gradients as three Linears."""
+    from qkv.nn import attention_layer
+    x = rng(15).standard_normal((2, 150, 8))
+    dy = rng(16).standard_normal((2, 150, 8))
+    runs, fused = {}, []
+    real = attention_layer.AttentionLayer._fused_projections
+    monkeypatch.setattr(attention_layer.AttentionLayer, "_fused_projections",
+                        lambda self, x3: fused.append(1) or real(self, x3))
+    for fuse in (True, False):
+        monkeypatch.setattr(attention_layer, "FUSE_ROWS", 256 if fuse else 10**9)
+        layer = nn.MultiHeadAttention(8, 4, dtype=np.float64, rng=rng(17), **OPTIONS[name])
+        y = layer.forward(x)
+        dx = layer.backward(dy)
+        runs[fuse] = (y, dx, {k: g.copy() for k, g in layer.grads.items()})
+    assert len(fused) == 1                                   # the 300 rows took the fused product once
+    np.testing.assert_allclose(runs[True][0], runs[False][0], rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(runs[True][1], runs[False][1], rtol=1e-12, atol=1e-13)
+    for k in runs[False][2]:
+        np.testing.assert_allclose(runs[True][2][k], runs[False][2][k], rtol=1e-12, atol=1e-12, err_msg=k)
+
+
 @pytest.mark.parametrize("name", ["mha", "gqa", "mqa", "rope", "alibi", "bias"])
 def test_mha_cross_attention_gradients(name):
     x, c = rng(12).standard_normal((2, 4, 8)), rng(13).standard_normal((2, 7, 8))

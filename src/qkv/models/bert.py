@@ -36,7 +36,7 @@ from .checkpoint import BertConfig, CheckpointError, SentenceConfig, load_state,
 from .locate import DEFAULT_NAME, model_folder
 from .functional import bias_act, layer_norm
 
-FFN_ROWS = 256  # rows of the feed-forward per block: (256, d_ff) float32 fits in L2
+FFN_ROWS = 512  # rows of the feed-forward per block: OpenBLAS 99 GFLOP/s a core against 96 at 256 (MiniLM)
 
 class Bert:
     """A loaded BERT-family encoder: ``encode`` for sentence embeddings, ``attentions`` to look inside.

@@ -26,6 +26,8 @@ from ..positional import check_base
 from .base import Layer, check_input, merge_heads, split_heads
 from .layers import Linear
 
+FUSE_ROWS = 256  # B*T from which self-attention's three projections run as one product
+
 
 class AttentionLayer(Layer):
     """Base of the attention layers (see the module docstring); not a layer by itself.
@@ -75,10 +77,25 @@ class AttentionLayer(Layer):
         """``q (B, Hq, T, D)`` from ``x3`` and ``k``, ``v (B, Hkv, Tk, D)`` from the key/value
         source ``src``, through ``q_proj``, ``k_proj``, ``v_proj`` (layers with ``n_heads`` and
         ``n_kv_heads``: MultiHeadAttention, LinearAttention)."""
-        q = split_heads(self.q_proj.forward(x3), self.n_heads)      # (B,T,d_model) -> (B,T,Hq*D) -> (B,Hq,T,D)
-        k = split_heads(self.k_proj.forward(src), self.n_kv_heads)  # (B,Tk,d_model) -> (B,Hkv,Tk,D)
-        v = split_heads(self.v_proj.forward(src), self.n_kv_heads)  # (B,Tk,d_model) -> (B,Hkv,Tk,D)
-        return q, k, v
+        if src is x3 and x3.shape[0] * x3.shape[1] >= FUSE_ROWS:
+            q, k, v = self._fused_projections(x3)
+        else:
+            q, k, v = self.q_proj.forward(x3), self.k_proj.forward(src), self.v_proj.forward(src)
+        # (B,T,Hq*D) -> (B,Hq,T,D); (B,Tk,Hkv*D) -> (B,Hkv,Tk,D)
+        return split_heads(q, self.n_heads), split_heads(k, self.n_kv_heads), split_heads(v, self.n_kv_heads)
+
+    def _fused_projections(self, x3: np.ndarray):
+        """Self-attention's ``x W_Q``, ``x W_K``, ``x W_V`` (+ biases) as one product against the
+        three matrices side by side: OpenBLAS runs (4096, 384) @ (384, 1152) at 1.2x the rate of
+        three (384, 384) products. Each Linear keeps ``x`` for its backward, as its own forward would."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        y = x3 @ np.concatenate([p.params["W"] for p in projs], axis=1)  # (B,T,d_model) @ (d_model, Σ d_out)
+        if self.q_proj.bias:  # _linears gives all of a layer's projections a bias, or none
+            y += np.concatenate([p.params["b"] for p in projs])
+        for p in projs:
+            p._keep(x3)
+        cuts = np.cumsum([0] + [p.d_out for p in projs])
+        return [y[..., a:b] for a, b in zip(cuts[:-1], cuts[1:])]  # views of y's column blocks
 
     def _input(self, name: str, x) -> tuple[np.ndarray, bool]:
         """``x`` as ``(B, T, d_model)`` in the layer's dtype, and whether it came 2-D."""
