@@ -17,7 +17,11 @@ FLOP convention (written once, here, and used for every GFLOP/s printed)::
 Decoding (Tq = 1) is memory-bound and reported as GB/s of K and V read,
 ``B · Hkv · Tk · (D + Dv) · 4`` bytes per call, next to the machine's copy bandwidth
 measured in the same loop: ``np.copyto`` of as many bytes as K and V, split over the same
-threads, counted as bytes read + bytes written (the STREAM "copy" convention).
+threads (the JSON keeps it as STREAM counts a copy, bytes read + written; the table shows
+bytes copied a second, and qkv/copy holds the decode's reads against that).
+
+The main suite also times :mod:`.products`: qkv's matrix products alone, the bound on what
+any softmax could leave.
 """
 from __future__ import annotations
 

@@ -84,13 +84,17 @@ def tables(results: dict) -> list[Table]:
         s = results["main"][0]["shape"]
         t = Table(f"attention B={s['b']} H={s['h']} T={s['t']} D={s['d']} float32{smoke}",
                   ["case", "qkv s", "dense s", "torch s", "qkv GFLOP/s", "dense GFLOP/s", "torch GFLOP/s",
-                   "qkv/torch"], left=1)
+                   "qkv/torch", "products s", "bound"], left=1)
         for r in results["main"]:
             sec = r["seconds"]
             gf = {m: r["flop"] / sec[m] / 1e9 if m in sec else None for m in METHODS}
             ratio = sec["torch"] / sec["qkv"] if "torch" in sec else None
+            bound = sec["torch"] / sec["products"] if "torch" in sec and "products" in sec else None
             t.rows.append([r["case"], *(_fmt(sec.get(m), ".4f") for m in METHODS),
-                           *(_fmt(gf[m], ".1f") for m in METHODS), _fmt(ratio, ".2f")])
+                           *(_fmt(gf[m], ".1f") for m in METHODS), _fmt(ratio, ".2f"),
+                           _fmt(sec.get("products"), ".4f"), _fmt(bound, ".2f")])
+        t.notes.append("products s: qkv's matrix products alone, in its tiles and threads (benchmarks/products.py); "
+                       "bound = torch s / products s, the most qkv/torch could be if the softmax cost nothing")
         out.append(t)
     if results["sweep"]:
         t = Table(f"scaling: forward+backward, one head, D={results['sweep'][0]['d']}, float32; "

@@ -28,7 +28,7 @@ import importlib.util
 import os
 from dataclasses import dataclass
 
-from . import torch_suite
+from . import products, torch_suite
 from .attention import fwd_bwd_flops, forward_flops, inputs, kv_bytes, copier, runner
 from .memory import peak_extra
 from .timing import REWARM_S, alternate, walls
@@ -118,7 +118,7 @@ def count_steps(p: Plan) -> int:
     per = 1 + p.repeats
     n = 0
     if "main" in p.suites:
-        n += 4 * len(methods(p)) * per
+        n += 4 * (len(methods(p)) + 1) * per  # + the products-only bound
     if "sweep" in p.suites:
         n += sum(len(_sweep_methods(p, t)) * per for t in p.sizes["sweep"]["ts"])
         n += len(_memory_jobs(p)) if p.memory else 0
@@ -187,7 +187,9 @@ def run_suites(p: Plan, progress=None) -> dict | None:
             for causal in (False, True):
                 label = f"{'fwd+bwd' if backward else 'fwd'} {'causal' if causal else 'full'}"
                 progress(0, description=f"main: {label}")
-                secs = timed({m: runner(m, q, k, v, dout, causal=causal, backward=backward) for m in ms})
+                fns = {m: runner(m, q, k, v, dout, causal=causal, backward=backward) for m in ms}
+                fns["products"] = products.runner(q, k, v, dout, causal=causal, backward=backward, threads=p.threads)
+                secs = timed(fns)
                 flops = (fwd_bwd_flops if backward else forward_flops)(c["b"], c["h"], c["t"], c["t"], c["d"], causal)
                 results["main"].append({"case": label, "shape": dict(c), "causal": causal,
                                         "backward": backward, "flop": flops, "seconds": secs})

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 pytest.importorskip("rich", reason="qkv bench needs the cli extra (rich)")
@@ -68,7 +69,7 @@ def test_main_table_has_every_case(quick_run):
     assert f"attention B={s['b']} H={s['h']} T={s['t']} D={s['d']} float32" in text
     cases = {}
     for line in text.splitlines():
-        m = re.match(r"\s*(fwd\+bwd|fwd) (full|causal)\s+" + r"\s+".join([NUM] * 7) + r"\s*$", line)
+        m = re.match(r"\s*(fwd\+bwd|fwd) (full|causal)\s+" + r"\s+".join([NUM] * 9) + r"\s*$", line)
         if m:
             cases[m.group(1) + " " + m.group(2)] = m.groups()[2:]
     assert set(cases) == {"fwd full", "fwd causal", "fwd+bwd full", "fwd+bwd causal"}, text
@@ -79,10 +80,12 @@ def test_main_table_has_every_case(quick_run):
         # the table shows the JSON's numbers: seconds, and GFLOP/s = FLOP / seconds
         assert cells[0] == f"{sec['qkv']:.4f}" and cells[1] == f"{sec['dense']:.4f}"
         assert cells[3] == f"{r['flop'] / sec['qkv'] / 1e9:.1f}"
+        assert sec["products"] > 0 and cells[7] == f"{sec['products']:.4f}"  # the products-only bound ran
         if "torch" in sec:
             assert cells[6] == f"{sec['torch'] / sec['qkv']:.2f}"
+            assert cells[8] == f"{sec['torch'] / sec['products']:.2f}"
         else:
-            assert cells[2] == cells[6] == "—"
+            assert cells[2] == cells[6] == cells[8] == "—"
 
 
 def test_sweep_table_has_time_and_memory(quick_run):
@@ -209,3 +212,23 @@ def test_under_mpiexec_only_the_ring_suite_runs(monkeypatch, capsys):
     monkeypatch.setenv("PMI_SIZE", "2")                       # what MPICH's mpiexec sets in each rank
     assert cli.main(["bench", "--quick", "--suite", "main"]) == 2
     assert "under mpiexec only --suite ring runs" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_products_bound_runs_the_kernels_products_over_the_visible_keys(causal):
+    """The products-only forward covers each score of qkv's tiles once: its unnormalised
+    output is (Q Kᵀ) V over those keys: all of them, or causal up to the end of the row's
+    128-row diagonal piece (the kernel masks inside the piece; T a multiple of no tile)."""
+    import threading
+    from qkv_benchmarks import products
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 2, 1300, 8)).astype(np.float32) for _ in range(3))
+    jobs, out = products._forward_jobs(q, k, v, causal, threading.local())
+    for job in jobs:
+        job()
+    s = q.astype(np.float64) @ k.astype(np.float64).swapaxes(-1, -2)
+    if causal:
+        rows, keys = np.arange(1300)[:, None], np.arange(1300)[None, :]
+        s = np.where(keys < np.minimum((rows // products.DIAGONAL + 1) * products.DIAGONAL, 1300), s, 0)
+    np.testing.assert_allclose(out, s @ v, rtol=1e-4, atol=1e-3)
+    products.runner(q, k, v, q, causal=causal, backward=True, threads=2)()  # and the backward runs
