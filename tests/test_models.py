@@ -19,7 +19,7 @@ import qkv  # noqa: E402
 from qkv.extras import MissingExtra  # noqa: E402
 from qkv.models import BertConfig, CheckpointError, default_model_path, load_bert, name_table  # noqa: E402
 from qkv.models import locate  # noqa: E402
-from qkv.models.functional import bias_act, erf, gelu, gelu_tanh, layer_norm  # noqa: E402
+from qkv.models.functional import add_layer_norm, bias_act, erf, gelu, gelu_tanh, layer_norm  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -183,6 +183,21 @@ def test_bias_act_is_act_of_h_plus_bias(act):
     assert np.isnan(got[0, 0])                                 # NaN in, NaN out
     if act == "gelu":
         assert got[0, 2] == 0 and got[0, 1] == h[0, 1] + bias[1]   # Φ rounds to 0 and 1 out there
+
+
+def test_add_layer_norm_is_layer_norm_of_the_sum():
+    """The residual + LayerNorm of the encoder (one compiled pass with the fast extra) against
+    float64, rows with a large common offset included (the variance of x - mean, not of x)."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((3, 7, 384)).astype(np.float32)
+    x[0, 0] += 1e3
+    a = rng.standard_normal((3, 7, 384)).astype(np.float32)
+    g, b = rng.standard_normal(384).astype(np.float32), rng.standard_normal(384).astype(np.float32)
+    s = x.astype(np.float64) + a
+    want = (s - s.mean(-1, keepdims=True)) / np.sqrt(s.var(-1, keepdims=True) + 1e-12) * g + b
+    got = add_layer_norm(x.copy(), a, g, b, 1e-12)
+    assert got.dtype == np.float32 and got.shape == x.shape
+    np.testing.assert_allclose(got, want, atol=2e-5 * np.abs(want).max())
 
 
 def test_gelu_tanh_and_layer_norm():

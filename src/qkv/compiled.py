@@ -82,3 +82,21 @@ def bias_gelu(h, b, ct, c4, c3, c2, c1, c0):  # h (n, f) float32 in place: gelu(
             r = t * (c0 + t * (c1 + t * (c2 + t * (c3 + t * c4))))
             r *= pow2(-(a * a) * _HALF_LOG2E) * a     # |x| Φ(-|x|)
             h[i, j] = max(x, f32(0.0)) - r
+
+
+@numba.njit(nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")
+def add_layer_norm(x, a, gamma, beta, eps, out):  # out[i] = LayerNorm(x[i] + a[i]), rows of (n, d) float32
+    n, d = x.shape
+    inv = f32(1.0) / f32(d)
+    for i in range(n):
+        s = f32(0.0)
+        for j in range(d):
+            s += x[i, j] + a[i, j]
+        mean = s * inv
+        v = f32(0.0)
+        for j in range(d):
+            c = x[i, j] + a[i, j] - mean
+            v += c * c
+        r = f32(1.0) / np.sqrt(v * inv + eps)
+        for j in range(d):
+            out[i, j] = (x[i, j] + a[i, j] - mean) * r * gamma[j] + beta[j]

@@ -34,7 +34,7 @@ from ..threads import blas_one_thread, kernel_threads
 from ..nn import MultiHeadAttention
 from .checkpoint import BertConfig, CheckpointError, SentenceConfig, load_state, read_json, read_sentence_config
 from .locate import DEFAULT_NAME, model_folder
-from .functional import bias_act, layer_norm
+from .functional import add_layer_norm, bias_act, layer_norm
 
 FFN_ROWS = 512  # rows of the feed-forward per block: OpenBLAS 99 GFLOP/s a core against 96 at 256 (MiniLM)
 
@@ -138,10 +138,9 @@ class Bert:
         for i in range(cfg.num_hidden_layers):
             a, w = self._attention(i, x, kv_lengths, return_attentions)
             weights.append(w)
-            x += a
-            x = layer_norm(x, p[f"layers.{i}.ln1.gamma"], p[f"layers.{i}.ln1.beta"], cfg.layer_norm_eps)
-            x += self._feed_forward(i, x)
-            x = layer_norm(x, p[f"layers.{i}.ln2.gamma"], p[f"layers.{i}.ln2.beta"], cfg.layer_norm_eps)
+            x = add_layer_norm(x, a, p[f"layers.{i}.ln1.gamma"], p[f"layers.{i}.ln1.beta"], cfg.layer_norm_eps)
+            f = self._feed_forward(i, x)
+            x = add_layer_norm(x, f, p[f"layers.{i}.ln2.gamma"], p[f"layers.{i}.ln2.beta"], cfg.layer_norm_eps)
         return (x, weights) if return_attentions else x
 
     def _attention(self, i: int, x: np.ndarray, kv_lengths, want_weights: bool):

@@ -124,6 +124,22 @@ ACTIVATIONS = {"gelu": gelu, "gelu_new": gelu_tanh, "gelu_pytorch_tanh": gelu_ta
                "gelu_fast": gelu_tanh, "relu": relu}
 
 
+def add_layer_norm(x: np.ndarray, a: np.ndarray, gamma: np.ndarray, beta: np.ndarray, eps: float) -> np.ndarray:
+    """``layer_norm(x + a)`` (a residual connection, then the norm) as a new array; ``x`` may be
+    changed. With the ``fast`` extra, float32 rows are one compiled pass
+    (:func:`qkv.compiled.add_layer_norm`); else ``x += a`` and :func:`layer_norm`."""
+    c = jit.compiled()
+    if c is None or x.dtype != np.float32 or a.dtype != np.float32 or x.shape != a.shape:
+        x += a
+        return layer_norm(x, gamma, beta, eps)
+    d = x.shape[-1]
+    x2, a2 = np.ascontiguousarray(x).reshape(-1, d), np.ascontiguousarray(a).reshape(-1, d)
+    out = np.empty_like(x2)
+    c.add_layer_norm(x2, a2, gamma.astype(np.float32, copy=False), beta.astype(np.float32, copy=False),
+                     np.float32(eps), out)
+    return out.reshape(x.shape)
+
+
 def layer_norm(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, eps: float) -> np.ndarray:
     """``(x - mean) / sqrt(var + eps) * gamma + beta`` over the last axis (biased variance)."""
     mean = x.mean(axis=-1, keepdims=True)
