@@ -54,12 +54,14 @@ def _forward_jobs(q, k, v, causal, local):
 def _backward_jobs(q, k, v, dout, causal, local):
     import numpy as np
     b, h, t, d = q.shape
-    dq = np.zeros_like(q)
 
     def block(i, j, c0, c1):
         qq, kk, vv, do = q[i, j], k[i, j, c0:c1], v[i, j, c0:c1], dout[i, j]
         dk, dv = np.zeros_like(kk), np.zeros_like(vv)
         pa, pb = _buffers(local, (KEYS * ROWS,))
+        if getattr(local, "dq", None) is None or local.dq.shape != q.shape:
+            local.dq = np.zeros_like(q)  # each thread its own dQ, as the kernel's lanes have
+        dq = local.dq
         for r0 in range(c0 if causal else 0, t, BWD_ROWS):
             r1 = min(r0 + BWD_ROWS, t)
             p = pa[:(c1 - c0) * (r1 - r0)].reshape(c1 - c0, r1 - r0)
@@ -68,7 +70,7 @@ def _backward_jobs(q, k, v, dout, causal, local):
             np.matmul(vv, do[r0:r1].T, out=ds)   # dP, then dS: (w, r)
             dv += p @ do[r0:r1]
             dk += ds @ qq[r0:r1]
-            dq[i, j, r0:r1] += ds.T @ kk         # the kernel's lanes keep their own dQ; here threads may race
+            dq[i, j, r0:r1] += ds.T @ kk
         return dk, dv
 
     return [lambda i=i, j=j, c0=c0: block(i, j, c0, min(c0 + KEYS, t))
