@@ -307,3 +307,29 @@ def test_masked_diagonals_are_split_into_row_blocks(monkeypatch, opts):
         got[name] = (out, sum(area))
         np.testing.assert_allclose(out, want, atol=2e-6)
     assert got["split"][1] < 0.85 * got["whole"][1], (got["split"][1], got["whole"][1])
+
+
+def test_float32_decoding_reads_k_and_v_once_compiled(monkeypatch):
+    """float32 decoding rows (<= thin_rows) take the compiled passes over K and V where numba
+    is there (QKV_JIT=0: BLAS's matrix-vector products); both within float32's error of the
+    float64 answer, padding (NaN past kv_lengths) never read."""
+    from qkv import jit
+    rng = np.random.default_rng(8)
+    q = rng.standard_normal((2, 8, 1, 64)).astype(np.float32)
+    k = rng.standard_normal((2, 2, 700, 64)).astype(np.float32)
+    v = rng.standard_normal((2, 2, 700, 48)).astype(np.float32)
+    kv_lengths = np.array([700, 333])
+    k[1, :, 333:] = np.nan
+    v[1, :, 333:] = np.nan
+    calls = []
+    c = jit.compiled()
+    if c is not None:
+        for name in ("thin_scores", "thin_values"):
+            real = getattr(c, name)
+            monkeypatch.setattr(c, name, lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a))
+    got = qkv.attention(q, k, v, gqa=True, kv_lengths=kv_lengths, method="flash")
+    want = qkv.attention(*(x.astype(np.float64) for x in (q, k, v)), gqa=True, kv_lengths=kv_lengths,
+                         method="reference")
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
+    assert got.dtype == np.float32
+    assert (set(calls) == {"thin_scores", "thin_values"}) == (c is not None)

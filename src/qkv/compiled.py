@@ -100,3 +100,26 @@ def add_layer_norm(x, a, gamma, beta, eps, out):  # out[i] = LayerNorm(x[i] + a[
         r = f32(1.0) / np.sqrt(v * inv + eps)
         for j in range(d):
             out[i, j] = (x[i, j] + a[i, j] - mean) * r * gamma[j] + beta[j]
+
+
+@numba.njit(nogil=True, cache=True, fastmath=FASTMATH)
+def thin_scores(kk, qs, out):         # out (R, w) = qs (R, D) @ kk (w, D)ᵀ: K read once, every row from L1
+    w, d = kk.shape
+    r = qs.shape[0]
+    for j in range(w):
+        for i in range(r):
+            s = f32(0.0)
+            for t in range(d):
+                s += qs[i, t] * kk[j, t]
+            out[i, j] = s
+
+
+@numba.njit(nogil=True, cache=True, fastmath=FASTMATH)
+def thin_values(p, vv, acc):          # acc (R, Dv) += p (R, w) @ vv (w, Dv): V read once
+    w, dv = vv.shape
+    r = p.shape[0]
+    for j in range(w):
+        for i in range(r):
+            pij = p[i, j]
+            for t in range(dv):
+                acc[i, t] += pij * vv[j, t]

@@ -1,7 +1,8 @@
 """The optional compiled passes (the ``fast`` extra): numba, looked for once, never on ``import qkv``.
 
 :func:`compiled` is the module :mod:`qkv.compiled` (numba kernels, compiled once per machine
-into numba's on-disk cache), or None where numba is not installed or ``QKV_JIT=0`` is set in
+into numba's on-disk cache: the tiles' exponential, the decoding rows'
+products, the encoder's GELU and LayerNorm), or None where numba is not installed or ``QKV_JIT=0`` is set in
 the environment; callers then keep their NumPy path.
 """
 from __future__ import annotations

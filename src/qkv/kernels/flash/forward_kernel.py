@@ -61,6 +61,7 @@ import math
 
 import numpy as np
 
+from ... import jit
 from ...errors import ShapeError
 from ...masks import MaskSpec
 from . import exp2 as pow2
@@ -100,8 +101,13 @@ def _fwd_exact(qs, kk, vv, spec, heads, q0, q1, runs, dt, tiles, clip=None, stop
     acc = np.zeros((nrow, dv), dt)
     width = max(16, tiles.scratch // nrow)
     thin = nrow <= tiles.thin_rows
+    compiled = thin and dt == np.float32 and jit.compiled()  # decoding: K and V read once each, compiled
     for a, b, partial in chunks(runs, width):
-        if thin:  # decoding: R matrix-vector products per L2-sized key chunk beat one thin GEMM
+        if compiled:
+            s2 = scratch(nrow * (b - a), dt, tiles).reshape(nrow, b - a)
+            compiled.thin_scores(kk[a:b], qs, s2)
+            st = s2.T
+        elif thin:  # decoding: R matrix-vector products per L2-sized key chunk beat one thin GEMM
             s3 = scratch(nrow * (b - a), dt, tiles).reshape(nrow, b - a, 1)
             for c in range(a, b, tiles.gemv_keys):
                 e = min(c + tiles.gemv_keys, b)
@@ -119,7 +125,9 @@ def _fwd_exact(qs, kk, vv, spec, heads, q0, q1, runs, dt, tiles, clip=None, stop
         l *= alpha
         pow2.sub_exp2(st, m_safe, l)                         # exp(s_j - m'); l' = alpha l + Σ exp(s_j - m')
         acc *= alpha[:, None]
-        if thin:  # by L2-sized chunks of V too: OpenBLAS takes (R,1024) @ (1024,Dv) at twice the rate
+        if compiled:
+            compiled.thin_values(st.T, vv[a:b], acc)
+        elif thin:  # by L2-sized chunks of V too: OpenBLAS takes (R,1024) @ (1024,Dv) at twice the rate
             for c in range(a, b, tiles.gemv_keys):
                 e = min(c + tiles.gemv_keys, b)
                 acc += st[c - a:e - a].T @ vv[c:e]
