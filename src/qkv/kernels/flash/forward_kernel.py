@@ -65,7 +65,7 @@ from ... import jit
 from ...errors import ShapeError
 from ...masks import MaskSpec
 from . import exp2 as pow2
-from .tiles import (DEFAULT, LN2, LOG2E, Tiles, Workers, batch_of, bias_limit, by_batch, chunks, kv_heads,
+from .tiles import (DEFAULT, LOG2E, Tiles, Workers, batch_of, bias_limit, by_batch, chunks, kv_heads,
                     mask_and_bias, scratch)
 
 # Base-2 exponent headroom C, and the "bound too loose" threshold: l < 2^-LOOSE.
