@@ -55,9 +55,11 @@ class _KernelClock:
         from qkv.kernels import flash
 
         self.ring, self.flash, self.seconds = ring, flash, 0.0
-        # a stand-in for the flash module with its two entry points timed
-        self.timed = type("Timed", (), {name: staticmethod(self._timing(getattr(flash, name)))
-                                        for name in ("forward", "backward")})
+        # a stand-in for the flash module with its kernel entry points timed, the rest as they are
+        members = {name: getattr(flash, name) for name in flash.__all__}
+        members.update({name: self._timing(getattr(flash, name)) for name in ("forward", "backward", "row_sums")})
+        self.timed = type("Timed", (), {name: staticmethod(fn) if callable(fn) and not isinstance(fn, type) else fn
+                                        for name, fn in members.items()})
 
     def _timing(self, fn):
         """``fn`` that adds the seconds each call takes to ``self.seconds``."""

@@ -46,7 +46,7 @@ def spy(monkeypatch):
 
     def normalisers(*a, **kw):
         norm = real_norm(*a, **kw)
-        seen["normalised"] += sum(bool(c.any()) for c in norm.values())
+        seen["normalised"] += int(np.any(norm.l > 0, axis=-1).sum())
         return norm
 
     monkeypatch.setattr(forward_kernel, "_fwd_bound", bound)

@@ -85,7 +85,7 @@ def test_ring_equals_whole_array_attention(size):
     res = _launch(size)
     assert res.returncode == 0, res.stdout + res.stderr
     ok = _lines(res, "ok")
-    assert len(ok) == size and all(" ok 26 cases" in line for line in ok), res.stdout
+    assert len(ok) == size and all(" ok 34 cases" in line for line in ok), res.stdout
     raised = {line.split(" raised: ")[1] for line in _lines(res, "raised:")}
     assert len(_lines(res, "raised:")) == size and len(raised) == 1, res.stdout
     assert f"rank {size - 1} of {size}" in raised.pop()

@@ -208,6 +208,7 @@ def ring_attention_backward(dout, q, k, v, out, lse, *, comm=None, layout="zigza
     MPI = _mpi()
     prob, comm = ring.prob, ring.comm
     dt, d = prob.q.dtype, prob.q.shape[-1]
+    precise, norm = _precise_sums(ring, ls)
     right, left = (ring.rank + 1) % ring.size, (ring.rank - 1) % ring.size
     dq = np.zeros(prob.q.shape, dt)                               # (*L, c, D)
     incoming, recv, sending = [], None, []
@@ -217,7 +218,8 @@ def ring_attention_backward(dout, q, k, v, out, lse, *, comm=None, layout="zigza
         for qs, ks, sp in ring.pairs(src):
             kk, vv = ring.kv_block(kb, vb, ks)
             dqp, dkp, dvp = flash.backward(do[..., qs, :], prob.q[..., qs, :], kk, vv, o[..., qs, :],
-                                           ls[..., qs], sp, prob.scale, prob.group)
+                                           ls[..., qs], sp, prob.scale, prob.group,
+                                           precise=precise[..., qs], norm=None if norm is None else norm.rows(qs))
             dq[..., qs, :] += dqp
             dk[..., ks, :] += api._sum_to(dkp, kb.shape[:-2] + (dkp.shape[-2], d))
             dv[..., ks, :] += api._sum_to(dvp, vb.shape[:-2] + dvp.shape[-2:])
@@ -232,3 +234,33 @@ def ring_attention_backward(dout, q, k, v, out, lse, *, comm=None, layout="zigza
     q_shape = prob.shapes[0]
     return (api._sum_to(dq, q_shape).astype(prob.in_dtype, copy=False),
             recv[0].astype(prob.in_dtype, copy=False), recv[1].astype(prob.in_dtype, copy=False))
+
+
+def _precise_sums(ring: Ring, lse: np.ndarray):
+    """The rows that take the tiled backward's precise path, chosen for the whole sequence,
+    and their sums over every key (``None`` when no rank has such a row).
+
+    A precise row is normalised by its own ``m = max_j x_ij`` and ``l = Σ_j exp(x_ij - m)``
+    over all its keys (see :mod:`qkv.kernels.flash.backward_kernel`); a block holds only some
+    of them, so the keys make one trip around the ring first (K only, and only when some rank
+    has a precise row), and each block's backward gets the whole row's sums.
+    """
+    MPI = _mpi()
+    prob, spec = ring.prob, ring.spec
+    kmax = np.zeros(spec.lead)                                    # max ‖k_j‖ over every key a head may read
+    for kg, ko, m in ring.mine():
+        lengths = None if spec.kv_lengths is None else np.clip(spec.kv_lengths - kg, 0, m)
+        piece = replace(spec, tk=m, kv_lengths=lengths)
+        kmax = np.maximum(kmax, flash.key_norm_max(prob.k[..., ko:ko + m, :], piece, prob.group))
+    ring.comm.Allreduce(MPI.IN_PLACE, kmax, op=MPI.MAX)
+    precise = flash.precise_rows(prob.q, lse, spec, prob.scale, kmax)
+    if not ring.comm.allreduce(bool(precise.any()), op=MPI.LOR):
+        return precise, None
+    norm = flash.RowNorm.empty(precise.shape)
+    for src, (kb,) in _travel(ring, [ring.k.copy()]):
+        for qs, ks, sp in ring.pairs(src):
+            kk = ring.kv_block(kb, kb, ks)[0]
+            part = flash.row_sums(prob.q[..., qs, :], kk, sp, prob.scale, prob.group, precise[..., qs])
+            both = norm.rows(qs).merge(part)
+            norm.m[..., qs], norm.l[..., qs] = both.m, both.l
+    return precise, norm

@@ -13,9 +13,9 @@ O(T·D) memory: no ``(Tq, Tk)`` array is ever made. The derivations live with th
 ``forward`` and ``backward`` have the kernel interface of :mod:`qkv.kernels.reference`,
 plus ``tiles=`` and ``num_threads=`` for the one call.
 """
-from .backward_kernel import backward
+from .backward_kernel import RowNorm, backward, key_norm_max, precise_rows, row_sums
 from .exp2 import path as EXP_PATH
 from .forward_kernel import forward
 from .tiles import Tiles
 
-__all__ = ["forward", "backward", "Tiles", "EXP_PATH"]
+__all__ = ["forward", "backward", "Tiles", "EXP_PATH", "RowNorm", "key_norm_max", "precise_rows", "row_sums"]

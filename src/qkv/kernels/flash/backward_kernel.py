@@ -17,27 +17,42 @@ products, one ``exp`` and one multiply. Every allowed ``s_ij <= lse_i``, so ``P 
 never overflows; a row that saw nothing (``lse = -inf``) gets a zero row of
 ``[dO | -delta]`` and so zero gradients.
 
-**Large scores: the precise path, normalised by itself.** A saved float32 ``lse`` is only
-within half an ulp of the true one: at ``|lse| = 1e4`` that is ``5e-4``, and every ``P`` of
-the row would be off by that factor (the row sums of ``P`` would not be 1). And a recomputed
-score differs from the forward's by about eps times the size of its terms: where one key
-dominates a row, its ``P`` should be exactly 1. So rows that the forward's test calls large
-(:func:`~.forward_kernel.large_rows`, on the same ``lse``) or whose terms may be large
-(``scale·‖q_i‖·max‖k_j‖ > TERMS``) get ``x = (Q Kᵀ)·scale - lse`` in float64 and natural
-units, and are normalised by their own sums: a first pass over exactly the same tiles (the
-same products, so the same bits) finds ``c_i = log Σ_j exp(x_ij)`` (by a running maximum, so
-nothing overflows), and the second uses ``P = exp(x - c)`` (``x - c <= 0`` rounded to the
-compute dtype before the exponential). Rows of ``P`` then sum to 1 to rounding whatever
-``lse`` was saved, and a row with one dominant key gets ``P = 1`` for it exactly. Only the
-score tile of those rows costs float64; the other four products stay in the compute dtype.
+**Large scores: the precise path, normalised by the row's own sums.** A saved float32
+``lse`` is only within half an ulp of the true one: at ``|lse| = 1e4`` that is ``5e-4``, and
+every ``P`` of the row would be off by that factor. Where a row's scores are all near a huge
+bias (``-1e30``), ``lse = m + log l`` cannot even hold ``log l`` (it rounds to ``m``) and
+``exp(S - lse)`` would give every key ``P = 1``. And a recomputed score differs from the
+forward's by about eps times the size of its terms: where one key dominates a row, its
+``P`` should be exactly 1. So rows that the forward's test calls large
+(:func:`~.forward_kernel.large_rows`) or whose terms may be large
+(``scale·‖q_i‖·max‖k_j‖ > TERMS``) are chosen by :func:`precise_rows`; their scores
+``x = (Q Kᵀ)·scale + bias`` are formed in float64 and natural units, and they are
+normalised without ``lse``: a first pass over exactly the same tiles (the same products, so
+the same bits) finds the row maximum ``m_i`` and ``l_i = Σ_j exp(x_ij - m_i)``
+(:func:`row_sums`, a running maximum, so nothing overflows), and the second uses
+``P = exp((x - m) - log l)``, the two subtractions apart so that ``log l`` survives beside a
+huge ``m``, rounded to the compute dtype before the exponential. Rows of ``P`` then sum to 1
+to rounding whatever ``lse`` was saved, and a row with one dominant key gets ``P = 1`` for it
+exactly. Only the score tile of those rows costs float64; the other four products stay in
+the compute dtype.
+
+**Keys in several calls (ring attention).** ``m`` and ``l`` are sums over *every* key of
+the row. A caller that holds the keys in blocks (the ring) chooses the precise rows once
+for the whole sequence (:func:`precise_rows` with the global ``max‖k_j‖``), adds up
+:func:`row_sums` over all blocks with :meth:`RowNorm.merge`, and hands both to
+:func:`backward` for each block (``precise=``, ``norm=``); a block alone would normalise P
+by the part of the row it sees.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
 from ...masks import MaskSpec
-from .forward_kernel import large_rows
 from . import exp2 as pow2
+from .forward_kernel import large_rows
 from .tiles import (DEFAULT, LOG2E, Tiles, Workers, batch_of, bias_limit, by_batch, chunks, kv_heads,
                     mask_and_bias, scratch)
 
@@ -48,203 +63,338 @@ F64 = np.dtype(np.float64)
 TERMS = {np.dtype(np.float32): 32.0, np.dtype(np.float64): 32.0}
 
 
-def backward(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int = 1,
-             *, tiles: Tiles | None = None, num_threads: int | None = None):
-    """Gradients ``(dq (*L,Tq,D), dk (*Lk,Tk,D), dv (*Lk,Tk,Dv))``; the interface of
-    :func:`qkv.kernels.reference.backward`. ``tiles`` and ``num_threads`` as in
-    :func:`~qkv.kernels.flash.forward`."""
+# --- which rows are precise, and what they are normalised by -------------------------------
+@dataclass
+class RowNorm:
+    """Running ``m`` (row maximum of the float64 scores) and ``l = Σ exp(x - m)`` of every
+    query row, shape ``(*L, Tq)``; ``m = -inf``, ``l = 0`` where no key was seen yet."""
+
+    m: np.ndarray
+    l: np.ndarray
+
+    @classmethod
+    def empty(cls, shape: tuple) -> "RowNorm":
+        return cls(np.full(shape, -np.inf), np.zeros(shape))
+
+    def add(self, index, rows: slice, x_max: np.ndarray, x_sum_at) -> None:
+        """Fold in one tile: ``x_max`` its row maxima, ``x_sum_at(m_new)`` its Σ exp(x - m_new)."""
+        m, l = self.m[index][rows], self.l[index][rows]
+        m_new = np.maximum(m, x_max)
+        safe = np.where(m_new == -np.inf, 0, m_new)
+        self.l[index][rows] = l * np.exp(m - safe) + x_sum_at(safe)
+        self.m[index][rows] = m_new
+
+    def merge(self, other: "RowNorm") -> "RowNorm":
+        """The sums over both key sets (disjoint ones: another lane's, another block's)."""
+        m = np.maximum(self.m, other.m)
+        safe = np.where(m == -np.inf, 0, m)
+        with np.errstate(under="ignore"):
+            l = self.l * np.exp(self.m - safe) + other.l * np.exp(other.m - safe)
+        return RowNorm(m, l)
+
+    def rows(self, sl: slice) -> "RowNorm":
+        return RowNorm(self.m[..., sl], self.l[..., sl])
+
+
+def key_norm_max(k: np.ndarray, spec: MaskSpec, group: int) -> np.ndarray:
+    """``max_j ‖k_j‖`` over the keys each query head may read (inside its ``kv_lengths``),
+    shape ``lead = (*L,)``; float64."""
+    tk = k.shape[-2]
+    with np.errstate(over="ignore", invalid="ignore"):  # padding may hold anything; never read
+        norms = {ikv: np.sqrt(np.einsum("td,td->t", k[ikv], k[ikv], dtype=np.float64))
+                 for ikv, _ in kv_heads(k.shape[:-2], group)}
+    kmax = np.zeros(spec.lead)
+    for ikv, heads in kv_heads(k.shape[:-2], group):
+        for h in heads:
+            n = tk if spec.kv_lengths is None else int(spec.kv_lengths[batch_of(spec, h)])
+            kmax[h] = norms[ikv][:n].max(initial=0.0)
+    return kmax
+
+
+def precise_rows(q: np.ndarray, lse: np.ndarray, spec: MaskSpec, scale: float,
+                 kmax: np.ndarray) -> np.ndarray:
+    """Bool ``(*L, Tq)``: the rows that take the precise path (see the module docstring).
+    ``spec.tk`` is the row's whole key count and ``kmax`` (from :func:`key_norm_max`, shape
+    ``(*L,)``) the largest key norm it may meet, over all keys, also those of other calls."""
+    dt = np.dtype(q.dtype)
+    tq = q.shape[-2]
+    real = np.arange(tq) < np.reshape([spec.rows(batch_of(spec, h)) for h in np.ndindex(*spec.lead)],
+                                      spec.lead + (1,))  # padding rows are never precise
+    finite = (lse != -np.inf) & real
+    qnorm = np.sqrt(np.einsum("...td,...td->...t", q, q, dtype=np.float64))
+    with np.errstate(over="ignore", invalid="ignore"):
+        terms = abs(scale) * qnorm * kmax[..., None]
+        # log2(e)·scale·q must fit the dtype on the fast path
+        overflow = np.abs(q).max(axis=-1).astype(np.float64) * abs(scale) * LOG2E > float(np.finfo(dt).max)
+    return (large_rows(lse, spec.tk, dt) | (terms > TERMS[dt]) | overflow) & finite
+
+
+# --- the prepared operands -------------------------------------------------------------------
+@dataclass
+class Call:
+    """The fixed facts of one backward call."""
+
+    spec: MaskSpec
+    scale: float
+    dt: np.dtype
+    tiles: Tiles
+    masked: bool          # a bias or ALiBi adds to the scores
+    clip: float | None    # the fast path's bias clip (see tiles.bias_limit)
+
+
+@dataclass
+class QueryHead:
+    """One query head's rows, with the backward's extra columns."""
+
+    qx: np.ndarray | None   # (Tq, D+2)  [log2(e)·scale·Q | -hi | -lo]
+    dox: np.ndarray | None  # (Tq, Dv+1) [dO | -delta], zero on rows that saw nothing
+    q: np.ndarray           # (Tq, D) Q, contiguous, for dK = scale · dSᵀ Q
+    precise: np.ndarray     # (Tq,) bool
+    q64: np.ndarray | None  # (Tq, D) float64 Q where some row is precise
+
+
+@dataclass
+class KVHead:
+    kx: np.ndarray | None   # (Tk, D+2) [K | 1 | 1]
+    v1: np.ndarray | None   # (Tk, Dv+1) [V | 1]
+    k64: np.ndarray | None  # (Tk, D) float64 K where some query row is precise
+
+
+@dataclass
+class Task:
+    """The keys ``c0:c1`` of one kv head, against all its query heads."""
+
+    ikv: tuple
+    heads: list
+    c0: int
+    c1: int
+
+
+def _prep_q(call: Call, h, q, precise, dout=None, out=None, lse=None) -> QueryHead:
+    """A query head's operands; without ``dout`` only what :func:`row_sums` reads."""
+    dt, d = call.dt, q.shape[-1]
+    exact = precise[h]
+    q64 = q[h].astype(np.float64) if exact.any() else None
+    if dout is None:
+        return QueryHead(None, None, q[h], exact, q64)
+    ls, tq, dv = lse[h], q.shape[-2], dout.shape[-1]
+    finite = (ls != -np.inf) & (np.arange(tq) < call.spec.rows(batch_of(call.spec, h)))
+    qx = np.empty((tq, d + 2), dt)                                # [log2(e)·scale·Q | -hi | -lo]
+    with np.errstate(over="ignore"):
+        np.multiply(q[h], dt.type(call.scale * LOG2E), out=qx[:, :d])
+    t = np.where(finite & ~exact, ls, 0).astype(np.float64) * LOG2E  # log2(e)·lse = hi + lo exactly
+    qx[:, d] = -t                                                 # -hi: t rounded to the dtype
+    qx[:, d + 1] = -(t + qx[:, d].astype(np.float64))             # -lo = -(t - hi), exact in float64
+    delta = np.einsum("td,td->t", dout[h], out[h])                # delta_i = rowsum(dO_i ∘ O_i)
+    dox = np.empty((tq, dv + 1), dt)                              # [dO | -delta], the delta rides in dP
+    dox[:, :dv] = np.where(finite[:, None], dout[h], 0)           # rows that saw nothing: zero
+    dox[:, dv] = np.where(finite, -delta, 0)
+    return QueryHead(qx, dox, np.ascontiguousarray(q[h]), exact, q64)
+
+
+def _prep_kv(call: Call, ikv, k, v, any_precise: bool, sums_only: bool = False) -> KVHead:
+    k64 = k[ikv].astype(np.float64) if any_precise else None
+    if sums_only:
+        return KVHead(None, None, k64)
+    tk, d, dv = k.shape[-2], k.shape[-1], v.shape[-1]
+    kx = np.empty((tk, d + 2), call.dt)                           # [K | 1 | 1]
+    kx[:, :d] = k[ikv]
+    kx[:, d:] = 1
+    v1 = np.empty((tk, dv + 1), call.dt)                          # [V | 1]
+    v1[:, :dv] = v[ikv]
+    v1[:, dv] = 1
+    return KVHead(kx, v1, k64)
+
+
+# --- tiles -------------------------------------------------------------------------------------
+def _walk(call: Call, task: Task, qheads: dict):
+    """Every tile of a task: ``(h, q0, q1, a, e, partial, precise)``."""
+    spec, rows = call.spec, call.tiles.bwd_rows
+    for h in task.heads:
+        b = batch_of(spec, h)
+        r0, r1 = spec.query_range(task.c0, task.c1, batch=b)
+        for q0 in range(r0, r1, rows):
+            q1 = min(q0 + rows, r1)
+            precise = bool(qheads[h].precise[q0:q1].any())
+            for a, e, partial_ in chunks(spec.segments(q0, q1, task.c0, task.c1, batch=b), task.c1 - task.c0):
+                yield h, q0, q1, a, e, partial_, precise
+
+
+def _exact_tile(call: Call, k64, q64, h, q0, q1, a, e, partial_) -> np.ndarray:
+    """``xᵀ = (scale · Q Kᵀ + bias)ᵀ`` of a tile in float64 and natural units, masked (the
+    same bits each call), ``(keys, rows)``."""
+    x = scratch((q1 - q0) * (e - a), F64, call.tiles, 2).reshape(e - a, q1 - q0)
+    np.matmul(k64[a:e], q64[q0:q1].T, out=x)                      # (w,D) @ (D,r) -> (w,r): (Q Kᵀ)ᵀ
+    x *= call.scale                                               # scaled after the sum, as the dense path does
+    if partial_ or call.masked:
+        mask_and_bias(x, call.spec, [h], q0, q1, a, e, partial_, 1.0)
+    return x
+
+
+def _sums_lane(call: Call, tasks: list, kvs: dict, qheads: dict, norm: RowNorm) -> None:
+    """First pass of the precise rows: running max ``m`` and ``Σ exp(x - m)`` per row."""
+    dt = call.dt
+
+    def tile_sum(x, safe):
+        p = scratch(x.size, dt, call.tiles, 0).reshape(x.shape)
+        np.subtract(x, safe, out=x)
+        np.copyto(p, x)                                           # x - m <= 0, rounded to dt
+        np.exp(p, out=p)
+        return p.sum(axis=0, dtype=np.float64)
+
+    with np.errstate(under="ignore"):
+        for task in tasks:
+            for h, q0, q1, a, e, partial_, precise in _walk(call, task, qheads):
+                if precise:
+                    x = _exact_tile(call, kvs[task.ikv].k64, qheads[h].q64, h, q0, q1, a, e, partial_)
+                    norm.add(h, slice(q0, q1), x.max(axis=0), partial(tile_sum, x))
+
+
+def _grad_tile(call: Call, kv: KVHead, qh: QueryHead, offsets, h, q0, q1, a, e, partial_, precise):
+    """Pᵀ and dSᵀ of one tile, ``(keys, rows)`` each (scratch buffers)."""
+    w = e - a
+    et = scratch((q1 - q0) * w, call.dt, call.tiles, 0).reshape(w, q1 - q0)
+    if precise:
+        x = _exact_tile(call, kv.k64, qh.q64, h, q0, q1, a, e, partial_)
+        x -= offsets[0][h][q0:q1]                                 # x - m
+        x -= offsets[1][h][q0:q1]                                 # - log l, apart: it survives a huge m
+        np.copyto(et, x)                                          # rounded to dt
+        np.exp(et, out=et)                                        # P = exp((x - m) - log l)
+    else:
+        np.matmul(kv.kx[a:e], qh.qx[q0:q1].T, out=et)             # (w,D+2) @ (D+2,r) -> (w,r): (S - lse)ᵀ
+        if partial_ or call.masked:
+            mask_and_bias(et, call.spec, [h], q0, q1, a, e, partial_, LOG2E, call.clip)
+        pow2.exp2(et)                                             # P = exp(S - lse)
+    dst = scratch((q1 - q0) * w, call.dt, call.tiles, 1).reshape(w, q1 - q0)
+    np.matmul(kv.v1[a:e], qh.dox[q0:q1].T, out=dst)               # (w,Dv+1) @ (Dv+1,r): dP - delta
+    dst *= et                                                     # dS = P ∘ (dP - delta)
+    return et, dst
+
+
+def _grad_lane(call: Call, tasks: list, kvs: dict, qheads: dict, offsets, dq, dk, dv) -> None:
+    """dK, dV of each task's keys from all its query heads; dQ added into this lane's ``dq``."""
+    d, dvw = dk.shape[-1], dv.shape[-1]
+    with np.errstate(over="ignore", under="ignore"):
+        for task in tasks:
+            kv = kvs[task.ikv]
+            dk_loc = np.zeros((task.c1 - task.c0, d), call.dt)
+            dv_loc = np.zeros((task.c1 - task.c0, dvw), call.dt)
+            for h, q0, q1, a, e, partial_, precise in _walk(call, task, qheads):
+                qh = qheads[h]
+                et, dst = _grad_tile(call, kv, qh, offsets, h, q0, q1, a, e, partial_, precise)
+                dob = qh.dox[q0:q1, :dvw]
+                dv_loc[a - task.c0:e - task.c0] += et @ dob               # (w,r) @ (r,Dv): dV += Pᵀ dO
+                dk_loc[a - task.c0:e - task.c0] += dst @ qh.q[q0:q1]      # (w,r) @ (r,D): dK += dSᵀ Q
+                dq[h][q0:q1] += dst.T @ kv.kx[a:e, :d]                    # (r,w) @ (w,D): dQ += dS K
+            dk_loc *= call.dt.type(call.scale)                            # dK = scale · dSᵀ Q
+            dk[task.ikv][task.c0:task.c1] = dk_loc
+            dv[task.ikv][task.c0:task.c1] = dv_loc
+
+
+# --- the calls ---------------------------------------------------------------------------------
+def _setup(q, k, spec, scale, group, tiles, num_threads):
     tiles = DEFAULT if tiles is None else tiles
     dt = np.dtype(q.dtype)
-    tq, d = q.shape[-2:]
-    tk, dv = k.shape[-2], v.shape[-1]
-    lead, lead_kv = spec.lead, k.shape[:-2]
-    with np.errstate(over="ignore"):
-        sc = dt.type(scale * LOG2E)
-    clip = bias_limit(spec, dt)
-    masked = spec.bias is not None or spec.alibi is not None
-    dk = np.zeros(lead_kv + (tk, d), dt)
-    dvv = np.zeros(lead_kv + (tk, dv), dt)
-    heads_of = list(kv_heads(lead_kv, group))
+    call = Call(spec, float(scale), dt, tiles, spec.bias is not None or spec.alibi is not None,
+                bias_limit(spec, dt))
+    work = int(np.prod(spec.lead)) * q.shape[-2] * k.shape[-2]
+    return call, Workers(num_threads, work, tiles), list(kv_heads(k.shape[:-2], group))
 
-    def kmax_of(h) -> float:
-        """max ‖k_j‖ over the keys that head h may read (inside its kv_lengths)."""
-        kn = knorm[h[:-1] + (h[-1] // group,)] if h else knorm[()]
-        n = tk if spec.kv_lengths is None else int(spec.kv_lengths[batch_of(spec, h)])
-        return float(kn[:n].max(initial=0.0))
 
-    def prep_q(h):
-        ls = lse[h]
-        finite = (ls != -np.inf) & (np.arange(tq) < spec.rows(batch_of(spec, h)))  # padding rows: P = 0
-        qx = np.empty((tq, d + 2), dt)                            # [log2(e)·scale·Q | -hi | -lo]
-        with np.errstate(over="ignore"):
-            np.multiply(q[h], sc, out=qx[:, :d])
-        with np.errstate(over="ignore"):
-            terms = abs(scale) * np.sqrt(np.einsum("td,td->t", q[h], q[h], dtype=np.float64)) * kmax_of(h)
-        big = large_rows(ls, tk, dt) | ((terms > TERMS[dt]) | np.isinf(qx[:, :d]).any(axis=1)) & finite
-        t = np.where(finite & ~big, ls, 0).astype(np.float64) * LOG2E  # log2(e)·lse = hi + lo exactly
-        qx[:, d] = -t                                             # -hi: t rounded to the dtype
-        qx[:, d + 1] = -(t + qx[:, d].astype(np.float64))         # -lo = -(t - hi), exact in float64
-        qr = np.ascontiguousarray(q[h])                           # Q for dK = scale · dSᵀ Q
-        delta = np.einsum("td,td->t", dout[h], out[h])            # delta_i = rowsum(dO_i ∘ O_i)
-        dox = np.empty((tq, dv + 1), dt)                          # [dO | -delta], the delta rides in dP
-        dox[:, :dv] = np.where(finite[:, None], dout[h], 0)       # rows that saw nothing: zero
-        dox[:, dv] = np.where(finite, -delta, 0)
-        q64 = None
-        if big.any():                                             # Q and lse in float64, natural units
-            q64 = (q[h].astype(np.float64), np.where(finite, ls, 0).astype(np.float64))
-        return qx, dox, qr, big, q64
+def _sums_pass(pool, call, lanes, kvs, qheads, shape) -> RowNorm:
+    """``m``, ``l`` of the precise rows over this call's keys, from per-lane sums merged in a
+    fixed order."""
+    norms = [RowNorm.empty(shape) for _ in lanes]
+    pool.run([partial(_sums_lane, call, lane, kvs, qheads, norms[i]) for i, lane in enumerate(lanes)])
+    total = norms[0]
+    for other in norms[1:]:
+        total = total.merge(other)
+    return total
 
-    def prep_kv(ikv):
-        kx = np.empty((tk, d + 2), dt)                            # [K | 1 | 1]
-        kx[:, :d] = k[ikv]
-        kx[:, d:] = 1
-        v1 = np.empty((tk, dv + 1), dt)                           # [V | 1]
-        v1[:, :dv] = v[ikv]
-        v1[:, dv] = 1
-        return kx, v1
 
-    def walk(hs, c0, c1, qprep):
-        """Every tile of a (kv head, key block) task: ``(h, q0, q1, a, e, partial, precise)``."""
-        for h in hs:
-            big = qprep[h][3]
-            b = batch_of(spec, h)
-            r0, r1 = spec.query_range(c0, c1, batch=b)
-            for q0 in range(r0, r1, tiles.bwd_rows):
-                q1 = min(q0 + tiles.bwd_rows, r1)
-                precise = bool(big[q0:q1].any())
-                for a, e, partial in chunks(spec.segments(q0, q1, c0, c1, batch=b), c1 - c0):
-                    yield h, q0, q1, a, e, partial, precise
+def row_sums(q, k, spec: MaskSpec, scale: float, group: int, precise: np.ndarray, *,
+             tiles: Tiles | None = None, num_threads: int | None = None) -> RowNorm:
+    """The precise rows' ``m`` and ``l`` over the keys ``k`` of this call (other rows: ``m =
+    -inf``, ``l = 0``); add up several calls' with :meth:`RowNorm.merge`."""
+    call, workers, heads_of = _setup(q, k, spec, scale, group, tiles, num_threads)
+    with workers as pool:
+        kvs = {ikv: _prep_kv(call, ikv, k, None, True, sums_only=True) for ikv, _ in heads_of}
+        qheads = {h: _prep_q(call, h, q, precise) for _, hs in heads_of for h in hs}
+        lanes = _deal(spec, heads_of, k.shape[-2], pool.n, call.tiles)
+        return _sums_pass(pool, call, lanes, kvs, qheads, q.shape[:-1])
 
-    def exact_tile(k64, q64, h, q0, q1, a, e, partial):
-        """``(S - lse)ᵀ`` of a tile in float64 and natural units, masked (the same bits each call)."""
-        x = scratch((q1 - q0) * (e - a), F64, tiles, 2).reshape(e - a, q1 - q0)
-        np.matmul(k64[a:e], q64[0][q0:q1].T, out=x)               # (w,D) @ (D,r) -> (w,r): (Q Kᵀ)ᵀ
-        x *= scale                                                # scaled after the sum, as the dense path does
-        x -= q64[1][q0:q1]
-        if partial or masked:
-            mask_and_bias(x, spec, [h], q0, q1, a, e, partial, 1.0)
-        return x
 
-    def sums(ikv, hs, c0, c1, kv, qprep, acc):
-        """First pass of the precise rows: running max ``m`` and ``Σ exp(x - m)`` per row."""
-        k64 = kv[2]
-        for h, q0, q1, a, e, partial, precise in walk(hs, c0, c1, qprep):
-            if not precise:
-                continue
-            x = exact_tile(k64, qprep[h][4], h, q0, q1, a, e, partial)
-            m, l = acc.setdefault(h, (np.full(tq, -np.inf), np.zeros(tq)))
-            m_new = np.maximum(m[q0:q1], x.max(axis=0))
-            safe = np.where(m_new == -np.inf, 0, m_new)
-            x -= safe
-            p = scratch(x.size, dt, tiles, 0).reshape(x.shape)
-            np.copyto(p, x)                                          # x - m <= 0, rounded to dt
-            np.exp(p, out=p)
-            l[q0:q1] = l[q0:q1] * np.exp(m[q0:q1] - safe) + p.sum(axis=0, dtype=np.float64)
-            m[q0:q1] = m_new
+def _offsets(lse, precise, norm: RowNorm):
+    """``(m, log l)`` per row for the precise tiles: the row's own sums where it is precise,
+    ``(lse, 0)`` for its other rows (P = exp(S - lse) in float64), ``(0, 0)`` where it saw nothing."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        m = np.where(precise, norm.m, np.where(lse == -np.inf, 0, lse)).astype(np.float64)
+        log_l = np.where(precise, np.log(np.where(norm.l > 0, norm.l, 1)), 0.0)
+    return np.where(np.isfinite(m), m, 0), log_l
 
-    def task(ikv, hs, c0, c1, kv, qprep, norm, dq):
-        """dK, dV of keys c0:c1 of one kv head from all its query heads; dQ into ``dq``."""
-        kx, v1 = kv[0], kv[1]
-        kk = kx[:, :d]
-        dk_loc = np.zeros((c1 - c0, d), dt)
-        dv_loc = np.zeros((c1 - c0, dv), dt)
-        for h, q0, q1, a, e, partial, precise in walk(hs, c0, c1, qprep):
-            qx, dox, qr = qprep[h][:3]
-            qb, dob = qx[q0:q1], dox[q0:q1]
-            w = e - a
-            # tiles are kept transposed, (keys, rows): Pᵀ, dSᵀ
-            et = scratch((q1 - q0) * w, dt, tiles, 0).reshape(w, q1 - q0)
-            if precise:
-                x = exact_tile(kv[2], qprep[h][4], h, q0, q1, a, e, partial)
-                x -= norm[h][q0:q1]                                  # S - lse - c, then rounded to dt
-                np.copyto(et, x)
-                np.exp(et, out=et)                                   # P = exp(S - lse - c)
-            else:
-                np.matmul(kx[a:e], qb.T, out=et)                     # (w,D+2) @ (D+2,r) -> (w,r): (S - lse)ᵀ
-                if partial or masked:
-                    mask_and_bias(et, spec, [h], q0, q1, a, e, partial, LOG2E, clip)
-                pow2.exp2(et)                                        # P = exp(S - lse)
-            dst = scratch((q1 - q0) * w, dt, tiles, 1).reshape(w, q1 - q0)
-            np.matmul(v1[a:e], dob.T, out=dst)                       # (w,Dv+1) @ (Dv+1,r): dP - delta
-            dst *= et                                                # dS = P ∘ (dP - delta)
-            dv_loc[a - c0:e - c0] += et @ dob[:, :dv]                # (w,r) @ (r,Dv): dV += Pᵀ dO
-            dk_loc[a - c0:e - c0] += dst @ qr[q0:q1]                 # (w,r) @ (r,D): dK += dSᵀ Q
-            dq[h][q0:q1] += dst.T @ kk[a:e]                          # (r,w) @ (w,D): dQ += dS K
-        dk_loc *= dt.type(scale)                                     # dK = scale · dSᵀ Q
-        dk[ikv][c0:c1] = dk_loc
-        dvv[ikv][c0:c1] = dv_loc
 
-    with Workers(num_threads, int(np.prod(lead)) * tq * tk, tiles) as pool:
+def backward(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int = 1,
+             *, tiles: Tiles | None = None, num_threads: int | None = None,
+             precise: np.ndarray | None = None, norm: RowNorm | None = None):
+    """Gradients ``(dq (*L,Tq,D), dk (*Lk,Tk,D), dv (*Lk,Tk,Dv))``; the interface of
+    :func:`qkv.kernels.reference.backward`. ``tiles`` and ``num_threads`` as in
+    :func:`~qkv.kernels.flash.forward`. ``precise`` (bool ``(*L, Tq)``) and ``norm`` (their
+    sums over every key) are for a caller whose rows see keys beyond ``k`` (the ring);
+    by default both come from this call's keys."""
+    call, workers, heads_of = _setup(q, k, spec, scale, group, tiles, num_threads)
+    dt, tq, d = call.dt, q.shape[-2], q.shape[-1]
+    tk, dvw = k.shape[-2], v.shape[-1]
+    if precise is None:
+        precise = precise_rows(q, lse, spec, scale, key_norm_max(k, spec, group))
+    any_precise = bool(precise.any())
+    dk = np.zeros(k.shape[:-2] + (tk, d), dt)
+    dv = np.zeros(k.shape[:-2] + (tk, dvw), dt)
+    with workers as pool:
+        kvs = dict(zip([ikv for ikv, _ in heads_of],
+                       pool.run([partial(_prep_kv, call, ikv, k, v, any_precise) for ikv, _ in heads_of])))
         all_heads = [h for _, hs in heads_of for h in hs]
-        kvprep = pool.run([lambda ikv=ikv: prep_kv(ikv) for ikv, _ in heads_of])
-        with np.errstate(over="ignore", invalid="ignore"):  # padding may hold anything; never read
-            knorm = {ikv: np.sqrt(np.einsum("td,td->t", k[ikv], k[ikv], dtype=np.float64)) for ikv, _ in heads_of}
-        qprep = dict(zip(all_heads, pool.run([lambda h=h: prep_q(h) for h in all_heads])))
-        lanes = _deal(spec, heads_of, kvprep, tk, pool.n, tiles)
-        norm = {}
-        if any(p[4] is not None for p in qprep.values()):
-            k64 = {ikv: k[ikv].astype(np.float64) for ikv, _ in heads_of}
-            lanes = [[args[:4] + ((args[4][0], args[4][1], k64[args[0]]),) for args in lane] for lane in lanes]
-            norm = _normalisers(pool, lanes, sums, qprep)
-        dqs = [np.zeros(lead + (tq, d), dt) for _ in lanes]
-
-        def lane(i):
-            with np.errstate(over="ignore", under="ignore"):
-                for args in lanes[i]:
-                    task(*args, qprep, norm, dqs[i])
-
-        pool.run([lambda i=i: lane(i) for i in range(len(lanes))])
+        qheads = dict(zip(all_heads, pool.run([partial(_prep_q, call, h, q, precise, dout, out, lse)
+                                               for h in all_heads])))
+        lanes = _deal(spec, heads_of, tk, pool.n, call.tiles)
+        offsets = None
+        if any_precise:
+            if norm is None:
+                norm = _normalisers(pool, call, lanes, kvs, qheads, q.shape[:-1])
+            offsets = _offsets(lse, precise, norm)
+        dqs = [np.zeros(q.shape, dt) for _ in lanes]
+        pool.run([partial(_grad_lane, call, lane, kvs, qheads, offsets, dqs[i], dk, dv)
+                  for i, lane in enumerate(lanes)])
     dq = dqs[0]
     for extra in dqs[1:]:
         dq += extra
-    dq *= dt.type(scale)                                            # dQ = scale · dS K
-    return dq, dk, dvv
+    dq *= dt.type(scale)                                          # dQ = scale · dS K
+    return dq, dk, dv
 
 
-def _normalisers(pool, lanes, sums, qprep) -> dict:
-    """``c_i = log Σ_j exp(x_ij)`` for every precise row (0 for the others), from per-lane
-    running maxima and sums merged in a fixed order."""
-    accs = [{} for _ in lanes]
-
-    def lane(i):
-        with np.errstate(under="ignore"):
-            for args in lanes[i]:
-                sums(*args, qprep, accs[i])
-
-    pool.run([lambda i=i: lane(i) for i in range(len(lanes))])
-    norm = {}
-    for h, (qx, dox, qr, big, q64) in qprep.items():
-        parts = [acc[h] for acc in accs if h in acc]
-        if not parts:
-            continue
-        m = np.max([p[0] for p in parts], axis=0)
-        safe = np.where(m == -np.inf, 0, m)
-        with np.errstate(under="ignore", divide="ignore"):
-            l = sum(p[1] * np.exp(p[0] - safe) for p in parts)
-            c = safe + np.log(np.where(l > 0, l, 1))
-        norm[h] = np.where(big, c, 0.0)
-    return norm
+def _normalisers(pool, call, lanes, kvs, qheads, shape) -> RowNorm:
+    """The precise rows' sums over this call's keys (a seam the tests count through)."""
+    return _sums_pass(pool, call, lanes, kvs, qheads, shape)
 
 
-def _deal(spec, heads_of, kvprep, tk, n_threads, tiles) -> list:
+def _deal(spec, heads_of, tk, n_threads, tiles) -> list:
     """(kv head, key block) tasks, dealt to lanes by a fixed rule (largest first, to the
     least-loaded lane), so a given thread count always adds in the same order."""
     width = tiles.bwd_keys
     while width > 256 and len(heads_of) * -(-tk // width) < 2 * n_threads:
         width //= 2  # two tasks a thread or more, so causal work can be balanced
     tasks = []
-    for (ikv, hs), kv in zip(heads_of, kvprep):
+    for ikv, hs in heads_of:
         for c0 in range(0, tk, width):
             c1 = min(c0 + width, tk)
             spans = [spec.query_range(c0, c1, batch=batch_of(spec, run[0])) for run in by_batch(spec, hs)]
             rows_seen = sum(max(0, r1 - r0) for r0, r1 in spans)
             if rows_seen:
-                tasks.append((rows_seen * (c1 - c0), ikv, hs, c0, c1, kv))
+                tasks.append((rows_seen * (c1 - c0), Task(ikv, hs, c0, c1)))
     n = max(1, min(n_threads, len(tasks)))
     lanes = [[] for _ in range(n)]
     load = [0] * n
-    for cost, *args in sorted(tasks, key=lambda t: -t[0]):
+    for cost, task in sorted(tasks, key=lambda t: -t[0]):
         i = load.index(min(load))
-        lanes[i].append(tuple(args))
+        lanes[i].append(task)
         load[i] += cost
     return lanes
