@@ -129,12 +129,39 @@ def _kernel(method: str, prob: Problem, need_weights: bool):
     """The module whose forward/backward run this problem."""
     if not isinstance(method, str) or method not in METHODS:
         raise ShapeError(f"method must be one of {METHODS}; got {method!r}")
+    entries = math.prod(prob.spec.lead) * prob.spec.tq * prob.spec.tk
     if method == "auto":
-        entries = math.prod(prob.spec.lead) * prob.spec.tq * prob.spec.tk
         method = "flash" if entries >= AUTO_FLASH_MIN else "reference"
+    if method == "reference" or need_weights:
+        _dense_fits(entries, prob.q.dtype, "method='reference'" if method == "reference" else "return_weights=True")
     if method == "reference":
         return reference
     return _WeightsBeside(flash) if need_weights else flash
+
+
+def _available_bytes() -> int | None:
+    """Memory the system can still hand out (Linux's MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _dense_fits(entries: int, dtype, why: str) -> None:
+    """A MemoryError before any work when the dense ``(..., Tq, Tk)`` arrays (scores,
+    exponentials, weights: three of them) cannot fit, instead of one after a long forward."""
+    need = 3 * entries * np.dtype(dtype).itemsize
+    free = _available_bytes()
+    if free is not None and need > free:
+        raise MemoryError(
+            f"{why} makes dense (..., Hq, Tq, Tk) arrays of {entries:,} entries: about "
+            f"{need / 2**30:.1f} GiB in {np.dtype(dtype)}, and this machine has "
+            f"{free / 2**30:.1f} GiB available. Leave return_weights off and use method='flash' "
+            f"(O(T·D) memory), or look at fewer rows at a time")
 
 
 def _sum_to(x: np.ndarray, shape: tuple) -> np.ndarray:

@@ -82,9 +82,10 @@ FOREIGN_OPTIONS = {
 }
 
 
-def reject_options(func, unknown: dict) -> None:
+def reject_options(func, unknown: dict, why: dict | None = None) -> None:
     """A ShapeError naming each keyword ``func`` does not take (its ``**unknown``), with qkv's
-    own name where it is a familiar one from torch or flash-attn, and ``func``'s options.
+    own name where it is a familiar one from torch or flash-attn (or ``why[name]``, where the
+    caller says why it has no such option), and ``func``'s options.
 
     >>> def attention(q, *, mask=None, causal=False, **unknown):
     ...     reject_options(attention, unknown)
@@ -99,7 +100,9 @@ def reject_options(func, unknown: dict) -> None:
 
     params = inspect.signature(func).parameters.values()
     known = ", ".join(p.name for p in params if p.kind is p.KEYWORD_ONLY)
-    named = [f"{k}= (qkv's name: {FOREIGN_OPTIONS[k]})" if k in FOREIGN_OPTIONS else f"{k}=" for k in unknown]
+    why = why or {}
+    named = [f"{k}= ({why[k]})" if k in why else
+             f"{k}= (qkv's name: {FOREIGN_OPTIONS[k]})" if k in FOREIGN_OPTIONS else f"{k}=" for k in unknown]
     many = "unknown keyword arguments" if len(named) > 1 else "an unknown keyword argument"
     raise ShapeError(f"{func.__name__} got {many} {'; '.join(named)}; its options are {known}")
 

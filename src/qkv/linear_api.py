@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .api import _prepare, _sum_to
-from .errors import ShapeError, as_float_array, fmt_shape
+from .errors import ShapeError, as_float_array, fmt_shape, reject_options
 from .kernels import linear
 
 
@@ -12,11 +12,18 @@ def _problem(q, k, v, causal, gqa):
     return _prepare(q, k, v, causal=causal, gqa=gqa)
 
 
+# qkv.attention's options that have no meaning here: linear attention has no softmax and no
+# (Tq, Tk) scores, so nothing to mask, bias or scale but the causal prefix sums.
+_NOT_LINEAR = {name: f"an option of qkv.attention; linear attention takes causal= and gqa= only"
+               for name in ("mask", "bias", "align", "window", "chunk", "kv_lengths", "q_lengths", "alibi",
+                            "scale", "return_lse", "return_weights", "method")}
+
+
 def _options(prob) -> dict:
     return dict(causal=bool(prob.spec.causal), offset=int(prob.spec.offset), group=prob.group)
 
 
-def linear_attention(q, k, v, *, causal=False, gqa=False):
+def linear_attention(q, k, v, *, causal=False, gqa=False, **unknown):
     """Linear attention (Katharopoulos et al., 2020) with the feature map ``φ(x) = elu(x) + 1``.
 
     Query row ``i`` averages the value rows with positive weights ``φ(q_i)·φ(k_j)``::
@@ -49,6 +56,7 @@ def linear_attention(q, k, v, *, causal=False, gqa=False):
            [0.7  , 0.7  ]])
     """
     try:
+        reject_options(linear_attention, unknown, _NOT_LINEAR)
         prob = _problem(q, k, v, causal, gqa)
     except ShapeError as err:
         raise ShapeError(str(err)) from None  # the caller's line, not our internals
@@ -56,7 +64,7 @@ def linear_attention(q, k, v, *, causal=False, gqa=False):
     return out.astype(prob.in_dtype, copy=False)
 
 
-def linear_attention_backward(dout, q, k, v, *, causal=False, gqa=False):
+def linear_attention_backward(dout, q, k, v, *, causal=False, gqa=False, **unknown):
     """Gradients ``(dq, dk, dv)`` of :func:`linear_attention` given ``dout = ∂L/∂out``.
 
     Recomputes the forward's sums (nothing needs saving), then three products of the
@@ -72,6 +80,7 @@ def linear_attention_backward(dout, q, k, v, *, causal=False, gqa=False):
         ``(dq, dk, dv)`` with the shapes and dtypes of ``(q, k, v)``.
     """
     try:
+        reject_options(linear_attention_backward, unknown, _NOT_LINEAR)
         prob = _problem(q, k, v, causal, gqa)
         out_shape = prob.spec.lead + (prob.spec.tq, prob.v.shape[-1])
         dout = as_float_array("dout", dout)

@@ -302,7 +302,7 @@ def _check_bias(bias: np.ndarray, dtype) -> None:
             f"for cannot attend); got values up to {float(finite.max()):.4g}")
 
 
-def _check_alibi(alibi, lead: tuple) -> np.ndarray:
+def _check_alibi(alibi, lead: tuple, reach: int, dtype) -> np.ndarray:
     alibi = as_array("alibi", alibi)
     if not lead:
         raise ShapeError("alibi needs a head axis: q must have shape (..., Hq, Tq, D); got (Tq, D)")
@@ -312,6 +312,15 @@ def _check_alibi(alibi, lead: tuple) -> np.ndarray:
         raise ShapeError(f"alibi must be float slopes of shape {expected}; got {fmt_shape(alibi.shape)} {alibi.dtype}")
     if not np.isfinite(alibi).all():
         raise ShapeError("alibi slopes must be finite")
+    # the largest term, slope·|i' - j|, must fit the compute dtype with room for log2(e) and
+    # the kernels' sums (a slope of 1e39 is inf in float32, and inf·0 on the diagonal NaN)
+    top = float(np.finfo(dtype).max) / 16
+    largest = float(np.abs(alibi).max(initial=0.0)) * reach
+    if largest > top:
+        raise ShapeError(
+            f"alibi slopes times the largest distance |i' - j| <= {reach} must stay within "
+            f"{top:.4g} in the compute dtype {np.dtype(dtype)}; got slopes up to "
+            f"{float(np.abs(alibi).max()):.4g}")
     return alibi
 
 
@@ -328,6 +337,13 @@ def build_spec(lead: tuple, tq: int, tk: int, *, mask=None, bias=None, causal=Fa
             f"window={window!r} conflicts with causal=True: a causal query sees no key to its "
             f"right, so the window's right side must be 0 (use window=({left}, 0), or causal=False "
             f"with align='bottom_right' for a window that reaches right)")
+    # Aligned positions lie in [-Tq, Tq + Tk): a window side of Tq + Tk or more limits nothing
+    # and a chunk of more than Tq + Tk splits them as any larger one does, so both saturate
+    # there and no position arithmetic meets a huge int (window=(None, sys.maxsize), chunk=10**30).
+    reach = tq + tk
+    left = None if left is not None and left >= reach else left
+    right = None if right is not None and right >= reach else right
+    chunk = None if chunk is None else min(chunk, reach + 1)
     target = lead + (tq, tk)
     names = "(..., Hq, Tq, Tk)" if len(lead) >= 1 else "(Tq, Tk)"
     if mask is not None:
@@ -340,7 +356,7 @@ def build_spec(lead: tuple, tq: int, tk: int, *, mask=None, bias=None, causal=Fa
     if q_lengths is not None:
         q_lengths = _lengths("q_lengths", q_lengths, lead, tq)
     if alibi is not None:
-        alibi = _check_alibi(alibi, lead)
+        alibi = _check_alibi(alibi, lead, reach, dtype)
     offset = 0
     if align == "bottom_right":
         real_k = tk if kv_lengths is None else kv_lengths

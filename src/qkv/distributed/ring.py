@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .. import api
-from ..errors import ShapeError, as_float_array, fmt_shape
+from ..errors import ShapeError, as_float_array, fmt_shape, reject_options
 from ..extras import require
 from ..kernels import flash
 from ..masks import MaskSpec, build_spec
@@ -141,11 +141,18 @@ def _travel(ring: Ring, bufs: list):
 
 
 _OPTIONS = "causal, align, window, chunk, kv_lengths, alibi"
+# qkv.attention's options that the ring does not take, and why
+_NOT_RING = {
+    "q_lengths": "ring attention is self-attention over one sequence: a padded sequence is "
+                 "kv_lengths= alone (query rows past it see nothing there)",
+    "return_weights": "the ring never holds a (Tq, Tk) array; qkv.attention returns weights",
+    "method": "the ring always runs the tiled kernel",
+}
 
 
 def ring_attention(q, k, v, *, comm=None, layout="zigzag", mask=None, bias=None, causal=False,
                    align=None, window=None, chunk=None, kv_lengths=None, alibi=None, scale=None,
-                   gqa=False, return_lse=False):
+                   gqa=False, return_lse=False, **unknown):
     """Self-attention over a sequence split across the ranks of ``comm``; this rank's rows.
 
     Every rank passes its own tokens (:func:`qkv.distributed.shard`): ``q (..., Hq, c, D)``,
@@ -163,6 +170,7 @@ def ring_attention(q, k, v, *, comm=None, layout="zigzag", mask=None, bias=None,
     Returns ``out (..., Hq, c, Dv)`` in q's dtype, and ``lse (..., Hq, c)`` (float32, or
     float64 for float64 input) with ``return_lse=True``.
     """
+    reject_options(ring_attention, unknown, _NOT_RING)
     if not isinstance(return_lse, (bool, np.bool_)):
         raise ShapeError(f"return_lse must be True or False; got {return_lse!r}")
     options = dict(causal=causal, align=align, window=window, chunk=chunk, kv_lengths=kv_lengths, alibi=alibi)
@@ -182,13 +190,14 @@ def ring_attention(q, k, v, *, comm=None, layout="zigzag", mask=None, bias=None,
 
 def ring_attention_backward(dout, q, k, v, out, lse, *, comm=None, layout="zigzag", mask=None,
                             bias=None, causal=False, align=None, window=None, chunk=None,
-                            kv_lengths=None, alibi=None, scale=None, gqa=False):
+                            kv_lengths=None, alibi=None, scale=None, gqa=False, **unknown):
     """This rank's ``(dq, dk, dv)`` of :func:`ring_attention`, given its ``dout`` and the
     ``out``, ``lse`` that ``ring_attention(..., return_lse=True)`` returned here.
 
     Same arguments and the same collective checks as :func:`ring_attention`; each gradient
     has its input's shape and dtype (the sum over every rank's queries for dk and dv).
     """
+    reject_options(ring_attention_backward, unknown, _NOT_RING)
     options = dict(causal=causal, align=align, window=window, chunk=chunk, kv_lengths=kv_lengths, alibi=alibi)
 
     def extra(prob):

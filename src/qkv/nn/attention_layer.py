@@ -118,6 +118,14 @@ class AttentionLayer(Layer):
             raise ShapeError("cache= is for causal self-attention decoding; got both context= and cache=")
         if not isinstance(cache, self.cache_type):
             raise ShapeError(f"cache must come from this layer's new_cache(batch, max_len); got {type(cache).__name__}")
+        mine = self.new_cache(1, 1).arrays     # what this layer's cache holds, per token
+        for name, arr in cache.arrays.items():
+            want = mine.get(name)
+            if want is None or arr.dtype != want.dtype or arr.shape[1:-2] + arr.shape[-1:] != want.shape[1:-2] + want.shape[-1:]:
+                got = f"{arr.dtype} {fmt_shape(arr.shape)}"
+                need = "nothing" if want is None else f"{want.dtype} (B, {', '.join(map(str, want.shape[1:-2] + ('max_len',) + want.shape[-1:]))})"
+                raise ShapeError(f"cache {name!r} must be {need} for this layer; got {got} "
+                                 f"(make the cache with this layer's new_cache(batch, max_len))")
         if not self.causal:
             raise ShapeError("cache= needs a causal layer (causal=True): a bidirectional layer cannot decode "
                              "one token at a time")
