@@ -228,7 +228,8 @@ def ring_attention_backward(dout, q, k, v, out, lse, *, comm=None, layout="zigza
             kk, vv = ring.kv_block(kb, vb, ks)
             dqp, dkp, dvp = flash.backward(do[..., qs, :], prob.q[..., qs, :], kk, vv, o[..., qs, :],
                                            ls[..., qs], sp, prob.scale, prob.group,
-                                           precise=precise[..., qs], norm=None if norm is None else norm.rows(qs))
+                                           precise=precise[..., qs], norm=None if norm is None else norm.rows(qs),
+                                           blocks=True)
             dq[..., qs, :] += dqp
             dk[..., ks, :] += api._sum_to(dkp, kb.shape[:-2] + (dkp.shape[-2], d))
             dv[..., ks, :] += api._sum_to(dvp, vb.shape[:-2] + dvp.shape[-2:])

@@ -136,8 +136,10 @@ class Call:
 
     spec: MaskSpec
     scale: float
+    tk: int
     dt: np.dtype
     tiles: Tiles
+    whole_rows: bool      # the call's keys are all of each row's keys (not a ring block)
     masked: bool          # a bias or ALiBi adds to the scores
     clip: float | None    # the fast path's bias clip (see tiles.bias_limit)
 
@@ -208,16 +210,20 @@ def _prep_kv(call: Call, ikv, k, v, any_precise: bool, sums_only: bool = False) 
 
 # --- tiles -------------------------------------------------------------------------------------
 def _walk(call: Call, task: Task, qheads: dict):
-    """Every tile of a task: ``(h, q0, q1, a, e, partial, precise)``."""
+    """Every tile of a task: ``(h, q0, q1, a, e, partial, precise, whole)``; ``whole`` when the
+    tile holds every key its rows may see (the task spans all keys, the tile all of its runs)."""
     spec, rows = call.spec, call.tiles.bwd_rows
+    all_keys = call.whole_rows and task.c0 == 0 and task.c1 == call.tk
     for h in task.heads:
         b = batch_of(spec, h)
         r0, r1 = spec.query_range(task.c0, task.c1, batch=b)
         for q0 in range(r0, r1, rows):
             q1 = min(q0 + rows, r1)
             precise = bool(qheads[h].precise[q0:q1].any())
-            for a, e, partial_ in chunks(spec.segments(q0, q1, task.c0, task.c1, batch=b), task.c1 - task.c0):
-                yield h, q0, q1, a, e, partial_, precise
+            tiles = list(chunks(spec.segments(q0, q1, task.c0, task.c1, batch=b), task.c1 - task.c0))
+            whole = all_keys and len(tiles) == 1
+            for a, e, partial_ in tiles:
+                yield h, q0, q1, a, e, partial_, precise, whole
 
 
 def _exact_tile(call: Call, k64, q64, h, q0, q1, a, e, partial_) -> np.ndarray:
@@ -244,31 +250,49 @@ def _sums_lane(call: Call, tasks: list, kvs: dict, qheads: dict, norm: RowNorm) 
 
     with np.errstate(under="ignore"):
         for task in tasks:
-            for h, q0, q1, a, e, partial_, precise in _walk(call, task, qheads):
+            for h, q0, q1, a, e, partial_, precise, _ in _walk(call, task, qheads):
                 if precise:
                     x = _exact_tile(call, kvs[task.ikv].k64, qheads[h].q64, h, q0, q1, a, e, partial_)
                     norm.add(h, slice(q0, q1), x.max(axis=0), partial(tile_sum, x))
 
 
-def _grad_tile(call: Call, kv: KVHead, qh: QueryHead, offsets, h, q0, q1, a, e, partial_, precise):
-    """Pᵀ and dSᵀ of one tile, ``(keys, rows)`` each (scratch buffers)."""
+def _grad_tile(call: Call, kv: KVHead, qh: QueryHead, offsets, h, q0, q1, a, e, partial_, precise, whole):
+    """Pᵀ and dSᵀ of one tile, ``(keys, rows)`` each (scratch buffers), and the rows'
+    ``[dO | -delta]`` they were made with (divided by P's row sums on a whole tile)."""
     w = e - a
     et = scratch((q1 - q0) * w, call.dt, call.tiles, 0).reshape(w, q1 - q0)
+    dob = qh.dox[q0:q1]
     if precise:
         x = _exact_tile(call, kv.k64, qh.q64, h, q0, q1, a, e, partial_)
         x -= offsets[0][h][q0:q1]                                 # x - m
         x -= offsets[1][h][q0:q1]                                 # - log l, apart: it survives a huge m
         np.copyto(et, x)                                          # rounded to dt
         np.exp(et, out=et)                                        # P = exp((x - m) - log l)
+        r = et.sum(axis=0, dtype=np.float64) if whole else None   # (rows the lse normalised: see below)
     else:
         np.matmul(kv.kx[a:e], qh.qx[q0:q1].T, out=et)             # (w,D+2) @ (D+2,r) -> (w,r): (S - lse)ᵀ
         if partial_ or call.masked:
             mask_and_bias(et, call.spec, [h], q0, q1, a, e, partial_, LOG2E, call.clip)
-        pow2.exp2(et)                                             # P = exp(S - lse)
+        r = np.zeros(q1 - q0) if whole else None
+        if whole:
+            pow2.sub_exp2(et, None, r)                            # P = exp(S - lse), r_i = Σ_j P_ij
+        else:
+            pow2.exp2(et)                                         # P = exp(S - lse)
+    if whole:
+        # A float32 lse is only within half an ulp, so P = exp(S - lse) is off by up to that
+        # factor per row (dV erred 3-4x the dense path's). A tile that holds the whole row
+        # divides P by its row sum r, as the dense path does, by way of [dO | -delta] / r.
+        dob = (dob / np.where(r > 0, r, 1)[:, None]).astype(call.dt, copy=False)
     dst = scratch((q1 - q0) * w, call.dt, call.tiles, 1).reshape(w, q1 - q0)
-    np.matmul(kv.v1[a:e], qh.dox[q0:q1].T, out=dst)               # (w,Dv+1) @ (Dv+1,r): dP - delta
+    np.matmul(kv.v1[a:e], dob.T, out=dst)                         # (w,Dv+1) @ (Dv+1,r): dP - delta
+    if whole:
+        # delta from this P, not from the saved out: out came from the forward's roundings of
+        # P, and the mismatch left Σ_j dS_ij != 0 (dQ erred 3x). c_i = Σ_j P_ij (dP_ij - delta_i)
+        # is what delta lacks; with dst = (dP - delta)/r and et = r·P it is Σ_j et·dst / r.
+        c = np.einsum("wr,wr->r", et, dst, dtype=np.float64)
+        dst -= (c / np.where(r > 0, r, 1)).astype(call.dt)
     dst *= et                                                     # dS = P ∘ (dP - delta)
-    return et, dst
+    return et, dst, dob
 
 
 def _grad_lane(call: Call, tasks: list, kvs: dict, qheads: dict, offsets, dq, dk, dv) -> None:
@@ -279,11 +303,10 @@ def _grad_lane(call: Call, tasks: list, kvs: dict, qheads: dict, offsets, dq, dk
             kv = kvs[task.ikv]
             dk_loc = np.zeros((task.c1 - task.c0, d), call.dt)
             dv_loc = np.zeros((task.c1 - task.c0, dvw), call.dt)
-            for h, q0, q1, a, e, partial_, precise in _walk(call, task, qheads):
+            for h, q0, q1, a, e, partial_, precise, whole in _walk(call, task, qheads):
                 qh = qheads[h]
-                et, dst = _grad_tile(call, kv, qh, offsets, h, q0, q1, a, e, partial_, precise)
-                dob = qh.dox[q0:q1, :dvw]
-                dv_loc[a - task.c0:e - task.c0] += et @ dob               # (w,r) @ (r,Dv): dV += Pᵀ dO
+                et, dst, dob = _grad_tile(call, kv, qh, offsets, h, q0, q1, a, e, partial_, precise, whole)
+                dv_loc[a - task.c0:e - task.c0] += et @ dob[:, :dvw]      # (w,r) @ (r,Dv): dV += Pᵀ dO
                 dk_loc[a - task.c0:e - task.c0] += dst @ qh.q[q0:q1]      # (w,r) @ (r,D): dK += dSᵀ Q
                 dq[h][q0:q1] += dst.T @ kv.kx[a:e, :d]                    # (r,w) @ (w,D): dQ += dS K
             dk_loc *= call.dt.type(call.scale)                            # dK = scale · dSᵀ Q
@@ -292,10 +315,10 @@ def _grad_lane(call: Call, tasks: list, kvs: dict, qheads: dict, offsets, dq, dk
 
 
 # --- the calls ---------------------------------------------------------------------------------
-def _setup(q, k, spec, scale, group, tiles, num_threads):
+def _setup(q, k, spec, scale, group, tiles, num_threads, whole_rows=True):
     tiles = DEFAULT if tiles is None else tiles
     dt = np.dtype(q.dtype)
-    call = Call(spec, float(scale), dt, tiles, spec.bias is not None or spec.alibi is not None,
+    call = Call(spec, float(scale), k.shape[-2], dt, tiles, whole_rows, spec.bias is not None or spec.alibi is not None,
                 bias_limit(spec, dt))
     work = int(np.prod(spec.lead)) * q.shape[-2] * k.shape[-2]
     return call, Workers(num_threads, work, tiles), list(kv_heads(k.shape[:-2], group))
@@ -335,13 +358,14 @@ def _offsets(lse, precise, norm: RowNorm):
 
 def backward(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int = 1,
              *, tiles: Tiles | None = None, num_threads: int | None = None,
-             precise: np.ndarray | None = None, norm: RowNorm | None = None):
+             precise: np.ndarray | None = None, norm: RowNorm | None = None, blocks: bool = False):
     """Gradients ``(dq (*L,Tq,D), dk (*Lk,Tk,D), dv (*Lk,Tk,Dv))``; the interface of
     :func:`qkv.kernels.reference.backward`. ``tiles`` and ``num_threads`` as in
     :func:`~qkv.kernels.flash.forward`. ``precise`` (bool ``(*L, Tq)``) and ``norm`` (their
-    sums over every key) are for a caller whose rows see keys beyond ``k`` (the ring);
-    by default both come from this call's keys."""
-    call, workers, heads_of = _setup(q, k, spec, scale, group, tiles, num_threads)
+    sums over every key) are for a caller whose rows see keys beyond ``k`` (the ring, which
+    also says ``blocks=True``: no tile then holds a whole row); by default both come from
+    this call's keys."""
+    call, workers, heads_of = _setup(q, k, spec, scale, group, tiles, num_threads, whole_rows=not blocks)
     dt, tq, d = call.dt, q.shape[-2], q.shape[-1]
     tk, dvw = k.shape[-2], v.shape[-1]
     if precise is None:
@@ -380,8 +404,9 @@ def _deal(spec, heads_of, tk, n_threads, tiles) -> list:
     """(kv head, key block) tasks, dealt to lanes by a fixed rule (largest first, to the
     least-loaded lane), so a given thread count always adds in the same order."""
     width = tiles.bwd_keys
-    while width > 256 and len(heads_of) * -(-tk // width) < 2 * n_threads:
-        width //= 2  # two tasks a thread or more, so causal work can be balanced
+    while n_threads > 1 and width > 256 and len(heads_of) * -(-tk // width) < 2 * n_threads:
+        width //= 2  # two tasks a thread or more, so causal work can be balanced (one thread:
+        # whole rows in a task, whose P are normalised by their own sums; see _grad_tile)
     tasks = []
     for ikv, hs in heads_of:
         for c0 in range(0, tk, width):

@@ -109,7 +109,7 @@ def sub_exp2(x: np.ndarray, m: np.ndarray | None, l: np.ndarray | None = None) -
         x -= m
     exp2(x)
     if l is not None:
-        l += x.sum(axis=0)
+        l += x.sum(axis=0, dtype=l.dtype)
 
 
 _FAR = 1 << 62  # an unbounded side of the band

@@ -97,7 +97,7 @@ def _fwd_exact(qs, kk, vv, spec, heads, q0, q1, runs, dt, tiles, clip=None, stop
     (``lse = (m + log2 l) · ln 2``), or None as soon as a row's maximum passes ``stop``."""
     nrow, dv = qs.shape[0], vv.shape[-1]
     m = np.full(nrow, -np.inf, dt)
-    l = np.zeros(nrow, dt)
+    l = np.zeros(nrow)                                       # float64: a float32 running sum over Tk keys erred ~√Tk ulps
     acc = np.zeros((nrow, dv), dt)
     width = max(16, tiles.scratch // nrow)
     thin = nrow <= tiles.thin_rows
@@ -135,7 +135,7 @@ def _fwd_exact(qs, kk, vv, spec, heads, q0, q1, runs, dt, tiles, clip=None, stop
             acc += st.T @ vv[a:b]                            # (R,w) @ (w,Dv) -> (R,Dv)
         m = m_new
     seen = l != 0  # l = 0: the row saw nothing; l = NaN (a NaN input) stays NaN, as in the reference
-    return acc / np.where(seen, l, 1)[:, None], m, l
+    return (acc / np.where(seen, l, 1)[:, None]).astype(dt, copy=False), m, l
 
 
 def _fwd_precise(qs, kk, vv, scale, spec, heads, q0, q1, runs, dt, tiles):
@@ -180,7 +180,7 @@ def _fwd_bound(qs, kk, vv, knorm, spec, heads, q0, q1, runs, dt, tiles):
     m = np.maximum(bound.reshape(-1) - _HEADROOM[dt], 0).astype(dt)  # m = max(0, U - C)
     offset = m if m.any() else None                                 # m = 0: no subtraction
     acc = np.zeros((nrow, dv), dt)
-    l = np.zeros(nrow, dt)
+    l = np.zeros(nrow)                                       # float64: a float32 running sum over Tk keys erred ~√Tk ulps
     width = max(16, tiles.scratch // nrow)
     split = len(heads) == 1 and spec.mask is None and nrow > tiles.diagonal_rows
     for a, b, partial in chunks(runs, width):
@@ -193,7 +193,7 @@ def _fwd_bound(qs, kk, vv, knorm, spec, heads, q0, q1, runs, dt, tiles):
         return None  # a row's largest term is tiny (or it sees nothing): redo exactly
     if not (np.isfinite(acc).all() and np.isfinite(l).all()):
         return None  # terms up to 2^C times large values overflowed: redo with terms <= 1
-    return acc / l[:, None], m, l
+    return (acc / l[:, None]).astype(dt, copy=False), m, l
 
 
 def _bound_tile(qs, kk, vv, m, acc, l, spec, heads, q0, q1, a, b, rows, dt, tiles) -> None:
