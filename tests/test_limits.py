@@ -113,3 +113,21 @@ def test_a_cache_of_another_dtype_is_named():
     other = qkv.nn.MultiHeadAttention(16, 2, causal=True, dtype=np.float64)
     with pytest.raises(qkv.ShapeError, match=r"cache 'k' must be float64 \(B, 4, max_len, 4\)"):
         layer64.forward(np.zeros((2, 3, 16)), cache=other.new_cache(2, 8))
+
+
+@pytest.mark.parametrize("kwargs", [dict(window=(-1, 0)), dict(causal="yes"), dict(scale=float("nan")),
+                                    dict(method="fast"), dict(chunk=0), dict(is_causal=True),
+                                    dict(causal=True, window=(2, 3)), dict(kv_lengths=np.array([9, 9]))])
+def test_option_values_raise_option_error(kwargs):
+    """OptionError for a bad option value, a conflict or an unknown keyword; still a ShapeError."""
+    q, k, v, _ = _qkv()
+    with pytest.raises(qkv.OptionError) as err:
+        qkv.attention(q, k, v, **kwargs)
+    assert isinstance(err.value, qkv.ShapeError) and isinstance(err.value, ValueError)
+
+
+def test_shapes_raise_shape_error_not_option_error():
+    q, k, v, _ = _qkv()
+    with pytest.raises(qkv.ShapeError) as err:
+        qkv.attention(q, k[..., :3], v)
+    assert not isinstance(err.value, qkv.OptionError)

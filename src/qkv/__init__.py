@@ -7,7 +7,7 @@ True = may attend, as in PyTorch's scaled_dot_product_attention.
 """
 from . import nn, positional
 from .api import attention, attention_backward
-from .errors import ShapeError
+from .errors import OptionError, ShapeError
 from .linear_api import linear_attention, linear_attention_backward
 from .threads import get_num_threads, set_num_threads
 from .numerics import logsumexp, softmax
@@ -15,5 +15,5 @@ from .numerics import logsumexp, softmax
 __version__ = "0.1.0"
 
 __all__ = ["attention", "attention_backward", "linear_attention", "linear_attention_backward",
-           "softmax", "logsumexp", "ShapeError",
+           "softmax", "logsumexp", "ShapeError", "OptionError",
            "set_num_threads", "get_num_threads", "nn", "positional"]

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .kernels import flash, reference
-from .errors import ShapeError, as_float_array, broadcast_or_raise, expect_ndim, fmt_shape, reject_options
+from .errors import OptionError, ShapeError, as_float_array, broadcast_or_raise, expect_ndim, fmt_shape, reject_options
 from .masks import MaskSpec, build_spec
 
 METHODS = ("auto", "reference", "flash")
@@ -61,7 +61,7 @@ def _prepare(q, k, v, *, scale=None, gqa=False, **options) -> Problem:
             f"k {fmt_shape(k.shape)}, v {fmt_shape(v.shape)} (use kv_lengths=0 for an empty key set)"
         )
     if not isinstance(gqa, (bool, np.bool_)):
-        raise ShapeError(f"gqa must be True or False; got {gqa!r}")
+        raise OptionError(f"gqa must be True or False; got {gqa!r}")
 
     if gqa:
         hq, hkv = q.shape[-3], k.shape[-3]
@@ -89,11 +89,11 @@ def _prepare(q, k, v, *, scale=None, gqa=False, **options) -> Problem:
     if scale is None:
         scale = 1.0 / math.sqrt(d)
     elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
-        raise ShapeError(f"scale must be a finite real number (default 1/sqrt(D)); got {scale!r}")
+        raise OptionError(f"scale must be a finite real number (default 1/sqrt(D)); got {scale!r}")
 
     in_dtype, cdt = q.dtype, _compute_dtype(q.dtype)
     if abs(scale) > float(np.finfo(cdt).max):
-        raise ShapeError(f"scale must fit the compute dtype {cdt} (|scale| <= {np.finfo(cdt).max:.4g}); "
+        raise OptionError(f"scale must fit the compute dtype {cdt} (|scale| <= {np.finfo(cdt).max:.4g}); "
                          f"got {scale!r}")
     spec = build_spec(lead, tq, tk, dtype=cdt, **options)
     shapes = (q.shape, k.shape, v.shape)
@@ -128,7 +128,7 @@ class _WeightsBeside:
 def _kernel(method: str, prob: Problem, need_weights: bool):
     """The module whose forward/backward run this problem."""
     if not isinstance(method, str) or method not in METHODS:
-        raise ShapeError(f"method must be one of {METHODS}; got {method!r}")
+        raise OptionError(f"method must be one of {METHODS}; got {method!r}")
     entries = math.prod(prob.spec.lead) * prob.spec.tq * prob.spec.tk
     if method == "auto":
         method = "flash" if entries >= AUTO_FLASH_MIN else "reference"
@@ -178,7 +178,7 @@ def _sum_to(x: np.ndarray, shape: tuple) -> np.ndarray:
 def _check_flags(**flags) -> None:
     for name, value in flags.items():
         if not isinstance(value, (bool, np.bool_)):
-            raise ShapeError(f"{name} must be True or False; got {value!r}")
+            raise OptionError(f"{name} must be True or False; got {value!r}")
 
 
 def attention(q, k, v, *, mask=None, bias=None, causal=False, align=None, window=None, chunk=None,
@@ -271,7 +271,7 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, align=None, window
                         scale=scale, gqa=gqa)
         kern = _kernel(method, prob, return_weights)
     except ShapeError as err:
-        raise ShapeError(str(err)) from None  # the caller's line, not our internals
+        raise type(err)(str(err)) from None  # the caller's line, not our internals
     return _forward(prob, kern, return_lse, return_weights)
 
 
@@ -314,7 +314,7 @@ def attention_backward(dout, q, k, v, out, lse, *, mask=None, bias=None, causal=
         kern = _kernel(method, prob, False)
         saved = _saved(prob, dout, out, lse)
     except ShapeError as err:
-        raise ShapeError(str(err)) from None
+        raise type(err)(str(err)) from None
     return _backward(prob, kern, saved)
 
 

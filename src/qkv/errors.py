@@ -1,9 +1,11 @@
-"""ShapeError and the checks that name the argument, what was expected and what came.
+"""ShapeError, OptionError and the checks that name the argument, what was expected and what came.
 
-Every bad shape, dtype or option anywhere in qkv raises :class:`ShapeError`, a
-``ValueError``, with a message of the form::
+Every bad shape or dtype anywhere in qkv raises :class:`ShapeError`, a ``ValueError``, and
+every bad option value or unknown keyword :class:`OptionError`, a subclass of it (so code
+that catches ShapeError still catches both), with a message of the form::
 
     k must have shape (B, Hkv, Tk, D) = (2, 4, 16, 64); got (2, 4, 16, 32)
+    window left must be an int >= 0 or None; got -1 in window=(-1, 0)
 
 so that the first line of a traceback is enough to fix the call.
 """
@@ -15,7 +17,13 @@ import numpy as np
 
 
 class ShapeError(ValueError):
-    """A shape, dtype or option that qkv cannot accept; the message names all three parts."""
+    """A shape or dtype that qkv cannot accept; the message names the argument, what was
+    expected and what came."""
+
+
+class OptionError(ShapeError):
+    """An option's value that qkv cannot accept, options that conflict, or a keyword qkv does
+    not take. A ShapeError too (code written before it existed catches it as one)."""
 
 
 def fmt_shape(shape) -> str:
@@ -92,7 +100,7 @@ def reject_options(func, unknown: dict, why: dict | None = None) -> None:
     >>> attention(1, is_causal=True)
     Traceback (most recent call last):
     ...
-    qkv.errors.ShapeError: attention got an unknown keyword argument is_causal= (qkv's name: causal=True ...
+    qkv.errors.OptionError: attention got an unknown keyword argument is_causal= (qkv's name: causal=True ...
     """
     if not unknown:
         return
@@ -104,13 +112,13 @@ def reject_options(func, unknown: dict, why: dict | None = None) -> None:
     named = [f"{k}= ({why[k]})" if k in why else
              f"{k}= (qkv's name: {FOREIGN_OPTIONS[k]})" if k in FOREIGN_OPTIONS else f"{k}=" for k in unknown]
     many = "unknown keyword arguments" if len(named) > 1 else "an unknown keyword argument"
-    raise ShapeError(f"{func.__name__} got {many} {'; '.join(named)}; its options are {known}")
+    raise OptionError(f"{func.__name__} got {many} {'; '.join(named)}; its options are {known}")
 
 
 def positive_int(name: str, value, minimum: int = 1) -> int:
     """``value`` as an int >= minimum (bools refused), or a ShapeError naming it."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ShapeError(f"{name} must be an int >= {minimum}; got {value!r}")
+        raise OptionError(f"{name} must be an int >= {minimum}; got {value!r}")
     return int(value)
 
 

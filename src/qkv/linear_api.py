@@ -59,7 +59,7 @@ def linear_attention(q, k, v, *, causal=False, gqa=False, **unknown):
         reject_options(linear_attention, unknown, _NOT_LINEAR)
         prob = _problem(q, k, v, causal, gqa)
     except ShapeError as err:
-        raise ShapeError(str(err)) from None  # the caller's line, not our internals
+        raise type(err)(str(err)) from None  # the caller's line, not our internals
     out, _ = linear.forward(prob.q, prob.k, prob.v, **_options(prob))
     return out.astype(prob.in_dtype, copy=False)
 
@@ -88,7 +88,7 @@ def linear_attention_backward(dout, q, k, v, *, causal=False, gqa=False, **unkno
             raise ShapeError(f"dout must have the output's shape (..., Hq, Tq, Dv) = {fmt_shape(out_shape)}; "
                              f"got {fmt_shape(dout.shape)}")
     except ShapeError as err:
-        raise ShapeError(str(err)) from None
+        raise type(err)(str(err)) from None
     dq, dk, dv = linear.backward(dout.astype(prob.q.dtype, copy=False), prob.q, prob.k, prob.v, **_options(prob))
     q_shape, k_shape, v_shape = prob.shapes
     return (_sum_to(dq, q_shape).astype(prob.in_dtype, copy=False),

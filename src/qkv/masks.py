@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import ShapeError, as_array, broadcasts_to, fmt_shape
+from .errors import OptionError, ShapeError, as_array, broadcasts_to, fmt_shape
 from .options import parse_alignment, parse_chunk, parse_window
 
 __all__ = ["MaskSpec", "build_spec"]
@@ -272,7 +272,7 @@ def _lengths(name: str, x, lead: tuple, size: int) -> np.ndarray:
         raise ShapeError(f"{name} must have shape (B,) = ({batch},) (B = the first leading axis); "
                          f"got {fmt_shape(x.shape)}")
     if x.size and (x.min() < 0 or x.max() > size):
-        raise ShapeError(f"{name} must lie in [0, {size}]; got values from {int(x.min())} to {int(x.max())}")
+        raise OptionError(f"{name} must lie in [0, {size}]; got values from {int(x.min())} to {int(x.max())}")
     return x.astype(np.int64)
 
 
@@ -293,11 +293,11 @@ def _dense(name: str, x, kind: str, target: tuple, names: str) -> np.ndarray:
 
 def _check_bias(bias: np.ndarray, dtype) -> None:
     if np.isnan(bias).any() or np.isposinf(bias).any():
-        raise ShapeError("bias must not contain NaN or +inf (-inf is allowed and means cannot attend)")
+        raise OptionError("bias must not contain NaN or +inf (-inf is allowed and means cannot attend)")
     top = np.finfo(dtype).max
     finite = np.abs(bias[np.isfinite(bias)])
     if bias.dtype.itemsize > np.dtype(dtype).itemsize and (finite > top).any():
-        raise ShapeError(
+        raise OptionError(
             f"bias must fit the compute dtype {np.dtype(dtype)} (|bias| <= {top:.4g}, or -inf "
             f"for cannot attend); got values up to {float(finite.max()):.4g}")
 
@@ -311,13 +311,13 @@ def _check_alibi(alibi, lead: tuple, reach: int, dtype) -> np.ndarray:
         expected = " or ".join(f"{n} = {fmt_shape(s)}" for n, s in zip(("(Hq,)", "(B, Hq)"), shapes))
         raise ShapeError(f"alibi must be float slopes of shape {expected}; got {fmt_shape(alibi.shape)} {alibi.dtype}")
     if not np.isfinite(alibi).all():
-        raise ShapeError("alibi slopes must be finite")
+        raise OptionError("alibi slopes must be finite")
     # the largest term, slope·|i' - j|, must fit the compute dtype with room for log2(e) and
     # the kernels' sums (a slope of 1e39 is inf in float32, and inf·0 on the diagonal NaN)
     top = float(np.finfo(dtype).max) / 16
     largest = float(np.abs(alibi).max(initial=0.0)) * reach
     if largest > top:
-        raise ShapeError(
+        raise OptionError(
             f"alibi slopes times the largest distance |i' - j| <= {reach} must stay within "
             f"{top:.4g} in the compute dtype {np.dtype(dtype)}; got slopes up to "
             f"{float(np.abs(alibi).max()):.4g}")
@@ -333,7 +333,7 @@ def build_spec(lead: tuple, tq: int, tk: int, *, mask=None, bias=None, causal=Fa
     left, right = parse_window(window)
     chunk = parse_chunk(chunk)
     if causal and right is not None and right > 0:
-        raise ShapeError(
+        raise OptionError(
             f"window={window!r} conflicts with causal=True: a causal query sees no key to its "
             f"right, so the window's right side must be 0 (use window=({left}, 0), or causal=False "
             f"with align='bottom_right' for a window that reaches right)")

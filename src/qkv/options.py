@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import ShapeError
+from .errors import OptionError
 
 ALIGNS = ("top_left", "bottom_right")
 
@@ -32,17 +32,17 @@ def parse_alignment(causal, align=None) -> tuple[bool, str]:
     (False, 'bottom_right')
     """
     if align is not None and (not isinstance(align, str) or align not in ALIGNS):
-        raise ShapeError(f"align must be 'top_left' or 'bottom_right' (or None: top-left); got {align!r}")
+        raise OptionError(f"align must be 'top_left' or 'bottom_right' (or None: top-left); got {align!r}")
     if causal is None or (isinstance(causal, (bool, np.bool_)) and not causal):
         return False, align or "top_left"
     if isinstance(causal, (bool, np.bool_)):
         return True, align or "top_left"
     if isinstance(causal, str) and causal in ALIGNS:
         if align is not None and align != causal:
-            raise ShapeError(f"causal={causal!r} conflicts with align={align!r}: pass causal=True "
+            raise OptionError(f"causal={causal!r} conflicts with align={align!r}: pass causal=True "
                              f"and one align")
         return True, causal
-    raise ShapeError(f"causal must be False, True, 'top_left' or 'bottom_right'; got {causal!r}")
+    raise OptionError(f"causal must be False, True, 'top_left' or 'bottom_right'; got {causal!r}")
 
 
 def parse_window(window) -> tuple:
@@ -52,7 +52,7 @@ def parse_window(window) -> tuple:
     if isinstance(window, (int, np.integer)) and not isinstance(window, (bool, np.bool_)):
         window = (int(window), 0)
     if not isinstance(window, (tuple, list)) or len(window) != 2:
-        raise ShapeError(
+        raise OptionError(
             f"window must be an int n (meaning (n, 0)) or a pair (left, right) of ints >= 0 "
             f"or None; got {window!r}")
     sides = []
@@ -62,7 +62,7 @@ def parse_window(window) -> tuple:
         elif isinstance(w, (int, np.integer)) and not isinstance(w, (bool, np.bool_)) and w >= 0:
             sides.append(int(w))
         else:
-            raise ShapeError(f"window {side} must be an int >= 0 or None; got {w!r} in window={window!r}")
+            raise OptionError(f"window {side} must be an int >= 0 or None; got {w!r} in window={window!r}")
     return tuple(sides)
 
 
@@ -71,5 +71,5 @@ def parse_chunk(chunk) -> int | None:
     if chunk is None:
         return None
     if isinstance(chunk, (bool, np.bool_)) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
-        raise ShapeError(f"chunk must be an int >= 1 (keys per chunk) or None; got {chunk!r}")
+        raise OptionError(f"chunk must be an int >= 1 (keys per chunk) or None; got {chunk!r}")
     return int(chunk)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import ShapeError, fmt_shape
+from ..errors import OptionError, ShapeError, fmt_shape
 
 
 def _plain(value):
@@ -28,23 +28,23 @@ def agree(comm, what: str, check, signature: dict):
 
     ``signature`` holds what must be equal on every rank (local shapes, dtypes, options).
     """
-    result, message = None, None
+    result, message, option = None, None, False
     try:
         result = check()
     except ShapeError as err:
-        message = str(err)
+        message, option = str(err), isinstance(err, OptionError)
     except Exception as err:  # anything else would leave the other ranks waiting: share it too
         message = f"{type(err).__name__}: {err}"
     sig = {k: _plain(v) for k, v in signature.items()}
-    seen = comm.allgather((message, sig))
-    for rank, (msg, _) in enumerate(seen):
+    seen = comm.allgather((message, option, sig))
+    for rank, (msg, opt, _) in enumerate(seen):
         if msg is not None:
-            raise ShapeError(f"{what} (rank {rank} of {len(seen)}): {msg}")
+            raise (OptionError if opt else ShapeError)(f"{what} (rank {rank} of {len(seen)}): {msg}")
     for key in sig:
-        values = [s[key] for _, s in seen]
+        values = [s[key] for _, _, s in seen]
         if any(v != values[0] for v in values):
             listing = ", ".join(f"rank {r}: {_show(v)}" for r, v in enumerate(values))
-            raise ShapeError(f"{what}: every rank must pass the same {key}; got {listing}")
+            raise OptionError(f"{what}: every rank must pass the same {key}; got {listing}")
     return result
 
 
