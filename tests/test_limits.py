@@ -131,3 +131,35 @@ def test_shapes_raise_shape_error_not_option_error():
     with pytest.raises(qkv.ShapeError) as err:
         qkv.attention(q, k[..., :3], v)
     assert not isinstance(err.value, qkv.OptionError)
+
+
+def test_the_kernel_registry_is_what_method_looks_up():
+    from qkv import kernels
+    from qkv.kernels.flash import forward as flash_forward
+
+    assert kernels.names()[:2] == ("reference", "flash")
+    with pytest.raises(qkv.OptionError, match=r"registered kernel: 'reference' \(dense, exact: the oracle\), 'flash'"):
+        qkv.attention(*_qkv()[:3], method="triton")
+    with pytest.raises(qkv.OptionError, match="already registered"):
+        kernels.register(kernels.Kernel("flash", kernels.lookup("flash").impl, False, False, ""))
+    with pytest.raises(qkv.OptionError, match="impl must have forward and backward"):
+        kernels.register(kernels.Kernel("nothing", object(), False, False, ""))
+    calls = []
+
+    class Counting:
+        @staticmethod
+        def forward(*args, **kw):
+            calls.append(1)
+            return flash_forward(*args, **kw)
+
+        backward = staticmethod(kernels.lookup("flash").backward)
+
+    kern = kernels.Kernel("counting", Counting, makes_weights=False, dense=False, summary="a test's")
+    kernels.register(kern)
+    try:
+        q, k, v, _ = _qkv()
+        out, weights = qkv.attention(q, k, v, method="counting", return_weights=True)  # weights beside, by the dense path
+        np.testing.assert_allclose(out, qkv.attention(q, k, v, method="reference"), rtol=1e-12)
+        assert calls == [1] and weights.shape == (2, 3, 7, 7)
+    finally:
+        kernels.registry._KERNELS.pop("counting")

@@ -7,11 +7,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .kernels import flash, reference
+from . import kernels
+from .kernels import reference
 from .errors import OptionError, ShapeError, as_float_array, broadcast_or_raise, expect_ndim, fmt_shape, reject_options
 from .masks import MaskSpec, build_spec
 
-METHODS = ("auto", "reference", "flash")
+METHODS = ("auto",) + kernels.names()   # at import; kernels.names() is the registry now
 
 
 @dataclass
@@ -111,8 +112,8 @@ AUTO_FLASH_MIN = 2 ** 18
 
 
 class _WeightsBeside:
-    """A tiled kernel for out/lse, with the dense path making the weights only (forward only:
-    the backward never asks for weights)."""
+    """A kernel that makes no weights, for out/lse, with the dense path making the weights
+    only (forward only: the backward never asks for weights)."""
 
     def __init__(self, kern):
         self.kern = kern
@@ -126,17 +127,14 @@ class _WeightsBeside:
 
 
 def _kernel(method: str, prob: Problem, need_weights: bool):
-    """The module whose forward/backward run this problem."""
-    if not isinstance(method, str) or method not in METHODS:
-        raise OptionError(f"method must be one of {METHODS}; got {method!r}")
+    """The registered kernel (:mod:`qkv.kernels.registry`) that runs this problem."""
     entries = math.prod(prob.spec.lead) * prob.spec.tq * prob.spec.tk
     if method == "auto":
         method = "flash" if entries >= AUTO_FLASH_MIN else "reference"
-    if method == "reference" or need_weights:
-        _dense_fits(entries, prob.q.dtype, "method='reference'" if method == "reference" else "return_weights=True")
-    if method == "reference":
-        return reference
-    return _WeightsBeside(flash) if need_weights else flash
+    kern = kernels.lookup(method)
+    if kern.dense or need_weights:
+        _dense_fits(entries, prob.q.dtype, f"method={method!r}" if kern.dense else "return_weights=True")
+    return _WeightsBeside(kern) if need_weights and not kern.makes_weights else kern
 
 
 def _available_bytes() -> int | None:
@@ -287,7 +285,7 @@ def _forward(prob: Problem, kern, return_lse: bool, return_weights: bool):
     return result[0] if len(result) == 1 else tuple(result)
 
 
-def attention_backward(dout, q, k, v, out, lse, *, mask=None, bias=None, causal=False, align=None,
+def attention_backward(dout, q, k, v, out, lse, *, dlse=None, mask=None, bias=None, causal=False, align=None,
                        window=None, chunk=None, kv_lengths=None, q_lengths=None, alibi=None,
                        scale=None, gqa=False, method="auto", **unknown):
     """Gradients ``(dq, dk, dv)`` of ``attention`` given ``dout = ∂L/∂out``.
@@ -298,10 +296,14 @@ def attention_backward(dout, q, k, v, out, lse, *, mask=None, bias=None, causal=
     query heads sharing a kv head under ``gqa`` are summed. Rows that attended to nothing
     and keys past ``kv_lengths`` get gradient 0.
 
+    With ``dlse = ∂L/∂lse`` (a loss that uses the returned lse too; ``∂lse_i/∂s_ij = P_ij``)
+    the score gradient is ``dS = P ∘ (dP - delta + dlse)``.
+
     Args:
         dout: ``(..., Hq, Tq, Dv)``, the shape of ``out``.
         q, k, v, mask, ..., method: exactly as passed to :func:`attention`.
         out: ``(..., Hq, Tq, Dv)``. lse: ``(..., Hq, Tq)``.
+        dlse: ``(..., Hq, Tq)`` or None (0).
 
     Returns:
         ``(dq, dk, dv)`` with the shapes and dtypes of ``(q, k, v)``.
@@ -312,19 +314,22 @@ def attention_backward(dout, q, k, v, out, lse, *, mask=None, bias=None, causal=
                         chunk=chunk, kv_lengths=kv_lengths, q_lengths=q_lengths, alibi=alibi,
                         scale=scale, gqa=gqa)
         kern = _kernel(method, prob, False)
-        saved = _saved(prob, dout, out, lse)
+        saved = _saved(prob, dout, out, lse, dlse)
     except ShapeError as err:
         raise type(err)(str(err)) from None
     return _backward(prob, kern, saved)
 
 
-def _saved(prob: Problem, dout, out, lse) -> dict:
-    """``dout``, ``out`` and ``lse`` checked against the problem, in the compute dtype."""
+def _saved(prob: Problem, dout, out, lse, dlse=None) -> dict:
+    """``dout``, ``out``, ``lse`` (and ``dlse``) checked against the problem, in the compute dtype."""
     out_shape = prob.spec.lead + (prob.spec.tq, prob.v.shape[-1])
     names = "(..., Hq, Tq, Dv)"
-    arrays = {}
+    arrays = {"dlse": None}
     for name, x, shape, nm in (("dout", dout, out_shape, names), ("out", out, out_shape, names),
-                               ("lse", lse, out_shape[:-1], "(..., Hq, Tq)")):
+                               ("lse", lse, out_shape[:-1], "(..., Hq, Tq)"),
+                               ("dlse", dlse, out_shape[:-1], "(..., Hq, Tq)")):
+        if x is None and name == "dlse":
+            continue
         x = as_float_array(name, x)
         if x.shape != shape:
             raise ShapeError(f"{name} must have shape {nm} = {fmt_shape(shape)}; got {fmt_shape(x.shape)}")
@@ -334,8 +339,9 @@ def _saved(prob: Problem, dout, out, lse) -> dict:
 
 def _backward(prob: Problem, kern, saved: dict):
     """Run ``kern.backward`` on a checked problem; gradients summed back to the callers' shapes."""
+    extra = {} if saved["dlse"] is None else {"dlse": saved["dlse"]}
     dq, dk, dv = kern.backward(saved["dout"], prob.q, prob.k, prob.v, saved["out"], saved["lse"],
-                               prob.spec, prob.scale, prob.group)
+                               prob.spec, prob.scale, prob.group, **extra)
     q_shape, k_shape, v_shape = prob.shapes
     return (_sum_to(dq, q_shape).astype(prob.in_dtype, copy=False),
             _sum_to(dk, k_shape).astype(prob.in_dtype, copy=False),

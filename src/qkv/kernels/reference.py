@@ -16,7 +16,7 @@ lse, which is all that is left when a score is ``finfo.min`` (a Hugging Face mas
     dV    = Pᵀ dO
     dP    = dO Vᵀ
     delta = rowsum(dO ∘ O)  ( = rowsum(P ∘ dP) )
-    dS    = P ∘ (dP - delta)
+    dS    = P ∘ (dP - delta + dlse)       (dlse = ∂L/∂lse, where the loss uses lse; else 0)
     dQ    = scale · dS K,   dK = scale · dSᵀ Q
 
 Kernel interface (shared with :mod:`qkv.kernels.flash`): arrays arrive checked and in the compute
@@ -79,8 +79,9 @@ def forward(q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_weight
     return out, lse, (p if return_weights else None)
 
 
-def backward(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int = 1):
-    """Gradients ``(dq (*L,Tq,D), dk (*Lk,Tk,D), dv (*Lk,Tk,Dv))`` from the saved out and lse."""
+def backward(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int = 1, dlse=None):
+    """Gradients ``(dq (*L,Tq,D), dk (*Lk,Tk,D), dv (*Lk,Tk,Dv))`` from the saved out and lse;
+    ``dlse (*L,Tq)``, the gradient of lse, adds ``P ∘ dlse`` to dS."""
     kx = _hide_padding(_expand_groups(k, group), spec.kv_lengths)
     vx = _hide_padding(_expand_groups(v, group), spec.kv_lengths)
     q = _hide_padding(q, spec.q_lengths)
@@ -94,6 +95,8 @@ def backward(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int =
     dv = np.matmul(np.swapaxes(p, -1, -2), dout)  # (*L,Tk,Tq) @ (*L,Tq,Dv) -> (*L,Tk,Dv)
     dp = np.matmul(dout, np.swapaxes(vx, -1, -2))  # (*L,Tq,Dv) @ (*L,Dv,Tk) -> (*L,Tq,Tk)
     delta = np.sum(dout * out, axis=-1, keepdims=True)  # (*L,Tq,1)
+    if dlse is not None:  # ∂lse_i/∂s_ij = P_ij
+        delta = delta - _hide_padding(dlse[..., None], spec.q_lengths)
     ds = p * (dp - delta)
     sc = q.dtype.type(scale)
     dq = np.matmul(ds, kx) * sc  # (*L,Tq,Tk) @ (*L,Tk,D) -> (*L,Tq,D)

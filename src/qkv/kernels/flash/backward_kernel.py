@@ -5,14 +5,15 @@
 
     dV = Pᵀ dO
     dP = dO Vᵀ
-    dS = P ∘ (dP - delta),   delta_i = Σ_j P_ij dP_ij = rowsum(dO_i ∘ O_i)
+    dS = P ∘ (dP - delta + dlse),   delta_i = Σ_j P_ij dP_ij = rowsum(dO_i ∘ O_i)
     dQ = scale · dS K,       dK = scale · dSᵀ Q
 
 (the softmax Jacobian ``diag(p) - p pᵀ`` applied row by row gives ``dS``; ``delta`` is a
 row of ``O`` against a row of ``dO``, so it needs no tile). Both subtractions ride in the
 products as extra columns: ``S - lse = [scale·Q | -hi | -lo] [K | 1 | 1]ᵀ`` (in base 2, with
 ``log2(e)·lse = hi + lo`` split exactly into two floats, so no rounding of the large
-``log2(e)·lse`` enters) and ``dP - delta = [dO | -delta] [V | 1]ᵀ``, so a tile is five
+``log2(e)·lse`` enters) and ``dP - delta + dlse = [dO | dlse - delta] [V | 1]ᵀ`` (``dlse``, the
+gradient of lse where the loss uses it, else 0), so a tile is five
 products, one ``exp`` and one multiply. Every allowed ``s_ij <= lse_i``, so ``P <= 1``
 never overflows; a row that saw nothing (``lse = -inf``) gets a zero row of
 ``[dO | -delta]`` and so zero gradients.
@@ -149,10 +150,11 @@ class QueryHead:
     """One query head's rows, with the backward's extra columns."""
 
     qx: np.ndarray | None   # (Tq, D+2)  [log2(e)·scale·Q | -hi | -lo]
-    dox: np.ndarray | None  # (Tq, Dv+1) [dO | -delta], zero on rows that saw nothing
+    dox: np.ndarray | None  # (Tq, Dv+1) [dO | dlse - delta], zero on rows that saw nothing
     q: np.ndarray           # (Tq, D) Q, contiguous, for dK = scale · dSᵀ Q
     precise: np.ndarray     # (Tq,) bool
     q64: np.ndarray | None  # (Tq, D) float64 Q where some row is precise
+    dlse: np.ndarray | None = None  # (Tq,) the gradient of lse, where given
 
 
 @dataclass
@@ -172,7 +174,7 @@ class Task:
     c1: int
 
 
-def _prep_q(call: Call, h, q, precise, dout=None, out=None, lse=None) -> QueryHead:
+def _prep_q(call: Call, h, q, precise, dout=None, out=None, lse=None, dlse=None) -> QueryHead:
     """A query head's operands; without ``dout`` only what :func:`row_sums` reads."""
     dt, d = call.dt, q.shape[-1]
     exact = precise[h]
@@ -188,10 +190,11 @@ def _prep_q(call: Call, h, q, precise, dout=None, out=None, lse=None) -> QueryHe
     qx[:, d] = -t                                                 # -hi: t rounded to the dtype
     qx[:, d + 1] = -(t + qx[:, d].astype(np.float64))             # -lo = -(t - hi), exact in float64
     delta = np.einsum("td,td->t", dout[h], out[h])                # delta_i = rowsum(dO_i ∘ O_i)
-    dox = np.empty((tq, dv + 1), dt)                              # [dO | -delta], the delta rides in dP
+    dl = None if dlse is None else np.where(finite, dlse[h], 0)
+    dox = np.empty((tq, dv + 1), dt)                              # [dO | dlse - delta], riding in dP
     dox[:, :dv] = np.where(finite[:, None], dout[h], 0)           # rows that saw nothing: zero
-    dox[:, dv] = np.where(finite, -delta, 0)
-    return QueryHead(qx, dox, np.ascontiguousarray(q[h]), exact, q64)
+    dox[:, dv] = np.where(finite, -delta if dl is None else dl - delta, 0)
+    return QueryHead(qx, dox, np.ascontiguousarray(q[h]), exact, q64, dl)
 
 
 def _prep_kv(call: Call, ikv, k, v, any_precise: bool, sums_only: bool = False) -> KVHead:
@@ -287,9 +290,12 @@ def _grad_tile(call: Call, kv: KVHead, qh: QueryHead, offsets, h, q0, q1, a, e, 
     np.matmul(kv.v1[a:e], dob.T, out=dst)                         # (w,Dv+1) @ (Dv+1,r): dP - delta
     if whole:
         # delta from this P, not from the saved out: out came from the forward's roundings of
-        # P, and the mismatch left Σ_j dS_ij != 0 (dQ erred 3x). c_i = Σ_j P_ij (dP_ij - delta_i)
-        # is what delta lacks; with dst = (dP - delta)/r and et = r·P it is Σ_j et·dst / r.
+        # P, and the mismatch left Σ_j dS_ij != dlse_i (dQ erred 3x). With dst = (dP - delta +
+        # dlse)/r and et = r·P, c_i = Σ_j et·dst = Σ_j P_ij dP_ij - delta_i + dlse_i, and
+        # delta_i + (c_i - dlse_i) is this P's delta: subtract (c_i - dlse_i)/r_i.
         c = np.einsum("wr,wr->r", et, dst, dtype=np.float64)
+        if qh.dlse is not None:
+            c -= qh.dlse[q0:q1]
         dst -= (c / np.where(r > 0, r, 1)).astype(call.dt)
     dst *= et                                                     # dS = P ∘ (dP - delta)
     return et, dst, dob
@@ -358,7 +364,8 @@ def _offsets(lse, precise, norm: RowNorm):
 
 def backward(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int = 1,
              *, tiles: Tiles | None = None, num_threads: int | None = None,
-             precise: np.ndarray | None = None, norm: RowNorm | None = None, blocks: bool = False):
+             precise: np.ndarray | None = None, norm: RowNorm | None = None, blocks: bool = False,
+             dlse: np.ndarray | None = None):
     """Gradients ``(dq (*L,Tq,D), dk (*Lk,Tk,D), dv (*Lk,Tk,Dv))``; the interface of
     :func:`qkv.kernels.reference.backward`. ``tiles`` and ``num_threads`` as in
     :func:`~qkv.kernels.flash.forward`. ``precise`` (bool ``(*L, Tq)``) and ``norm`` (their
@@ -377,7 +384,7 @@ def backward(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int =
         kvs = dict(zip([ikv for ikv, _ in heads_of],
                        pool.run([partial(_prep_kv, call, ikv, k, v, any_precise) for ikv, _ in heads_of])))
         all_heads = [h for _, hs in heads_of for h in hs]
-        qheads = dict(zip(all_heads, pool.run([partial(_prep_q, call, h, q, precise, dout, out, lse)
+        qheads = dict(zip(all_heads, pool.run([partial(_prep_q, call, h, q, precise, dout, out, lse, dlse)
                                                for h in all_heads])))
         lanes = _deal(spec, heads_of, tk, pool.n, call.tiles)
         offsets = None
