@@ -100,9 +100,10 @@ def test_opcheck_both_operators():
         (ops.fwd, (q_view, k, v, *args, False)),
         (ops.fwd, (torch.zeros(0, 4, 5, 8, requires_grad=True), torch.zeros(0, 2, 7, 8), torch.zeros(0, 2, 7, 3),
                    *empty, False)),
-        (ops.bwd, (dout, q.detach(), k.detach(), v.detach(), out, lse, *args)),
+        (ops.bwd, (dout, q.detach(), k.detach(), v.detach(), out, lse, None, *args)),
+        (ops.bwd, (dout, q.detach(), k.detach(), v.detach(), out, lse, torch.randn_like(lse), *args)),
         (ops.bwd, (torch.zeros(0, 4, 5, 3), torch.zeros(0, 4, 5, 8), torch.zeros(0, 2, 7, 8), torch.zeros(0, 2, 7, 3),
-                   torch.zeros(0, 4, 5, 3), torch.zeros(0, 4, 5), *empty)),
+                   torch.zeros(0, 4, 5, 3), torch.zeros(0, 4, 5), None, *empty)),
         (ops.weights, (q.detach(), k.detach(), v.detach(), *args)),
     ]
     for op, call in calls:

@@ -177,15 +177,18 @@ def ring_attention(q, k, v, *, comm=None, layout="zigzag", mask=None, bias=None,
     ring = _setup("ring_attention", q, k, v, comm, layout, mask, bias, options, scale, gqa)
     prob = ring.prob
     dt = prob.q.dtype
-    out = np.zeros(prob.q.shape[:-1] + (prob.v.shape[-1],), dt)   # (*L, c, Dv)
-    lse = np.full(prob.q.shape[:-1], -np.inf, dt)                 # (*L, c)
+    # out, lse and the merge weights in float64, rounded once at the end: a float32 partial
+    # lse is off by half its ulp, and exp(lse_a - lse) carried that into out (2-10x the
+    # float32 error at scores of std 20-35)
+    out = np.zeros(prob.q.shape[:-1] + (prob.v.shape[-1],))       # (*L, c, Dv)
+    lse = np.full(prob.q.shape[:-1], -np.inf)                     # (*L, c)
     for src, (kb, vb) in _travel(ring, [ring.k, ring.v]):
         for qs, ks, sp in ring.pairs(src):
             kk, vv = ring.kv_block(kb, vb, ks)
-            o, ls, _ = flash.forward(prob.q[..., qs, :], kk, vv, sp, prob.scale, prob.group)
+            o, ls, _ = flash.forward(prob.q[..., qs, :], kk, vv, sp, prob.scale, prob.group, lse_dtype=np.float64)
             out[..., qs, :], lse[..., qs] = merge_partials(out[..., qs, :], lse[..., qs], o, ls)
     out = out.astype(prob.in_dtype, copy=False)
-    return (out, lse) if return_lse else out
+    return (out, lse.astype(dt)) if return_lse else out
 
 
 def ring_attention_backward(dout, q, k, v, out, lse, *, comm=None, layout="zigzag", mask=None,

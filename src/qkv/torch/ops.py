@@ -4,7 +4,7 @@ Three operators in the ``qkv`` namespace (``<options>`` is the typed list of
 :mod:`qkv.torch.options`, one or two arguments per keyword of :func:`qkv.attention`)::
 
     qkv::attention_fwd(q, k, v, <options>, bool return_lse) -> (out, lse)
-    qkv::attention_bwd(dout, q, k, v, out, lse, <options>) -> (dq, dk, dv)
+    qkv::attention_bwd(dout, q, k, v, out, lse, dlse?, <options>) -> (dq, dk, dv)
     qkv::attention_weights(q, k, v, <options>) -> weights
 
 Each is a ``torch.library.custom_op`` whose kernel hands NumPy views of the tensors to
@@ -18,10 +18,10 @@ PyTorch's documentation asks for instead of an ``autograd.Function`` around opaq
 **The gradient of lse.** With ``return_lse=True`` the caller may use ``lse`` in the loss.
 Since ``∂lse_i/∂s_ij = P_ij``, a gradient ``dlse_i`` adds ``P_ij · dlse_i`` to the
 backward's ``dS_ij = P_ij (dP_ij - delta_i)``, where ``dP = dO Vᵀ`` and
-``delta_i = rowsum(dO_i * O_i)``. The backward operator gets that term for free from one
-more value column: with ``v' = [v, 1]``, ``o' = [o, 0]`` and ``dO' = [dO, dlse]``,
-``dP'_ij = dP_ij + dlse_i`` while ``delta'_i = delta_i``, so
-``dS'_ij = P_ij (dP_ij - delta_i + dlse_i)``; the extra column of ``dv'`` is dropped.
+``delta_i = rowsum(dO_i * O_i)``: the backward operator hands ``dlse`` to
+:func:`qkv.attention_backward` (``dlse=``), whose kernels add it. (An extra value column
+``[v, 1]`` with ``[o, 0]`` would carry it only if the kernel took delta from ``out``; the
+tiled kernel takes it from P where a tile holds whole rows.)
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ BWD = "qkv::attention_bwd"
 WEIGHTS = "qkv::attention_weights"
 
 FWD_SCHEMA = f"(Tensor q, Tensor k, Tensor v, {opt.SCHEMA_ARGS}, bool return_lse) -> (Tensor, Tensor)"
-BWD_SCHEMA = (f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, {opt.SCHEMA_ARGS}) "
+BWD_SCHEMA = (f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, {opt.SCHEMA_ARGS}) "
               "-> (Tensor, Tensor, Tensor)")
 WEIGHTS_SCHEMA = f"(Tensor q, Tensor k, Tensor v, {opt.SCHEMA_ARGS}) -> Tensor"
 
@@ -53,10 +53,11 @@ def _fwd_kernel(q, k, v, *args):
     return opt.from_numpy(out, q.dtype), opt.from_numpy(lse, _lse_dtype(q.dtype))
 
 
-def _bwd_kernel(dout, q, k, v, out, lse, *args):
+def _bwd_kernel(dout, q, k, v, out, lse, dlse, *args):
     kwargs = opt.decode(args)
     arrays = [opt.to_numpy(t) for t in (dout, q, k, v, out, lse)]
-    dq, dk, dv = np_attention_backward(*arrays, **kwargs)
+    dlse = None if dlse is None else opt.to_numpy(dlse.to(lse.dtype))
+    dq, dk, dv = np_attention_backward(*arrays, dlse=dlse, **kwargs)
     return opt.from_numpy(dq, q.dtype), opt.from_numpy(dk, k.dtype), opt.from_numpy(dv, v.dtype)
 
 
@@ -95,7 +96,7 @@ def _fwd_fake(q, k, v, *args):
 
 
 @bwd.register_fake
-def _bwd_fake(dout, q, k, v, out, lse, *args):
+def _bwd_fake(dout, q, k, v, out, lse, dlse, *args):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -121,14 +122,9 @@ def _backward(ctx, dout, dlse):
     options = list(ctx.options)
     for i, t in zip(ctx.slots, saved):
         options[i] = t
-    width = v.shape[-1]
-    if ctx.return_lse:  # one more value column carries dlse, see the module's docstring
-        v = torch.cat([v, v.new_ones(v.shape[:-1] + (1,))], dim=-1)  # (..., Tk, Dv+1)
-        out = torch.cat([out, out.new_zeros(out.shape[:-1] + (1,))], dim=-1)  # (..., Tq, Dv+1)
-        dout = torch.cat([dout, dlse.unsqueeze(-1).to(dout.dtype)], dim=-1)  # (..., Tq, Dv+1)
-    dq, dk, dv = bwd(dout, q, k, v, out, lse, *options)
-    if ctx.return_lse:
-        dv = dv[..., :width]
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = bwd(dout, q, k, v, out, lse, dlse if ctx.return_lse else None, *options)
     return (dq, dk, dv) + (None,) * (len(options) + 1)
 
 

@@ -260,11 +260,12 @@ def _lse(m, l, unit) -> np.ndarray:
 
 
 def forward(q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_weights: bool = False,
-            *, tiles: Tiles | None = None, num_threads: int | None = None):
+            *, tiles: Tiles | None = None, num_threads: int | None = None, lse_dtype=None):
     """Tiled exact attention; the kernel interface of :func:`qkv.kernels.reference.forward`.
 
     ``tiles`` (default :class:`Tiles`) and ``num_threads`` (default
-    :func:`qkv.get_num_threads`) hold for this call only.
+    :func:`qkv.get_num_threads`) hold for this call only. ``lse_dtype=np.float64`` keeps
+    lse as the kernel forms it, unrounded (for a caller that merges partial results: the ring).
     Returns ``(out (*L,Tq,Dv), lse (*L,Tq), None)``; weights are never made here.
     """
     if return_weights:
@@ -274,7 +275,7 @@ def forward(q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_weight
     tq, tk, d, dv = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
     lead, lead_kv = spec.lead, k.shape[:-2]
     out = np.zeros(lead + (tq, dv), dt)
-    lse = np.full(lead + (tq,), -np.inf, dt)
+    lse = np.full(lead + (tq,), -np.inf, dt if lse_dtype is None else lse_dtype)
     stack = tq < tiles.stack_rows
     rows = tq if stack else _task_rows(tiles.rows, tq, int(np.prod(lead)))
     with np.errstate(over="ignore"):
