@@ -19,3 +19,19 @@ def minilm():
         return load_bert()
     except MissingExtra as err:
         pytest.skip(str(err))
+
+
+DIFFERENTIAL = pytest.StashKey[dict]()
+
+
+@pytest.fixture(scope="session")
+def differential_counts(request):
+    """Cases run per entry point by tests/test_differential.py, printed in the summary."""
+    return request.config.stash.setdefault(DIFFERENTIAL, {})
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    counts = config.stash.get(DIFFERENTIAL, None)
+    if counts:
+        listing = ", ".join(f"{kind} {n}" for kind, n in counts.items())
+        terminalreporter.write_line(f"differential harness: {sum(counts.values())} cases run ({listing})")

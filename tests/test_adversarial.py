@@ -2,10 +2,10 @@
 boundaries, dtypes, scores up to 1e4 and biases down to ``finfo.min``, with the dense and
 the tiled kernel checked against a brute-force oracle written here (forward and backward).
 
-The oracle loops over (batch, head) and spells every mask rule out element by element, in
-``np.longdouble`` (80-bit on x86, so it also judges float64). It sees exactly the inputs
-the kernels see (rounded to the case's dtype), so what is measured is each kernel's own
-arithmetic.
+The oracle is tests/oracle.py (every mask rule spelled out from the README's definitions),
+run in ``np.longdouble`` (80-bit on x86, so it also judges float64). It sees exactly the
+inputs the kernels see (rounded to the case's dtype), so what is measured is each kernel's
+own arithmetic.
 
 The budget (DESIGN.md, "Numerics policy"): for every result X in out, lse, dq, dk, dv,
 ``err(flash) <= B · max(err(dense), floor)`` with ``B = 2`` for scores up to 1e3 and 4 up
@@ -22,6 +22,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+import oracle as definitions
 from qkv import api
 from qkv.kernels import flash
 
@@ -39,78 +40,13 @@ def _norm(x) -> float:
     return float(np.sqrt(np.sum(x * x)))
 
 
-def _entry(arr, b, h, i, j):
-    """Element (b, h, i, j) of a (B or 1, H or 1, Tq, Tk) array."""
-    return arr[min(b, arr.shape[0] - 1), min(h, arr.shape[1] - 1), i, j]
-
-
-def _offset(b, tq, tk, opts) -> int:
-    """i' - i: 0 top-left; bottom-right, the real key length minus the query length."""
-    if opts.get("causal") != "bottom_right":
-        return 0
-    return (opts["kv_lengths"][b] if "kv_lengths" in opts else tk) - tq
-
-
-def _allowed(b, h, i, j, tq, tk, opts) -> bool:
-    """May query i of (b, h) attend to key j? Every rule of the contract, for one element."""
-    causal = opts.get("causal", False)
-    ii = i + _offset(b, tq, tk, opts)  # the aligned query index
-    left, right = opts.get("window", (None, None))
-    return not ((causal and j > ii)
-                or (left is not None and j < ii - left)
-                or (right is not None and j > ii + right)
-                or ("kv_lengths" in opts and j >= opts["kv_lengths"][b])
-                or ("mask" in opts and not _entry(opts["mask"], b, h, i, j))
-                or ("bias" in opts and _entry(opts["bias"], b, h, i, j) == -np.inf))
-
-
 def oracle(q, k, v, dout, opts, eps):
-    """``{name: (value, floor)}`` for out, lse, dq, dk, dv, in ORACLE precision, for 4-D
+    """``{name: (value, floor)}`` for out, lse, dq, dk, dv: tests/oracle.py (the one test-side
+    oracle, every mask rule spelled out from the README) computed in ORACLE precision, for 4-D
     ``(B, H, T, D)`` inputs (k, v may have batch 1, shared; Hkv divides Hq). The floor is
     ``4·eps[name]·‖Σ|terms|‖`` of each result (module docstring)."""
-    q, k, v, dout = (np.asarray(x, ORACLE) for x in (q, k, v, dout))
-    bsz, hq, tq, d = q.shape
-    hkv, tk = k.shape[1], k.shape[2]
-    scale = ORACLE(opts.get("scale", 1 / np.sqrt(d)))
-    val = {"out": np.zeros(q.shape[:3] + v.shape[-1:], ORACLE), "lse": np.full(q.shape[:3], -np.inf, ORACLE),
-           "dq": np.zeros_like(q), "dk": np.zeros_like(k), "dv": np.zeros_like(v)}
-    size = {name: np.zeros_like(x) for name, x in val.items()}
-    for b in range(bsz):
-        bk = min(b, k.shape[0] - 1)
-        for h in range(hq):
-            kh, vh = k[bk, h // (hq // hkv)].copy(), v[bk, h // (hq // hkv)].copy()
-            if "kv_lengths" in opts:                       # padding is never read
-                kh[opts["kv_lengths"][b]:] = 0
-                vh[opts["kv_lengths"][b]:] = 0
-            s = np.full((tq, tk), -np.inf, ORACLE)
-            for i in range(tq):
-                for j in range(tk):
-                    if _allowed(b, h, i, j, tq, tk, opts):
-                        s[i, j] = scale * np.dot(q[b, h, i], kh[j])
-                        if "bias" in opts:
-                            s[i, j] += ORACLE(_entry(opts["bias"], b, h, i, j))
-                        if "alibi" in opts:
-                            s[i, j] -= ORACLE(opts["alibi"][h]) * abs(i + _offset(b, tq, tk, opts) - j)
-            seen = np.isfinite(s).any(axis=1)
-            m = np.where(seen, np.max(s, axis=1), 0)
-            e = np.where(np.isfinite(s), np.exp(s - m[:, None]), 0)
-            total = np.where(seen, e.sum(axis=1), 1)
-            p = e / total[:, None]
-            dp = dout[b, h] @ vh.T
-            delta = (p * dp).sum(axis=1, keepdims=True)
-            ds = p * (dp - delta)
-            val["out"][b, h] = p @ vh
-            val["lse"][b, h] = np.where(seen, m + np.log(total), -np.inf)
-            val["dq"][b, h] = scale * ds @ kh
-            val["dk"][bk, h // (hq // hkv)] += scale * ds.T @ q[b, h]
-            val["dv"][bk, h // (hq // hkv)] += p.T @ dout[b, h]
-            t = abs(scale) * p * (abs(dp) + abs(delta))                       # |terms| of dS
-            size["out"][b, h] = p @ abs(vh)
-            size["lse"][b, h] = np.where(seen, abs(val["lse"][b, h]) + 1, 0)
-            size["dq"][b, h] = t @ abs(kh)
-            size["dk"][bk, h // (hq // hkv)] += t.T @ abs(q[b, h])
-            size["dv"][bk, h // (hq // hkv)] += p.T @ abs(dout[b, h])
-    return {name: (val[name], 4 * eps[name] * _norm(size[name])) for name in RESULTS}
+    sol = definitions.solve(q, k, v, dout, dtype=ORACLE, gqa=q.shape[1] != k.shape[1], **opts)
+    return {name: (getattr(sol, name), 4 * eps[name] * _norm(sol.size[name])) for name in RESULTS}
 
 
 # ----------------------------------------------------------------------------- the cases

@@ -1,61 +1,16 @@
 """align=, q_lengths, per-sequence alignment and chunk=: flash-attn's conventions exactly.
 
-The oracle here is written from the definitions (issue 15, DESIGN.md), not from qkv.masks:
-query i of batch item b sits at ``i' = i + off_b`` with ``off_b = Tk_b - Tq_b`` (real lengths)
-under bottom-right alignment and 0 under top-left; causal ``j <= i'``; window
+The oracle is tests/oracle.py, written from the definitions (issue 15, DESIGN.md), not from
+qkv.masks: query i of batch item b sits at ``i' = i + off_b`` with ``off_b = Tk_b - Tq_b``
+(real lengths) under bottom-right alignment and 0 under top-left; causal ``j <= i'``; window
 ``i' - left <= j <= i' + right``; chunk ``i' // C == j // C``; ALiBi ``-slope·|i' - j|``;
 keys ``j >= kv_lengths[b]`` and query rows ``i >= q_lengths[b]`` do not exist.
 """
 import numpy as np
 import pytest
 
+import oracle
 import qkv
-
-
-def brute_mask_bias(b, hq, tq, tk, *, causal=False, align="top_left", window=None, chunk=None,
-                    kv_lengths=None, q_lengths=None, alibi=None):
-    ok = np.zeros((b, hq, tq, tk), bool)
-    add = np.zeros((b, hq, tq, tk))
-    left, right = (None, None) if window is None else window
-    for bi in range(b):
-        nk = tk if kv_lengths is None else kv_lengths[bi]
-        nq = tq if q_lengths is None else q_lengths[bi]
-        off = nk - nq if align == "bottom_right" else 0
-        for i in range(nq):
-            ip = i + off
-            for j in range(nk):
-                ok[bi, :, i, j] = ((not causal or j <= ip)
-                                   and (left is None or j >= ip - left)
-                                   and (right is None or j <= ip + right)
-                                   and (chunk is None or ip // chunk == j // chunk))
-                if alibi is not None:
-                    slopes = alibi if alibi.ndim == 1 else alibi[bi]
-                    add[bi, :, i, j] = -slopes * abs(ip - j)
-    return ok, add
-
-
-def brute_attention(q, k, v, dout, ok, add, scale, group):
-    """Dense float64 softmax attention and its gradients, rows that see nothing give 0."""
-    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
-    s = np.einsum("bhid,bhjd->bhij", q, k) * scale + add
-    s = np.where(ok, s, -np.inf)
-    m = np.max(s, -1, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0)
-    e = np.exp(s - m)
-    tot = e.sum(-1, keepdims=True)
-    p = e / np.where(tot == 0, 1, tot)
-    out = p @ v
-    with np.errstate(divide="ignore"):
-        lse = np.where(tot[..., 0] == 0, -np.inf, m[..., 0] + np.log(np.where(tot == 0, 1, tot))[..., 0])
-    dp = dout @ np.swapaxes(v, -1, -2)
-    ds = p * (dp - (dp * p).sum(-1, keepdims=True))
-    dq = ds @ k * scale
-    dk = np.swapaxes(ds, -1, -2) @ q * scale
-    dv = np.swapaxes(p, -1, -2) @ dout
-    hkv = k.shape[1] // group
-    dk = dk.reshape(dk.shape[0], hkv, group, *dk.shape[2:]).sum(2)
-    dv = dv.reshape(dv.shape[0], hkv, group, *dv.shape[2:]).sum(2)
-    return out, lse, (dq, dk, dv)
 
 
 # flash-attn's test grid, reduced: seqlen pairs both ways, MHA/GQA/MQA, odd head dims
@@ -95,8 +50,8 @@ def test_matches_the_definitions_float64(align, kind, heads):
         k = rng.standard_normal((b, hkv, tk, d))
         v = rng.standard_normal((b, hkv, tk, d + 2))
         dout = rng.standard_normal((b, hq, tq, d + 2))
-        ok, add = brute_mask_bias(b, hq, tq, tk, align=align, **opts)
-        want_out, want_lse, want_grads = brute_attention(q, k, v, dout, ok, add, 0.4, hq // hkv)
+        want = oracle.solve(q, k, v, dout, align=align, scale=0.4, gqa=True, **opts)
+        want_out, want_lse, want_grads = want.out, want.lse, (want.dq, want.dk, want.dv)
         for method in ("reference", "flash"):
             out, lse = qkv.attention(q, k, v, align=align, scale=0.4, gqa=True, return_lse=True,
                                      method=method, **opts)

@@ -1,0 +1,158 @@
+"""The differential harness's judge, shared by tests/test_differential.py and the MPI worker
+tests/mpi_differential.py (the problems are tests/problems.py, the oracle tests/oracle.py).
+
+For every result, against the float64 oracle on the same inputs (DESIGN.md, "Numerics
+policy"):
+
+- the same shape and dtype; no NaN; finite exactly where the oracle is (lse ``-inf``
+  exactly for the rows that see nothing);
+- float64 paths: ``‖err‖ <= 1e-10 · ‖size‖``, ``size`` being the oracle's ``Σ|terms|``;
+- float32/float16 paths: ``‖err‖ <= 2 · max(‖err of plain float32‖, 4·eps·‖size‖)``: at most
+  twice the error of the plain float32 dense computation (the oracle's own code run in
+  float32, results rounded to the output dtype) on the same inputs, with a floor of 4 ulps of
+  the result's size (below it an error is rounding of the result, and a ratio of two such
+  errors measures luck). Norms over whole arrays, as tests/test_adversarial.py measures.
+
+The layers are judged the same way, their sizes carried through each product from the
+attention's own. An option that does not fit the compute dtype (a window or chunk past
+int64, an ALiBi slope past float32's range on float32 input) may instead be refused with
+``qkv.ShapeError``; any other exception, a NaN or a RuntimeWarning is a failure (the
+callers catch those).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+import oracle
+from problems import Case, cases, make_case  # noqa: F401  (one import for the callers)
+
+FLOOR_ULPS = 4
+BUDGET = 2.0
+TOL64 = 1e-10
+
+
+# ----------------------------------------------------------------------------- judging
+def _norm(x) -> float:
+    x = np.asarray(x, np.float64)
+    return float(np.sqrt(np.sum(x * x)))
+
+
+def error(got, want) -> float:
+    """‖got - want‖ over the entries where want is finite (where it is not: checked apart)."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    fin = np.isfinite(want)
+    with np.errstate(invalid="ignore", over="ignore"):
+        diff = np.where(fin, got - np.where(fin, want, 0), 0)
+    return _norm(diff)
+
+
+def judge(name: str, got, want, size, base=None, dtype=None) -> str | None:
+    """None if ``got`` is within the budget (module docstring) of the oracle's ``want``, else why not.
+
+    ``size`` is the oracle's Σ|terms| (or None: the size of want); ``base`` the plain float32
+    result (None: a float64 path); ``dtype`` the dtype ``got`` must have."""
+    if got is None:
+        return f"{name}: missing"
+    got = np.asarray(got)
+    if got.shape != want.shape:
+        return f"{name}: shape {got.shape}, expected {want.shape}"
+    if dtype is not None and got.dtype != np.dtype(dtype):
+        return f"{name}: dtype {got.dtype}, expected {np.dtype(dtype)}"
+    if np.isnan(got).any():
+        return f"{name}: {int(np.isnan(got).sum())} NaN of {got.size}"
+    bad = np.isfinite(got) != np.isfinite(want)
+    if bad.any():
+        where = tuple(int(i[0]) for i in np.nonzero(bad))
+        return (f"{name}: finite where the oracle is not, or the reverse, at {int(bad.sum())} entries, "
+                f"first {where}: got {got[where]!r}, expected {want[where]!r}")
+    neg = np.isneginf(want)
+    if (got[neg] != -np.inf).any():
+        return f"{name}: not -inf where the oracle is"
+    size = np.abs(want) if size is None else size
+    err, big = error(got, want), _norm(size)
+    if base is None or got.dtype == np.float64:
+        tol = TOL64 * big
+        if err <= tol or err == 0:
+            return None
+        return f"{name}: float64 error {err:.3g} > {TOL64:g} x size {big:.3g}"
+    floor = FLOOR_ULPS * float(np.finfo(got.dtype).eps) * big
+    e_base = error(base, want)
+    if err <= BUDGET * max(e_base, floor):
+        return None
+    fin = np.isfinite(want)
+    with np.errstate(invalid="ignore", over="ignore"):
+        diff = np.where(fin, got.astype(np.float64) - np.where(fin, want, 0), 0)
+    worst = np.unravel_index(np.argmax(np.abs(diff)), want.shape)
+    return (f"{name}: error {err:.3g} > {BUDGET:g} x max(plain float32 error {e_base:.3g}, floor {floor:.3g}) "
+            f"(worst at {tuple(int(i) for i in worst)}: got {got[worst]!r}, expected {want[worst]!r})")
+
+
+def plain(sol: oracle.Solution, out_dtype) -> oracle.Solution:
+    """The float32 solution's results rounded to the output dtype (lse stays float32)."""
+    cast = (lambda x: None if x is None else x.astype(out_dtype))
+    return oracle.Solution(cast(sol.out), sol.lse, cast(sol.weights), cast(sol.dq), cast(sol.dk), cast(sol.dv))
+
+
+# ----------------------------------------------------------------------------- layers
+LAYER_OPTIONS = ("causal", "align", "window", "chunk", "scale")
+
+
+def judge_mha(case: Case, got: dict, params: dict) -> list:
+    """Failures of a MultiHeadAttention-like layer's results against the oracle."""
+    want = mha_oracle(case, params)
+    base = mha_oracle(case, params, np.float32) if np.dtype(case.extra["dtype"]) != np.float64 else None
+    return judge_layer(got, want, base, case.extra["dtype"])
+
+
+def build_mha(case: Case, cls):
+    """``cls`` (qkv.nn.MultiHeadAttention or the ring layer) as the case says, its biases
+    made non-zero (they start at 0), and any extra constructor keywords of ``cls``."""
+    e = case.extra
+    kw = {name: e[name] for name in LAYER_OPTIONS if name in e}
+    if "layout" in e:
+        kw["layout"] = e["layout"]
+    layer = cls(e["d_model"], e["n_heads"], n_kv_heads=e["n_kv_heads"], d_head=e["d_head"], rope=e["rope"],
+                alibi=e["alibi"], bias=e["bias"], dtype=e["dtype"], rng=np.random.default_rng(e["seed"]), **kw)
+    fill = np.random.default_rng(e["seed"] + 1)
+    for name in layer.params:
+        if name.startswith("b_"):
+            layer.params[name][...] = fill.standard_normal(layer.params[name].shape) * 0.5
+    return layer
+
+
+def mha_oracle(case: Case, params: dict, dtype=np.float64) -> oracle.LayerSolution:
+    """The oracle for an ``"mha"``/``"ring_layer"`` case, on the layer's parameters and the
+    inputs rounded to the layer's dtype, 3-D or 2-D as given."""
+    e, a = case.extra, case.arrays
+    ldt = np.dtype(e["dtype"])
+    squeeze = a["x"].ndim == 2
+
+    def as3(x):
+        return None if x is None else (x[None] if squeeze else x).astype(ldt)
+
+    opts = {name: e[name] for name in LAYER_OPTIONS if name in e}
+    sol = oracle.mha(params, as3(a["x"]), as3(a["dy"]), n_heads=e["n_heads"], n_kv_heads=e["n_kv_heads"],
+                     context=as3(a.get("context")), rope_on=e["rope"], alibi=e["alibi"], dtype=dtype,
+                     **opts, **case.opts)
+    if squeeze:
+        sol.y, sol.dx = sol.y[0], sol.dx[0]
+        sol.dcontext = None if sol.dcontext is None else sol.dcontext[0]
+        sol.size = {n: (s[0] if n in ("y", "dx", "dcontext") else s) for n, s in sol.size.items()}
+    return sol
+
+
+def judge_layer(got: dict, want: oracle.LayerSolution, base: oracle.LayerSolution | None, dtype) -> list:
+    """Failures of a layer's results ``got`` (y, dx, dcontext, and ``d<param>`` for each
+    parameter) against the oracle's ``want`` and the plain float32 chain ``base``."""
+    fails = []
+    expected = {"y": want.y, "dx": want.dx, "dcontext": want.dcontext,
+                **{f"d{n}": g for n, g in want.grads.items()}}
+    plain32 = {} if base is None else {"y": base.y, "dx": base.dx, "dcontext": base.dcontext,
+                                       **{f"d{n}": g for n, g in base.grads.items()}}
+    for name, w in expected.items():
+        if w is None:
+            if got.get(name) is not None:
+                fails.append(f"{name}: not expected")
+            continue
+        fails.append(judge(name, got.get(name), w, want.size[name], plain32.get(name), dtype))
+    return [f for f in fails if f]
