@@ -16,12 +16,12 @@ NAME = qt.register_hf()
 
 @pytest.fixture
 def calls(monkeypatch):
-    """The options each layer passed to qkv.torch.attention."""
+    """The options each layer passed to qkv.torch.attention, with its Tq and Tk."""
     seen = []
     real = hf.attention
 
     def spy(q, k, v, **options):
-        seen.append(options)
+        seen.append(dict(options, Tq=q.shape[-2], Tk=k.shape[-2]))
         return real(q, k, v, **options)
 
     monkeypatch.setattr(hf, "attention", spy)
@@ -94,8 +94,10 @@ def test_decoder_logits_and_greedy_generate_match_eager(kind, calls):
         if mask is not None:
             kw["attention_mask"] = mask
         assert torch.equal(ours.generate(ids, **kw), eager.generate(ids, **kw))
-    decode = [c for c in calls if c.get("causal") == "bottom_right"]
-    assert decode and all(c.items() >= structured.items() for c in decode)
+    decode = [c for c in calls if c["Tq"] == 1]
+    assert decode and all(c["causal"] == "bottom_right" and c["gqa"] for c in decode)
+    if kind == "mistral":  # the window is passed wherever a query reaches past it (more than 6 keys)
+        assert all(c.get("window") == (5, 0) for c in calls if c["Tk"] > 6)
 
 
 def test_right_padding_becomes_kv_lengths_and_other_masks_go_dense(calls):
@@ -114,8 +116,10 @@ def test_right_padding_becomes_kv_lengths_and_other_masks_go_dense(calls):
         transformers.masking_utils.causal_mask_function, extra))
     assert out.shape == (2, 1, 10, 10) and out.dtype == torch.bool and not out[:, :, :, 2].any()
     window = transformers.masking_utils.sliding_window_causal_mask_function(4)
-    assert hf.plain_pattern(window) == "sliding"
-    assert hf.hf_mask(2, 10, 10, mask_function=window) is None
+    assert hf.plain_pattern(window) == ("sliding", 4)
+    reach = hf.hf_mask(2, 10, 10, mask_function=window)  # the window as each key's reach
+    assert reach.shape == (2, 10) and reach.dtype == torch.int32 and (reach == 4).all()
+    assert hf.hf_mask(2, 4, 4, mask_function=window) is None  # no query reaches past 4 keys
     assert hf.hf_mask(2, 1, 10, q_offset=3, kv_offset=0, mask_function=window).shape == (2, 1, 1, 10)
 
 
@@ -129,3 +133,71 @@ def test_dropout_in_training_raises_a_shape_error():
     ours.train()
     with pytest.raises(qkv.ShapeError, match="attention dropout is not a qkv option"):
         ours(torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_a_2d_mask_made_again_from_itself_is_the_same():
+    """generate() with a static cache makes the masks, then the model makes them again from
+    what it got (a 2-D mask reads as a user's padding mask): cut from the right only, a qkv
+    2-D mask is its own fixed point (a mask cut at kv_offset was cut twice: wrong tokens)."""
+    mu = transformers.masking_utils
+    padding = torch.ones(2, 13, dtype=torch.bool)
+    padding[1, :3] = False
+    for window, q, kv, q_off, kv_off in [(8, 1, 8, 12, 5), (8, 13, 13, 0, 0), (None, 1, 13, 12, 0)]:
+        pattern = mu.causal_mask_function if window is None else mu.sliding_window_causal_mask_function(window)
+        first = hf.hf_mask(2, q, kv, q_offset=q_off, kv_offset=kv_off, mask_function=pattern, attention_mask=padding)
+        again = hf.hf_mask(2, q, kv, q_offset=q_off, kv_offset=kv_off, mask_function=pattern,
+                           attention_mask=first.to(torch.bool))
+        assert first.shape == (2, 13) and torch.equal(first, again)
+
+
+def test_a_sliding_window_read_under_compile_is_transformers_mask():
+    """An int32 window mask made eagerly (generate makes masks outside the compiled forward)
+    and read under torch.compile becomes the dense mask transformers makes for the pattern."""
+    from qkv.torch import hf_masks
+
+    mu = transformers.masking_utils
+    padding = torch.ones(2, 12, dtype=torch.bool)
+    padding[1, :3] = False
+    for q, kv, q_off, kv_off in [(12, 12, 0, 0), (1, 8, 11, 4)]:
+        pattern = mu.sliding_window_causal_mask_function(5)
+        theirs = mu.sdpa_mask(2, q, kv, q_offset=q_off, kv_offset=kv_off, mask_function=pattern,
+                              attention_mask=padding, allow_is_causal_skip=False)
+        reach = hf.hf_mask(2, q, kv, q_offset=q_off, kv_offset=kv_off, mask_function=pattern, attention_mask=padding)
+        assert torch.equal(hf_masks._sliding_mask(reach, q, kv), theirs)
+
+    class Layer(torch.nn.Module):
+        is_causal = True
+
+    q, k = torch.randn(2, 4, 12, 8), torch.randn(2, 2, 12, 8)
+    reach = hf.hf_mask(2, 12, 12, mask_function=mu.sliding_window_causal_mask_function(5), attention_mask=padding)
+    compiled = torch.compile(lambda *a: hf.hf_attention(Layer(), *a, scaling=None)[0], fullgraph=True,
+                             backend="aot_eager")
+    real = padding.bool()
+    assert (compiled(q, k, k, reach) - hf.hf_attention(Layer(), q, k, k, reach)[0])[real].abs().max() <= 1e-6
+
+
+def test_softcapping_raises_until_qkv_has_it():
+    """Gemma 2 caps its attention logits: qkv has no softcap yet, so it raises, never ignores it."""
+    import qkv
+
+    config = transformers.Gemma2Config(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                       attn_logit_softcapping=50.0)
+    config._attn_implementation = NAME
+    model = transformers.Gemma2ForCausalLM(config).eval()
+    with pytest.raises(qkv.ShapeError, match="softcap is not a qkv option"):
+        model(torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_torch_names_get_qkvs_name_in_the_error():
+    import qkv
+
+    x = torch.zeros(1, 2, 3, 4)
+    with pytest.raises(qkv.ShapeError, match=r"an unknown keyword argument is_causal= \(qkv's name: causal=True"):
+        qt.attention(x, x, x, is_causal=True)
+
+
+def test_registering_twice_checks_once():
+    """register_hf wraps PreTrainedModel's two checks once, however often it is called."""
+    wrapped = transformers.PreTrainedModel.get_correct_attn_implementation
+    assert qt.register_hf() == NAME and transformers.PreTrainedModel.get_correct_attn_implementation is wrapped

@@ -107,12 +107,19 @@ def reject_options(func, unknown: dict, why: dict | None = None) -> None:
     import inspect
 
     params = inspect.signature(func).parameters.values()
-    known = ", ".join(p.name for p in params if p.kind is p.KEYWORD_ONLY)
+    reject_unknown(func.__name__, unknown, [p.name for p in params if p.kind is p.KEYWORD_ONLY], why)
+
+
+def reject_unknown(where: str, unknown, known, why: dict | None = None) -> None:
+    """The OptionError of :func:`reject_options` for an entry point named ``where`` whose
+    options are ``known`` (names)."""
+    if not unknown:
+        return
     why = why or {}
     named = [f"{k}= ({why[k]})" if k in why else
              f"{k}= (qkv's name: {FOREIGN_OPTIONS[k]})" if k in FOREIGN_OPTIONS else f"{k}=" for k in unknown]
     many = "unknown keyword arguments" if len(named) > 1 else "an unknown keyword argument"
-    raise OptionError(f"{func.__name__} got {many} {'; '.join(named)}; its options are {known}")
+    raise OptionError(f"{where} got {many} {'; '.join(named)}; its options are {', '.join(known)}")
 
 
 def positive_int(name: str, value, minimum: int = 1) -> int:

@@ -18,6 +18,10 @@ import numpy as np
 from .errors import OptionError
 
 ALIGNS = ("top_left", "bottom_right")
+# No array has this many positions: a window side this wide limits nothing, and a chunk this
+# long splits positions as any longer one does, so both saturate here (int64 and a torch
+# schema's int hold it; window=2**63 or chunk=10**30 would overflow them).
+FAR = 2 ** 62
 
 
 def parse_alignment(causal, align=None) -> tuple[bool, str]:
@@ -46,7 +50,8 @@ def parse_alignment(causal, align=None) -> tuple[bool, str]:
 
 
 def parse_window(window) -> tuple:
-    """``None`` -> (None, None); ``n`` -> (n, 0); ``(left, right)`` with ints >= 0 or None."""
+    """``None`` -> (None, None); ``n`` -> (n, 0); ``(left, right)`` with ints >= 0 or None
+    (a side of :data:`FAR` or more is None)."""
     if window is None:
         return None, None
     if isinstance(window, (int, np.integer)) and not isinstance(window, (bool, np.bool_)):
@@ -60,7 +65,7 @@ def parse_window(window) -> tuple:
         if w is None:
             sides.append(None)
         elif isinstance(w, (int, np.integer)) and not isinstance(w, (bool, np.bool_)) and w >= 0:
-            sides.append(int(w))
+            sides.append(None if w >= FAR else int(w))
         else:
             raise OptionError(f"window {side} must be an int >= 0 or None; got {w!r} in window={window!r}")
     return tuple(sides)
@@ -72,4 +77,4 @@ def parse_chunk(chunk) -> int | None:
         return None
     if isinstance(chunk, (bool, np.bool_)) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
         raise OptionError(f"chunk must be an int >= 1 (keys per chunk) or None; got {chunk!r}")
-    return int(chunk)
+    return min(int(chunk), FAR)

@@ -6,103 +6,43 @@
   ``query (B, Hq, Tq, D)``, ``key``/``value (B, Hkv, Tk, D)`` (K and V never repeated:
   qkv takes ``gqa=True``) and whatever the mask function made, and returns
   ``(out (B, Tq, Hq, D), None)`` like the ``sdpa`` function;
-- a **mask function** with ``AttentionMaskInterface``, called once per forward by the
-  model's ``create_causal_mask`` & co. Like the flash-attention one it makes no
-  ``(Tq, Tk)`` mask when the pattern is plain: causal, bidirectional or a causal sliding
-  window, with the last query aligned to the last key (always true with a dynamic cache).
-  Then it returns the 2-D padding mask ``(B, Tk)`` or ``None``, and the attention function
-  takes causality from ``is_causal`` (the layer's, or the call's), the window from the
-  layer's ``sliding_window`` (as flash-attention does: keys ``j > i' - W``, i.e.
-  ``window=(W - 1, 0)``), bottom-right aligned so that a decoding step's query sees the
-  whole cache. A right-padded mask becomes ``kv_lengths`` (keys past a sequence's end are
-  never read; with causal also ``q_lengths``, so that the alignment stays the padded
-  buffer's, as transformers has it), any other padding a ``(B, 1, 1, Tk)`` bool mask. Every other pattern
-  (packed sequences, image-token overlays, chunked attention, a static cache) is left to
-  transformers' own dense bool mask ``(B, 1, Tq, Tk)``, which qkv takes as ``mask=``.
+- a **mask function** with ``AttentionMaskInterface`` (:mod:`qkv.torch.hf_masks`), called
+  once per forward and pattern by the model's ``create_causal_mask`` & co. Where the pattern
+  is plain (causal, bidirectional or a causal sliding window, the last query aligned with
+  the last key, as with a dynamic cache) it makes no ``(Tq, Tk)`` mask: the attention
+  function gets causality, the window and the padding as qkv options, bottom-right aligned
+  so that a decoding step's query sees the whole cache. A right-padded mask becomes
+  ``kv_lengths`` (keys past a sequence's end are never read; with causal also
+  ``q_lengths``, so that the alignment stays the padded buffer's, as transformers has it).
+  Every other pattern (packed sequences, image-token overlays, chunked attention, a static
+  cache that is not full) is transformers' own dense bool mask ``(B, 1, Tq, Tk)``, which
+  qkv takes as ``mask=``.
+
+The window is the mask function's own (the one eager attention applies), read from its
+closure; a layer's ``sliding_window`` attribute or argument is not consulted.
+
+A model whose attention layers do not call the ``AttentionInterface`` (Falcon, Bloom, ...)
+cannot run on qkv: building it with ``attn_implementation="qkv"``, or switching it with
+``set_attn_implementation``, raises a ``ValueError`` naming qkv and the model.
 
 Dropout, logit soft-capping and attention sinks are not qkv options: they raise.
 """
 from __future__ import annotations
 
-import inspect
-
 import torch
 
 from ..errors import ShapeError
 from ..extras import require
+from . import hf_masks
 from .functional import attention
+from .hf_masks import hf_mask, plain_pattern  # noqa: F401  (the mask function's public names)
 
 NAME = "qkv"
-
-
-def _closure_value(fn, factory: str, var: str):
-    """The captured ``var`` of a closure made by transformers' function ``factory``, or None."""
-    if not getattr(fn, "__qualname__", "").startswith(factory + ".<locals>."):
-        return None
-    return inspect.getclosurevars(fn).nonlocals.get(var)
-
-
-def plain_pattern(mask_function) -> str | None:
-    """``"causal"``, ``"sliding"`` or ``"bidirectional"`` for the mask functions whose pattern
-    qkv applies without a mask; None for any other (which then gets a dense mask)."""
-    mu = require("transformers.masking_utils", "hf")
-    if mask_function is mu.causal_mask_function:
-        return "causal"
-    if mask_function is mu.bidirectional_mask_function:
-        return "bidirectional"
-    parts = _closure_value(mask_function, "and_masks", "mask_functions")  # sliding_window_causal_mask_function(W)
-    if parts and len(parts) == 2 and parts[1] is mu.causal_mask_function \
-            and isinstance(_closure_value(parts[0], "sliding_window_overlay", "sliding_window"), int):
-        return "sliding"
-    return None
-
-
-def hf_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
-            mask_function=None, attention_mask=None, **kwargs):
-    """The mask function registered as ``"qkv"`` (see the module's docstring): ``None`` or a
-    2-D bool padding mask ``(B, Tk)`` for a plain pattern, else a dense ``(B, 1, Tq, Tk)``."""
-    mu = require("transformers.masking_utils", "hf")
-    mask_function = mu.causal_mask_function if mask_function is None else mask_function
-    pattern = plain_pattern(mask_function)
-    aligned = isinstance(q_offset, int) and isinstance(kv_offset, int) and q_offset + q_length == kv_offset + kv_length
-    if pattern == "bidirectional" or (pattern is not None and aligned):
-        padding = mu.prepare_padding_mask(attention_mask, kv_length, kv_offset)
-        if padding is None:
-            return None
-        padding = padding[:, kv_offset:kv_offset + kv_length]  # (B, Tk)
-        if not torch.compiler.is_compiling() and bool(padding.all()):
-            return None
-        return padding
-    return mu.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-                        kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
-                        allow_is_causal_skip=False, allow_is_bidirectional_skip=False,
-                        use_vmap=kwargs.get("use_vmap", False), device=kwargs.get("device", "cpu"))
-
-
-def _padding(mask: torch.Tensor) -> dict:
-    """A 2-D bool padding mask ``(B, Tk)`` as ``kv_lengths`` when every row is ones then zeros
-    (right padding), else as a ``(B, 1, 1, Tk)`` mask."""
-    if not torch.compiler.is_compiling():
-        lengths = mask.sum(dim=-1)
-        if bool((mask == (torch.arange(mask.shape[-1]) < lengths[:, None])).all()):
-            return {"kv_lengths": lengths}
-    return {"mask": mask[:, None, None, :]}
-
-
-def _aligned_to_the_buffer(kv_lengths: torch.Tensor, tq: int, tk: int) -> dict:
-    """transformers aligns a causal query to the padded key buffer (query i is at position
-    ``i + Tk - Tq``); qkv aligns bottom-right to each sequence's real lengths. With right
-    padding the two agree when the query rows past the keys are padding too:
-    ``q_lengths = kv_lengths - (Tk - Tq)`` (those rows are padding tokens whose output
-    nobody reads). Where that is not a length in ``[0, Tq]``, the keys go as a mask."""
-    q_lengths = kv_lengths - (tk - tq)
-    if bool(((q_lengths >= 0) & (q_lengths <= tq)).all()):
-        return {"kv_lengths": kv_lengths, "q_lengths": q_lengths}
-    return {"mask": (torch.arange(tk) < kv_lengths[:, None])[:, None, None, :]}
+_NAMES: set[str] = set()  # every name register_hf registered
 
 
 def hf_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                 is_causal=None, sliding_window=None, position_bias=None, **kwargs):
+                 is_causal=None, position_bias=None, **kwargs):
     """The attention function registered as ``"qkv"``: transformers' call, qkv's kernel.
 
     ``query (B, Hq, Tq, D)``, ``key``/``value (B, Hkv, Tk, D)``; returns ``(out (B, Tq, Hq, D), None)``.
@@ -113,40 +53,87 @@ def hf_attention(module, query, key, value, attention_mask, dropout: float = 0.0
     for name in ("softcap", "s_aux"):
         if kwargs.get(name) is not None:
             raise ShapeError(f"{name} is not a qkv option; use attn_implementation='eager' for this model")
+    layer_is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     options = dict(scale=scaling, gqa=query.shape[1] != key.shape[1])
+    options.update(hf_masks.read_mask(attention_mask, query.shape[0], query.shape[-2], key.shape[-2],
+                                      layer_is_causal))
     if position_bias is not None:
-        options["bias"] = position_bias
-    mask = attention_mask
-    if mask is not None and mask.ndim == 4:  # transformers' dense mask: it says everything
-        if mask.dtype == torch.bool:
-            options["mask"] = mask
-        else:
-            options["bias"] = mask if position_bias is None else mask + position_bias
-    else:
-        causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-        if causal:
-            options["causal"] = "bottom_right"
-            if sliding_window is not None:
-                options["window"] = (int(sliding_window) - 1, 0)
-        if mask is not None:
-            options.update(_padding(mask.to(torch.bool)))
-        if causal and "kv_lengths" in options:
-            options.update(_aligned_to_the_buffer(options.pop("kv_lengths"), query.shape[-2], key.shape[-2]))
+        options["bias"] = position_bias if "bias" not in options else options["bias"] + position_bias
     out = attention(query, key, value, **options)  # (B, Hq, Tq, D)
     return out.transpose(1, 2).contiguous(), None  # (B, Tq, Hq, D)
+
+
+# --- models that cannot use the interface ----------------------------------------------------
+
+def _uses_attention_interface(cls) -> bool:
+    """Whether a model class's attention layers call transformers' ``AttentionInterface``, by
+    transformers' own two signs: the class says so (``_supports_attention_backend``), or its
+    module's attention classes fetch their function from ``ALL_ATTENTION_FUNCTIONS``."""
+    if getattr(cls, "_supports_attention_backend", False):
+        return True
+    can_set = getattr(cls, "_can_set_attn_implementation", None)
+    return True if can_set is None else bool(can_set())
+
+
+def check_model(model_class, name: str = NAME) -> None:
+    """Raise a ValueError naming qkv and the model where ``model_class`` cannot run on qkv."""
+    if not _uses_attention_interface(model_class):
+        raise ValueError(
+            f"attn_implementation={name!r} (qkv) needs a model whose attention layers call transformers' "
+            f"AttentionInterface; {model_class.__name__} ({model_class.__module__}) has its own attention code, "
+            "so qkv would never run in it. Use attn_implementation='eager' or 'sdpa' for this model (or set "
+            "_supports_attention_backend = True on a custom model class that does use the interface)")
+
+
+def _requested(attn_implementation):
+    """The implementation asked for the model itself by ``set_attn_implementation``'s argument."""
+    return attn_implementation.get("") if isinstance(attn_implementation, dict) else attn_implementation
+
+
+def _install_model_checks(pretrained_model) -> None:
+    """Wrap ``PreTrainedModel``'s two entry points for an attention implementation (the check
+    every model makes in ``__init__``, and ``set_attn_implementation``) so that a qkv name
+    for a model that cannot use it raises instead of a ``KeyError`` or a silent fallback."""
+    if getattr(pretrained_model, "_qkv_checks_installed", False):
+        return
+    get_correct = pretrained_model.get_correct_attn_implementation
+    set_impl = pretrained_model.set_attn_implementation
+
+    def get_correct_attn_implementation(self, requested_attention, *args, **kwargs):
+        if requested_attention in _NAMES:
+            check_model(type(self), requested_attention)
+        return get_correct(self, requested_attention, *args, **kwargs)
+
+    def set_attn_implementation(self, attn_implementation, *args, **kwargs):
+        requested = _requested(attn_implementation)
+        if requested in _NAMES:
+            models = [self] if isinstance(attn_implementation, dict) else \
+                [m for m in self.modules() if isinstance(m, pretrained_model)]
+            for model in models:
+                check_model(type(model), requested)
+        return set_impl(self, attn_implementation, *args, **kwargs)
+
+    get_correct_attn_implementation.__doc__ = get_correct.__doc__
+    set_attn_implementation.__doc__ = set_impl.__doc__
+    pretrained_model.get_correct_attn_implementation = get_correct_attn_implementation
+    pretrained_model.set_attn_implementation = set_attn_implementation
+    pretrained_model._qkv_checks_installed = True
 
 
 def register_hf(name: str = NAME) -> str:
     """Register qkv with transformers as ``attn_implementation=name`` (default ``"qkv"``).
 
     After it, ``AutoModel.from_pretrained(path, attn_implementation="qkv")`` (or
-    ``model.set_attn_implementation("qkv")``) runs every attention layer that goes through
-    transformers' ``AttentionInterface`` on :func:`qkv.torch.attention`. Returns the name.
+    ``model.set_attn_implementation("qkv")``) runs every attention layer of the model on
+    :func:`qkv.torch.attention`; a model whose layers do not go through transformers'
+    ``AttentionInterface`` raises a ValueError there instead. Returns the name.
     """
     require("transformers", "hf")
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
+    from transformers import AttentionInterface, PreTrainedModel, masking_utils
 
+    hf_masks.bind(masking_utils)
     AttentionInterface.register(name, hf_attention)
-    AttentionMaskInterface.register(name, hf_mask)
+    masking_utils.AttentionMaskInterface.register(name, hf_mask)
+    _NAMES.add(name)
+    _install_model_checks(PreTrainedModel)
     return name

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from ..api import METHODS, attention as np_attention
-from ..errors import ShapeError
+from ..errors import ShapeError, reject_unknown
 from ..options import parse_alignment, parse_chunk, parse_window
 
 # keywords of qkv.attention that choose what is returned rather than what is computed
@@ -149,9 +149,7 @@ def encode(options: dict) -> tuple:
     if unwired:
         raise ShapeError(f"qkv.attention's option(s) {unwired} are not wired into qkv.torch yet: each needs "
                          "a row in qkv.torch.options.OPTIONS")
-    if unknown:
-        raise ShapeError(f"unknown option(s) {unknown} for qkv.torch.attention; the options are "
-                         f"{list(NAMES) + list(RETURNS)}")
+    reject_unknown("qkv.torch.attention", unknown, NAMES + RETURNS)  # torch's is_causal=, ...: qkv's names
     values = {**DEFAULTS, **options}
     out = []
     for opt in OPTIONS:

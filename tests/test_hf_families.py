@@ -1,0 +1,208 @@
+"""attn_implementation="qkv" across Hugging Face model families: tiny random models (2 layers,
+width 64, vocab 101, GQA where the family has it, sliding windows smaller than the input),
+each against eager attention on the same weights: logits in float32 and float64, greedy
+generation with a dynamic and a static cache on a batch with a left-padded row, and float64
+gradients. A family that cannot use transformers' attention interface (Falcon) must refuse
+qkv with a ValueError, at build time and at set_attn_implementation."""
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="qkv.torch needs PyTorch: pip install 'qkv[torch]'")
+transformers = pytest.importorskip("transformers", reason="the Hugging Face hook needs transformers: "
+                                                          "pip install 'qkv[hf]'")
+qt = pytest.importorskip("qkv.torch")
+
+NAME = qt.register_hf()
+VOCAB, T, PAD = 101, 16, 3  # input length, and left padding of the second row
+WINDOW = 8  # every windowed family's: smaller than the input
+PROMPTS = {"short": (6, 2), "long": (12, 3)}  # generation: prompt length and left padding
+NEW = 8  # generated tokens: a short prompt grows past the window, with its padding in it for a while
+DECODER = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+               bos_token_id=None, eos_token_id=None, pad_token_id=0)
+HYBRID = ["sliding_attention", "full_attention"]
+
+# family: (config class, model class, config keywords, the config attribute of its window or None)
+FAMILIES = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(DECODER), None),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(DECODER, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2, num_experts=4,
+                       num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                       experts_implementation="eager"),  # grouped_mm has no float64
+                  "sliding_window"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(DECODER, head_dim=16), None),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               dict(DECODER, head_dim=16, query_pre_attn_scalar=16, sliding_window=WINDOW, layer_types=HYBRID,
+                    attn_logit_softcapping=None, final_logit_softcapping=None), "sliding_window"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               dict(DECODER, head_dim=16, query_pre_attn_scalar=16, sliding_window=WINDOW, layer_types=HYBRID,
+                    attn_logit_softcapping=None, final_logit_softcapping=None), "sliding_window"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(DECODER, sliding_window=WINDOW), "sliding_window"),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel",
+             dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_token_id=None,
+                  eos_token_id=None, pad_token_id=0, tie_word_embeddings=False), None),  # tied: one token
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM",
+                 dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, max_position_embeddings=64, bos_token_id=None, eos_token_id=None,
+                      pad_token_id=0), None),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(DECODER), None),
+    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM",
+                dict(DECODER, sliding_window=WINDOW, layer_types=HYBRID,
+                     tie_word_embeddings=False), "sliding_window"),  # tied, it repeats one token
+    "stablelm": ("StableLmConfig", "StableLmForCausalLM", dict(DECODER), None),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(DECODER, sliding_window=WINDOW), "sliding_window"),
+    "roberta": ("RobertaConfig", "RobertaForMaskedLM",
+                dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, max_position_embeddings=64, pad_token_id=1), None),
+    "distilbert": ("DistilBertConfig", "DistilBertForMaskedLM",
+                   dict(vocab_size=VOCAB, dim=64, hidden_dim=128, n_layers=2, n_heads=4, max_position_embeddings=64,
+                        pad_token_id=0), None),
+}
+ENCODERS = {"roberta", "distilbert"}
+WINDOWED = [f for f, spec in FAMILIES.items() if spec[3]]
+
+
+def family(name, impl="eager", **change):
+    """A tiny random model of the family on ``impl``, its weights fixed by the seed."""
+    config_name, model_name, kwargs, _ = FAMILIES[name]
+    if not hasattr(transformers, config_name) or not hasattr(transformers, model_name):
+        pytest.skip(f"transformers {transformers.__version__} has no {model_name}")
+    config = getattr(transformers, config_name)(**kwargs)
+    for key, value in change.items():
+        setattr(config, key, value)
+    config._attn_implementation = impl
+    torch.manual_seed(0)
+    return getattr(transformers, model_name)(config).eval()
+
+
+@pytest.fixture(scope="module")
+def twins():
+    """(eager, qkv) models of a family with the same weights, built once per family (qkv's
+    by set_attn_implementation; tests/test_torch_hf.py builds models on qkv directly)."""
+    made = {}
+
+    def get(name):
+        if name not in made:
+            eager = family(name)
+            ours = copy.deepcopy(eager)
+            ours.set_attn_implementation(NAME)
+            assert ours.config._attn_implementation == NAME and eager.config._attn_implementation == "eager"
+            made[name] = eager, ours
+        return made[name]
+    return get
+
+
+def batch(name, length=T, pad=PAD):
+    """Token ids (B, length) and the attention mask: row 0 unpadded, row 1 left-padded; an
+    encoder also gets a right-padded row 2."""
+    pad_id = FAMILIES[name][2]["pad_token_id"]
+    rows = 3 if name in ENCODERS else 2
+    ids = torch.randint(2, VOCAB, (rows, length), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(rows, length, dtype=torch.long)
+    mask[1, :pad] = 0
+    if name in ENCODERS:
+        mask[2, length - pad:] = 0
+    return ids.masked_fill(mask == 0, pad_id), mask
+
+
+@pytest.fixture
+def float64_eager(monkeypatch):
+    """Most families' eager attention takes its softmax in float32 whatever the model's dtype
+    (``softmax(..., dtype=torch.float32)``): there, in float64, eager errs ~1e-8 and a fully
+    masked (left-padding) row becomes NaN (float64's min is -inf in float32). This keeps the
+    softmax of a float64 tensor in float64, so that eager is a float64 reference."""
+    real = torch.nn.functional.softmax
+
+    def softmax(input, dim=None, _stacklevel=3, dtype=None):
+        return real(input, dim=dim, dtype=None if input.dtype == torch.float64 else dtype)
+
+    monkeypatch.setattr(torch.nn.functional, "softmax", softmax)
+
+
+def logits(model, ids, mask):
+    return model(input_ids=ids, attention_mask=mask).logits
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_logits_match_eager_in_float32_and_float64(name, twins, float64_eager):
+    eager, ours = twins(name)
+    ids, mask = batch(name)
+    real = mask.bool()
+    with torch.no_grad():
+        assert (logits(ours, ids, mask) - logits(eager, ids, mask))[real].abs().max().item() <= 1e-4
+        assert (logits(ours, ids[:1], None) - logits(eager, ids[:1], None)).abs().max().item() <= 1e-4
+        exact_eager, exact_ours = copy.deepcopy(eager).double(), copy.deepcopy(ours).double()
+        assert (logits(exact_ours, ids, mask) - logits(exact_eager, ids, mask))[real].abs().max().item() <= 1e-10
+
+
+@pytest.mark.parametrize("name", WINDOWED)
+def test_the_window_matters_in_windowed_families(name, twins):
+    """Without its window the same model gives other logits: the tests above can fail."""
+    eager, _ = twins(name)
+    wide = family(name, **{FAMILIES[name][3]: 10 * T})
+    wide.load_state_dict(eager.state_dict())
+    ids, mask = batch(name)
+    with torch.no_grad():
+        assert (logits(wide, ids, mask) - logits(eager, ids, mask))[mask.bool()].abs().max().item() > 1e-3
+
+
+GENERATE = [(name, prompt) for name in FAMILIES if name not in ENCODERS
+            for prompt in (PROMPTS if name in WINDOWED else ["short"])]
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("name, prompt", GENERATE)
+def test_greedy_generation_matches_eager(name, prompt, cache, twins):
+    """A short prompt fits the window, the tokens it generates do not; a long one does not."""
+    eager, ours = twins(name)
+    ids, mask = batch(name, *PROMPTS[prompt])
+    kw = dict(attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    if cache == "static":
+        kw["cache_implementation"] = "static"
+    assert torch.equal(ours.generate(ids, **kw), eager.generate(ids, **kw))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_float64_gradients_match_eager(name, twins, float64_eager):
+    ids, mask = batch(name)
+    real = mask.bool()
+    grads = []
+    for model in twins(name):
+        model = copy.deepcopy(model).double()
+        out = logits(model, ids, mask)
+        torch.nn.functional.cross_entropy(out[real], ids[real]).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    eager, ours = grads
+    assert eager.keys() == ours.keys()
+    scale = max(g.abs().max().item() for g in eager.values())
+    worst = max((ours[n] - g).abs().max().item() for n, g in eager.items())
+    assert worst <= 1e-8 * scale
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_compiled_model_matches_eager_fullgraph(backend, twins):
+    """torch.compile(fullgraph=True) traces the mask and attention functions (Mistral: a
+    sliding window smaller than the input, and a left-padded row). aot_eager traces what
+    inductor does (dynamo, the fake kernels, autograd) in ~4 s; inductor's code generation
+    adds ~20 s on 2 cores the first time."""
+    eager, ours = twins("mistral")
+    ids, mask = batch("mistral")
+    compiled = torch.compile(ours, fullgraph=True, backend=backend)
+    with torch.no_grad():
+        assert (logits(compiled, ids, mask) - logits(eager, ids, mask))[mask.bool()].abs().max().item() <= 1e-4
+
+
+def test_falcon_refuses_qkv_by_name():
+    """Falcon's attention does not call transformers' AttentionInterface: qkv would never run."""
+    if not hasattr(transformers, "FalconForCausalLM"):
+        pytest.skip(f"transformers {transformers.__version__} has no Falcon")
+    config = transformers.FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+    config._attn_implementation = NAME
+    with pytest.raises(ValueError, match=r"qkv.*FalconForCausalLM"):
+        transformers.FalconForCausalLM(config)
+    config._attn_implementation = "eager"
+    model = transformers.FalconForCausalLM(config)
+    with pytest.raises(ValueError, match=r"qkv.*Falcon"):
+        model.set_attn_implementation(NAME)
+    assert model.config._attn_implementation == "eager"
