@@ -63,7 +63,7 @@ def both(q, k, v, dout, opts, method, tiles=None):
         out, lse = qkv.attention(q, k, v, return_lse=True, method=method, **opts)
         grads = qkv.attention_backward(dout, q, k, v, out, lse, method=method, **opts)
         return out, lse, grads
-    prob, kern = api._prepare(q, k, v, **opts), tiled(tiles)
+    prob, kern = api.prepare(q, k, v, **opts), tiled(tiles)
     out, lse = api._forward(prob, kern, return_lse=True, return_weights=False)
     return out, lse, api._backward(prob, kern, api._saved(prob, dout, out, lse))
 

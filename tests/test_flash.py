@@ -112,7 +112,7 @@ def test_rows_and_tiles_that_see_nothing():
     mask[1, 1, 5] = False
     opts = {"kv_lengths": np.array([0, 12, 7]), "mask": mask, "causal": "bottom_right"}
     dout = rng.standard_normal((3, 2, 20, 8))
-    spec = api._prepare(q, k, v, **opts).spec       # the premise: whole tiles see nothing
+    spec = api.prepare(q, k, v, **opts).spec       # the premise: whole tiles see nothing
     empty = [q0 for q0 in range(0, 20, SMALL.rows) if not spec.segments(q0, q0 + SMALL.rows, 0, 12, batch=2)]
     assert empty == [0] and spec.query_range(7, 12, batch=2) == (0, 0)
     out, lse, (dq, dk, dv) = both(q, k, v, dout, opts, "flash", tiles=SMALL)
@@ -302,7 +302,7 @@ def test_masked_diagonals_are_split_into_row_blocks(monkeypatch, opts):
     for name, tiles in (("split", flash.Tiles(rows=96, diagonal_rows=16)),
                         ("whole", flash.Tiles(rows=96, diagonal_rows=96))):
         area.clear()
-        prob = api._prepare(q, k, v, **opts)
+        prob = api.prepare(q, k, v, **opts)
         out, _, _ = flash.forward(prob.q, prob.k, prob.v, prob.spec, prob.scale, prob.group, tiles=tiles)
         got[name] = (out, sum(area))
         np.testing.assert_allclose(out, want, atol=2e-6)

@@ -28,6 +28,6 @@ def test_torch_habits_point_to_qkv_names(kwargs, words):
 def test_torch_habits_in_the_backward():
     out, lse = qkv.attention(Q, K, V, return_lse=True)
     with pytest.raises(qkv.ShapeError, match=r"attention_backward got an unknown keyword argument is_causal= "
-                                             r"\(qkv's name: causal=True.*its options are dlse, mask, .*gqa, method$"):
+                                             r"\(qkv's name: causal=True.*its options are mask, .*gqa, method$"):
         qkv.attention_backward(out, Q, K, V, out, lse, is_causal=True)
 

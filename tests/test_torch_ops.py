@@ -196,7 +196,7 @@ def test_every_option_of_qkv_attention_is_forwarded():
     (dict(window=(1, 2, 3)), "window must be"),
     (dict(scale="big"), "scale must be a finite real"),
     (dict(gqa=1), "gqa must be True or False"),
-    (dict(method="fast"), "method must be one of"),
+    (dict(method="fast"), "method must be .auto. or a registered kernel"),
     (dict(flavour=1), "unknown keyword argument flavour="),
     (dict(bias=torch.zeros(3, 3, requires_grad=True)), "bias must not require grad"),
     (dict(k=torch.zeros(1, 2, 3, 5)), "k must have the feature size D of q"),

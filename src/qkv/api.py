@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 
 import numpy as np
 
 from . import kernels
 from .kernels import reference
-from .errors import OptionError, ShapeError, as_float_array, broadcast_or_raise, expect_ndim, fmt_shape, reject_options
+from . import options as opts
+from .errors import OptionError, ShapeError, as_float_array, broadcast_or_raise, expect_ndim, fmt_shape
 from .masks import MaskSpec, build_spec
 
 METHODS = ("auto",) + kernels.names()   # at import; kernels.names() is the registry now
@@ -34,8 +34,10 @@ def _compute_dtype(dtype: np.dtype) -> np.dtype:
     return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
 
 
-def _prepare(q, k, v, *, scale=None, gqa=False, **options) -> Problem:
-    """Check q, k, v, scale, gqa and the mask ``options`` (those of :func:`qkv.masks.build_spec`)."""
+def prepare(q, k, v, *, scale=None, gqa=False, **options) -> Problem:
+    """The checked :class:`Problem` of q, k, v, scale, gqa and the mask ``options`` (those of
+    :func:`qkv.masks.build_spec`): what every entry point (the ring, linear attention, the
+    adapters) starts from."""
     q, k, v = as_float_array("q", q), as_float_array("k", k), as_float_array("v", v)
     for name, x in (("k", k), ("v", v)):
         if x.dtype != q.dtype:
@@ -61,8 +63,7 @@ def _prepare(q, k, v, *, scale=None, gqa=False, **options) -> Problem:
             f"q, k and v must have Tq, Tk, D and Dv >= 1; got q {fmt_shape(q.shape)}, "
             f"k {fmt_shape(k.shape)}, v {fmt_shape(v.shape)} (use kv_lengths=0 for an empty key set)"
         )
-    if not isinstance(gqa, (bool, np.bool_)):
-        raise OptionError(f"gqa must be True or False; got {gqa!r}")
+    opts.parse_flag("gqa", gqa)
 
     if gqa:
         hq, hkv = q.shape[-3], k.shape[-3]
@@ -87,10 +88,9 @@ def _prepare(q, k, v, *, scale=None, gqa=False, **options) -> Problem:
             ) from None
         lead_kv, group = lead, 1
 
+    scale = opts.parse_scale(scale)
     if scale is None:
         scale = 1.0 / math.sqrt(d)
-    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
-        raise OptionError(f"scale must be a finite real number (default 1/sqrt(D)); got {scale!r}")
 
     in_dtype, cdt = q.dtype, _compute_dtype(q.dtype)
     if abs(scale) > float(np.finfo(cdt).max):
@@ -162,7 +162,7 @@ def _dense_fits(entries: int, dtype, why: str) -> None:
             f"(O(T·D) memory), or look at fewer rows at a time")
 
 
-def _sum_to(x: np.ndarray, shape: tuple) -> np.ndarray:
+def sum_to(x: np.ndarray, shape: tuple) -> np.ndarray:
     """Sum a gradient over the axes that broadcasting added or stretched, back to ``shape``."""
     extra = x.ndim - len(shape)
     if extra:
@@ -175,13 +175,14 @@ def _sum_to(x: np.ndarray, shape: tuple) -> np.ndarray:
 
 def _check_flags(**flags) -> None:
     for name, value in flags.items():
-        if not isinstance(value, (bool, np.bool_)):
-            raise OptionError(f"{name} must be True or False; got {value!r}")
+        opts.parse_flag(name, value)
 
 
-def attention(q, k, v, *, mask=None, bias=None, causal=False, align=None, window=None, chunk=None,
-              kv_lengths=None, q_lengths=None, alibi=None, scale=None, gqa=False, return_lse=False,
-              return_weights=False, method="auto", **unknown):
+FORWARD = opts.names("mask", "problem", "output", "kernel")   # qkv.attention's options, in order
+BACKWARD = opts.names("mask", "problem", "kernel")            # qkv.attention_backward's
+
+
+def attention(q, k, v, **options):
     """Scaled dot-product attention ``softmax(scale · q kᵀ + bias) v`` with masks.
 
     Each query row ``i`` takes a weighted average of the value rows; the weights are a
@@ -262,15 +263,16 @@ def attention(q, k, v, *, mask=None, bias=None, causal=False, align=None, window
            [0.752, 0.752]])
     """
     try:
-        reject_options(attention, unknown)  # torch's is_causal=, attn_mask=, ...: qkv's names
-        _check_flags(return_lse=return_lse, return_weights=return_weights)
-        prob = _prepare(q, k, v, mask=mask, bias=bias, causal=causal, align=align, window=window,
-                        chunk=chunk, kv_lengths=kv_lengths, q_lengths=q_lengths, alibi=alibi,
-                        scale=scale, gqa=gqa)
-        kern = _kernel(method, prob, return_weights)
+        o = opts.bind("attention", options, FORWARD)  # torch's is_causal=, attn_mask=, ...: qkv's names
+        _check_flags(return_lse=o["return_lse"], return_weights=o["return_weights"])
+        prob = prepare(q, k, v, **{name: o[name] for name in opts.PROBLEM})
+        kern = _kernel(o["method"], prob, o["return_weights"])
     except ShapeError as err:
         raise type(err)(str(err)) from None  # the caller's line, not our internals
-    return _forward(prob, kern, return_lse, return_weights)
+    return _forward(prob, kern, o["return_lse"], o["return_weights"])
+
+
+attention.__signature__ = opts.signature(("q", "k", "v"), FORWARD)
 
 
 def _forward(prob: Problem, kern, return_lse: bool, return_weights: bool):
@@ -285,9 +287,7 @@ def _forward(prob: Problem, kern, return_lse: bool, return_weights: bool):
     return result[0] if len(result) == 1 else tuple(result)
 
 
-def attention_backward(dout, q, k, v, out, lse, *, dlse=None, mask=None, bias=None, causal=False, align=None,
-                       window=None, chunk=None, kv_lengths=None, q_lengths=None, alibi=None,
-                       scale=None, gqa=False, method="auto", **unknown):
+def attention_backward(dout, q, k, v, out, lse, *, dlse=None, **options):
     """Gradients ``(dq, dk, dv)`` of ``attention`` given ``dout = ∂L/∂out``.
 
     ``out`` and ``lse`` are what ``attention(..., return_lse=True)`` returned for the same
@@ -309,15 +309,17 @@ def attention_backward(dout, q, k, v, out, lse, *, dlse=None, mask=None, bias=No
         ``(dq, dk, dv)`` with the shapes and dtypes of ``(q, k, v)``.
     """
     try:
-        reject_options(attention_backward, unknown)
-        prob = _prepare(q, k, v, mask=mask, bias=bias, causal=causal, align=align, window=window,
-                        chunk=chunk, kv_lengths=kv_lengths, q_lengths=q_lengths, alibi=alibi,
-                        scale=scale, gqa=gqa)
-        kern = _kernel(method, prob, False)
+        o = opts.bind("attention_backward", options, BACKWARD)
+        prob = prepare(q, k, v, **{name: o[name] for name in opts.PROBLEM})
+        kern = _kernel(o["method"], prob, False)
         saved = _saved(prob, dout, out, lse, dlse)
     except ShapeError as err:
         raise type(err)(str(err)) from None
     return _backward(prob, kern, saved)
+
+
+attention_backward.__signature__ = opts.signature(("dout", "q", "k", "v", "out", "lse"), BACKWARD,
+                                                  before=(("dlse", None),))
 
 
 def _saved(prob: Problem, dout, out, lse, dlse=None) -> dict:
@@ -343,6 +345,6 @@ def _backward(prob: Problem, kern, saved: dict):
     dq, dk, dv = kern.backward(saved["dout"], prob.q, prob.k, prob.v, saved["out"], saved["lse"],
                                prob.spec, prob.scale, prob.group, **extra)
     q_shape, k_shape, v_shape = prob.shapes
-    return (_sum_to(dq, q_shape).astype(prob.in_dtype, copy=False),
-            _sum_to(dk, k_shape).astype(prob.in_dtype, copy=False),
-            _sum_to(dv, v_shape).astype(prob.in_dtype, copy=False))
+    return (sum_to(dq, q_shape).astype(prob.in_dtype, copy=False),
+            sum_to(dk, k_shape).astype(prob.in_dtype, copy=False),
+            sum_to(dv, v_shape).astype(prob.in_dtype, copy=False))

@@ -2,21 +2,15 @@
 :func:`qkv.attention`, then the kernel :mod:`qkv.kernels.linear`."""
 from __future__ import annotations
 
-from .api import _prepare, _sum_to
+from .api import prepare, sum_to
+from . import options as opts
 from .errors import ShapeError, as_float_array, fmt_shape, reject_options
 from .kernels import linear
 
 
 def _problem(q, k, v, causal, gqa):
     """Checked, broadcast arrays in the compute dtype (exactly as :func:`qkv.attention` checks them)."""
-    return _prepare(q, k, v, causal=causal, gqa=gqa)
-
-
-# qkv.attention's options that have no meaning here: linear attention has no softmax and no
-# (Tq, Tk) scores, so nothing to mask, bias or scale but the causal prefix sums.
-_NOT_LINEAR = {name: f"an option of qkv.attention; linear attention takes causal= and gqa= only"
-               for name in ("mask", "bias", "align", "window", "chunk", "kv_lengths", "q_lengths", "alibi",
-                            "scale", "return_lse", "return_weights", "method")}
+    return prepare(q, k, v, causal=causal, gqa=gqa)
 
 
 def _options(prob) -> dict:
@@ -56,7 +50,7 @@ def linear_attention(q, k, v, *, causal=False, gqa=False, **unknown):
            [0.7  , 0.7  ]])
     """
     try:
-        reject_options(linear_attention, unknown, _NOT_LINEAR)
+        reject_options(linear_attention, unknown, opts.LACKS["linear_attention"])
         prob = _problem(q, k, v, causal, gqa)
     except ShapeError as err:
         raise type(err)(str(err)) from None  # the caller's line, not our internals
@@ -80,7 +74,7 @@ def linear_attention_backward(dout, q, k, v, *, causal=False, gqa=False, **unkno
         ``(dq, dk, dv)`` with the shapes and dtypes of ``(q, k, v)``.
     """
     try:
-        reject_options(linear_attention_backward, unknown, _NOT_LINEAR)
+        reject_options(linear_attention_backward, unknown, opts.LACKS["linear_attention"])
         prob = _problem(q, k, v, causal, gqa)
         out_shape = prob.spec.lead + (prob.spec.tq, prob.v.shape[-1])
         dout = as_float_array("dout", dout)
@@ -91,6 +85,6 @@ def linear_attention_backward(dout, q, k, v, *, causal=False, gqa=False, **unkno
         raise type(err)(str(err)) from None
     dq, dk, dv = linear.backward(dout.astype(prob.q.dtype, copy=False), prob.q, prob.k, prob.v, **_options(prob))
     q_shape, k_shape, v_shape = prob.shapes
-    return (_sum_to(dq, q_shape).astype(prob.in_dtype, copy=False),
-            _sum_to(dk, k_shape).astype(prob.in_dtype, copy=False),
-            _sum_to(dv, v_shape).astype(prob.in_dtype, copy=False))
+    return (sum_to(dq, q_shape).astype(prob.in_dtype, copy=False),
+            sum_to(dk, k_shape).astype(prob.in_dtype, copy=False),
+            sum_to(dv, v_shape).astype(prob.in_dtype, copy=False))

@@ -1,5 +1,15 @@
-"""The scalar options of :func:`qkv.attention` that say which keys a query may see:
-``causal``, ``align``, ``window`` and ``chunk``, each checked once, here.
+"""The options of an attention problem, defined once: :data:`OPTIONS` (name, default, kind,
+doc), the entry points that take them, and the parsing of the scalar ones (``causal``,
+``align``, ``window``, ``chunk``), each checked once, here.
+
+**One table.** :func:`qkv.attention` and :func:`qkv.attention_backward` take
+``**options`` and have signatures derived from :data:`OPTIONS` (:func:`signature`); every
+call goes through :func:`bind`, which fills the defaults and refuses an unknown keyword by
+name. The ring functions, linear attention, ``qkv.torch.attention`` and its operator schema
+derive theirs too or are checked against the table; an entry point that does not take an
+option says why in :data:`LACKS`, and ``tests/test_options.py`` fails for any public entry
+point that neither takes an option nor says why. So a new option is a row here, a rule in
+:mod:`qkv.masks` (or the kernels) and a rule in the tests' oracle.
 
 Alignment, for ``Tq = 2`` queries and ``Tk = 5`` keys (1 = may attend, ``causal=True``)::
 
@@ -13,9 +23,106 @@ that ``align``.
 """
 from __future__ import annotations
 
+import inspect
+import math
+import numbers
+from dataclasses import dataclass
+
 import numpy as np
 
-from .errors import OptionError
+from .errors import OptionError, reject_unknown
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option of an attention problem.
+
+    ``kind``: ``"mask"`` (which keys a query sees, or what is added to its scores: the
+    :class:`~qkv.masks.MaskSpec` holds it), ``"problem"`` (the rest of the math: scale,
+    heads), ``"output"`` (what a forward returns), ``"kernel"`` (how it is computed),
+    ``"gradient"`` (a backward's extra input).
+    """
+
+    name: str
+    default: object
+    kind: str
+    doc: str
+
+
+OPTIONS: tuple = (
+    Option("mask", None, "mask", "bool, True = may attend; broadcasts to (..., Hq, Tq, Tk)"),
+    Option("bias", None, "mask", "float added to the scaled scores, same broadcasting; -inf = may not attend"),
+    Option("causal", False, "mask", "False or True (query i sees keys j <= i'); 'top_left'/'bottom_right': "
+                                    "causal=True with that align"),
+    Option("align", None, "mask", "'top_left' (default: i' = i) or 'bottom_right' (i' = i + Tk_b - Tq_b)"),
+    Option("window", None, "mask", "(left, right): query i sees i' - left <= j <= i' + right; n = (n, 0)"),
+    Option("chunk", None, "mask", "C: query i sees key j only if i' // C == j // C"),
+    Option("kv_lengths", None, "mask", "int (B,): keys >= kv_lengths[b] are never read"),
+    Option("q_lengths", None, "mask", "int (B,): query rows >= q_lengths[b] are padding"),
+    Option("alibi", None, "mask", "slopes (Hq,) or (B, Hq): adds -slope * |i' - j|"),
+    Option("scale", None, "problem", "multiplies q kᵀ; default 1/sqrt(D)"),
+    Option("gqa", False, "problem", "Hq % Hkv == 0; query heads h*G .. h*G+G-1 share kv head h"),
+    Option("return_lse", False, "output", "also return lse (..., Hq, Tq)"),
+    Option("return_weights", False, "output", "also return the weights (..., Hq, Tq, Tk)"),
+    Option("method", "auto", "kernel", "a registered kernel ('reference', 'flash') or 'auto'"),
+)
+BY_NAME = {o.name: o for o in OPTIONS}
+MASK = tuple(o.name for o in OPTIONS if o.kind == "mask")          # build_spec's keywords
+PROBLEM = tuple(o.name for o in OPTIONS if o.kind in ("mask", "problem"))
+OUTPUT = tuple(o.name for o in OPTIONS if o.kind == "output")
+KERNEL = tuple(o.name for o in OPTIONS if o.kind == "kernel")
+
+# What each public entry point does not take, and why (tests/test_options.py holds every
+# entry point to: takes the option, or says here why not).
+_LAYER_CALL = "a per-call array: the layer's forward takes kv_lengths= and q_lengths=; a layer has no dense mask or bias"
+LACKS = {
+    "ring_attention": {
+        "q_lengths": "ring attention is self-attention over one sequence: a padded sequence is kv_lengths= "
+                     "alone (query rows past it see nothing there)",
+        "return_weights": "the ring never holds a (Tq, Tk) array; qkv.attention returns weights",
+        "method": "the ring always runs the tiled kernel",
+    },
+    "linear_attention": {name: "an option of qkv.attention; linear attention takes causal= and gqa= only"
+                         for name in ("mask", "bias", "align", "window", "chunk", "kv_lengths", "q_lengths",
+                                      "alibi", "scale", "return_lse", "return_weights", "method")},
+    "layer": {"mask": _LAYER_CALL, "bias": _LAYER_CALL,
+              "alibi": "a layer takes alibi=True and makes its own slopes (qkv.positional.alibi_slopes)",
+              "return_lse": "a layer returns its output", "return_weights": "forward(return_weights=True)",
+              "method": "a layer calls qkv.attention with method='auto'", "gqa": "n_kv_heads= says it"},
+}
+LACKS["latent"] = {**LACKS["layer"],
+                   "alibi": "MLA positions its queries and keys by decoupled RoPE (d_rope=), not ALiBi",
+                   "scale": "MLA's scale is 1/sqrt(d_head + d_rope), its decoupled RoPE part included",
+                   "gqa": "every head reads the one shared latent: there are no kv heads to group"}
+LACKS["self_attention"] = {
+    **{name: "the texts' single head is the equation and nothing more: one sequence, causal= at most; "
+             "qkv.nn.MultiHeadAttention has every option" for name in MASK if name != "causal"},
+    "scale": "the texts' 1/sqrt(d_k), as the equation has it",
+    "gqa": "one head: nothing to group"}
+
+
+def names(*kinds: str, lacking: str | None = None) -> tuple:
+    """The options of these kinds, in the table's order, less those ``LACKS[lacking]`` names."""
+    skip = LACKS.get(lacking, {})
+    return tuple(o.name for o in OPTIONS if o.kind in kinds and o.name not in skip)
+
+
+def bind(where: str, given: dict, takes: tuple, why: dict | None = None) -> dict:
+    """``given`` keywords with every option of ``takes`` filled with its default; an unknown
+    keyword is an OptionError naming qkv's name for it (or ``why`` it is not taken here)."""
+    unknown = {k: v for k, v in given.items() if k not in takes}
+    if unknown:
+        reject_unknown(where, unknown, list(takes), why)
+    return {name: given.get(name, BY_NAME[name].default) for name in takes}
+
+
+def signature(positional: tuple, takes: tuple, before: tuple = ()) -> inspect.Signature:
+    """``(positional..., *, before..., takes...)``: the signature an entry point shows, derived
+    from :data:`OPTIONS` (``before``: its own keyword parameters, as ``(name, default)``)."""
+    params = [inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in positional]
+    params += [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=d) for n, d in before]
+    params += [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=BY_NAME[n].default) for n in takes]
+    return inspect.Signature(params)
 
 ALIGNS = ("top_left", "bottom_right")
 # No array has this many positions: a window side this wide limits nothing, and a chunk this
@@ -78,3 +185,19 @@ def parse_chunk(chunk) -> int | None:
     if isinstance(chunk, (bool, np.bool_)) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
         raise OptionError(f"chunk must be an int >= 1 (keys per chunk) or None; got {chunk!r}")
     return min(int(chunk), FAR)
+
+
+def parse_scale(scale) -> float | None:
+    """``None`` (1/sqrt(D), decided with the shapes) or a finite real number."""
+    if scale is None:
+        return None
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
+        raise OptionError(f"scale must be a finite real number (default 1/sqrt(D)); got {scale!r}")
+    return float(scale)
+
+
+def parse_flag(name: str, value) -> bool:
+    """``True`` or ``False`` (NumPy's bools too); anything else (1, "yes") is refused."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise OptionError(f"{name} must be True or False; got {value!r}")
+    return bool(value)

@@ -31,7 +31,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .. import api
-from ..errors import ShapeError, as_float_array, fmt_shape, reject_options
+from .. import options as opts
+from ..errors import OptionError, ShapeError, as_float_array, fmt_shape
 from ..extras import require
 from ..kernels import flash
 from ..masks import MaskSpec, build_spec
@@ -86,10 +87,12 @@ def _mpi():
     return require("mpi4py.MPI", "mpi")
 
 
-def _setup(what, q, k, v, comm, layout, mask, bias, options, scale, gqa, extra=None) -> Ring:
-    """Check every rank's inputs collectively (see :mod:`.agree`); ``extra(prob)`` checks
-    more arrays and returns them."""
+def _setup(what, q, k, v, comm, layout, options: dict, extra=None) -> Ring:
+    """Check every rank's inputs and ``options`` (the problem's, bound) collectively (see
+    :mod:`.agree`); ``extra(prob)`` checks more arrays and returns them."""
     comm, size, rank = world(comm)
+    mask, bias, scale, gqa = (options[n] for n in ("mask", "bias", "scale", "gqa"))
+    structure = {n: options[n] for n in opts.MASK if n in options and n not in ("mask", "bias")}
 
     def check():
         if mask is not None or bias is not None:
@@ -97,7 +100,7 @@ def _setup(what, q, k, v, comm, layout, mask, bias, options, scale, gqa, extra=N
                 "mask and bias are dense (..., Tq, Tk) arrays, which ring attention never holds; "
                 "say it with causal=, window=, chunk=, kv_lengths= or alibi=")
         lay = check_layout(layout)
-        prob = api._prepare(q, k, v, scale=scale, gqa=gqa)
+        prob = api.prepare(q, k, v, scale=scale, gqa=gqa)
         c = prob.spec.tq
         if prob.spec.tk != c:
             raise ShapeError(
@@ -108,13 +111,13 @@ def _setup(what, q, k, v, comm, layout, mask, bias, options, scale, gqa, extra=N
                 f"layout 'zigzag' holds two equal chunks per rank, so the local length must be "
                 f"even; got q {fmt_shape(np.shape(q))} (pad T to a multiple of 2W = {2 * size} "
                 f"and pass kv_lengths)")
-        spec = build_spec(prob.spec.lead, c * size, c * size, dtype=prob.q.dtype, **options)
+        spec = build_spec(prob.spec.lead, c * size, c * size, dtype=prob.q.dtype, **structure)
         return prob, spec, (extra(prob) if extra else None)
 
     shapes = {name: (np.shape(x), str(getattr(x, "dtype", type(x).__name__)))
               for name, x in (("q", q), ("k", k), ("v", v))}
     prob, spec, more = agree(comm, what, check, dict(
-        shapes=shapes, layout=layout, scale=scale, gqa=gqa, **options))
+        shapes=shapes, layout=layout, scale=scale, gqa=gqa, **structure))
     dt = prob.q.dtype
     kc = np.array(np.asarray(k), dtype=dt, order="C", copy=True)   # receive buffers overwrite it
     vc = np.array(np.asarray(v), dtype=dt, order="C", copy=True)
@@ -140,19 +143,12 @@ def _travel(ring: Ring, bufs: list):
         cur, nxt = nxt, cur
 
 
-_OPTIONS = "causal, align, window, chunk, kv_lengths, alibi"
-# qkv.attention's options that the ring does not take, and why
-_NOT_RING = {
-    "q_lengths": "ring attention is self-attention over one sequence: a padded sequence is "
-                 "kv_lengths= alone (query rows past it see nothing there)",
-    "return_weights": "the ring never holds a (Tq, Tk) array; qkv.attention returns weights",
-    "method": "the ring always runs the tiled kernel",
-}
+# the options the ring takes (qkv.options.LACKS says which of qkv.attention's it does not, and why)
+FORWARD = opts.names("mask", "problem", "output", "kernel", lacking="ring_attention")
+BACKWARD = opts.names("mask", "problem", "kernel", lacking="ring_attention")
 
 
-def ring_attention(q, k, v, *, comm=None, layout="zigzag", mask=None, bias=None, causal=False,
-                   align=None, window=None, chunk=None, kv_lengths=None, alibi=None, scale=None,
-                   gqa=False, return_lse=False, **unknown):
+def ring_attention(q, k, v, *, comm=None, layout="zigzag", **options):
     """Self-attention over a sequence split across the ranks of ``comm``; this rank's rows.
 
     Every rank passes its own tokens (:func:`qkv.distributed.shard`): ``q (..., Hq, c, D)``,
@@ -170,11 +166,11 @@ def ring_attention(q, k, v, *, comm=None, layout="zigzag", mask=None, bias=None,
     Returns ``out (..., Hq, c, Dv)`` in q's dtype, and ``lse (..., Hq, c)`` (float32, or
     float64 for float64 input) with ``return_lse=True``.
     """
-    reject_options(ring_attention, unknown, _NOT_RING)
+    bound = opts.bind("ring_attention", options, FORWARD, opts.LACKS["ring_attention"])
+    return_lse = bound.pop("return_lse")
     if not isinstance(return_lse, (bool, np.bool_)):
-        raise ShapeError(f"return_lse must be True or False; got {return_lse!r}")
-    options = dict(causal=causal, align=align, window=window, chunk=chunk, kv_lengths=kv_lengths, alibi=alibi)
-    ring = _setup("ring_attention", q, k, v, comm, layout, mask, bias, options, scale, gqa)
+        raise OptionError(f"return_lse must be True or False; got {return_lse!r}")
+    ring = _setup("ring_attention", q, k, v, comm, layout, bound)
     prob = ring.prob
     dt = prob.q.dtype
     # out, lse and the merge weights in float64, rounded once at the end: a float32 partial
@@ -191,17 +187,17 @@ def ring_attention(q, k, v, *, comm=None, layout="zigzag", mask=None, bias=None,
     return (out, lse.astype(dt)) if return_lse else out
 
 
-def ring_attention_backward(dout, q, k, v, out, lse, *, comm=None, layout="zigzag", mask=None,
-                            bias=None, causal=False, align=None, window=None, chunk=None,
-                            kv_lengths=None, alibi=None, scale=None, gqa=False, **unknown):
+ring_attention.__signature__ = opts.signature(("q", "k", "v"), FORWARD, before=(("comm", None), ("layout", "zigzag")))
+
+
+def ring_attention_backward(dout, q, k, v, out, lse, *, comm=None, layout="zigzag", **options):
     """This rank's ``(dq, dk, dv)`` of :func:`ring_attention`, given its ``dout`` and the
     ``out``, ``lse`` that ``ring_attention(..., return_lse=True)`` returned here.
 
     Same arguments and the same collective checks as :func:`ring_attention`; each gradient
     has its input's shape and dtype (the sum over every rank's queries for dk and dv).
     """
-    reject_options(ring_attention_backward, unknown, _NOT_RING)
-    options = dict(causal=causal, align=align, window=window, chunk=chunk, kv_lengths=kv_lengths, alibi=alibi)
+    bound = opts.bind("ring_attention_backward", options, BACKWARD, opts.LACKS["ring_attention"])
 
     def extra(prob):
         want = prob.q.shape[:-1] + (prob.v.shape[-1],)
@@ -215,8 +211,7 @@ def ring_attention_backward(dout, q, k, v, out, lse, *, comm=None, layout="zigza
             arrays.append(x.astype(prob.q.dtype, copy=False))
         return arrays
 
-    ring, (do, o, ls) = _setup("ring_attention_backward", q, k, v, comm, layout, mask, bias,
-                               options, scale, gqa, extra)
+    ring, (do, o, ls) = _setup("ring_attention_backward", q, k, v, comm, layout, bound, extra)
     MPI = _mpi()
     prob, comm = ring.prob, ring.comm
     dt, d = prob.q.dtype, prob.q.shape[-1]
@@ -234,8 +229,8 @@ def ring_attention_backward(dout, q, k, v, out, lse, *, comm=None, layout="zigza
                                            precise=precise[..., qs], norm=None if norm is None else norm.rows(qs),
                                            blocks=True)
             dq[..., qs, :] += dqp
-            dk[..., ks, :] += api._sum_to(dkp, kb.shape[:-2] + (dkp.shape[-2], d))
-            dv[..., ks, :] += api._sum_to(dvp, vb.shape[:-2] + dvp.shape[-2:])
+            dk[..., ks, :] += api.sum_to(dkp, kb.shape[:-2] + (dkp.shape[-2], d))
+            dv[..., ks, :] += api.sum_to(dvp, vb.shape[:-2] + dvp.shape[-2:])
         MPI.Request.Waitall(incoming + sending)   # the sum so far from the ranks before us
         if recv is not None:
             dk += recv[0]
@@ -245,8 +240,12 @@ def ring_attention_backward(dout, q, k, v, out, lse, *, comm=None, layout="zigza
         incoming = [comm.Irecv(recv[0], source=left, tag=TAG_DK), comm.Irecv(recv[1], source=left, tag=TAG_DV)]
     MPI.Request.Waitall(incoming + sending)       # W hops: our own block's sum is home
     q_shape = prob.shapes[0]
-    return (api._sum_to(dq, q_shape).astype(prob.in_dtype, copy=False),
+    return (api.sum_to(dq, q_shape).astype(prob.in_dtype, copy=False),
             recv[0].astype(prob.in_dtype, copy=False), recv[1].astype(prob.in_dtype, copy=False))
+
+
+ring_attention_backward.__signature__ = opts.signature(("dout", "q", "k", "v", "out", "lse"), BACKWARD,
+                                                       before=(("comm", None), ("layout", "zigzag")))
 
 
 def _precise_sums(ring: Ring, lse: np.ndarray):

@@ -28,21 +28,18 @@ here fails a test instead of being refused at run time.
 """
 from __future__ import annotations
 
-import inspect
-import math
-import numbers
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 import torch
 
-from ..api import METHODS, attention as np_attention
 from ..errors import ShapeError, reject_unknown
-from ..options import parse_alignment, parse_chunk, parse_window
+from ..kernels import lookup
+from ..options import BY_NAME, names, parse_alignment, parse_chunk, parse_flag, parse_scale, parse_window
 
 # keywords of qkv.attention that choose what is returned rather than what is computed
-RETURNS = ("return_lse", "return_weights")
+RETURNS = names("output")
 
 
 @dataclass(frozen=True)
@@ -92,26 +89,18 @@ def _decode_window(args):
 
 
 def _check_scale(value):
-    if value is None:
-        return None
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_complex:
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise ShapeError(f"scale must be a finite real number (default 1/sqrt(D)); got {value!r}")
-    return float(value)
+    return parse_scale(value)
 
 
 def _check_bool(name: str):
-    def check(value):
-        if not isinstance(value, (bool, np.bool_)):
-            raise ShapeError(f"{name} must be True or False; got {value!r}")
-        return bool(value)
-    return check
+    return lambda value: parse_flag(name, value)
 
 
 def _check_method(value):
-    if not isinstance(value, str) or value not in METHODS:
-        raise ShapeError(f"method must be one of {METHODS}; got {value!r}")
+    if value != "auto":
+        lookup(value)  # an unknown method lists the registered kernels
     return value
 
 
@@ -132,14 +121,13 @@ OPTIONS: tuple[Option, ...] = (
 
 NAMES = tuple(opt.name for opt in OPTIONS)
 SCHEMA_ARGS = ", ".join(arg for opt in OPTIONS for arg in opt.args)
-# each option's default, read once from qkv.attention's signature
-DEFAULTS = {name: inspect.signature(np_attention).parameters[name].default for name in NAMES}
+# each option's default, from qkv's one table of options
+DEFAULTS = {name: BY_NAME[name].default for name in NAMES}
 
 
 def accepted() -> tuple[str, ...]:
-    """The keywords of :func:`qkv.attention` that configure the computation (not the returns)."""
-    params = inspect.signature(np_attention).parameters.values()
-    return tuple(p.name for p in params if p.kind is p.KEYWORD_ONLY and p.name not in RETURNS)
+    """The options of :func:`qkv.attention` that configure the computation (not the returns)."""
+    return names("mask", "problem", "kernel")
 
 
 def encode(options: dict) -> tuple:
