@@ -73,7 +73,7 @@ def test_every_entry_point_takes_every_option_or_says_why(name, funcs, kinds, la
 def test_a_new_option_fails_every_written_out_entry_point_until_it_is_taken():
     """The check bites: a toy row in the table is missing from every entry point here (the
     derived signatures were made at import, before the row)."""
-    toy = opts.Option("toy", None, "mask", "a test's")
+    toy = opts.Option("toy", None, "mask", "int", "a test's")
     table = opts.OPTIONS + (toy,)
     for name, funcs, kinds, lacking in entry_points():
         assert any(w.startswith("toy ") for w in missing(funcs, kinds, lacking, table)), name

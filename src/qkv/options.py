@@ -46,25 +46,26 @@ class Option:
     name: str
     default: object
     kind: str
+    value: str   # "array", "int", "float", "bool", "str" (adapters type it so), or "causal", "window"
     doc: str
 
 
 OPTIONS: tuple = (
-    Option("mask", None, "mask", "bool, True = may attend; broadcasts to (..., Hq, Tq, Tk)"),
-    Option("bias", None, "mask", "float added to the scaled scores, same broadcasting; -inf = may not attend"),
-    Option("causal", False, "mask", "False or True (query i sees keys j <= i'); 'top_left'/'bottom_right': "
-                                    "causal=True with that align"),
-    Option("align", None, "mask", "'top_left' (default: i' = i) or 'bottom_right' (i' = i + Tk_b - Tq_b)"),
-    Option("window", None, "mask", "(left, right): query i sees i' - left <= j <= i' + right; n = (n, 0)"),
-    Option("chunk", None, "mask", "C: query i sees key j only if i' // C == j // C"),
-    Option("kv_lengths", None, "mask", "int (B,): keys >= kv_lengths[b] are never read"),
-    Option("q_lengths", None, "mask", "int (B,): query rows >= q_lengths[b] are padding"),
-    Option("alibi", None, "mask", "slopes (Hq,) or (B, Hq): adds -slope * |i' - j|"),
-    Option("scale", None, "problem", "multiplies q kᵀ; default 1/sqrt(D)"),
-    Option("gqa", False, "problem", "Hq % Hkv == 0; query heads h*G .. h*G+G-1 share kv head h"),
-    Option("return_lse", False, "output", "also return lse (..., Hq, Tq)"),
-    Option("return_weights", False, "output", "also return the weights (..., Hq, Tq, Tk)"),
-    Option("method", "auto", "kernel", "a registered kernel ('reference', 'flash') or 'auto'"),
+    Option("mask", None, "mask", "array", "bool, True = may attend; broadcasts to (..., Hq, Tq, Tk)"),
+    Option("bias", None, "mask", "array", "float added to the scaled scores, same broadcasting; -inf = may not attend"),
+    Option("causal", False, "mask", "causal", "False or True (query i sees keys j <= i'); "
+                                              "'top_left'/'bottom_right': causal=True with that align"),
+    Option("align", None, "mask", "str", "'top_left' (default: i' = i) or 'bottom_right' (i' = i + Tk_b - Tq_b)"),
+    Option("window", None, "mask", "window", "(left, right): query i sees i' - left <= j <= i' + right; n = (n, 0)"),
+    Option("chunk", None, "mask", "int", "C: query i sees key j only if i' // C == j // C"),
+    Option("kv_lengths", None, "mask", "array", "int (B,): keys >= kv_lengths[b] are never read"),
+    Option("q_lengths", None, "mask", "array", "int (B,): query rows >= q_lengths[b] are padding"),
+    Option("alibi", None, "mask", "array", "slopes (Hq,) or (B, Hq): adds -slope * |i' - j|"),
+    Option("scale", None, "problem", "float", "multiplies q kᵀ; default 1/sqrt(D)"),
+    Option("gqa", False, "problem", "bool", "Hq % Hkv == 0; query heads h*G .. h*G+G-1 share kv head h"),
+    Option("return_lse", False, "output", "bool", "also return lse (..., Hq, Tq)"),
+    Option("return_weights", False, "output", "bool", "also return the weights (..., Hq, Tq, Tk)"),
+    Option("method", "auto", "kernel", "str", "a registered kernel ('reference', 'flash') or 'auto'"),
 )
 BY_NAME = {o.name: o for o in OPTIONS}
 MASK = tuple(o.name for o in OPTIONS if o.kind == "mask")          # build_spec's keywords

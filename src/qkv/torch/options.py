@@ -21,10 +21,10 @@ gqa             ``bool gqa``
 method          ``str method``
 ==============  =======================================  ===================================
 
-Each row of :data:`OPTIONS` says this for one keyword; a new option of
-:func:`qkv.attention` is one more row. ``tests/test_torch_ops.py`` checks that the rows cover
-exactly the keywords :func:`qkv.attention` accepts, so an option added there and not
-here fails a test instead of being refused at run time.
+Each row of :data:`OPTIONS` says this for one keyword, and the rows are made from qkv's one
+table of options (:data:`qkv.options.OPTIONS`) by the kind of value each holds: an array is a
+``Tensor?``, an int ``int?`` and so on, causal and window as above. A new option of
+:func:`qkv.attention` is a row there and needs nothing here.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ import torch
 
 from ..errors import ShapeError, reject_unknown
 from ..kernels import lookup
-from ..options import BY_NAME, names, parse_alignment, parse_chunk, parse_flag, parse_scale, parse_window
+from ..options import BY_NAME, OPTIONS as TABLE, names, parse_alignment, parse_chunk, parse_flag, parse_scale, parse_window
 
 # keywords of qkv.attention that choose what is returned rather than what is computed
 RETURNS = names("output")
@@ -104,20 +104,28 @@ def _check_method(value):
     return value
 
 
-OPTIONS: tuple[Option, ...] = (
-    tensor("mask"),
-    tensor("bias"),
-    tensor("kv_lengths"),
-    tensor("alibi"),
-    tensor("q_lengths"),
-    Option("causal", ("str causal",), _encode_causal, _decode_causal),
-    scalar("align", "str?", _check_align),
-    scalar("chunk", "int?", parse_chunk),
-    Option("window", ("int? window_left", "int? window_right"), _encode_window, _decode_window),
-    scalar("scale", "float?", _check_scale),
-    scalar("gqa", "bool", _check_bool("gqa")),
-    scalar("method", "str", _check_method),
-)
+# the checks a scalar gets before it enters the schema (any other option: qkv's own, inside)
+_CHECKS = {"align": _check_align, "chunk": parse_chunk, "scale": _check_scale, "gqa": _check_bool("gqa"),
+           "method": _check_method}
+_SCALAR = {"int": "int?", "float": "float?", "str": "str?", "bool": "bool"}
+
+
+def _row(o) -> Option:
+    """The schema row of one option of qkv's table, by the kind of value it holds."""
+    if o.value == "array":
+        return tensor(o.name)
+    if o.value == "causal":
+        return Option("causal", ("str causal",), _encode_causal, _decode_causal)
+    if o.value == "window":
+        return Option("window", ("int? window_left", "int? window_right"), _encode_window, _decode_window)
+    kind = _SCALAR[o.value]
+    if kind == "str?" and o.default is not None:
+        kind = "str"
+    return scalar(o.name, kind, _CHECKS.get(o.name))
+
+
+# one row per option of qkv's table (qkv.options.OPTIONS) that configures the computation
+OPTIONS: tuple[Option, ...] = tuple(_row(o) for o in TABLE if o.kind != "output")
 
 NAMES = tuple(opt.name for opt in OPTIONS)
 SCHEMA_ARGS = ", ".join(arg for opt in OPTIONS for arg in opt.args)
