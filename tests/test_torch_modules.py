@@ -1,5 +1,6 @@
 """qkv.torch.SelfAttention (the texts' module) and qkv.torch.MultiHeadAttention: state_dict
-parity with the texts' class, conversion to and from the NumPy layers, the KV cache, training."""
+parity with the texts' class, conversion to and from the NumPy layers, the KV cache (its
+ragged use is tests/test_torch_ragged_cache.py), errors that are the NumPy layers' own, training."""
 import math
 
 import numpy as np
@@ -106,11 +107,11 @@ def test_multihead_kv_cache_decoding_equals_the_full_pass():
         full = mod(x)
         cache = mod.new_cache(batch=2, max_len=9)
         steps = [mod(x[:, :5], cache=cache)] + [mod(x[:, t:t + 1], cache=cache) for t in range(5, 9)]
-    assert cache.length == 9
+    assert cache.length == 9 and list(cache.lengths) == [9, 9]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-12)
     with pytest.raises(qkv.ShapeError, match="the KV cache is full"):
         mod(x[:, :1], cache=cache)
-    assert cache.length == 9
+    assert list(cache.lengths) == [9, 9]
     # with grad on, this call's keys keep their graph and earlier ones are constants
     cache.reset()
     mod(x[:, :5].detach(), cache=cache)
@@ -119,14 +120,74 @@ def test_multihead_kv_cache_decoding_equals_the_full_pass():
     assert mod.k_proj.weight.grad is not None and torch.isfinite(mod.k_proj.weight.grad).all()
 
 
-def test_multihead_errors_name_the_argument():
-    with pytest.raises(qkv.ShapeError, match="n_heads must be a multiple of n_kv_heads"):
-        qt.MultiHeadAttention(16, 4, n_kv_heads=3)
-    mod = qt.MultiHeadAttention(16, 4)
-    with pytest.raises(qkv.ShapeError, match=r"x must be a tensor of shape \(B, T, d_model\)"):
-        mod(torch.zeros(2, 3, 15))
-    with pytest.raises(qkv.ShapeError, match="cache= is for causal self-attention"):
-        mod(torch.zeros(2, 3, 16), cache=mod.new_cache(2, 4))
+BAD_OPTIONS = {
+    "kv heads": dict(n_kv_heads=3),
+    "n_heads": dict(n_heads=0),
+    "d_model not a multiple": dict(d_model=18),
+    "d_head": dict(d_head=0),
+    "odd d_head with rope": dict(d_head=5, rope=True),
+    "rope_base": dict(rope=True, rope_base=1.0),
+    "causal": dict(causal="sideways"),
+    "align": dict(causal=True, align="middle"),
+    "window": dict(window=(-1, 0)),
+    "chunk": dict(chunk=0),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_OPTIONS))
+def test_multihead_constructor_errors_are_the_numpy_layers(case):
+    kw = {"d_model": 16, "n_heads": 4, **BAD_OPTIONS[case]}
+    with pytest.raises(qkv.ShapeError) as np_err:
+        qnn.MultiHeadAttention(**kw)
+    with pytest.raises(qkv.ShapeError) as t_err:
+        qt.MultiHeadAttention(**kw)
+    assert str(t_err.value) == str(np_err.value)
+    # rope_base is checked only where RoPE is on, in both
+    qt.MultiHeadAttention(16, 4, rope_base=1.0)
+
+
+def _message(fn) -> str:
+    with pytest.raises(qkv.ShapeError) as err:
+        fn()
+    return str(err.value)
+
+
+BAD_CALLS = {  # x, context, keywords (arrays; the torch call gets tensors), the layer's options
+    "x width": ((2, 3, 15), None, {}, {}),
+    "x 4-D": ((1, 2, 3, 16), None, {}, {}),
+    "x empty": ((2, 0, 16), None, {}, {}),
+    "context batch": ((2, 3, 16), (3, 5, 16), {}, {}),
+    "context 2-D beside 3-D x": ((2, 3, 16), (5, 16), {}, {}),
+    "context width": ((2, 3, 16), (2, 5, 8), {}, {}),
+    "cache without causal": ((2, 3, 16), None, {"cache": True}, {}),
+    "cache with context": ((2, 3, 16), (2, 5, 16), {"cache": True}, dict(causal=True)),
+    "kv_lengths": ((2, 3, 16), None, {"kv_lengths": np.array([3, 4])}, {}),
+    "q_lengths": ((2, 3, 16), None, {"q_lengths": np.array([1.5, 2])}, {}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CALLS))
+def test_multihead_call_errors_are_the_numpy_layers(case):
+    x_shape, c_shape, kw, options = BAD_CALLS[case]
+    layer = qnn.MultiHeadAttention(16, 4, dtype=np.float64, rng=np.random.default_rng(0), **options)
+    mod = qt.MultiHeadAttention.from_numpy(layer)
+    x, ctx = np.zeros(x_shape), None if c_shape is None else np.zeros(c_shape)
+    np_kw = {k: (layer.new_cache(2, 8) if k == "cache" else v) for k, v in kw.items()}
+    t_kw = {k: (mod.new_cache(2, 8) if k == "cache" else torch.from_numpy(v)) for k, v in kw.items()}
+    expected = _message(lambda: layer.forward(x, ctx, **np_kw))
+    got = _message(lambda: mod(torch.from_numpy(x), None if ctx is None else torch.from_numpy(ctx), **t_kw))
+    assert got == expected
+    with pytest.raises(qkv.ShapeError, match=r"x must be a torch.Tensor of shape \(B, T, d_model\)"):
+        mod(x)
+
+
+def test_self_attention_errors_are_the_numpy_layers():
+    layer = qnn.SelfAttention(6, 4)
+    mod = qt.SelfAttention.from_numpy(layer)
+    assert _message(lambda: mod(torch.zeros(2, 5, 7))) == _message(lambda: layer.forward(np.zeros((2, 5, 7))))
+    for kw in (dict(causal="sideways"), dict(d_k=0), dict(d_v=-1)):
+        args = {"d_model": 6, "d_k": 4, **kw}
+        assert _message(lambda: qt.SelfAttention(**args)) == _message(lambda: qnn.SelfAttention(**args))
 
 
 def test_training_the_texts_module_with_a_torch_optimizer():

@@ -21,9 +21,8 @@ import numpy as np
 
 from ..api import attention, attention_backward
 from ..errors import ShapeError, as_float_array, fmt_shape, positive_int
-from ..options import parse_alignment, parse_chunk, parse_window
-from ..positional import check_base
 from .base import Layer, check_input, merge_heads, split_heads
+from .checks import attention_options, cache_step, check_cache, check_context, mask_options, rope_options
 from .layers import Linear
 
 FUSE_ROWS = 256  # B*T from which self-attention's three projections run as one product
@@ -45,17 +44,13 @@ class AttentionLayer(Layer):
                  scale: float | None = None, dtype=np.float32, rng: np.random.Generator | None = None):
         super().__init__(dtype=dtype, rng=rng)
         self.d_model = positive_int("d_model", d_model)
-        parse_alignment(causal, align)  # a bad value fails here, not at the first forward
-        parse_window(window)
-        parse_chunk(chunk)
+        mask_options(causal, align, window, chunk)  # a bad value fails here, not at the first forward
         self.causal, self.align, self.window, self.chunk, self.scale = causal, align, window, chunk, scale
         self.alibi = None  # ALiBi slopes (n_heads,) where a layer offers them
 
     def _check_rope_base(self, used: bool, rope_base) -> None:
         """``rope_base`` must be a number > 1 when RoPE is on (unused, it is not checked)."""
-        if used:
-            check_base(rope_base, "rope_base")
-        self.rope_base = rope_base
+        self.rope_base = rope_options(used, 0, rope_base)  # 0: no even-width test (MLA's d_rope)
 
     def _linears(self, *, bias: bool = False, **shapes: tuple[str, int, int]) -> None:
         """``attr=(name, d_in, d_out)``: ``self.attr = Linear(d_in, d_out)``, shown as ``W_name`` (``b_name``).
@@ -104,57 +99,22 @@ class AttentionLayer(Layer):
 
     def _context(self, context, x, x3: np.ndarray, squeezed: bool) -> np.ndarray:
         """Cross-attention's ``context (B, Tc, d_model)``, given like ``x`` (2-D or 3-D, same B)."""
-        src, c_squeezed = self._input("context", context)
-        if c_squeezed != squeezed or src.shape[0] != x3.shape[0]:
-            raise ShapeError(f"context must have x's batch: x {fmt_shape(np.shape(x))}, "
-                             f"context (B, Tc, d_model) with B = {x3.shape[0]}; got {fmt_shape(np.shape(context))}")
+        src, _ = self._input("context", context)
+        check_context(np.shape(x), np.shape(context))
         return src
 
     def _check_cache(self, cache, *, cross: bool = False) -> None:
         """``cache`` is None, or this layer's kind of cache on a causal self-attention call."""
-        if cache is None:
-            return
-        if cross:
-            raise ShapeError("cache= is for causal self-attention decoding; got both context= and cache=")
-        if not isinstance(cache, self.cache_type):
-            raise ShapeError(f"cache must come from this layer's new_cache(batch, max_len); got {type(cache).__name__}")
-        mine = self.new_cache(1, 1).arrays     # what this layer's cache holds, per token
-        for name, arr in cache.arrays.items():
-            want = mine.get(name)
-            if want is None or arr.dtype != want.dtype or arr.shape[1:-2] + arr.shape[-1:] != want.shape[1:-2] + want.shape[-1:]:
-                got = f"{arr.dtype} {fmt_shape(arr.shape)}"
-                need = "nothing" if want is None else f"{want.dtype} (B, {', '.join(map(str, want.shape[1:-2] + ('max_len',) + want.shape[-1:]))})"
-                raise ShapeError(f"cache {name!r} must be {need} for this layer; got {got} "
-                                 f"(make the cache with this layer's new_cache(batch, max_len))")
-        if not self.causal:
-            raise ShapeError("cache= needs a causal layer (causal=True): a bidirectional layer cannot decode "
-                             "one token at a time")
+        check_cache(cache, self.new_cache, causal=self.causal, cross=cross)
 
     def _options(self, kv_lengths=None, q_lengths=None, cached: bool = False) -> dict:
         """Keyword arguments of qkv.attention/attention_backward for one call; a cached call
         is aligned bottom-right (each sequence's newest query sees its newest key)."""
-        causal, align = parse_alignment(self.causal, self.align)
-        if cached:
-            align = "bottom_right"
-        return dict(causal=causal, align=align, window=self.window, chunk=self.chunk,
-                    kv_lengths=kv_lengths, q_lengths=q_lengths, alibi=self.alibi, scale=self.scale,
-                    gqa=self.grouped, method="auto")
+        return attention_options(causal=self.causal, align=self.align, window=self.window, chunk=self.chunk,
+                                 alibi=self.alibi, scale=self.scale, gqa=self.grouped,
+                                 kv_lengths=kv_lengths, q_lengths=q_lengths, cached=cached)
 
-    @staticmethod
-    def _cache_step(cache, t: int, kv_lengths, q_lengths):
-        """For a call on ``cache`` with ``t`` new rows: ``(start, counts, kv_lengths, q_lengths)``.
-
-        ``start`` is where the new tokens go (an int when every sequence is as long, else
-        ``(B,)``), ``counts`` how many of the ``t`` rows are real per sequence (``q_lengths``,
-        for right-padded prompts), and the lengths to attend with (None when every sequence
-        is alike, so that case runs exactly as an unpadded batch)."""
-        if kv_lengths is not None:
-            raise ShapeError("kv_lengths= is not taken with cache=: the cache knows each sequence's length "
-                             "(pass q_lengths= for right-padded new tokens)")
-        counts = cache.counts(t, q_lengths)
-        if not cache.ragged and (counts == t).all():
-            return cache.length, counts, None, None
-        return cache.lengths.copy(), counts, cache.lengths + counts, counts
+    _cache_step = staticmethod(cache_step)
 
     @staticmethod
     def _new_keys(dk: np.ndarray, start, t: int) -> np.ndarray:

@@ -24,7 +24,8 @@ from collections.abc import MutableMapping
 
 import numpy as np
 
-from ..errors import ShapeError, as_float_array, fmt_shape, positive_int
+from ..errors import ShapeError, as_float_array
+from .checks import check_sequences
 
 FLOAT_DTYPES = (np.float16, np.float32, np.float64)
 
@@ -154,41 +155,14 @@ class Layer:
         return self._saved
 
 
-def head_width(d_model: int, n_heads: int, d_head) -> int:
-    """``d_head`` if given, else ``d_model // n_heads`` (which must then divide evenly)."""
-    if d_head is None:
-        if d_model % n_heads:
-            raise ShapeError(f"d_model must be a multiple of n_heads (or pass d_head=); got "
-                             f"d_model = {d_model}, n_heads = {n_heads}")
-        d_head = d_model // n_heads
-    return positive_int("d_head", d_head)
-
-
-def kv_heads(n_heads: int, n_kv_heads) -> int:
-    """``n_kv_heads`` (``n_heads`` if None) as an int >= 1 that divides ``n_heads``."""
-    n_kv = n_heads if n_kv_heads is None else positive_int("n_kv_heads", n_kv_heads)
-    if n_heads % n_kv:
-        raise ShapeError(f"n_heads must be a multiple of n_kv_heads; got n_heads = {n_heads}, n_kv_heads = {n_kv}")
-    return n_kv
-
-
 def check_input(name: str, x, d_model: int, *, batch_first: bool = True) -> tuple[np.ndarray, bool]:
     """``x`` as a float array ``(B, T, d_model)``; a 2-D ``(T, d_model)`` gets B = 1.
 
     Returns ``(x3, squeezed)`` where ``squeezed`` says the caller gave 2-D.
     """
     x = as_float_array(name, x)
-    if x.ndim == 2:
-        x, squeezed = x[None], True
-    elif x.ndim == 3:
-        squeezed = False
-    else:
-        raise ShapeError(f"{name} must have shape (B, T, d_model) or (T, d_model) with d_model = {d_model}; "
-                         f"got {fmt_shape(x.shape)}")
-    if x.shape[-1] != d_model:
-        raise ShapeError(f"{name} must have shape (B, T, d_model) = (..., {d_model}); got {fmt_shape(x.shape)}")
-    if x.shape[1] == 0:
-        raise ShapeError(f"{name} must have T >= 1; got {fmt_shape(x.shape)}")
+    squeezed = check_sequences(name, x.shape, d_model)
+    x = x[None] if squeezed else x
     return x, squeezed
 
 

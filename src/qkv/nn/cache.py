@@ -19,6 +19,9 @@ from ..errors import ShapeError, fmt_shape, positive_int
 class Cache:
     """Preallocated per-token arrays, each ``(B, ..., max_len, F)`` (time on axis -2).
 
+    The arrays are NumPy arrays here; :class:`qkv.torch.KVCache` keeps torch tensors under
+    the same bookkeeping (``lengths`` is a NumPy ``(B,)`` in both), which only slices them.
+
     Sequence b has ``lengths[b]`` tokens filled. A layer calls :meth:`write` to put new
     tokens after them (the returned views cover every position up to the longest sequence)
     and :meth:`advance` once the step succeeded, so a failed call leaves the cache as it

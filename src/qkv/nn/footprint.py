@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import ShapeError, positive_int
-from .base import head_width, kv_heads
+from .checks import head_width, kv_heads
 
 
 def cache_elements_per_token(kind: str, *, n_heads: int, d_head: int, n_kv_heads: int | None = None,

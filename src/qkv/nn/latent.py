@@ -37,7 +37,8 @@ import numpy as np
 from ..errors import ShapeError, positive_int
 from ..positional import rope, rope_backward
 from .attention_layer import AttentionLayer
-from .base import head_width, merge_heads, split_heads
+from .base import merge_heads, split_heads
+from .checks import head_width
 from .cache import LatentCache
 
 

@@ -31,7 +31,8 @@ from ..errors import ShapeError, fmt_shape, positive_int
 from ..kernels import linear
 from ..options import parse_alignment
 from .attention_layer import AttentionLayer
-from .base import head_width, kv_heads, merge_heads, split_heads
+from .base import merge_heads, split_heads
+from .checks import head_width, kv_heads
 
 
 class LinearState:

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import ShapeError, positive_int
 from ..positional import alibi_slopes, rope, rope_backward
 from .attention_layer import AttentionLayer
-from .base import head_width, kv_heads, merge_heads, split_heads
+from .base import merge_heads, split_heads
 from .cache import KVCache
+from .checks import head_layout, rope_options
 
 
 class MultiHeadAttention(AttentionLayer):
@@ -64,12 +64,8 @@ class MultiHeadAttention(AttentionLayer):
                  rope_base: float = 10000.0, dtype=np.float32, rng: np.random.Generator | None = None):
         super().__init__(d_model, causal=causal, align=align, window=window, chunk=chunk, scale=scale,
                          dtype=dtype, rng=rng)
-        self.n_heads = positive_int("n_heads", n_heads)
-        self.n_kv_heads = kv_heads(self.n_heads, n_kv_heads)
-        self.d_head = head_width(self.d_model, self.n_heads, d_head)
-        if rope and self.d_head % 2:
-            raise ShapeError(f"rope=True needs an even d_head; got d_head = {self.d_head}")
-        self._check_rope_base(rope, rope_base)
+        self.n_heads, self.n_kv_heads, self.d_head = head_layout(self.d_model, n_heads, n_kv_heads, d_head)
+        self.rope_base = rope_options(rope, self.d_head, rope_base)
         self.rope, self.bias = bool(rope), bool(bias)
         self.alibi = alibi_slopes(self.n_heads) if alibi else None
         d, hq, hkv = self.d_model, self.n_heads * self.d_head, self.n_kv_heads * self.d_head
@@ -105,7 +101,9 @@ class MultiHeadAttention(AttentionLayer):
         """
         x3, squeezed = self._input("x", x)
         cross = context is not None
-        src = self._context(context, x, x3, squeezed) if cross else x3
+        src = x3
+        if cross:
+            src = self._context(context, x, x3, squeezed)
         self._check_cache(cache, cross=cross)
         start, counts, kv_len, q_len = 0, None, kv_lengths, q_lengths
         if cache is not None:

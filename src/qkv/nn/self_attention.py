@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import ShapeError, as_float_array, fmt_shape, positive_int
+from ..errors import as_float_array, positive_int
 from .attention_layer import AttentionLayer
+from .checks import check_tokens
 
 
 class SelfAttention(AttentionLayer):
@@ -50,8 +51,7 @@ class SelfAttention(AttentionLayer):
         ``x`` is cast to the layer's dtype, so the output and the gradients have it too.
         """
         x = as_float_array("x", x)
-        if x.ndim < 2 or x.shape[-1] != self.d_model:
-            raise ShapeError(f"x must have shape (..., T, d_model) = (..., T, {self.d_model}); got {fmt_shape(x.shape)}")
+        check_tokens("x", x.shape, self.d_model)
         x = x.astype(self.dtype, copy=False)  # the layer's dtype, as every qkv.nn layer computes
         q = self.q_proj.forward(x)  # (..., T, d_model) @ (d_model, d_k) -> (..., T, d_k)
         k = self.k_proj.forward(x)  # (..., T, d_model) @ (d_model, d_k) -> (..., T, d_k)

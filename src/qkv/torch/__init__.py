@@ -6,7 +6,8 @@ the texts' modules, and ``attn_implementation="qkv"`` for Hugging Face transform
 - :class:`SelfAttention` (d_model, d_k): the texts' module (``W_Q``, ``W_K``, ``W_V`` as
   ``nn.Linear(d_model, d_k, bias=False)``), its ``state_dict`` interchangeable with theirs.
 - :class:`MultiHeadAttention`: :class:`qkv.nn.MultiHeadAttention` as an ``nn.Module``
-  (GQA/MQA, causal, window, RoPE, ALiBi, kv_lengths, :class:`KVCache`), convertible both ways.
+  (GQA/MQA, causal, window, RoPE, ALiBi, kv_lengths, :class:`KVCache` with a length per
+  sequence, as :class:`qkv.nn.KVCache`), convertible both ways, with the NumPy layer's checks.
 - :func:`register_hf`: ``AutoModel.from_pretrained(path, attn_implementation="qkv")``.
 
 ``import qkv`` does not import this package (nor torch); ``import qkv.torch`` does.

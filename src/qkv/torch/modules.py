@@ -23,7 +23,7 @@ from torch import nn
 
 from .. import nn as qnn
 from ..errors import ShapeError, fmt_shape, positive_int
-from ..options import parse_alignment
+from ..nn.checks import check_tokens, mask_options
 from .functional import attention
 
 _TORCH = {np.dtype(np.float16): torch.float16, np.dtype(np.float32): torch.float32,
@@ -48,15 +48,22 @@ def numpy_dtype(dtype: torch.dtype) -> np.dtype:
     raise ShapeError(f"a NumPy layer needs float16, float32 or float64; got {dtype}")
 
 
-def rope(x: torch.Tensor, offset: int = 0, base: float = 10000.0) -> torch.Tensor:
+def rope(x: torch.Tensor, offset=0, base: float = 10000.0) -> torch.Tensor:
     """Rotary embedding of ``x (..., T, D)`` at positions ``offset .. offset+T-1``, half-split
     pairing, the formula of :func:`qkv.positional.rope` (angles in float64, the rotation in
     float32, float64 for float64), in torch ops so that autograd and ``torch.compile`` see
-    through it."""
+    through it. ``offset`` is an int, or ints ``(B,)`` (a ragged KV cache: sequence b of
+    ``x (B, ..., T, D)`` starts at ``offset[b]``)."""
     t, d = x.shape[-2], x.shape[-1]
     cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
     theta = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)  # (D/2,)
-    angle = torch.arange(offset, offset + t, dtype=torch.float64)[:, None] * theta  # (T, D/2)
+    pos = torch.arange(t, dtype=torch.float64)  # (T,)
+    if isinstance(offset, (int, np.integer)):
+        angle = (offset + pos)[:, None] * theta  # (T, D/2)
+    else:  # one start per sequence
+        starts = torch.as_tensor(np.asarray(offset), dtype=torch.float64)  # (B,)
+        angle = (starts[:, None] + pos)[..., None] * theta  # (B, T, D/2)
+        angle = angle.view(angle.shape[0], *([1] * (x.ndim - 3)), t, d // 2)  # (B, 1.., T, D/2)
     cos, sin = torch.cos(angle).to(cdt), torch.sin(angle).to(cdt)
     x1, x2 = x[..., : d // 2].to(cdt), x[..., d // 2:].to(cdt)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)  # (..., T, D)
@@ -103,7 +110,7 @@ class SelfAttention(nn.Module):
         super().__init__()
         self.d_model, self.d_k = positive_int("d_model", d_model), positive_int("d_k", d_k)
         self.d_v = self.d_k if d_v is None else positive_int("d_v", d_v)
-        parse_alignment(causal)  # a bad value fails here, not at the first forward
+        mask_options(causal)  # the NumPy layer's check: a bad value fails here, not at the first forward
         self.causal = causal
         kw = dict(bias=False, dtype=torch_dtype(dtype), device=device)
         self.W_Q = nn.Linear(self.d_model, self.d_k, **kw)
@@ -112,9 +119,7 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x (..., T, d_model) -> (..., T, d_v)``."""
-        if x.ndim < 2 or x.shape[-1] != self.d_model:
-            raise ShapeError(f"x must have shape (..., T, d_model) = (..., T, {self.d_model}); "
-                             f"got {fmt_shape(x.shape)}")
+        check_tokens("x", tuple(x.shape), self.d_model)
         q, k, v = self.W_Q(x), self.W_K(x), self.W_V(x)  # (..., T, d_k), (..., T, d_k), (..., T, d_v)
         return attention(q, k, v, causal=self.causal)  # (..., T, d_v)
 

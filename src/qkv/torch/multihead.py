@@ -7,7 +7,7 @@ Forward, for ``x (B, T, d_model)`` and the key/value source ``s`` (``x``, or ``c
     q = split(q_proj(x))            (B, Hq,  T,  D)
     k = split(k_proj(s))            (B, Hkv, Tk, D)
     v = split(v_proj(s))            (B, Hkv, Tk, D)
-    q, k = rope(q), rope(k)         (optional; positions offset by the cache length)
+    q, k = rope(q), rope(k)         (optional; positions offset by each sequence's cache length)
     o = attention(q, k, v, gqa)     (B, Hq,  T,  D)   K and V never repeated
     y = o_proj(merge(o))            (B, T, d_model)
 
@@ -16,16 +16,14 @@ and so on, their ``bias`` its ``b_Q``.
 """
 from __future__ import annotations
 
-import math
-import numbers
-
+import numpy as np
 import torch
 from torch import nn
 
 from .. import nn as qnn
-from ..errors import ShapeError, fmt_shape, positive_int
-from ..options import parse_alignment, parse_chunk, parse_window
-from ..nn.base import head_width
+from ..errors import ShapeError, positive_int
+from ..nn.checks import (attention_options, cache_step, check_cache, check_context, check_sequences, head_layout,
+                         mask_options, rope_options)
 from ..positional import alibi_slopes
 from .functional import attention
 from .modules import copy_linear, linear_arrays, numpy_dtype, rope, torch_dtype
@@ -33,53 +31,49 @@ from .modules import copy_linear, linear_arrays, numpy_dtype, rope, torch_dtype
 _PROJ = (("q_proj", "Q"), ("k_proj", "K"), ("v_proj", "V"), ("o_proj", "O"))
 
 
-class KVCache:
+class KVCache(qnn.Cache):
     """Keys ``k (B, Hkv, max_len, D)`` and values ``v`` of one layer, preallocated tensors.
 
-    ``length`` tokens are filled. Stored keys are after RoPE and carry no autograd history
-    (as in :class:`qkv.nn.KVCache`, earlier tokens are constants for the gradient). Writing
-    past ``max_len`` raises :class:`~qkv.ShapeError` and leaves the cache as it was.
+    The bookkeeping is :class:`qkv.nn.Cache`'s: sequence b holds ``lengths[b]`` tokens
+    (a NumPy ``(B,)``; ``length`` is the longest), so prompts of different lengths are
+    prefilled together (right-padded, ``q_lengths=``) and then decoded one token per
+    sequence per step. Stored keys are after RoPE and carry no autograd history (as in
+    :class:`qkv.nn.KVCache`, earlier tokens are constants for the gradient). Writing past
+    ``max_len`` raises :class:`~qkv.ShapeError` and leaves the cache as it was.
     """
 
     def __init__(self, batch: int, n_kv_heads: int, max_len: int, d_head: int, dtype=torch.float32):
         batch, max_len = positive_int("batch", batch), positive_int("max_len", max_len)
-        self.k = torch.zeros(batch, n_kv_heads, max_len, d_head, dtype=dtype)
-        self.v = torch.zeros(batch, n_kv_heads, max_len, d_head, dtype=dtype)
-        self.batch, self.max_len, self.length = batch, max_len, 0
+        super().__init__({"k": torch.zeros(batch, n_kv_heads, max_len, d_head, dtype=dtype),
+                          "v": torch.zeros(batch, n_kv_heads, max_len, d_head, dtype=dtype)})
 
     @property
-    def nbytes(self) -> int:
-        """Bytes held (allocated for all ``max_len`` tokens)."""
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+    def k(self) -> torch.Tensor:
+        """All stored keys ``(B, Hkv, max_len, D)`` (positions past a sequence's length hold nothing of meaning)."""
+        return self.arrays["k"]
 
-    def write(self, k: torch.Tensor, v: torch.Tensor) -> int:
-        """Store ``k``, ``v (B, Hkv, T, D)`` at ``length .. length+T-1``; return ``length+T``.
-        :meth:`advance` moves ``length`` once the step succeeded."""
-        want = self.k.shape[:2] + (k.shape[2],) + self.k.shape[3:]
-        for name, x in (("k", k), ("v", v)):
-            if x.shape != want:
-                raise ShapeError(f"the new {name} for the cache must have shape (B, Hkv, T, D) = "
-                                 f"{fmt_shape(want)}; got {fmt_shape(x.shape)} (was the cache made for "
-                                 "another batch size or layer?)")
-        end = self.length + k.shape[2]
-        if end > self.max_len:
-            raise ShapeError(f"the KV cache is full: it holds {self.length} of max_len = {self.max_len} tokens "
-                             f"and cannot take {k.shape[2]} more; make it with new_cache(batch, max_len >= {end})")
+    @property
+    def v(self) -> torch.Tensor:
+        """All stored values ``(B, Hkv, max_len, D)``."""
+        return self.arrays["v"]
+
+    def write(self, counts: np.ndarray | None = None, **new: torch.Tensor) -> dict[str, torch.Tensor]:
+        """:meth:`qkv.nn.Cache.write` for tensors: the new tokens are stored as constants
+        (no autograd history); returns views over positions ``0 .. max_b(lengths[b] + counts[b]) - 1``."""
         with torch.no_grad():
-            self.k[:, :, self.length:end] = k
-            self.v[:, :, self.length:end] = v
-        return end
+            return super().write(counts, **new)
 
-    def advance(self, t: int) -> None:
-        """Mark ``t`` more tokens as filled."""
-        self.length += t
 
-    def reset(self) -> None:
-        """Forget every stored token (the memory is reused)."""
-        self.length = 0
-
-    def __repr__(self) -> str:
-        return f"KVCache({self.length}/{self.max_len} tokens, k {fmt_shape(self.k.shape)}, {self.nbytes} bytes)"
+def _with_graph(stored: torch.Tensor, new: torch.Tensor, start, counts: np.ndarray) -> torch.Tensor:
+    """``stored (B, Hkv, end, D)`` (constants, from the cache) with this call's ``new (B, Hkv, T, D)``
+    rows put back at their places, so that they keep their autograd graph: sequence b's first
+    ``counts[b]`` rows at ``start[b] ..`` (``start`` an int when every sequence is as long)."""
+    if isinstance(start, int):
+        return torch.cat([stored[:, :, :start], new], dim=2)  # (B, Hkv, start+T, D)
+    out = stored.clone()
+    for b, (s0, n) in enumerate(zip(start.tolist(), counts.tolist())):
+        out[b, :, s0:s0 + n] = new[b, :, :n]
+    return out
 
 
 class MultiHeadAttention(nn.Module):
@@ -106,22 +100,13 @@ class MultiHeadAttention(nn.Module):
                  rope: bool = False, alibi: bool = False, bias: bool = False, scale: float | None = None,
                  rope_base: float = 10000.0, dtype=torch.float32, device=None):
         super().__init__()
-        self.d_model, self.n_heads = positive_int("d_model", d_model), positive_int("n_heads", n_heads)
-        self.n_kv_heads = self.n_heads if n_kv_heads is None else positive_int("n_kv_heads", n_kv_heads)
-        if self.n_heads % self.n_kv_heads:
-            raise ShapeError(f"n_heads must be a multiple of n_kv_heads; got n_heads = {n_heads}, "
-                             f"n_kv_heads = {n_kv_heads}")
-        self.d_head = head_width(self.d_model, self.n_heads, d_head)
-        if rope and self.d_head % 2:
-            raise ShapeError(f"rope=True needs an even d_head; got d_head = {self.d_head}")
-        if isinstance(rope_base, bool) or not isinstance(rope_base, numbers.Real) \
-                or not math.isfinite(rope_base) or rope_base <= 1:
-            raise ShapeError(f"rope_base must be a finite number > 1 (default 10000); got {rope_base!r}")
-        parse_alignment(causal, align)
-        parse_window(window)
-        parse_chunk(chunk)
+        # the NumPy layer's checks (qkv.nn.checks), so both refuse the same arguments in the same words
+        self.d_model = positive_int("d_model", d_model)
+        mask_options(causal, align, window, chunk)
+        self.n_heads, self.n_kv_heads, self.d_head = head_layout(self.d_model, n_heads, n_kv_heads, d_head)
+        self.rope_base = rope_options(rope, self.d_head, rope_base)
         self.causal, self.align, self.window, self.chunk, self.scale = causal, align, window, chunk, scale
-        self.rope, self.alibi, self.bias, self.rope_base = bool(rope), bool(alibi), bool(bias), float(rope_base)
+        self.rope, self.alibi, self.bias = bool(rope), bool(alibi), bool(bias)
         slopes = torch.from_numpy(alibi_slopes(self.n_heads)) if alibi else None
         self.register_buffer("alibi_slopes", slopes, persistent=False)
         hq, hkv = self.n_heads * self.d_head, self.n_kv_heads * self.d_head
@@ -142,11 +127,12 @@ class MultiHeadAttention(nn.Module):
         return KVCache(batch, self.n_kv_heads, max_len, self.d_head, self.q_proj.weight.dtype)
 
     def _sequences(self, name: str, x) -> tuple[torch.Tensor, bool]:
-        if not isinstance(x, torch.Tensor) or x.ndim not in (2, 3) or x.shape[-1] != self.d_model or x.shape[-2] == 0:
-            got = fmt_shape(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ShapeError(f"{name} must be a tensor of shape (B, T, d_model) or (T, d_model) with "
-                             f"d_model = {self.d_model} and T >= 1; got {got}")
-        return (x[None], True) if x.ndim == 2 else (x, False)
+        """``x`` as ``(B, T, d_model)``, and whether it came 2-D (the NumPy layer's shape rule)."""
+        if not isinstance(x, torch.Tensor):
+            raise ShapeError(f"{name} must be a torch.Tensor of shape (B, T, d_model) or (T, d_model); "
+                             f"got {type(x).__name__}")
+        squeezed = check_sequences(name, tuple(x.shape), self.d_model)
+        return (x[None], True) if squeezed else (x, False)
 
     def _split(self, y: torch.Tensor, heads: int) -> torch.Tensor:
         b, t, _ = y.shape
@@ -156,43 +142,43 @@ class MultiHeadAttention(nn.Module):
         """Attend from ``x (B, T, d_model)`` to itself, or to ``context (B, Tc, d_model)``.
 
         ``kv_lengths (B,)``: keys at positions ``>= kv_lengths[b]`` are ignored;
-        ``q_lengths (B,)``: rows of ``x`` at or past them are padding (output 0). ``cache``
-        (from :meth:`new_cache`, causal self-attention only): the new tokens' keys and values
-        are appended and the queries attend to everything stored, bottom-right aligned, with
-        RoPE positions starting at the cache length. Returns ``y (B, T, d_model)``.
+        ``q_lengths (B,)``: rows of ``x`` at or past them are padding (output 0).
+        ``cache`` (from :meth:`new_cache`; needs ``causal``, no ``context``): as in
+        :meth:`qkv.nn.MultiHeadAttention.forward`, each sequence's new tokens (its first
+        ``q_lengths[b]`` rows: right-padded prompts of different lengths are prefilled
+        together) are appended after its own stored ones, and its queries attend to what it
+        has stored, bottom-right aligned to its own length, with RoPE positions counting from
+        it. A full cache raises :class:`~qkv.ShapeError` and stays unchanged. With grad on,
+        this call's keys keep their graph and the stored ones are constants.
+        Returns ``y (B, T, d_model)``.
         """
         x3, squeezed = self._sequences("x", x)
+        cross = context is not None
         src = x3
-        if context is not None:
-            src, c_squeezed = self._sequences("context", context)
-            if c_squeezed != squeezed or src.shape[0] != x3.shape[0]:
-                raise ShapeError(f"context must have x's batch: x {fmt_shape(x.shape)}, context (B, Tc, d_model) "
-                                 f"with B = {x3.shape[0]}; got {fmt_shape(context.shape)}")
+        if cross:
+            src = self._sequences("context", context)[0]
+            check_context(tuple(x.shape), tuple(context.shape))
+        check_cache(cache, self.new_cache, causal=self.causal, cross=cross)
+        start, counts, kv_len, q_len = 0, None, kv_lengths, q_lengths
         if cache is not None:
-            if not isinstance(cache, KVCache):
-                raise ShapeError(f"cache must come from this module's new_cache(batch, max_len); got {type(cache).__name__}")
-            if context is not None or not self.causal:
-                raise ShapeError("cache= is for causal self-attention decoding (causal=True, no context=)")
-        start = cache.length if cache is not None else 0
+            start, counts, kv_len, q_len = cache_step(cache, x3.shape[1], kv_lengths, q_lengths)
         q = self._split(self.q_proj(x3), self.n_heads)  # (B,T,d_model) -> (B,Hq,T,D)
         k = self._split(self.k_proj(src), self.n_kv_heads)  # (B,Tk,d_model) -> (B,Hkv,Tk,D)
         v = self._split(self.v_proj(src), self.n_kv_heads)  # (B,Tk,d_model) -> (B,Hkv,Tk,D)
         if self.rope:
             q, k = rope(q, start, self.rope_base), rope(k, start, self.rope_base)
-        causal, align = parse_alignment(self.causal, self.align)
         if cache is not None:
-            end = cache.write(k, v)
+            stored = cache.write(counts, k=k, v=v)  # (B, Hkv, end, D), end = max_b(lengths[b] + counts[b])
             if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):  # this call's keys keep their graph
-                k = torch.cat([cache.k[:, :, :start], k], dim=2)  # (B, Hkv, start+T, D)
-                v = torch.cat([cache.v[:, :, :start], v], dim=2)
+                k, v = _with_graph(stored["k"], k, start, counts), _with_graph(stored["v"], v, start, counts)
             else:  # decoding: attend to the stored keys in place
-                k, v = cache.k[:, :, :end], cache.v[:, :, :end]
-            align = "bottom_right"
-        out = attention(q, k, v, causal=causal, align=align, window=self.window, chunk=self.chunk,
-                        kv_lengths=kv_lengths, q_lengths=q_lengths, alibi=self.alibi_slopes, scale=self.scale,
-                        gqa=True)  # (B, Hq, T, D)
+                k, v = stored["k"], stored["v"]
+        opts = attention_options(causal=self.causal, align=self.align, window=self.window, chunk=self.chunk,
+                                 alibi=self.alibi_slopes, scale=self.scale, gqa=True,
+                                 kv_lengths=kv_len, q_lengths=q_len, cached=cache is not None)
+        out = attention(q, k, v, **opts)  # (B, Hq, T, D)
         if cache is not None:
-            cache.advance(x3.shape[1])
+            cache.advance(counts)
         b, _, t, _ = out.shape
         y = self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.d_head))  # (B,T,Hq*D) -> (B,T,d_model)
         return y[0] if squeezed else y
