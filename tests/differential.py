@@ -21,7 +21,11 @@ callers catch those).
 """
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
+
+import qkv
 
 import oracle
 from problems import Case, cases, make_case  # noqa: F401  (one import for the callers)
@@ -156,3 +160,23 @@ def judge_layer(got: dict, want: oracle.LayerSolution, base: oracle.LayerSolutio
             continue
         fails.append(judge(name, got.get(name), w, want.size[name], plain32.get(name), dtype))
     return [f for f in fails if f]
+
+
+def attempt(case, what: str, fn, fails: list, where: str = ""):
+    """``(fn(), ok)``: an exception, or a RuntimeWarning (NumPy's overflow, invalid value...),
+    is a failure; a ShapeError is fine for a case whose options may be refused."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            res = fn()
+        except qkv.ShapeError as err:
+            if not case.refusable:
+                fails.append(f"{what}: raised ShapeError: {err}")
+            return None, False
+        except Exception as err:  # noqa: BLE001 - any other exception is what we look for
+            fails.append(f"{what}: raised {type(err).__name__}: {err}")
+            return None, False
+    warned = [w for w in caught if issubclass(w.category, RuntimeWarning)]
+    if warned:
+        fails.append(f"{what}{where}: RuntimeWarning: {warned[0].message}")
+    return res, True

@@ -11,7 +11,6 @@ the job. ``QKV_DIFFERENTIAL_CASES=ring:13,ring_layer:1`` runs only those cases (
 """
 import os
 import sys
-import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,21 +33,7 @@ def say(text):
 
 def guarded(case, what, fn, fails):
     """``(fn(), ok)``; exceptions other than an allowed ShapeError and RuntimeWarnings fail."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            res = fn()
-        except qkv.ShapeError as err:
-            if not case.refusable:
-                fails.append(f"{what}: raised ShapeError: {err}")
-            return None, False
-        except Exception as err:  # noqa: BLE001
-            fails.append(f"{what}: raised {type(err).__name__}: {err}")
-            return None, False
-    warned = [w for w in caught if issubclass(w.category, RuntimeWarning)]
-    if warned:
-        fails.append(f"{what} (rank {r}): RuntimeWarning: {warned[0].message}")
-    return res, True
+    return df.attempt(case, what, fn, fails, where=f" (rank {r})")
 
 
 def check_ring(case):

@@ -18,7 +18,6 @@ in pytest's summary. A failure lists every failing case with its seed, index and
 from __future__ import annotations
 
 import os
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +25,7 @@ import pytest
 
 import qkv
 import oracle
-from differential import build_mha, judge, judge_layer, judge_mha, plain
+from differential import attempt, build_mha, judge, judge_layer, judge_mha, plain
 from problems import cases
 from helpers import mpiexec
 
@@ -39,26 +38,6 @@ SHOWN = 25   # failing cases spelled out in one test's message
 
 def n_cases(kind: str) -> int:
     return LONG or SHORT[kind]
-
-
-def attempt(case, what: str, fn, fails: list):
-    """``(fn(), ok)``: an exception, or a RuntimeWarning (NumPy's overflow, invalid value...),
-    is a failure; a ShapeError is fine for a case whose options may be refused."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            res = fn()
-        except qkv.ShapeError as err:
-            if not case.refusable:
-                fails.append(f"{what}: raised ShapeError: {err}")
-            return None, False
-        except Exception as err:  # noqa: BLE001 - any other exception is what we look for
-            fails.append(f"{what}: raised {type(err).__name__}: {err}")
-            return None, False
-    warned = [w for w in caught if issubclass(w.category, RuntimeWarning)]
-    if warned:
-        fails.append(f"{what}: RuntimeWarning: {warned[0].message}")
-    return res, True
 
 
 def finish(kind: str, results: list, counts: dict) -> None:
