@@ -122,7 +122,7 @@ def test_column_sums_ride_in_the_same_pass(offset):
 def test_compiled_once_per_machine():
     """The second process loads the passes from numba's on-disk cache: nothing is compiled again."""
     pytest.importorskip("numba", reason="numba is not installed (pip install 'qkv[fast]')")
-    code = ("from qkv.kernels.flash import exp2; import qkv.compiled as c; exp2.path(); "
+    code = ("from qkv.kernels.flash import exp2, compiled as c; exp2.path(); "
             "fs = (c.sub_exp2_sum, c.exp2, c.band_exp2_sum); "
             "print(sum(sum(f.stats.cache_hits.values()) for f in fs), "
             "sum(sum(f.stats.cache_misses.values()) for f in fs))")

@@ -322,7 +322,7 @@ def test_float32_decoding_reads_k_and_v_once_compiled(monkeypatch):
     k[1, :, 333:] = np.nan
     v[1, :, 333:] = np.nan
     calls = []
-    c = jit.compiled()
+    c = jit.flash()
     if c is not None:
         for name in ("thin_scores", "thin_values"):
             real = getattr(c, name)

@@ -6,6 +6,8 @@ import json
 import math
 import os
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -198,6 +200,21 @@ def test_add_layer_norm_is_layer_norm_of_the_sum():
     got = add_layer_norm(x.copy(), a, g, b, 1e-12)
     assert got.dtype == np.float32 and got.shape == x.shape
     np.testing.assert_allclose(got, want, atol=2e-5 * np.abs(want).max())
+
+
+def test_encoder_passes_compiled_once_per_machine():
+    """The encoder's numba passes (:mod:`qkv.models.compiled`, beside the encoder) load from
+    numba's on-disk cache in a second process: nothing is compiled again."""
+    pytest.importorskip("numba", reason="numba is not installed (pip install 'qkv[fast]')")
+    code = ("import numpy as np; from qkv import jit; from qkv.models.functional import add_layer_norm, bias_act; "
+            "h, one = np.ones((2, 4), np.float32), np.ones(4, np.float32); bias_act(h, one, 'gelu'); "
+            "add_layer_norm(h.copy(), h, one, one, 1e-5); c = jit.encoder(); fs = (c.bias_gelu, c.add_layer_norm); "
+            "print(sum(sum(f.stats.cache_hits.values()) for f in fs), "
+            "sum(sum(f.stats.cache_misses.values()) for f in fs))")
+    env = {k: v for k, v in os.environ.items() if k != "QKV_JIT"}
+    runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+            for _ in range(2)]
+    assert tuple(map(int, runs[1].stdout.split())) == (2, 0), runs[1].stdout
 
 
 def test_gelu_tanh_and_layer_norm():

@@ -1,28 +1,50 @@
 """The optional compiled passes (the ``fast`` extra): numba, looked for once, never on ``import qkv``.
 
-:func:`compiled` is the module :mod:`qkv.compiled` (numba kernels, compiled once per machine
-into numba's on-disk cache: the tiles' exponential, the decoding rows'
-products, the encoder's GELU and LayerNorm), or None where numba is not installed or ``QKV_JIT=0`` is set in
-the environment; callers then keep their NumPy path.
+Each part keeps its numba code beside it, in a module that imports numba and is loaded only
+from here: :func:`flash` gives :mod:`qkv.kernels.flash.compiled` (the score tiles'
+exponential, the decoding rows' products), :func:`encoder` gives :mod:`qkv.models.compiled`
+(the encoder's bias + GELU and residual + LayerNorm). Every pass there is a module-level
+``njit`` with ``cache=True``: compiled once per machine into numba's on-disk cache
+(``__pycache__`` beside the module), loaded from it by later processes. Both give None
+where numba is not installed or ``QKV_JIT=0`` is set in the environment; callers then keep
+their NumPy path.
 """
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import threading
+from types import ModuleType
+
+FLASH = "qkv.kernels.flash.compiled"
+ENCODER = "qkv.models.compiled"
 
 _lock = threading.Lock()
-_loaded: list = []
+_loaded: dict[str, ModuleType | None] = {}
 
 
-def compiled():
-    """:mod:`qkv.compiled`, or None (numba not installed, or ``QKV_JIT=0``)."""
-    if _loaded:
-        return _loaded[0]
+def enabled() -> bool:
+    """numba is installed and ``QKV_JIT=0`` is not set."""
+    return os.environ.get("QKV_JIT", "1") != "0" and importlib.util.find_spec("numba") is not None
+
+
+def load(name: str) -> ModuleType | None:
+    """The compiled module ``name`` (:data:`FLASH` or :data:`ENCODER`), imported at the first
+    call, or None where :func:`enabled` is false; the answer is kept for the process."""
+    if name in _loaded:  # every tile asks: no lock once loaded
+        return _loaded[name]
     with _lock:
-        if not _loaded:
-            mod = None
-            if os.environ.get("QKV_JIT", "1") != "0" and importlib.util.find_spec("numba") is not None:
-                mod = importlib.import_module("qkv.compiled")
-            _loaded.append(mod)
-    return _loaded[0]
+        if name not in _loaded:
+            _loaded[name] = importlib.import_module(name) if enabled() else None
+    return _loaded[name]
+
+
+def flash() -> ModuleType | None:
+    """:mod:`qkv.kernels.flash.compiled`, or None (numba not installed, or ``QKV_JIT=0``)."""
+    return load(FLASH)
+
+
+def encoder() -> ModuleType | None:
+    """:mod:`qkv.models.compiled`, or None (numba not installed, or ``QKV_JIT=0``)."""
+    return load(ENCODER)

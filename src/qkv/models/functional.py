@@ -91,9 +91,9 @@ def gelu(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
 
 def bias_act(h: np.ndarray, bias: np.ndarray, act: str) -> None:
     """``h = act(h + bias)`` in place for a C-contiguous float array ``h (rows, f)``. With the
-    ``fast`` extra, float32 GELU is one compiled pass (:func:`qkv.compiled.bias_gelu`, the
+    ``fast`` extra, float32 GELU is one compiled pass (:func:`qkv.models.compiled.bias_gelu`, the
     same formula as :func:`gelu`, its ``exp`` by the kernels' ``2^x``); else NumPy's passes."""
-    c = jit.compiled() if act == "gelu" and h.dtype == np.float32 and h.flags.c_contiguous else None
+    c = jit.encoder() if act == "gelu" and h.dtype == np.float32 and h.flags.c_contiguous else None
     if c is None:
         h += bias
         ACTIVATIONS[act](h, out=h)
@@ -127,8 +127,8 @@ ACTIVATIONS = {"gelu": gelu, "gelu_new": gelu_tanh, "gelu_pytorch_tanh": gelu_ta
 def add_layer_norm(x: np.ndarray, a: np.ndarray, gamma: np.ndarray, beta: np.ndarray, eps: float) -> np.ndarray:
     """``layer_norm(x + a)`` (a residual connection, then the norm) as a new array; ``x`` may be
     changed. With the ``fast`` extra, float32 rows are one compiled pass
-    (:func:`qkv.compiled.add_layer_norm`); else ``x += a`` and :func:`layer_norm`."""
-    c = jit.compiled()
+    (:func:`qkv.models.compiled.add_layer_norm`); else ``x += a`` and :func:`layer_norm`."""
+    c = jit.encoder()
     if c is None or x.dtype != np.float32 or a.dtype != np.float32 or x.shape != a.shape:
         x += a
         return layer_norm(x, gamma, beta, eps)

@@ -6,16 +6,21 @@ O(T·D) memory: no ``(Tq, Tk)`` array is ever made. The derivations live with th
   the fixed offset from a Cauchy–Schwarz bound (the fast path), in base 2;
 - :mod:`.backward_kernel`: ``dV = Pᵀ dO``, ``dS = P ∘ (dP - delta)``, ``dQ``, ``dK`` with
   the subtractions folded into the products;
+- :mod:`.precise`: which rows take the precise path (float64 scores), and the sums the
+  backward normalises them by;
 - :mod:`.tiles`: the :class:`Tiles` sizes of a call, its threads, scratch buffers and masks;
+- :mod:`.products`: a tile's two products, BLAS's or, for decoding rows, K and V read once;
 - :mod:`.exp2`: the exponential of the score tiles, the one element-wise pass that decides
-  the speed: compiled (the ``fast`` extra) or NumPy's fastest on this CPU (``EXP_PATH()``).
+  the speed: compiled (the ``fast`` extra) or NumPy's fastest on this CPU (``EXP_PATH()``);
+- :mod:`.compiled`: the numba passes of the ``fast`` extra (loaded by :func:`qkv.jit.flash`).
 
 ``forward`` and ``backward`` have the kernel interface of :mod:`qkv.kernels.reference`,
 plus ``tiles=`` and ``num_threads=`` for the one call.
 """
-from .backward_kernel import RowNorm, backward, key_norm_max, precise_rows, row_sums
+from .backward_kernel import backward, row_sums
 from .exp2 import path as EXP_PATH
 from .forward_kernel import forward
+from .precise import RowNorm, key_norm_max, precise_rows
 from .tiles import Tiles
 
 __all__ = ["forward", "backward", "Tiles", "EXP_PATH", "RowNorm", "key_norm_max", "precise_rows", "row_sums"]

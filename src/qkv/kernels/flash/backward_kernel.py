@@ -25,7 +25,7 @@ bias (``-1e30``), ``lse = m + log l`` cannot even hold ``log l`` (it rounds to `
 ``exp(S - lse)`` would give every key ``P = 1``. And a recomputed score differs from the
 forward's by about eps times the size of its terms: where one key dominates a row, its
 ``P`` should be exactly 1. So rows that the forward's test calls large
-(:func:`~.forward_kernel.large_rows`) or whose terms may be large
+(:func:`~.precise.large_rows`) or whose terms may be large
 (``scale·‖q_i‖·max‖k_j‖ > TERMS``) are chosen by :func:`precise_rows`; their scores
 ``x = (Q Kᵀ)·scale + bias`` are formed in float64 and natural units, and they are
 normalised without ``lse``: a first pass over exactly the same tiles (the same products, so
@@ -53,81 +53,11 @@ import numpy as np
 
 from ...masks import MaskSpec
 from . import exp2 as pow2
-from .forward_kernel import large_rows
+from .precise import RowNorm, key_norm_max, precise_rows
 from .tiles import (DEFAULT, LOG2E, Tiles, Workers, batch_of, bias_limit, by_batch, chunks, kv_heads,
                     mask_and_bias, scratch)
 
 F64 = np.dtype(np.float64)
-# Rows whose score terms may reach this size (Cauchy–Schwarz: scale·‖q_i‖·max‖k_j‖) take the
-# precise path too: a float score carries an error of about eps times its terms, and a row
-# with one dominant key would show it in full (its P should be exactly 1).
-TERMS = {np.dtype(np.float32): 32.0, np.dtype(np.float64): 32.0}
-
-
-# --- which rows are precise, and what they are normalised by -------------------------------
-@dataclass
-class RowNorm:
-    """Running ``m`` (row maximum of the float64 scores) and ``l = Σ exp(x - m)`` of every
-    query row, shape ``(*L, Tq)``; ``m = -inf``, ``l = 0`` where no key was seen yet."""
-
-    m: np.ndarray
-    l: np.ndarray
-
-    @classmethod
-    def empty(cls, shape: tuple) -> "RowNorm":
-        return cls(np.full(shape, -np.inf), np.zeros(shape))
-
-    def add(self, index, rows: slice, x_max: np.ndarray, x_sum_at) -> None:
-        """Fold in one tile: ``x_max`` its row maxima, ``x_sum_at(m_new)`` its Σ exp(x - m_new)."""
-        m, l = self.m[index][rows], self.l[index][rows]
-        m_new = np.maximum(m, x_max)
-        safe = np.where(m_new == -np.inf, 0, m_new)
-        self.l[index][rows] = l * np.exp(m - safe) + x_sum_at(safe)
-        self.m[index][rows] = m_new
-
-    def merge(self, other: "RowNorm") -> "RowNorm":
-        """The sums over both key sets (disjoint ones: another lane's, another block's)."""
-        m = np.maximum(self.m, other.m)
-        safe = np.where(m == -np.inf, 0, m)
-        with np.errstate(under="ignore"):
-            l = self.l * np.exp(self.m - safe) + other.l * np.exp(other.m - safe)
-        return RowNorm(m, l)
-
-    def rows(self, sl: slice) -> "RowNorm":
-        return RowNorm(self.m[..., sl], self.l[..., sl])
-
-
-def key_norm_max(k: np.ndarray, spec: MaskSpec, group: int) -> np.ndarray:
-    """``max_j ‖k_j‖`` over the keys each query head may read (inside its ``kv_lengths``),
-    shape ``lead = (*L,)``; float64."""
-    tk = k.shape[-2]
-    with np.errstate(over="ignore", invalid="ignore"):  # padding may hold anything; never read
-        norms = {ikv: np.sqrt(np.einsum("td,td->t", k[ikv], k[ikv], dtype=np.float64))
-                 for ikv, _ in kv_heads(k.shape[:-2], group)}
-    kmax = np.zeros(spec.lead)
-    for ikv, heads in kv_heads(k.shape[:-2], group):
-        for h in heads:
-            n = tk if spec.kv_lengths is None else int(spec.kv_lengths[batch_of(spec, h)])
-            kmax[h] = norms[ikv][:n].max(initial=0.0)
-    return kmax
-
-
-def precise_rows(q: np.ndarray, lse: np.ndarray, spec: MaskSpec, scale: float,
-                 kmax: np.ndarray) -> np.ndarray:
-    """Bool ``(*L, Tq)``: the rows that take the precise path (see the module docstring).
-    ``spec.tk`` is the row's whole key count and ``kmax`` (from :func:`key_norm_max`, shape
-    ``(*L,)``) the largest key norm it may meet, over all keys, also those of other calls."""
-    dt = np.dtype(q.dtype)
-    tq = q.shape[-2]
-    real = np.arange(tq) < np.reshape([spec.rows(batch_of(spec, h)) for h in np.ndindex(*spec.lead)],
-                                      spec.lead + (1,))  # padding rows are never precise
-    finite = (lse != -np.inf) & real
-    qnorm = np.sqrt(np.einsum("...td,...td->...t", q, q, dtype=np.float64))
-    with np.errstate(over="ignore", invalid="ignore"):
-        terms = abs(scale) * qnorm * kmax[..., None]
-        # log2(e)·scale·q must fit the dtype on the fast path
-        overflow = np.abs(q).max(axis=-1).astype(np.float64) * abs(scale) * LOG2E > float(np.finfo(dt).max)
-    return (large_rows(lse, spec.tk, dt) | (terms > TERMS[dt]) | overflow) & finite
 
 
 # --- the prepared operands -------------------------------------------------------------------

@@ -6,9 +6,9 @@ chosen per process at the first call (:func:`path` says which) and kept:
 
 - ``"numba"`` (the ``fast`` extra; ``QKV_JIT=0`` turns it off): one compiled pass that
   subtracts the offset, adds each column's sum into ``l`` (the softmax denominators) and
-  evaluates ``2^x`` by :func:`qkv.compiled.pow2` (a degree-6 polynomial, about 1 ulp, exactly 0 at
-  or below ``-127``, NaN kept). float32 only: float64 takes NumPy's path. Compiled once per
-  machine (numba's on-disk cache), never on ``import qkv``.
+  evaluates ``2^x`` by :func:`qkv.kernels.flash.compiled.pow2` (a degree-6 polynomial, about
+  1 ulp, exactly 0 at or below ``-127``, NaN kept). float32 only: float64 takes NumPy's path.
+  Compiled once per machine (numba's on-disk cache), never on ``import qkv``.
 - ``"numpy exp2"``: ``np.exp2``, vectorised for float32 only where NumPy has AVX-512.
 - ``"numpy exp"``: ``np.exp(x · ln 2)``; on AVX2-only CPUs NumPy's float32 ``exp`` is
   vectorised and ``exp2`` is not (0.44 against 0.22 G elements/s a core, Zen 3).
@@ -18,28 +18,45 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Callable
 
 import numpy as np
 
 from ... import jit
 
 LN2 = 0.6931471805599453
+_FAR = 1 << 62  # an unbounded side of the band
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """The float32 exponential of this process."""
+
+    name: str                              # what path() reports
+    numpy: Callable[[np.ndarray], None]    # NumPy's faster float32 ``x = 2^x`` (for tiles numba cannot take)
+    compiled: ModuleType | None            # qkv.kernels.flash.compiled, warmed; None on NumPy's paths
+
+    def takes(self, x: np.ndarray) -> bool:
+        """The compiled passes take this tile: float32, C-contiguous."""
+        return self.compiled is not None and x.dtype == np.float32 and x.flags.c_contiguous
+
 
 _lock = threading.Lock()
-_chosen: dict = {}
+_chosen: list = []
 
 
-def _numba_kernels():
-    """The compiled float32 passes (loaded from numba's cache, or compiled once now, not inside
-    a kernel's tile loop); None without numba or with QKV_JIT=0."""
-    c = jit.compiled()
-    if c is None:
-        return None
-    tile, row = np.zeros((4, 4), np.float32), np.zeros(4, np.float32)
-    c.sub_exp2_sum(tile, row, row.copy())
-    c.exp2(tile)
-    c.band_exp2_sum(tile, row, row.copy(), 0, 0, 0, 0, 0)
-    return c.sub_exp2_sum, c.exp2, c.band_exp2_sum
+def _warmed() -> ModuleType | None:
+    """The compiled passes, loaded from numba's cache (or compiled once now, not inside a
+    kernel's tile loop); None without numba or with QKV_JIT=0."""
+    c = jit.flash()
+    if c is not None:
+        tile, row = np.zeros((4, 4), np.float32), np.zeros(4, np.float32)
+        c.sub_exp2_sum(tile, row, row.copy())
+        c.exp2(tile)
+        c.band_exp2_sum(tile, row, row.copy(), 0, 0, 0, 0, 0)
+    return c
 
 
 def _np_exp2(x):
@@ -51,7 +68,7 @@ def _np_exp(x):
     np.exp(x, out=x)
 
 
-def _measure_numpy() -> tuple[str, object]:
+def _measure_numpy() -> tuple[str, Callable]:
     """The faster NumPy float32 exponential on a tile the kernel would use (median of 5)."""
     x = np.random.default_rng(0).uniform(-30, 0, (256, 1024)).astype(np.float32)
     best = None
@@ -68,31 +85,30 @@ def _measure_numpy() -> tuple[str, object]:
     return best[1], best[2]
 
 
-def _choose() -> dict:
+def _choose() -> Choice:
     if _chosen:  # every tile asks: no lock once the choice is made
-        return _chosen
+        return _chosen[0]
     with _lock:
         if not _chosen:
-            kernels = _numba_kernels()
+            compiled = _warmed()
             name, fn = _measure_numpy()
-            _chosen.update(numpy=fn, numpy_name=name, numba=kernels)
-        return _chosen
+            _chosen.append(Choice("numba" if compiled is not None else name, fn, compiled))
+        return _chosen[0]
 
 
 def path() -> str:
     """Which float32 exponential the kernel uses in this process: ``"numba"``,
     ``"numpy exp2"`` or ``"numpy exp"``."""
-    c = _choose()
-    return "numba" if c["numba"] is not None else c["numpy_name"]
+    return _choose().name
 
 
 def exp2(x: np.ndarray) -> None:
     """``x = 2^x`` in place, for a C-contiguous 2-D tile."""
     c = _choose()
-    if c["numba"] is not None and x.dtype == np.float32 and x.flags.c_contiguous:
-        c["numba"][1](x)
+    if c.takes(x):
+        c.compiled.exp2(x)
     elif x.dtype == np.float32:
-        c["numpy"](x)
+        c.numpy(x)
     else:
         np.exp2(x, out=x)
 
@@ -101,18 +117,16 @@ def sub_exp2(x: np.ndarray, m: np.ndarray | None, l: np.ndarray | None = None) -
     """``x[i, j] = 2^(x[i, j] - m[j])`` in place, for a C-contiguous tile ``x (w, R)`` (``m``
     None: no offset); with ``l (R,)`` also ``l[j] += Σ_i x[i, j]``, in the same pass where compiled."""
     c = _choose()
-    if c["numba"] is not None and x.dtype == np.float32 and x.flags.c_contiguous:
-        m = np.zeros(x.shape[1], np.float32) if m is None else m.astype(np.float32, copy=False)
-        c["numba"][0](x, m, np.zeros(x.shape[1], np.float32) if l is None else l)
+    if c.takes(x):
+        r = x.shape[1]
+        c.compiled.sub_exp2_sum(x, np.zeros(r, np.float32) if m is None else m.astype(np.float32, copy=False),
+                                np.zeros(r, np.float32) if l is None else l)
         return
     if m is not None:
         x -= m
     exp2(x)
     if l is not None:
         l += x.sum(axis=0, dtype=l.dtype)
-
-
-_FAR = 1 << 62  # an unbounded side of the band
 
 
 def band_sub_exp2(x: np.ndarray, m: np.ndarray, k0: int, r0: int, shift: int, lo, hi,
@@ -123,8 +137,9 @@ def band_sub_exp2(x: np.ndarray, m: np.ndarray, k0: int, r0: int, shift: int, lo
     False (nothing done) where the compiled path is off; the caller then masks with -inf and
     calls :func:`sub_exp2`."""
     c = _choose()
-    if c["numba"] is None or x.dtype != np.float32 or not x.flags.c_contiguous:
+    if not c.takes(x):
         return False
-    c["numba"][2](x, m.astype(np.float32, copy=False), np.zeros(x.shape[1], np.float32) if l is None else l,
-                  k0, r0, shift, _FAR if lo is None else lo, _FAR if hi is None else hi)
+    c.compiled.band_exp2_sum(x, m.astype(np.float32, copy=False),
+                             np.zeros(x.shape[1], np.float32) if l is None else l,
+                             k0, r0, shift, _FAR if lo is None else lo, _FAR if hi is None else hi)
     return True

@@ -5,7 +5,9 @@ backward splits (kv head, key block) tasks, so each thread owns its dK and dV, a
 dQ into a buffer of its own (tasks are dealt to threads by a fixed rule, so a given thread
 count always gives the same bits). BLAS is held to one thread while a call runs (see
 :mod:`qkv.threads`). Keys that causal, window or kv_lengths remove are never read
-(``MaskSpec.segments``); only the narrow partial runs get a mask.
+(``MaskSpec.segments``); only the narrow partial runs get a mask, and where a causal or
+window diagonal crosses a forward task's keys, it is cut into row blocks that each compute
+only the keys they see (:func:`diagonal_pieces`).
 
 Tile sizes are a :class:`Tiles` passed to each call (``None``: the defaults below), never a
 process-wide setting.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 import numpy as np
 
@@ -117,6 +120,15 @@ def by_batch(spec: MaskSpec, heads: list) -> list:
     return runs
 
 
+def task_rows(rows: int, tq: int, heads: int) -> int:
+    """Query rows per forward task: ``rows``, halved (down to 128) while that leaves fewer than 16
+    tasks, so a causal problem's uneven tasks can still be balanced over threads. It depends
+    on the problem alone, so every thread count adds in the same order (the same bits)."""
+    while rows > 128 and heads * -(-tq // rows) < 16:
+        rows //= 2
+    return rows
+
+
 def chunks(runs: list, width: int):
     """Cover contiguous runs ``(a, b, full)`` with near-equal chunks at most ``width`` keys
     wide (multiples of 16), each as ``(a, b, partial)``: the sub-ranges needing a mask."""
@@ -174,3 +186,37 @@ def mask_and_bias(st: np.ndarray, spec: MaskSpec, heads: list, q0: int, q1: int,
         else:
             for g, h in enumerate(heads):
                 np.copyto(sub[:, g, :], -np.inf, where=~spec.allowed(q0, q1, p, e, index=h).T)
+
+
+class Rows(NamedTuple):
+    """Rows ``r0:r1`` of a task (all of them, or a row block of a masked diagonal) and the key
+    sub-ranges of the tile that need a mask."""
+
+    r0: int
+    r1: int
+    partial: list
+
+
+def structural(spec: MaskSpec) -> bool:
+    """True when a tile's mask is the band alone (causal, window): no user mask, chunk,
+    bias or ALiBi. Key and query lengths only cut the tile's extent (``segments``)."""
+    return spec.mask is None and spec.chunk is None and spec.bias is None and spec.alibi is None
+
+
+def diagonal_pieces(spec, head, q0, q1, a, b, partial, step):
+    """Keys a:b of a task's rows q0:q1, where ``partial`` key runs need a mask (a causal or
+    window diagonal), as tiles ``(k0, k1, Rows)``: the unmasked keys against all rows, then
+    each masked run against row blocks of ``step``, each only over the keys it may see
+    (``MaskSpec.segments``). A causal diagonal of four row blocks so costs 5/8 of its square."""
+    cuts = sorted({a, b} | {x for run in partial for x in run})
+    masked = set(partial)
+    batch = head[0] if spec.lead else 0
+    for k0, k1 in zip(cuts, cuts[1:]):
+        if (k0, k1) not in masked:
+            yield k0, k1, Rows(q0, q1, [])
+            continue
+        for r0 in range(q0, q1, step):
+            r1 = min(r0 + step, q1)
+            segs = spec.segments(r0, r1, k0, k1, batch=batch)
+            if segs:
+                yield segs[0][0], segs[-1][1], Rows(r0, r1, [(x, y) for x, y, full in segs if not full])

@@ -1,4 +1,4 @@
-"""numba kernels of the ``fast`` extra; import it through :func:`qkv.jit.compiled` only.
+"""numba passes of the tiled kernel (the ``fast`` extra); load it through :func:`qkv.jit.flash` only.
 
 Every pass is a module-level function with ``cache=True``, so numba compiles it once per
 machine and later processes load it from ``__pycache__`` (a function built inside another
@@ -7,7 +7,13 @@ into each so that LLVM vectorises it, is :func:`pow2`, float32 ``2^x``: ``2^x = 
 with ``n = round(x)``, ``f = x - n ∈ [-1/2, 1/2]``, ``2^f`` by a degree-6 polynomial fitted
 to relative error ``2e-9`` on that interval (below float32's rounding, so about 1 ulp in
 all), and ``2^n`` written into the exponent bits. Inputs at or below ``-127`` give exactly 0
-(never a negative or NaN), NaN stays NaN.
+(never a negative or NaN), NaN stays NaN. (The encoder's GELU, :mod:`qkv.models.compiled`,
+inlines it too.)
+
+- :func:`sub_exp2_sum`, :func:`exp2`, :func:`band_exp2_sum`: the score tiles' exponential
+  (:mod:`.exp2` chooses between them and NumPy);
+- :func:`thin_scores`, :func:`thin_values`: the two products of decoding rows (at most
+  ``Tiles.thin_rows``), K and V read once each (:mod:`.forward_kernel`).
 """
 from __future__ import annotations
 
@@ -36,6 +42,7 @@ def pow2(x):
     return p * i32(bits).view(f32)
 
 
+# --- the exponential of a score tile -----------------------------------------------------------
 @numba.njit(nogil=True, cache=True, fastmath=FASTMATH)
 def sub_exp2_sum(st, m, l):           # st (w, R) float32 in place: 2^(st - m[col]); l[col] += Σ_rows
     w, r = st.shape
@@ -68,40 +75,7 @@ def band_exp2_sum(st, m, l, k0, r0, shift, lo, hi):  # as sub_exp2_sum where the
                 l[j] += p
 
 
-_HALF_LOG2E = f32(0.5 * 1.4426950408889634)
-
-
-@numba.njit(nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")  # x/0 without a check: vectorised
-def bias_gelu(h, b, ct, c4, c3, c2, c1, c0):  # h (n, f) float32 in place: gelu(h + b), see models.functional.gelu
-    n, f = h.shape
-    for i in range(n):
-        for j in range(f):
-            x = h[i, j] + b[j]
-            a = abs(x)
-            t = f32(1.0) / (f32(1.0) + ct * a)
-            r = t * (c0 + t * (c1 + t * (c2 + t * (c3 + t * c4))))
-            r *= pow2(-(a * a) * _HALF_LOG2E) * a     # |x| Φ(-|x|)
-            h[i, j] = max(x, f32(0.0)) - r
-
-
-@numba.njit(nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")
-def add_layer_norm(x, a, gamma, beta, eps, out):  # out[i] = LayerNorm(x[i] + a[i]), rows of (n, d) float32
-    n, d = x.shape
-    inv = f32(1.0) / f32(d)
-    for i in range(n):
-        s = f32(0.0)
-        for j in range(d):
-            s += x[i, j] + a[i, j]
-        mean = s * inv
-        v = f32(0.0)
-        for j in range(d):
-            c = x[i, j] + a[i, j] - mean
-            v += c * c
-        r = f32(1.0) / np.sqrt(v * inv + eps)
-        for j in range(d):
-            out[i, j] = (x[i, j] + a[i, j] - mean) * r * gamma[j] + beta[j]
-
-
+# --- the products of decoding rows ---------------------------------------------------------------
 @numba.njit(nogil=True, cache=True, fastmath=FASTMATH)
 def thin_scores(kk, qs, out):         # out (R, w) = qs (R, D) @ kk (w, D)ᵀ: K read once, every row from L1
     w, d = kk.shape
