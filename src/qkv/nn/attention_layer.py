@@ -84,7 +84,9 @@ class AttentionLayer(Layer):
         three matrices side by side: OpenBLAS runs (4096, 384) @ (384, 1152) at 1.2x the rate of
         three (384, 384) products. Each Linear keeps ``x`` for its backward, as its own forward would."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
-        y = x3 @ np.concatenate([p.params["W"] for p in projs], axis=1)  # (B,T,d_model) @ (d_model, Σ d_out)
+        w = np.concatenate([p.params["W"] for p in projs], axis=1)  # (d_model, Σ d_out)
+        y = x3.reshape(-1, x3.shape[-1]) @ w  # (B·T, d_model) @ (d_model, Σ d_out): one 2-D product
+        y = y.reshape(x3.shape[:-1] + (w.shape[1],))
         if self.q_proj.bias:  # _linears gives all of a layer's projections a bias, or none
             y += np.concatenate([p.params["b"] for p in projs])
         for p in projs:

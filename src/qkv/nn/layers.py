@@ -26,8 +26,11 @@ class Linear(Layer):
             raise ShapeError(f"x must have shape (..., d_in) = (..., {self.d_in}); got {fmt_shape(x.shape)}")
         x = x.astype(self.dtype, copy=False)
         self._keep(x)
-        y = x @ self.params["W"]  # (..., d_in) @ (d_in, d_out) -> (..., d_out)
-        return y + self.params["b"] if self.bias else y
+        # One 2-D product: NumPy runs a stacked (B, T, d_in) @ W as B smaller ones (~15% slower).
+        y = x.reshape(-1, self.d_in) @ self.params["W"]  # (N, d_in) @ (d_in, d_out) -> (N, d_out)
+        if self.bias:
+            y += self.params["b"]
+        return y.reshape(x.shape[:-1] + (self.d_out,))
 
     def backward(self, dy) -> np.ndarray:
         """Fill grads from ``dy (..., d_out)``; return ``dx (..., d_in)``."""
@@ -39,7 +42,8 @@ class Linear(Layer):
         self.grads["W"][...] = linear_grad(x, dy)
         if self.bias:
             self.grads["b"][...] = dy.reshape(-1, self.d_out).sum(axis=0)
-        return dy @ self.params["W"].T  # (..., d_out) @ (d_out, d_in) -> (..., d_in)
+        dx = dy.reshape(-1, self.d_out) @ self.params["W"].T  # (N, d_out) @ (d_out, d_in) -> (N, d_in)
+        return dx.reshape(x.shape)
 
 
 class Embedding(Layer):
@@ -70,5 +74,48 @@ class Embedding(Layer):
             raise ShapeError(f"dy must have the output's shape (..., d) = {fmt_shape(want)}; got {fmt_shape(dy.shape)}")
         g = self.grads["W"]
         g[...] = 0
-        np.add.at(g, ids.reshape(-1), dy.reshape(-1, self.d))
+        flat = ids.reshape(-1)
+        if flat.size:  # the rows of each id summed: sort the ids, then add up each run of equal ones
+            order = np.argsort(flat, kind="stable")
+            ranked = flat[order]
+            starts = np.flatnonzero(np.r_[True, ranked[1:] != ranked[:-1]])
+            g[ranked[starts]] = np.add.reduceat(dy.reshape(-1, self.d)[order], starts, axis=0)
         return None
+
+
+class Dropout(Layer):
+    """Inverted dropout: in training, each entry is zeroed with probability ``p`` and the rest are
+    scaled by ``1 / (1 - p)``; in ``eval()`` mode (and with ``p = 0``) the identity.
+
+    The keep-mask is drawn from ``rng`` (a ``numpy.random.Generator``) and kept for backward,
+    which multiplies ``dy`` by the same scaled mask. No parameters.
+    """
+
+    def __init__(self, p: float = 0.0, rng: np.random.Generator | None = None, *, dtype=np.float32):
+        super().__init__(dtype=dtype, rng=rng)
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
+            raise ShapeError(f"p must be a probability in [0, 1); got {p!r}")
+        self.p = float(p)
+
+    def forward(self, x) -> np.ndarray:
+        """``x`` with entries dropped (training, p > 0), else ``x`` itself."""
+        x = as_float_array("x", x)
+        if not self.training or self.p == 0:
+            self._keep(None)
+            self._inference_forward = True  # nothing kept: backward passes dy through
+            return x
+        mask = self.rng.random(x.shape, dtype=np.float32 if x.dtype != np.float64 else np.float64) >= self.p
+        scaled = mask.astype(x.dtype) * x.dtype.type(1.0 / (1.0 - self.p))  # 0 or 1/(1-p)
+        self._keep(scaled)
+        return x * scaled
+
+    def backward(self, dy) -> np.ndarray:
+        """``dy`` times the forward's scaled keep-mask (``dy`` itself after an identity forward)."""
+        if self._saved is None and self._inference_forward:
+            return np.asarray(dy)
+        scaled = self._need_saved()
+        dy = np.asarray(dy)
+        if dy.shape != scaled.shape:
+            raise ShapeError(f"dy must have the output's shape {fmt_shape(scaled.shape)}; "
+                             f"got {fmt_shape(dy.shape)}")
+        return dy * scaled

@@ -1,12 +1,14 @@
-"""Softmax cross-entropy and the Adam optimizer, in NumPy."""
+"""Softmax cross-entropy, Adam and AdamW, and nanoGPT's learning-rate schedule, in NumPy."""
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import numpy as np
 
 from ..errors import ShapeError, fmt_shape
 from ..numerics import logsumexp
+from .fusion import compiled
 
 
 def cross_entropy(logits, targets) -> tuple[float, np.ndarray]:
@@ -30,6 +32,11 @@ def cross_entropy(logits, targets) -> tuple[float, np.ndarray]:
     flat, t = logits.reshape(-1, c), targets.reshape(-1)
     if t.size and (t.min() < 0 or t.max() >= c):
         raise ShapeError(f"targets must lie in [0, C) = [0, {c}); got values from {t.min()} to {t.max()}")
+    fast = compiled(np.ascontiguousarray(flat))
+    if fast is not None and t.size:
+        d = np.empty(flat.shape, flat.dtype)
+        loss = fast.softmax_cross_entropy(np.ascontiguousarray(flat), t.astype(np.int64, copy=False), d)
+        return float(loss), d.reshape(logits.shape)
     lse = logsumexp(flat, axis=-1)  # (N,)
     rows = np.arange(t.size)
     loss = float(np.mean(lse - flat[rows, t]))
@@ -77,3 +84,130 @@ class Adam:
                     p -= lr * self.weight_decay * p
                 p -= (lr * (m[k] / c1) / (np.sqrt(v[k] / c2) + self.eps)).astype(p.dtype, copy=False)
         return norm
+
+
+def decays(name: str, array: np.ndarray, no_decay=()) -> bool:
+    """AdamW's default rule: weight decay on matrices (``ndim >= 2``), none on vectors (norms,
+    biases) and none on the names in ``no_decay`` (a model lists its embeddings there)."""
+    return array.ndim >= 2 and name not in no_decay
+
+
+class AdamW:
+    """AdamW (Loshchilov & Hutter, 2019) over the ``params``/``grads`` of a list of layers, with
+    global gradient-norm clipping, in PyTorch's order of operations (``torch.optim.AdamW``)::
+
+        g = g · min(1, clip / (‖g‖ + 1e-6))             clipping by the global norm (clip=)
+        p = p (1 - lr · weight_decay)                    decoupled decay, decayed arrays only
+        m = b1 m + (1 - b1) g,   v = b2 v + (1 - b2) g²
+        p = p - (lr / (1 - b1^t)) · m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+
+    Which arrays decay: ``decay(layer, name, array) -> bool`` if given, else matrices
+    (``ndim >= 2``) except the names in the layer's ``no_decay`` (:class:`qkv.models.GPT`
+    lists its token and position embeddings, so the tied LM head is not decayed either);
+    vectors (norm weights, biases) never. The updates are in place: arrays taken from
+    ``layer.params`` before a step see it.
+
+    ``state_dict()`` gives ``{"step": t, "m/<key>": m, "v/<key>": v}`` (copies; ``<key>`` is the
+    parameter's name, ``<i>.<name>`` with more than one layer) and ``load_state_dict`` puts
+    them back, so a resumed run repeats the original bit for bit.
+    """
+
+    def __init__(self, layers, lr: float = 1e-3, *, betas=(0.9, 0.95), eps: float = 1e-8,
+                 weight_decay: float = 0.1, clip: float | None = None, decay=None):
+        self.layers = list(layers) if isinstance(layers, (list, tuple)) else [layers]
+        for n, layer in enumerate(self.layers):
+            if not all(isinstance(getattr(layer, name, None), Mapping) for name in ("params", "grads")):
+                raise ShapeError(f"layers must be qkv.nn layers or models (with params and grads dicts); "
+                                 f"layers[{n}] is {type(layer).__name__}")
+        if clip is not None and not clip > 0:
+            raise ShapeError(f"clip must be a number > 0 or None; got {clip!r}")
+        self.lr, self.b1, self.b2, self.eps = float(lr), float(betas[0]), float(betas[1]), float(eps)
+        self.weight_decay, self.clip = float(weight_decay), clip
+        self.t = 0
+        self.keys, self.slots = [], []  # one slot per array: (layer, name, m, v, decays)
+        for i, layer in enumerate(self.layers):
+            no_decay = set(getattr(layer, "no_decay", ()))
+            for name, p in layer.params.items():
+                d = decay(layer, name, p) if decay is not None else decays(name, p, no_decay)
+                self.keys.append(name if len(self.layers) == 1 else f"{i}.{name}")
+                self.slots.append((layer, name, np.zeros_like(p), np.zeros_like(p), bool(d)))
+
+    def grad_norm(self) -> float:
+        """The global L2 norm of every gradient (float64 sums)."""
+        return math.sqrt(sum(float(np.vdot(g.reshape(-1), g.reshape(-1)).real)
+                             for layer in self.layers for g in layer.grads.values()))
+
+    def step(self, lr: float | None = None) -> float:
+        """One update from the layers' current ``grads`` (clipped first when ``clip`` is set;
+        the grads are left unchanged). Returns the global gradient norm before clipping."""
+        lr = self.lr if lr is None else float(lr)
+        norm = self.grad_norm()
+        coef = 1.0 if self.clip is None else min(1.0, self.clip / (norm + 1e-6))
+        self.t += 1
+        step_size = lr / (1 - self.b1 ** self.t)
+        root_c2 = math.sqrt(1 - self.b2 ** self.t)
+        shrink = 1.0 - lr * self.weight_decay
+        for layer, name, m, v, decay in self.slots:
+            p, g = layer.params[name], layer.grads[name]
+            fast = compiled(p, g, m, v)
+            if fast is not None:
+                f = p.dtype.type  # scalars in the arrays' dtype: float32 stays float32
+                fast.adamw_update(p.reshape(-1), g.reshape(-1), m.reshape(-1), v.reshape(-1), f(coef),
+                                  f(shrink if decay else 1.0), f(self.b1), f(1 - self.b1), f(self.b2),
+                                  f(1 - self.b2), f(step_size), f(root_c2), f(self.eps))
+                continue
+            if coef != 1.0:
+                g = g * p.dtype.type(coef)
+            if decay and self.weight_decay:
+                p *= shrink                                  # decoupled decay first
+            m *= self.b1
+            m += (1 - self.b1) * g                           # m = b1 m + (1 - b1) g
+            v *= self.b2
+            v += (1 - self.b2) * (g * g)                     # v = b2 v + (1 - b2) g²
+            denom = np.sqrt(v)
+            denom /= root_c2
+            denom += self.eps                                # sqrt(v̂) + eps
+            np.divide(m, denom, out=denom)
+            denom *= step_size
+            p -= denom                                       # p -= lr m̂ / (sqrt(v̂) + eps)
+        return norm
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """``{"step": t (int64 0-d array), "m/<key>": ..., "v/<key>": ...}``, copies of the moments."""
+        state = {"step": np.array(self.t, dtype=np.int64)}
+        for key, (_, _, m, v, _) in zip(self.keys, self.slots):
+            state[f"m/{key}"], state[f"v/{key}"] = m.copy(), v.copy()
+        return state
+
+    def load_state_dict(self, state) -> None:
+        """Put back what :meth:`state_dict` gave (same keys and shapes, else a ShapeError)."""
+        want = {"step"} | {f"{s}/{k}" for k in self.keys for s in "mv"}
+        if set(state) != want:
+            missing, extra = sorted(want - set(state)), sorted(set(state) - want)
+            raise ShapeError(f"an AdamW state must have the keys of this optimizer's state_dict(); "
+                             f"missing {missing[:5]}, unknown {extra[:5]}")
+        for key, (_, _, m, v, _) in zip(self.keys, self.slots):
+            for slot, array in (("m", m), ("v", v)):
+                new = np.asarray(state[f"{slot}/{key}"])
+                if new.shape != array.shape:
+                    raise ShapeError(f"{slot}/{key} must have shape {fmt_shape(array.shape)}; "
+                                     f"got {fmt_shape(new.shape)}")
+                array[...] = new
+        self.t = int(np.asarray(state["step"]))
+
+
+def cosine_lr(step: int, *, lr: float, warmup: int, max_steps: int, min_lr: float) -> float:
+    """nanoGPT's schedule: linear warmup to ``lr``, cosine decay to ``min_lr`` at ``max_steps``, then flat.
+
+    ``lr (step + 1) / (warmup + 1)`` for ``step < warmup``; ``min_lr`` after ``max_steps``;
+    between them ``min_lr + (lr - min_lr) (1 + cos(π r)) / 2``, ``r = (step - warmup) / (max_steps - warmup)``.
+
+    >>> [round(cosine_lr(s, lr=1.0, warmup=2, max_steps=6, min_lr=0.1), 3) for s in (0, 1, 2, 4, 6, 9)]
+    [0.333, 0.667, 1.0, 0.55, 0.1, 0.1]
+    """
+    if step < warmup:
+        return lr * (step + 1) / (warmup + 1)
+    if step > max_steps or max_steps <= warmup:
+        return min_lr
+    ratio = (step - warmup) / (max_steps - warmup)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (lr - min_lr)

@@ -1,0 +1,121 @@
+"""numba passes of the layers (the ``fast`` extra); load it through :func:`qkv.nn.fusion.compiled` only.
+
+Each function is one loop over memory doing what the NumPy path beside its caller does in
+several passes with temporaries, with the same formulas (see :mod:`qkv.nn.norms`,
+:mod:`qkv.nn.activations`, :class:`qkv.nn.AdamW`, :func:`softmax_cross_entropy`). They take
+C-contiguous float32 or float64 arrays (flattened or ``(rows, d)``) and write into the
+output arrays they are given; scalars come in the arrays' dtype, so float32 stays float32.
+Module-level ``njit`` with ``cache=True``: compiled once per machine into numba's on-disk
+cache (``__pycache__`` beside this file), loaded from it by later processes.
+
+The tanh GELU's forward stays in NumPy: its ``np.tanh`` is a SIMD routine, where a compiled
+loop would call the scalar libm ``tanh`` (measured 4x slower than NumPy's five passes).
+"""
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+
+FLAGS = {"nsz", "contract", "reassoc", "arcp"}  # reassociation lets LLVM vectorise the row sums
+SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+GELU_CUBIC = 0.044715
+INV_SQRT_2 = 1.0 / math.sqrt(2.0)
+INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+
+
+@numba.njit(nogil=True, cache=True, fastmath=FLAGS)
+def layer_norm_forward(x, w, b, eps, y, xhat, r):  # rows of x (n, d): y = (x - mu) r w + b
+    n, d = x.shape
+    inv_d = 1.0 / d
+    for i in range(n):
+        s = 0.0
+        for j in range(d):
+            s += x[i, j]
+        mu = s * inv_d
+        v = 0.0
+        for j in range(d):
+            c = x[i, j] - mu
+            v += c * c
+        ri = 1.0 / math.sqrt(v * inv_d + eps)
+        r[i] = ri
+        for j in range(d):
+            h = (x[i, j] - mu) * ri
+            xhat[i, j] = h
+            y[i, j] = h * w[j] + b[j]
+
+
+@numba.njit(nogil=True, cache=True, fastmath=FLAGS)
+def layer_norm_backward(dy, xhat, r, w, dx, dw, db):  # dx = r (g - mean(g) - x̂ mean(g x̂)), g = dy w
+    n, d = dy.shape
+    inv_d = 1.0 / d
+    for i in range(n):
+        sg = 0.0
+        sgx = 0.0
+        for j in range(d):
+            g = dy[i, j] * w[j]
+            sg += g
+            sgx += g * xhat[i, j]
+            dw[j] += dy[i, j] * xhat[i, j]   # float64 accumulators
+            db[j] += dy[i, j]
+        mg, mgx = sg * inv_d, sgx * inv_d
+        for j in range(d):
+            dx[i, j] = r[i] * (dy[i, j] * w[j] - mg - xhat[i, j] * mgx)
+
+
+@numba.njit(nogil=True, cache=True, fastmath=FLAGS)
+def gelu_tanh_backward(dy, h, t, dh):  # dy ((1 + t)/2 + h (1 - t²) √(2/π) (1 + 3 c h²) / 2)
+    k0 = SQRT_2_OVER_PI
+    k1 = 3.0 * SQRT_2_OVER_PI * GELU_CUBIC
+    for i in range(h.size):
+        x, ti = h[i], t[i]
+        dh[i] = dy[i] * 0.5 * (1.0 + ti + x * (1.0 - ti * ti) * (k0 + k1 * x * x))
+
+
+@numba.njit(nogil=True, cache=True)
+def gelu_forward(h, y, cdf):  # y = h Φ(h), Φ(h) = (1 + erf(h/√2)) / 2
+    for i in range(h.size):
+        c = 0.5 * (1.0 + math.erf(h[i] * INV_SQRT_2))
+        cdf[i] = c
+        y[i] = h[i] * c
+
+
+@numba.njit(nogil=True, cache=True)
+def gelu_backward(dy, h, cdf, dh):  # dy (Φ(h) + h φ(h))
+    for i in range(h.size):
+        x = h[i]
+        dh[i] = dy[i] * (cdf[i] + x * INV_SQRT_2PI * math.exp(-0.5 * x * x))
+
+
+@numba.njit(nogil=True, cache=True, fastmath=FLAGS)
+def adamw_update(p, g, m, v, coef, shrink, b1, c1, b2, c2, step_size, root_c2, eps):  # c1 = 1 - b1, c2 = 1 - b2
+    for i in range(p.size):
+        gi = g[i] * coef                                  # clipped gradient
+        mi = b1 * m[i] + c1 * gi
+        vi = b2 * v[i] + c2 * gi * gi
+        m[i] = mi
+        v[i] = vi
+        p[i] = p[i] * shrink - step_size * mi / (math.sqrt(vi) / root_c2 + eps)
+
+
+@numba.njit(nogil=True, cache=True)
+def softmax_cross_entropy(logits, targets, dlogits):  # -> Σ_rows lse - logit[target]; dlogits
+    n, c = logits.shape
+    total = 0.0
+    inv_n = 1.0 / n
+    for i in range(n):
+        mx = logits[i, 0]
+        for j in range(1, c):
+            mx = max(mx, logits[i, j])
+        s = 0.0
+        for j in range(c):
+            e = math.exp(logits[i, j] - mx)
+            dlogits[i, j] = e
+            s += e
+        total += mx + math.log(s) - logits[i, targets[i]]
+        scale = inv_n / s
+        for j in range(c):
+            dlogits[i, j] *= scale
+        dlogits[i, targets[i]] -= inv_n
+    return total * inv_n
