@@ -115,6 +115,10 @@ def tables(results: dict) -> list[Table]:
         out.append(torch_table(results["torch_suite"], results["repeats"], results["threads"], smoke))
     if results.get("ring"):
         out.append(ring_table(results["ring"], results.get("ring_pingpong_gb_s"), smoke))
+    if results.get("gpt"):
+        out.append(gpt_table(results["gpt"], results["threads"], smoke))
+    if results.get("shapes"):
+        out.append(shapes_table(results["shapes"], results["repeats"], results["threads"], smoke))
     return out
 
 
@@ -190,6 +194,54 @@ def ring_table(rows: list[dict], pingpong_gb_s: float | None = None, smoke: str 
     t.notes.append("sent per rank: forward (W−1)·(|K|+|V|), backward (W−1)·(|K|+|V|) + W·(|dK|+|dV|)")
     if pingpong_gb_s:
         t.notes.append(f"ping-pong between ranks 0 and 1: {pingpong_gb_s:.2f} GB/s one way")
+    return t
+
+
+def gpt_table(rows: list[dict], threads: int | None = None, smoke: str = "") -> Table:
+    """The rows of ``gpt_suite.measure``: time a step, tokens/s, peak memory, val loss, per model and recipe."""
+    cpu = [r for r in rows if r["recipe"] == "cpu"]
+    c = cpu[0]["config"]
+    t = Table(f"GPT training, nanoGPT's CPU recipe: block {c['block_size']}, batch {c['batch_size']}, "
+              f"{c['n_layer']} layers, {c['n_head']} heads, width {c['n_embd']}, vocab {cpu[0]['vocab']}, "
+              f"{cpu[0]['params']:,} parameters, {c['dtype']}, AdamW; {cpu[0]['steps']} steps on {cpu[0]['data']}, "
+              f"{threads or '?'} threads{smoke}",
+              ["model", "recipe", "steps", "ms/step", "tokens/s", "peak MiB", "val loss", "step-1 loss"], left=2)
+    for r in rows:
+        t.rows.append([r["model"], r["recipe"], str(r["steps"]), _fmt(r["ms_per_step"], ".1f"),
+                       _fmt(r["tokens_per_s"], ",.0f"), _fmt(r["peak_mib"], ".1f"), _fmt(r["val_loss"], ".4f"),
+                       _fmt(r.get("first_loss"), ".4f")])
+    by = {(r["model"], r["recipe"]): r for r in rows}
+    for recipe in ("cpu", "gpu-size"):
+        q, p = by.get(("qkv", recipe)), by.get(("torch", recipe))
+        if q and p and q["ms_per_step"] and p["ms_per_step"]:
+            t.notes.append(f"{recipe}: qkv time ÷ torch time {q['ms_per_step'] / p['ms_per_step']:.2f}"
+                           + (f"; val loss qkv − torch {q['val_loss'] - p['val_loss']:+.4f}" if q["val_loss"] else ""))
+    t.notes.append(f"ms/step: median of one training step (forward, backward, clipping, AdamW) after "
+                   f"{cpu[0]['warmup_steps']} warm-up steps, the models alternating in blocks of 10 steps (the first of "
+                   f"each left out) from the same weights on the same batches; val loss: {cpu[0]['eval_iters']} val batches after the last step, "
+                   "the same for both; peak MiB: resident-set high-water of a fresh subprocess over building the "
+                   "model and 3 training steps, above its resident set before")
+    if any(r["recipe"] == "gpu-size" for r in rows):
+        t.notes.append("gpu-size: nanoGPT's GPU recipe's shape (block 256, batch 64, 6 layers, 6 heads, width 384, "
+                       "dropout 0.2, vocab 65): one step after a warm-up step, in a fresh subprocess per model")
+    if not any(r["model"] == "torch" for r in rows):
+        t.notes.append("torch: not in this run (not installed, or --no-torch)")
+    return t
+
+
+def shapes_table(rows: list[dict], repeats: int | None = None, threads: int | None = None, smoke: str = "") -> Table:
+    """The rows of ``shapes_suite.measure``: seconds, GFLOP/s and torch ÷ qkv per shape, mask and pass."""
+    runs = f", medians of {repeats}" if repeats else ""
+    t = Table(f"training and serving shapes: qkv (method auto) against PyTorch SDPA, float32, "
+              f"{threads or '?'} threads{runs}{smoke}",
+              ["shape (B,H,T,D)", "mask", "pass", "qkv s", "torch s", "qkv GFLOP/s", "torch GFLOP/s",
+               "torch ÷ qkv"], left=3)
+    for r in rows:
+        t.rows.append(["(" + ",".join(str(x) for x in r["shape"]) + ")", "causal" if r["causal"] else "full",
+                       r["pass"], f"{r['qkv_s']:.5f}", f"{r['torch_s']:.5f}", f"{r['qkv_gflops']:.1f}",
+                       f"{r['torch_gflops']:.1f}", f"{r['ratio']:.2f}"])
+    t.notes.append("torch ÷ qkv: the median over repeats of torch's time ÷ qkv's time in the same repeat "
+                   "(above 1, qkv is faster)")
     return t
 
 

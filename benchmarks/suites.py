@@ -7,8 +7,11 @@ encoder against sentence-transformers; see ``encoder.py``; needs the models and 
 extras), ``torch`` (``qkv.torch.attention`` against qkv on NumPy and SDPA; see
 ``torch_suite.py``; needs the torch extra) and ``ring`` (ring attention over the ranks of
 ``MPI.COMM_WORLD`` against one process; see ``ring.py``; needs the mpi extra, and is meant
-to run under ``mpiexec -n W``). Without a choice a run measures :data:`DEFAULT` (a quick
-run :data:`QUICK_DEFAULT`); torch and ring run when named (or with "all"). A suite whose
+to run under ``mpiexec -n W``) and ``gpt`` (nanoGPT's CPU recipe trained by qkv's GPT and by a
+plain PyTorch GPT, same weights, batches and threads; see ``gpt_suite.py``; without torch
+qkv's side alone) and ``shapes`` (training and serving shapes, short sequences in big
+batches, qkv ``method="auto"`` against SDPA; see ``shapes_suite.py``; needs the torch extra).
+Without a choice a run measures :data:`DEFAULT` (a quick run :data:`QUICK_DEFAULT`); torch, ring, gpt and shapes run when named (or with "all"). A suite whose
 extra is missing is skipped with the reason in ``results["skipped"]``.
 
 A quick plan shrinks every size so the whole run takes seconds: a smoke test that every
@@ -28,16 +31,16 @@ import importlib.util
 import os
 from dataclasses import dataclass
 
-from . import products, torch_suite
+from . import gpt_suite, products, shapes_suite, torch_suite
 from .attention import fwd_bwd_flops, forward_flops, inputs, kv_bytes, copier, runner
 from .memory import peak_extra
 from .timing import REWARM_S, alternate, walls
 
-SUITES = ("main", "sweep", "decode", "encoder", "torch", "ring")
-DEFAULT = ("main", "sweep", "decode", "encoder")  # torch and ring run when named
+SUITES = ("main", "sweep", "decode", "encoder", "torch", "ring", "gpt", "shapes")
+DEFAULT = ("main", "sweep", "decode", "encoder")  # torch, ring, gpt and shapes run when named
 QUICK_DEFAULT = ("main", "sweep", "decode")  # a quick run leaves the encoder out unless asked
 # What each suite needs beyond the core, as the extra that brings it (said when one is skipped).
-EXTRAS = {"encoder": "models,test", "torch": "torch", "ring": "mpi"}
+EXTRAS = {"encoder": "models,test", "torch": "torch", "ring": "mpi", "gpt": "torch", "shapes": "torch"}
 FULL = {
     "main": dict(b=1, h=8, t=4096, d=64),
     "sweep": dict(ts=(512, 1024, 2048, 4096, 8192, 16384), d=64, dense_max=8192),
@@ -69,16 +72,20 @@ class Plan:
     threads: int
     torch: bool
     memory: bool
+    steps: int | None = None   # gpt suite: training steps (None: gpt_suite.STEPS)
+    data: str | None = None    # gpt suite: the text to train on (None: Shakespeare; quick: a built-in text)
 
     @property
     def sizes(self) -> dict:
         return QUICK if self.quick else FULL
 
 
-def plan(suites=None, *, quick=False, repeats=None, threads=None, torch=True, memory=True) -> Plan:
+def plan(suites=None, *, quick=False, repeats=None, threads=None, torch=True, memory=True, steps=None,
+         data=None) -> Plan:
     """A :class:`Plan`; ``suites`` None means :data:`DEFAULT` (a quick run:
     :data:`QUICK_DEFAULT`), containing "all" every suite; ``torch`` False leaves PyTorch
-    out (its suite is then skipped), as does its absence."""
+    out (its suite is then skipped), as does its absence. ``steps`` and ``data``: the gpt
+    suite's training steps and text file."""
     from qkv.errors import ShapeError, positive_int
 
     if suites and "all" in suites:
@@ -93,7 +100,8 @@ def plan(suites=None, *, quick=False, repeats=None, threads=None, torch=True, me
     repeats = positive_int("repeats", repeats) if repeats is not None else (QUICK if quick else FULL)["repeats"]
     threads = positive_int("threads", threads) if threads is not None else os.cpu_count() or 1
     torch = bool(torch) and importlib.util.find_spec("torch") is not None  # imported when the run starts
-    return Plan(chosen, bool(quick), repeats, threads, torch, bool(memory))
+    steps = positive_int("steps", steps) if steps is not None else None
+    return Plan(chosen, bool(quick), repeats, threads, torch, bool(memory), steps, data)
 
 
 def methods(p: Plan) -> list[str]:
@@ -130,6 +138,10 @@ def count_steps(p: Plan) -> int:
         n += len(torch_suite_steps(p))
     if "ring" in p.suites:
         n += len(RING_LAYOUTS) + 1  # each layout, then the ping-pong
+    if "gpt" in p.suites:
+        n += gpt_suite.count(p.quick, p.steps, p.torch, p.memory)
+    if "shapes" in p.suites and p.torch:
+        n += len(shapes_suite.cases(p.quick))
     return n
 
 
@@ -173,7 +185,7 @@ def run_suites(p: Plan, progress=None) -> dict | None:
     results = {"threads": p.threads, "quick": p.quick, "repeats": p.repeats,
                "note": SMOKE_NOTE if p.quick else None,
                "torch": torch.__version__ if p.torch else None, "machine": describe(p.torch),
-               "main": [], "sweep": [], "decode": [], "encoder": [], "torch_suite": [], "ring": [],
+               "main": [], "sweep": [], "decode": [], "encoder": [], "torch_suite": [], "ring": [], "gpt": [], "shapes": [],
                "ring_pingpong_gb_s": None, "mpi_ranks": None, "skipped": {}}
     ms = methods(p)
 
@@ -214,6 +226,10 @@ def run_suites(p: Plan, progress=None) -> dict | None:
         tick()
     if "torch" in p.suites:
         results["torch_suite"], results["skipped"]["torch"] = _torch_suite(p, progress)
+    if "gpt" in p.suites:
+        results["gpt"], results["skipped"]["gpt"] = _gpt_suite(p, progress)
+    if "shapes" in p.suites:
+        results["shapes"], results["skipped"]["shapes"] = _shapes_suite(p, progress)
     if ring:
         results["ring"], results["ring_pingpong_gb_s"] = ring["rows"], ring["pingpong_gb_s"]
         results["mpi_ranks"] = ring["size"]
@@ -273,6 +289,34 @@ def _torch_suite(p: Plan, progress):
         started.append(label)
     rows = torch_suite.measure(p.repeats, p.quick, told, memory=_torch_memory(p), threads=p.threads)
     progress(1)
+    return rows, None
+
+
+def _shapes_suite(p: Plan, progress):
+    """``(rows, None)`` from shapes_suite.measure, or ``([], reason)`` without PyTorch."""
+    if not p.torch:
+        if importlib.util.find_spec("torch") is None:
+            return [], _needs("shapes", "torch is not installed")
+        return [], "PyTorch was left out (torch=False, --no-torch)"
+    started = []
+
+    def told(label):  # measure says a label before each step: the step before it is done
+        progress(1 if started else 0, description=f"shapes: {label}")
+        started.append(label)
+    rows = shapes_suite.measure(p.repeats, p.quick, told)
+    progress(1)
+    return rows, None
+
+
+def _gpt_suite(p: Plan, progress):
+    """``(rows, None)`` from gpt_suite.measure, or ``([], reason)`` when the default text cannot be had."""
+    from qkv.models.corpus import CorpusError
+
+    try:
+        rows = gpt_suite.measure(quick=p.quick, steps=p.steps, threads=p.threads, torch=p.torch, memory=p.memory,
+                                 data=p.data, progress=progress)
+    except CorpusError as err:
+        return [], f"{err}"
     return rows, None
 
 

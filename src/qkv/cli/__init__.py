@@ -21,6 +21,7 @@ SUBCOMMANDS = {
     "explain": "explain",
     "cache-table": "cache_table",
     "train": "train",
+    "sample": "sample",
     "experiment": "experiment",
     "bench": "bench",
 }

@@ -22,7 +22,7 @@ from ..extras import require
 from .common import UsageError, out_file, progress_bar
 
 HELP = ("qkv's tiled attention against dense NumPy and PyTorch SDPA: speed, memory, decoding; "
-        "qkv.torch against SDPA; ring attention over MPI")
+        "qkv.torch against SDPA; ring attention over MPI; GPT training against PyTorch")
 
 
 def add_arguments(parser) -> None:
@@ -41,19 +41,27 @@ def add_arguments(parser) -> None:
                         "kernel thread a rank and its single-process peer W threads")
     parser.add_argument("--no-torch", action="store_true", help="leave PyTorch out even if installed")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="gpt suite: training steps of each model (default 2000, quick 5)")
+    parser.add_argument("--data", metavar="FILE", default=None,
+                        help="gpt suite: the text to train on (default: the Shakespeare corpus, fetched once; "
+                        "quick: a built-in text)")
     parser.add_argument("--plot", metavar="PNG", help="also draw the scaling sweep (needs qkv[viz])")
     parser.add_argument("--json", metavar="FILE", help="also write every measurement as JSON")
 
 
 def run(args) -> int:
     require("rich", "cli")
-    for option, value in (("--repeats", args.repeats), ("--threads", args.threads)):
+    for option, value in (("--repeats", args.repeats), ("--threads", args.threads), ("--steps", args.steps)):
         if value is not None and value < 1:
             raise UsageError(f"{option} must be >= 1; got {value}")
+    if args.data is not None and not os.path.isfile(args.data):
+        raise UsageError(f"--data must be a text file; {args.data!r} is not one")
     from qkv_benchmarks import report, suites
 
     plan = suites.plan(args.suite, quick=args.quick, repeats=args.repeats, threads=args.threads,
-                       torch=not args.no_torch, memory=not args.no_memory)
+                       torch=not args.no_torch, memory=not args.no_memory, steps=args.steps,
+                       data=os.path.abspath(args.data) if args.data else None)
     if "ring" not in plan.suites and _mpiexec_ranks() > 1:
         raise UsageError(f"under mpiexec only --suite ring runs (with {_mpiexec_ranks()} ranks every other "
                          "suite would run once per rank, all at once on the same cores)")

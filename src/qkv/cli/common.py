@@ -35,14 +35,16 @@ def out_file(path, option: str, suffixes: tuple[str, ...] = ()) -> Path:
 
 
 @contextmanager
-def progress_bar(label: str, total: int, *fields: str, transient: bool = False, stderr: bool = False):
+def progress_bar(label: str, total: int, *fields: str, transient: bool = False, stderr: bool = False,
+                 remaining: bool = False, completed: int = 0):
     """A rich progress bar; yields ``update(advance=1, **fields)``. ``fields`` are shown as
     ``name value`` after the count (floats to 4 decimals); ``update(description=...)``
     replaces ``label``. ``transient`` removes the bar when done; ``stderr`` draws it there,
-    keeping standard output for the command's results."""
+    keeping standard output for the command's results; ``remaining`` adds the estimated
+    time left; ``completed`` is where the count starts (a resumed run)."""
     require("rich", "cli")
     from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     columns = [TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}")]
     columns += [TextColumn(f"{f} {{task.fields[{f}]}}") for f in fields]
@@ -51,7 +53,8 @@ def progress_bar(label: str, total: int, *fields: str, transient: bool = False, 
     def shown(value):  # a number to 4 decimals; before the first one, a dash (not "nan")
         return f"{value:.4f}" if isinstance(value, numbers.Real) else str(value)
 
-    with Progress(*columns, TimeElapsedColumn(), transient=transient, console=console) as bar:
-        task = bar.add_task(label, total=total, **{f: "—" for f in fields})
+    timers = [TimeElapsedColumn()] + ([TextColumn("left"), TimeRemainingColumn()] if remaining else [])
+    with Progress(*columns, *timers, transient=transient, console=console) as bar:
+        task = bar.add_task(label, total=total, completed=completed, **{f: "—" for f in fields})
         yield lambda advance=1, **values: bar.update(
             task, advance=advance, **{k: (v if k == "description" else shown(v)) for k, v in values.items()})

