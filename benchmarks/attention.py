@@ -4,6 +4,7 @@ Methods, each a no-argument callable over the same inputs:
 
 - ``qkv``: ``qkv.attention(..., method="flash")`` and ``qkv.attention_backward``;
 - ``dense``: the same calls with ``method="reference"`` (softmax(QKᵀ)V, T² memory);
+- ``auto``: the same calls with ``method="auto"`` (what a user gets; the shapes suite);
 - ``torch``: ``torch.nn.functional.scaled_dot_product_attention`` and autograd (the caller
   sets ``torch.set_num_threads`` to qkv's thread count).
 
@@ -60,7 +61,7 @@ def runner(method, q, k, v, dout, *, causal, backward, gqa=False):
         return _torch_runner(q, k, v, dout, causal=causal, backward=backward, gqa=gqa)
 
     import qkv
-    name = "flash" if method == "qkv" else "reference"
+    name = {"qkv": "flash", "dense": "reference", "auto": "auto"}[method]
     if not backward:
         return lambda: qkv.attention(q, k, v, causal=causal, gqa=gqa, method=name)
 

@@ -1,0 +1,69 @@
+"""``qkv bench --suite shapes``: qkv (``method="auto"``) against PyTorch SDPA at the shapes
+people train and serve: short sequences in big batches, many heads.
+
+Shapes ``(B, H, T, D)``, float32, self-attention (Tq = Tk = T, Hq = Hkv = H):
+
+- (12, 4, 64, 32): nanoGPT's CPU recipe;
+- (64, 6, 256, 64): nanoGPT's GPU recipe;
+- (1, 8, 256, 16): a small model, one sequence;
+- (8, 12, 1024, 64): GPT-2 small, batch 8;
+- (32, 8, 128, 64), (16, 12, 192, 64), (4, 16, 512, 128): serving batches.
+
+Each shape runs causal and not, forward and forward+backward; the two sides are
+``qkv.attention`` (+ ``qkv.attention_backward``) with ``method="auto"`` (what a user gets) and
+``torch.nn.functional.scaled_dot_product_attention`` (+ autograd), same threads, same inputs
+(the tensors share the arrays' memory). Timing: ``timing.rounds``, the sides alternating
+and the first side rotating from repeat to repeat, medians reported; the ratio is the median
+over repeats of torch time ÷ qkv time within a repeat (above 1, qkv is faster).
+
+FLOP convention (as in ``attention.py``): forward ``4·B·H·T²·D``, halved when causal;
+forward+backward 3.5 times the forward.
+"""
+from __future__ import annotations
+
+import statistics
+
+from .attention import forward_flops, fwd_bwd_flops, inputs, runner
+from .timing import rounds
+
+FULL = ((12, 4, 64, 32), (64, 6, 256, 64), (1, 8, 256, 16), (8, 12, 1024, 64),
+        (32, 8, 128, 64), (16, 12, 192, 64), (4, 16, 512, 128))
+QUICK = ((2, 2, 16, 8), (1, 2, 64, 16))
+PASSES = ("fwd", "fwd+bwd")
+
+
+def cases(quick: bool) -> list[tuple[tuple, bool, str]]:
+    """``(shape, causal, pass)`` of every row, in the order measured."""
+    return [(s, c, p) for s in (QUICK if quick else FULL) for c in (False, True) for p in PASSES]
+
+
+def flops(shape, causal: bool, pass_: str) -> float:
+    b, h, t, d = shape
+    return (fwd_bwd_flops if pass_ == "fwd+bwd" else forward_flops)(b, h, t, t, d, causal)
+
+
+def measure(repeats: int, quick: bool, progress=None, *, seed: int = 0) -> list[dict]:
+    """One row per shape, causal flag and pass: ``shape`` [B, H, T, D], ``causal``, ``pass``,
+    ``qkv_s`` and ``torch_s`` (medians), ``ratio`` (median of torch ÷ qkv within a repeat),
+    ``flop`` and ``qkv_gflops``/``torch_gflops``. The caller sets the threads of both sides."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    rows = []
+    for shape, causal, pass_ in cases(quick):
+        if progress:
+            progress(f"{shape} {'causal' if causal else 'full'} {pass_}")
+        b, h, t, d = shape
+        q, k, v, dout = inputs(rng, b, h, h, t, t, d)
+        backward = pass_ == "fwd+bwd"
+        fns = {"qkv": runner("auto", q, k, v, dout, causal=causal, backward=backward),
+               "torch": runner("torch", q, k, v, dout, causal=causal, backward=backward)}
+        runs = rounds(fns, repeats, rotate=True)
+        walls = {m: [w for w, _ in r] for m, r in runs.items()}
+        secs = {m: statistics.median(w) for m, w in walls.items()}
+        f = flops(shape, causal, pass_)
+        rows.append(dict(shape=list(shape), causal=causal, **{"pass": pass_}, qkv_s=secs["qkv"],
+                         torch_s=secs["torch"],
+                         ratio=statistics.median(a / b_ for a, b_ in zip(walls["torch"], walls["qkv"])),
+                         flop=f, qkv_gflops=f / secs["qkv"] / 1e9, torch_gflops=f / secs["torch"] / 1e9))
+    return rows
