@@ -232,3 +232,34 @@ def test_products_bound_runs_the_kernels_products_over_the_visible_keys(causal):
         s = np.where(keys < np.minimum((rows // products.DIAGONAL + 1) * products.DIAGONAL, 1300), s, 0)
     np.testing.assert_allclose(out, s @ v, rtol=1e-4, atol=1e-3)
     products.runner(q, k, v, q, causal=causal, backward=True, threads=2)()  # and the backward runs
+
+
+# --- qkv bench --suite shapes ------------------------------------------------------------
+
+def test_shapes_suite_runs_from_the_command_line(tmp_path, capsys):
+    """`qkv bench --quick --suite shapes`: every shape, mask and pass has a row with its keys,
+    and the table shows the JSON's ratio."""
+    pytest.importorskip("torch", reason="the shapes suite needs PyTorch: pip install 'qkv[torch]'")
+    from qkv_benchmarks import shapes_suite
+
+    out = tmp_path / "s.json"
+    assert cli.main(["bench", "--quick", "--suite", "shapes", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    rows = data["shapes"]
+    assert data["main"] == [] and data["skipped"] == {}
+    assert [(tuple(r["shape"]), r["causal"], r["pass"]) for r in rows] == shapes_suite.cases(quick=True)
+    assert {r["pass"] for r in rows} == {"fwd", "fwd+bwd"}
+    for r in rows:
+        assert {"shape", "causal", "pass", "qkv_s", "torch_s"} <= set(r)
+        assert r["qkv_s"] > 0 and r["torch_s"] > 0 and r["ratio"] > 0
+        assert r["flop"] == shapes_suite.flops(tuple(r["shape"]), r["causal"], r["pass"])
+    assert "training and serving shapes" in text and "(smoke-test sizes)" in text
+    lines = [x.split() for x in text.splitlines() if re.match(r"\s*\(\d+,\d+,\d+,\d+\)\s", x)]
+    assert [cells[-1] for cells in lines] == [f"{r['ratio']:.2f}" for r in rows]
+
+
+def test_shapes_suite_without_torch_is_skipped(tmp_path, capsys):
+    out = tmp_path / "s.json"
+    assert cli.main(["bench", "--quick", "--suite", "shapes", "--no-torch", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["skipped"]["shapes"] == "PyTorch was left out (torch=False, --no-torch)"

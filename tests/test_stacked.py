@@ -1,0 +1,54 @@
+"""The stacked dense kernel (``qkv.kernels.stacked``), what ``method="auto"`` runs for short
+sequences in big batches: the reference's bits, for any thread count."""
+import numpy as np
+import pytest
+
+import qkv
+from qkv import api
+from qkv.kernels import stacked
+from qkv.threads import kernel_threads
+
+CASES = [dict(), dict(causal=True), dict(causal="bottom_right"), dict(window=(5, 3)), dict(causal=True, chunk=7)]
+
+
+def _inputs(shape_q, shape_kv, dtype=np.float32, seed=0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal(shape_q).astype(dtype)
+    k, v = (rng.standard_normal(shape_kv).astype(dtype) for _ in range(2))
+    dout = rng.standard_normal(shape_q).astype(dtype)
+    return q, k, v, dout
+
+
+@pytest.mark.parametrize("options", CASES)
+@pytest.mark.parametrize("gqa", [False, True])
+def test_auto_stacks_short_sequences_with_the_references_bits(options, gqa, monkeypatch):
+    chosen = []
+    real = api._kernel
+    monkeypatch.setattr(api, "_kernel", lambda *a: chosen.append(real(*a)) or chosen[-1])
+    q, k, v, dout = _inputs((8, 8, 97, 24), (8, 4 if gqa else 8, 83, 24))  # 8 units over the threads
+    ref = qkv.attention(q, k, v, gqa=gqa, return_lse=True, method="reference", **options)
+    ref_grads = qkv.attention_backward(dout, q, k, v, *ref, gqa=gqa, method="reference", **options)
+    for threads in (1, 2, 3):
+        with kernel_threads(threads):
+            out = qkv.attention(q, k, v, gqa=gqa, return_lse=True, **options)
+            grads = qkv.attention_backward(dout, q, k, v, *out, gqa=gqa, **options)
+        for got, want in zip(out + grads, ref + ref_grads):
+            np.testing.assert_array_equal(got, want)
+    assert chosen[-1] is api.STACKED
+
+
+def test_units_cover_the_stack_in_whole_kv_groups():
+    for n, t, g in ((384, 128, 1), (48, 64, 4), (7, 256, 1), (12, 200, 3)):
+        units = stacked._units(n, t, t, g)
+        assert units[0][0] == 0 and units[-1][1] == n
+        assert all(b == c for (_, b), (c, _) in zip(units, units[1:]))
+        assert all(a % g == 0 and b % g == 0 for a, b in units)
+
+
+def test_per_head_masks_and_lengths_are_not_stacked():
+    q, k, v, _ = _inputs((16, 4, 64, 16), (16, 4, 64, 16))  # 2^18 score entries: auto's stacking size
+    prob = api.prepare(q, k, v, kv_lengths=np.arange(16) * 4)
+    assert not stacked.applies(prob.spec) and api._kernel("auto", prob, False) is not api.STACKED
+    assert api._kernel("auto", api.prepare(q, k, v, causal=True), False) is api.STACKED
+    assert api._kernel("auto", api.prepare(q, k, v), True) is not api.STACKED  # weights: the dense path
+    assert api._kernel("auto", api.prepare(q[:8], k[:8], v[:8]), False) is api.kernels.lookup("reference")  # small: all heads at once
