@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from qkv import ShapeError, nn
+from qkv import ShapeError, jit, nn
 from qkv.nn import activations, fusion
 
 TOL = 1e-6  # finite differences in float64 agree to ~1e-9; anything wrong is O(1)
@@ -37,7 +37,7 @@ def worst(errors: dict) -> tuple:
 def path(request, monkeypatch):
     """Each test run on the NumPy passes and (where numba is installed) on the fused ones."""
     if request.param == "numpy":
-        monkeypatch.setitem(fusion._loaded, fusion.MODULE, None)
+        monkeypatch.setitem(jit._loaded, fusion.MODULE, None)
     elif fusion.module() is None:
         pytest.skip("numba is not installed (pip install 'qkv[fast]') or QKV_JIT=0")
     return request.param

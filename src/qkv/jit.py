@@ -30,7 +30,8 @@ def enabled() -> bool:
 
 
 def load(name: str) -> ModuleType | None:
-    """The compiled module ``name`` (:data:`FLASH` or :data:`ENCODER`), imported at the first
+    """The compiled module ``name`` (:data:`FLASH`, :data:`ENCODER`, or the layers'
+    ``qkv.nn.fused``), imported at the first
     call, or None where :func:`enabled` is false; the answer is kept for the process."""
     if name in _loaded:  # every tile asks: no lock once loaded
         return _loaded[name]

@@ -9,31 +9,23 @@ its NumPy passes, which compute the same formulas.
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import os
-import threading
 from types import ModuleType
 
 import numpy as np
 
+from .. import jit
+
 MODULE = "qkv.nn.fused"
-_lock = threading.Lock()
-_loaded: dict[str, ModuleType | None] = {}
 
 
 def enabled() -> bool:
     """numba is installed and ``QKV_JIT=0`` is not set."""
-    return os.environ.get("QKV_JIT", "1") != "0" and importlib.util.find_spec("numba") is not None
+    return jit.enabled()
 
 
 def module() -> ModuleType | None:
     """:mod:`qkv.nn.fused`, imported at the first call, or None (no numba, or ``QKV_JIT=0``)."""
-    if MODULE not in _loaded:
-        with _lock:
-            if MODULE not in _loaded:
-                _loaded[MODULE] = importlib.import_module(MODULE) if enabled() else None
-    return _loaded[MODULE]
+    return jit.load(MODULE)
 
 
 def compiled(*arrays: np.ndarray) -> ModuleType | None:
