@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 
 import numba
-import numpy as np
 
 FLAGS = {"nsz", "contract", "reassoc", "arcp"}  # reassociation lets LLVM vectorise the row sums
 SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)

@@ -29,8 +29,6 @@ Dropout, logit soft-capping and attention sinks are not qkv options: they raise.
 """
 from __future__ import annotations
 
-import torch
-
 from ..errors import ShapeError
 from ..extras import require
 from . import hf_masks

@@ -303,7 +303,7 @@ def backward(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int =
     also says ``blocks=True``: no tile then holds a whole row); by default both come from
     this call's keys."""
     call, workers, heads_of = _setup(q, k, spec, scale, group, tiles, num_threads, whole_rows=not blocks)
-    dt, tq, d = call.dt, q.shape[-2], q.shape[-1]
+    dt, d = call.dt, q.shape[-1]
     tk, dvw = k.shape[-2], v.shape[-1]
     if precise is None:
         precise = precise_rows(q, lse, spec, scale, key_norm_max(k, spec, group))

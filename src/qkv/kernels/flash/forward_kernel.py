@@ -61,7 +61,6 @@ exact one), and where it gives up, :func:`_precise`.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import partial
 
