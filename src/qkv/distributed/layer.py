@@ -27,12 +27,16 @@ class RingMultiHeadAttention(MultiHeadAttention):
     every rank so the parameters agree. No KV cache, cross-attention or weights: those are
     single-process features. With the same parameters, ``forward(shard(x))`` is
     ``shard(MultiHeadAttention.forward(x))`` and the gradients are the whole sequence's.
+    ``sum_grads=False`` leaves each rank's gradients its own tokens' part, for a caller that
+    sums every layer's gradients at once (:mod:`qkv.distributed.train`: one Allreduce a step).
     """
 
-    def __init__(self, d_model: int, n_heads: int, *, comm=None, layout: str = "zigzag", **kwargs):
+    def __init__(self, d_model: int, n_heads: int, *, comm=None, layout: str = "zigzag", sum_grads: bool = True,
+                 **kwargs):
         super().__init__(d_model, n_heads, **kwargs)
         self.comm, self.size, self.rank = world(comm)
         self.layout = check_layout(layout)
+        self.sum_grads = bool(sum_grads)
 
     def _ring_options(self, kv_lengths) -> dict:
         """The base's options of qkv.attention (one list for both layers), less the two the
@@ -67,7 +71,7 @@ class RingMultiHeadAttention(MultiHeadAttention):
             dq = rope_backward(dq, s["pos"], base=self.rope_base)
             dk = rope_backward(dk, s["pos"], base=self.rope_base)
         dx = self._heads_backward(dq, dk, dv, cross=False, squeezed=s["squeezed"])  # (B, c, d_model): x fed all three
-        g = self.grads
+        g = self.grads if self.sum_grads else {}
         for name in sorted(g):  # token sums over the whole sequence: add every rank's part
             total = np.empty_like(g[name])
             self.comm.Allreduce(np.ascontiguousarray(g[name]), total)

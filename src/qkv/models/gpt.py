@@ -114,9 +114,16 @@ class GPT(Layer):
     ``train()``/``eval()``, ``generate(...)`` (KV cache), ``save(dir)``; :func:`load_gpt` reads
     a saved model and :func:`load_gpt2` a Hugging Face GPT-2. ``no_decay`` names the
     embeddings, which :class:`qkv.nn.AdamW` does not decay.
+
+    ``attention`` makes each block's attention layer, called as
+    :class:`~qkv.nn.MultiHeadAttention` is (the default); :mod:`qkv.distributed.train` passes
+    its ring attention layer (context parallel), which draws the same initial weights.
+    ``token_positions`` (None: ``0 .. T-1``) are the global positions ``(T,)`` of the tokens
+    ``forward`` gets when they are a rank's shard of a longer sequence; the learned ``wpe``
+    is read and its gradient written at them (a ring layer rotates RoPE at them itself).
     """
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, *, attention=None):
         if not isinstance(config, GPTConfig):
             raise ShapeError(f"config must be a GPTConfig; got {type(config).__name__}")
         super().__init__(dtype=config.dtype, rng=np.random.default_rng(config.seed))
@@ -125,9 +132,11 @@ class GPT(Layer):
         self.wte = Embedding(c.vocab_size, c.n_embd, **kw)
         self.wpe = Embedding(c.block_size, c.n_embd, **kw) if c.positions == "learned" else None
         self.drop = Dropout(c.dropout, self.rng, dtype=c.dtype)
+        attention = MultiHeadAttention if attention is None else attention
+        self.token_positions = None
         self.h = [TransformerBlock(
-            c.n_embd, MultiHeadAttention(c.n_embd, c.n_head, n_kv_heads=c.n_kv_head, causal=True, bias=c.bias,
-                                         rope=c.positions == "rope", rope_base=c.rope_base, **kw),
+            c.n_embd, attention(c.n_embd, c.n_head, n_kv_heads=c.n_kv_head, causal=True, bias=c.bias,
+                                rope=c.positions == "rope", rope_base=c.rope_base, **kw),
             MLP(c.n_embd, c.n_inner, c.activation, c.bias, **kw), "layernorm", c.dropout,
             bias=c.bias, eps=c.layer_norm_eps, **kw) for _ in range(c.n_layer)]
         self.ln_f = LayerNorm(c.n_embd, c.layer_norm_eps, c.bias, dtype=c.dtype)
@@ -176,7 +185,8 @@ class GPT(Layer):
         """``wpe`` rows for this call: ``(T, C)``, or ``(B, T, C)`` after each sequence's ``start``."""
         bs = self.config.block_size
         if start is None:
-            return self.wpe.params["W"][:t]
+            pos = self.token_positions
+            return self.wpe.params["W"][:t] if pos is None else self.wpe.params["W"][pos]
         ends = start + counts
         if ends.max(initial=0) > bs:
             raise ShapeError(f"a sequence would reach {int(ends.max())} tokens, past block_size = {bs} "
@@ -209,7 +219,7 @@ class GPT(Layer):
         x = self.ln_f.forward(x)                                    # (B, T, C)
         logits = x.reshape(b * t, -1) @ self._head().T              # (B·T, C) @ (C, V) -> (B·T, V)
         logits = logits.reshape(b, t, -1)                           # (B, T, V)
-        self._keep(dict(x=x, t=t, cached=cache is not None, dlogits=None))
+        self._keep(dict(x=x, t=t, cached=cache is not None, dlogits=None, pos=self.token_positions))
         return logits
 
     def loss(self, idx, targets) -> float:
@@ -235,8 +245,12 @@ class GPT(Layer):
         dx = self.drop.backward(dx)
         if self.wpe is not None:
             g = self.wpe.grads["W"]
-            g[s["t"]:] = 0
-            np.sum(dx, axis=0, out=g[:s["t"]])                      # (B, T, C) -> (T, C)
+            if s["pos"] is None:
+                g[s["t"]:] = 0
+                np.sum(dx, axis=0, out=g[:s["t"]])                  # (B, T, C) -> (T, C)
+            else:                                                   # distinct global positions
+                g[...] = 0
+                g[s["pos"]] = dx.sum(axis=0)                        # (B, T, C) -> (T, C) rows
         self.wte.backward(dx)                                       # rows of idx, added up
         if self.lm_head is None:
             self.wte.grads["W"] += dhead                            # tied: embedding + head

@@ -1,0 +1,83 @@
+"""qkv.distributed.train: the GPT trained by W ranks equals one process (tests/mpi_train_cases.py
+under real ``mpiexec -n W python -m mpi4py`` jobs), and the checks that need no MPI job."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import qkv
+from qkv.distributed.train import check_split
+
+from helpers import mpiexec
+
+HERE = Path(__file__).parent
+CASES = ("data-float64-20-steps", "context-float64-20-steps", "data-float32-20-steps",
+         "context-float32-20-steps", "context-rope-gqa-grads", "saved-by-W-resumed-by-1",
+         "saved-by-1-resumed-by-W")
+
+
+def _launch(size, folder, *args, timeout=120):
+    return mpiexec(size, "-m", "mpi4py", str(HERE / "mpi_train_cases.py"), str(folder), *args, timeout=timeout)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_parallel_training_equals_one_process(size, tmp_path):
+    """float64: 20 steps of data parallel (W ranks x batch 2 against one process x batch 2W) and
+    of context parallel give the losses, evaluations and weights of one process to 1e-10
+    (float32 to 1e-5); RoPE + GQA context-parallel gradients equal one process's; a checkpoint
+    written by W ranks resumes on one process and one written by one process resumes on W."""
+    res = _launch(size, tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    ok = [line for line in res.stdout.splitlines() if " ok " in line]
+    for case in CASES:
+        seen = [line for line in ok if f" ok {case} " in line]
+        assert len(seen) == (1 if case == "saved-by-W-resumed-by-1" else size), (case, res.stdout)
+
+
+def test_a_failing_rank_ends_the_job(tmp_path):
+    """A batch W ranks cannot split raises the same ShapeError on every rank; then one rank
+    raising mid-training (the others in the Allreduce) ends the job with a non-zero status
+    within the timeout, instead of a hang."""
+    res = _launch(2, tmp_path, "fail", timeout=60)
+    raised = {line.split(" raised: ")[1] for line in res.stdout.splitlines() if " raised: " in line}
+    assert raised == {"ShapeError: batch_size = 5 must be a multiple of the W = 2 ranks: data parallel "
+                      "gives each rank batch_size / W rows of every batch"}, res.stdout + res.stderr
+    assert res.returncode != 0 and "rank 1 fails at step 3" in res.stderr
+    assert "finished" not in res.stdout
+
+
+@pytest.mark.parametrize("args,match", [
+    (("data", 12, 64, 5), "batch_size = 12 must be a multiple of the W = 5 ranks"),
+    (("context", 12, 60, 4), "block_size = 60 must be a multiple of 8 for context parallel over W = 4"),
+    (("context", 12, 62, 4, "contiguous"), "block_size = 62 must be a multiple of 4"),
+    (("pipeline", 12, 64, 2), "parallel must be one of"),
+    (("data", 12, 64, 2, "stripes"), "layout must be one of"),
+])
+def test_splits_that_cannot_be_made_name_the_argument(args, match):
+    with pytest.raises(qkv.ShapeError, match=match):
+        check_split(*args)
+    check_split("data", 12, 60, 4)   # batch 12 splits over 4; the block is not data parallel's concern
+    check_split("context", 5, 64, 4)
+
+
+def test_one_process_is_w_equals_one():
+    """Without mpiexec (W = 1, mpi4py's singleton) both modes give the plain GPT's loss and grads."""
+    pytest.importorskip("mpi4py", reason="the mpi extra (mpi4py with mpich) is not installed")
+    from qkv.distributed.train import ParallelGPT
+    from qkv.models import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=11, block_size=16, n_layer=2, n_head=2, n_embd=8, dtype=np.float64)
+    rng = np.random.default_rng(1)
+    x, y = rng.integers(0, 11, (3, 16)), rng.integers(0, 11, (3, 16))
+    one = GPT(cfg)
+    want = one.loss(x, y)
+    one.backward()
+    for mode in ("data", "context"):
+        par = ParallelGPT(GPT(cfg), mode)
+        assert abs(par.loss(x, y) - want) < 1e-12
+        par.backward()
+        assert all(np.allclose(par.grads[k], g, rtol=0, atol=1e-12) for k, g in one.grads.items())
+        with pytest.raises(qkv.ShapeError, match="idx has T = 20 tokens, more than block_size = 16"):
+            ParallelGPT(GPT(cfg), "context").loss(np.zeros((1, 20), int), np.zeros((1, 20), int))
