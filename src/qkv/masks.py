@@ -15,6 +15,8 @@ The structured options of :func:`qkv.attention` are rules on an *aligned* query 
 - ``mask``: a bool array, True = may attend, broadcast to ``(..., Hq, Tq, Tk)``.
 - ``bias``: a float array added to the scaled scores, same broadcasting.
 - ``alibi``: slopes ``(Hq,)`` or ``(B, Hq)``; head h adds ``-slope * |i' - j|``.
+- ``softcap``, ``dropout_p``/``dropout_seed``: what is done to a score or a weight beside the
+  mask (:mod:`qkv.score_ops`); kept here so that every kernel and the ring's blocks see them.
 
 A kernel asks the spec about one block of rows ``q0:q1`` and columns ``k0:k1`` of one batch
 item at a time: :meth:`MaskSpec.segments` says which key runs any row may see and which of
@@ -33,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import OptionError, ShapeError, as_array, broadcasts_to, fmt_shape
-from .options import parse_alignment, parse_chunk, parse_window
+from .options import parse_alignment, parse_chunk, parse_dropout, parse_softcap, parse_window
 
 __all__ = ["MaskSpec", "build_spec"]
 
@@ -62,6 +64,16 @@ class MaskSpec:
     mask: np.ndarray | None = None
     bias: np.ndarray | None = None
     alibi: np.ndarray | None = None
+    softcap: float | None = None   # scores c·tanh(x / c) before bias, ALiBi and masks (qkv.score_ops)
+    dropout_p: float = 0.0         # > 0: weights times keep / (1 - p), keep drawn from dropout_seed
+    dropout_seed: int = 0
+
+    @property
+    def plain_scores(self) -> bool:
+        """True when the weights are the softmax of ``scale·q·k + bias`` as they are: no
+        ``softcap``, no dropout (``dropout_p == 0``). A kernel that implements neither
+        declines a problem where this is False."""
+        return self.softcap is None and self.dropout_p == 0
 
     # --- per batch item ------------------------------------------------------------
     def shift(self, batch: int | None) -> int:
@@ -325,13 +337,15 @@ def _check_alibi(alibi, lead: tuple, reach: int, dtype) -> np.ndarray:
 
 
 def build_spec(lead: tuple, tq: int, tk: int, *, mask=None, bias=None, causal=False, align=None,
-               window=None, chunk=None, kv_lengths=None, q_lengths=None, alibi=None,
-               dtype=np.float64) -> MaskSpec:
+               window=None, chunk=None, kv_lengths=None, q_lengths=None, alibi=None, softcap=None,
+               dropout_p=0.0, dropout_seed=None, dtype=np.float64) -> MaskSpec:
     """Check every mask option against the output's leading shape ``lead = (..., Hq)`` and
     the compute ``dtype`` (a bias must be representable in it)."""
     causal, align = parse_alignment(causal, align)
     left, right = parse_window(window)
     chunk = parse_chunk(chunk)
+    softcap = parse_softcap(softcap)
+    dropout_p, dropout_seed = parse_dropout(dropout_p, dropout_seed)
     if causal and right is not None and right > 0:
         raise OptionError(
             f"window={window!r} conflicts with causal=True: a causal query sees no key to its "
@@ -366,4 +380,4 @@ def build_spec(lead: tuple, tq: int, tk: int, *, mask=None, bias=None, causal=Fa
             offset = int(offset[0]) if offset.size else 0
     return MaskSpec(lead=tuple(lead), tq=tq, tk=tk, causal=causal, left=left, right=right, chunk=chunk,
                     offset=offset, kv_lengths=kv_lengths, q_lengths=q_lengths, mask=mask, bias=bias,
-                    alibi=alibi)
+                    alibi=alibi, softcap=softcap, dropout_p=dropout_p, dropout_seed=dropout_seed)

@@ -37,8 +37,8 @@ from .errors import OptionError, reject_unknown
 class Option:
     """One option of an attention problem.
 
-    ``kind``: ``"mask"`` (which keys a query sees, or what is added to its scores: the
-    :class:`~qkv.masks.MaskSpec` holds it), ``"problem"`` (the rest of the math: scale,
+    ``kind``: ``"mask"`` (which keys a query sees, what is added to its scores, or what is
+    done to a score or weight beside the softmax: the :class:`~qkv.masks.MaskSpec` holds it), ``"problem"`` (the rest of the math: scale,
     heads), ``"output"`` (what a forward returns), ``"kernel"`` (how it is computed),
     ``"gradient"`` (a backward's extra input).
     """
@@ -61,6 +61,12 @@ OPTIONS: tuple = (
     Option("kv_lengths", None, "mask", "array", "int (B,): keys >= kv_lengths[b] are never read"),
     Option("q_lengths", None, "mask", "array", "int (B,): query rows >= q_lengths[b] are padding"),
     Option("alibi", None, "mask", "array", "slopes (Hq,) or (B, Hq): adds -slope * |i' - j|"),
+    Option("softcap", None, "mask", "float", "c > 0: s = c·tanh(scale·q·k / c), then bias, ALiBi and masks "
+                                             "(Gemma 2, flash-attn); None or 0: off"),
+    Option("dropout_p", 0.0, "mask", "float", "0 <= p < 1: the weights times keep / (1 - p) after the softmax "
+                                              "(lse is the undropped one)"),
+    Option("dropout_seed", None, "mask", "int", "the int that, with (batch, head, row, column), draws the "
+                                                "keep-mask; needed when dropout_p > 0"),
     Option("scale", None, "problem", "float", "multiplies q kᵀ; default 1/sqrt(D)"),
     Option("gqa", False, "problem", "bool", "Hq % Hkv == 0; query heads h*G .. h*G+G-1 share kv head h"),
     Option("return_lse", False, "output", "bool", "also return lse (..., Hq, Tq)"),
@@ -83,13 +89,20 @@ LACKS = {
         "return_weights": "the ring never holds a (Tq, Tk) array; qkv.attention returns weights",
         "method": "the ring always runs the tiled kernel",
     },
-    "linear_attention": {name: "an option of qkv.attention; linear attention takes causal= and gqa= only"
-                         for name in ("mask", "bias", "align", "window", "chunk", "kv_lengths", "q_lengths",
-                                      "alibi", "scale", "return_lse", "return_weights", "method")},
+    "linear_attention": {
+        **{name: "an option of qkv.attention; linear attention takes causal= and gqa= only"
+           for name in ("mask", "bias", "align", "window", "chunk", "kv_lengths", "q_lengths",
+                        "alibi", "scale", "return_lse", "return_weights", "method")},
+        "softcap": "linear attention has no softmax scores to cap, only feature maps φ(q)·φ(k)",
+        "dropout_p": "linear attention never forms the weights that dropout drops",
+        "dropout_seed": "linear attention never forms the weights that dropout drops"},
     "layer": {"mask": _LAYER_CALL, "bias": _LAYER_CALL,
               "alibi": "a layer takes alibi=True and makes its own slopes (qkv.positional.alibi_slopes)",
               "return_lse": "a layer returns its output", "return_weights": "forward(return_weights=True)",
-              "method": "a layer calls qkv.attention with method='auto'", "gqa": "n_kv_heads= says it"},
+              "method": "a layer calls qkv.attention with method='auto'", "gqa": "n_kv_heads= says it",
+              "dropout_p": "a layer takes dropout= (its rate, applied in train() mode only)",
+              "dropout_seed": "a layer draws each training call's seed from its Generator (rng=) and "
+                              "keeps it for the backward"},
 }
 LACKS["latent"] = {**LACKS["layer"],
                    "alibi": "MLA positions its queries and keys by decoupled RoPE (d_rope=), not ALiBi",
@@ -202,3 +215,30 @@ def parse_flag(name: str, value) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise OptionError(f"{name} must be True or False; got {value!r}")
     return bool(value)
+
+
+def parse_softcap(softcap) -> float | None:
+    """``None`` (or 0: off) or a finite real ``c > 0``: scores ``c·tanh(x / c)``."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real) or \
+            not math.isfinite(softcap) or softcap < 0:
+        raise OptionError(f"softcap must be a finite real number > 0 (None or 0: off); got {softcap!r}")
+    return float(softcap) if softcap > 0 else None
+
+
+def parse_dropout(dropout_p, dropout_seed) -> tuple[float, int]:
+    """``(p, seed)``: ``0 <= p < 1`` and, when ``p > 0``, an int seed (taken mod 2**64; 0 when
+    ``p = 0``, where no mask is drawn)."""
+    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real) or \
+            not 0 <= dropout_p < 1:  # NaN fails both comparisons
+        raise OptionError(f"dropout_p must be a real number in [0, 1); got {dropout_p!r}")
+    if dropout_seed is not None and (isinstance(dropout_seed, (bool, np.bool_))
+                                     or not isinstance(dropout_seed, (int, np.integer))):
+        raise OptionError(f"dropout_seed must be an int (or None with dropout_p = 0); got {dropout_seed!r}")
+    if dropout_p == 0:
+        return 0.0, 0
+    if dropout_seed is None:
+        raise OptionError(f"dropout_p={dropout_p!r} needs dropout_seed= (an int): the keep-mask is a function "
+                          "of it, and the backward draws the same mask from it")
+    return float(dropout_p), int(dropout_seed) % 2 ** 64

@@ -2,22 +2,24 @@
 
 Forward, for one (batch, head) and scores in the compute dtype::
 
-    S   = scale * Q Kᵀ + bias                      (Tq, Tk)
+    X   = scale * Q Kᵀ                             (Tq, Tk)
+    S   = X + bias, or c·tanh(X / c) + bias with softcap c
     S   = -inf where the query may not attend
     lse = log Σ_j exp(S_ij)                        (Tq,)   (-inf for a row that sees nothing)
     P   = exp(S - lse)                             (Tq, Tk), rows sum to 1 (or are all 0)
-    O   = P V                                      (Tq, Dv)
+    O   = (P ∘ Z) V                                (Tq, Dv), Z = keep / (1 - p) with dropout, else 1
 
 Backward, from dO = ∂L/∂O (the softmax Jacobian applied row by row), with P recomputed as
 ``exp(S - lse)`` and divided by its row sums: they are 1 up to the rounding of the saved
 lse, which is all that is left when a score is ``finfo.min`` (a Hugging Face mask) and
 ``log Σ`` vanishes beside it (lse = max score, and P would sum to the number of keys)::
 
-    dV    = Pᵀ dO
-    dP    = dO Vᵀ
+    dV    = (P ∘ Z)ᵀ dO
+    dP    = Z ∘ (dO Vᵀ)
     delta = rowsum(dO ∘ O)  ( = rowsum(P ∘ dP) )
     dS    = P ∘ (dP - delta + dlse)       (dlse = ∂L/∂lse, where the loss uses lse; else 0)
-    dQ    = scale · dS K,   dK = scale · dSᵀ Q
+    dX    = dS ∘ (1 - tanh²(X / c))       (with softcap; else dX = dS)
+    dQ    = scale · dX K,   dK = scale · dXᵀ Q
 
 Kernel interface (shared with :mod:`qkv.kernels.flash`): arrays arrive checked and in the compute
 dtype as ``q (*L, Tq, D)``, ``k (*Lk, Tk, D)``, ``v (*Lk, Tk, Dv)``, where ``L = (..., Hq)``
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import score_ops
 from ..masks import MaskSpec
 
 
@@ -50,16 +53,23 @@ def _hide_padding(x: np.ndarray, lengths: np.ndarray | None) -> np.ndarray:
     return np.where(keep, x, 0).astype(x.dtype, copy=False)
 
 
-def _scores(q, k, spec: MaskSpec, scale: float) -> np.ndarray:
-    """Masked, biased, scaled scores S, -inf where attention is not allowed."""
+def _scores(q, k, spec: MaskSpec, scale: float, slope: bool = False):
+    """Masked, biased, scaled scores S, -inf where attention is not allowed; with ``slope``
+    also ``(S, ds/dx)``, the softcap's derivative ``1 - tanh²(x/c)`` (None without softcap)."""
     s = np.matmul(q, np.swapaxes(k, -1, -2)) * q.dtype.type(scale)  # (*L,Tq,D) @ (*L,D,Tk) -> (*L,Tq,Tk)
+    grad = None
+    if spec.softcap is not None:  # s = c·tanh(x / c), before bias and masks
+        c = s.dtype.type(spec.softcap)
+        t = np.tanh(s / c)
+        s = c * t
+        grad = 1 - t * t if slope else None
     add = spec.additive(dtype=s.dtype)
     if add is not None:
         s = s + add
     ok = spec.allowed()
     if ok is not None:
         s = np.where(ok, s, -np.inf)
-    return s
+    return (s, grad) if slope else s
 
 
 def forward(q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_weights: bool = False):
@@ -75,6 +85,8 @@ def forward(q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_weight
     with np.errstate(divide="ignore"):
         lse = (m + np.log(total))[..., 0]  # log 0 = -inf for rows that see nothing
     p = e / np.where(total == 0, 1, total)
+    if spec.dropout_p:  # P ∘ Z, Z = keep / (1 - p); lse stays the undropped one
+        p = p * score_ops.keep(spec, dtype=p.dtype)
     out = np.matmul(p, v)  # (*L,Tq,Tk) @ (*L,Tk,Dv) -> (*L,Tq,Dv)
     return out, lse, (p if return_weights else None)
 
@@ -87,17 +99,23 @@ def backward(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int =
     q = _hide_padding(q, spec.q_lengths)
     dout = _hide_padding(dout, spec.q_lengths)
     out = _hide_padding(out, spec.q_lengths)
-    s = _scores(q, kx, spec, scale)
+    s, slope = _scores(q, kx, spec, scale, slope=True)
     lse_safe = np.where(lse == -np.inf, 0, lse)[..., None]
     p = np.exp(s - lse_safe)  # P = exp(S - lse); rows that see nothing are exp(-inf) = 0
     total = p.sum(axis=-1, keepdims=True)
     p /= np.where(total > 0, total, 1)  # rows sum to 1 even where lse could not hold log Σ (see above)
-    dv = np.matmul(np.swapaxes(p, -1, -2), dout)  # (*L,Tk,Tq) @ (*L,Tq,Dv) -> (*L,Tk,Dv)
+    z = score_ops.keep(spec, dtype=p.dtype) if spec.dropout_p else None
+    pz = p if z is None else p * z  # the dropped weights the output was made of
+    dv = np.matmul(np.swapaxes(pz, -1, -2), dout)  # (*L,Tk,Tq) @ (*L,Tq,Dv) -> (*L,Tk,Dv)
     dp = np.matmul(dout, np.swapaxes(vx, -1, -2))  # (*L,Tq,Dv) @ (*L,Dv,Tk) -> (*L,Tq,Tk)
-    delta = np.sum(dout * out, axis=-1, keepdims=True)  # (*L,Tq,1)
+    if z is not None:
+        dp *= z  # ∂L/∂P = Z ∘ (dO Vᵀ)
+    delta = np.sum(dout * out, axis=-1, keepdims=True)  # (*L,Tq,1) = rowsum(P ∘ dP), dropout or not
     if dlse is not None:  # ∂lse_i/∂s_ij = P_ij
         delta = delta - _hide_padding(dlse[..., None], spec.q_lengths)
     ds = p * (dp - delta)
+    if slope is not None:
+        ds *= slope  # through the softcap: ∂s/∂x = 1 - tanh²(x / c)
     sc = q.dtype.type(scale)
     dq = np.matmul(ds, kx) * sc  # (*L,Tq,Tk) @ (*L,Tk,D) -> (*L,Tq,D)
     dk = np.matmul(np.swapaxes(ds, -1, -2), q) * sc  # (*L,Tk,Tq) @ (*L,Tq,D) -> (*L,Tk,D)

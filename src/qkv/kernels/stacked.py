@@ -15,7 +15,8 @@ Bits: the units depend on the problem alone (never on the thread count), a stack
 thread count gives the same bits, the same as :mod:`.reference` on the whole problem.
 
 Only masks that are the same for every head (causal, window, chunk, one alignment offset)
-are stacked; masks, biases, ALiBi and lengths go by :func:`applies` to another kernel.
+are stacked; masks, biases, ALiBi, lengths, softcap and dropout go by :func:`applies` to
+another kernel.
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ UNIT_ENTRIES = 1 << 16   # score entries of one work unit (256 KiB in float32; w
 def applies(spec: MaskSpec) -> bool:
     """True when the mask is the same for every (batch, head) pair, so heads can be stacked."""
     return (spec.mask is None and spec.bias is None and spec.alibi is None and spec.kv_lengths is None
-            and spec.q_lengths is None and not isinstance(spec.offset, np.ndarray))
+            and spec.q_lengths is None and not isinstance(spec.offset, np.ndarray)
+            and spec.plain_scores)  # softcap and dropout: the reference and the tiled kernel
 
 
 def _units(n: int, tq: int, tk: int, group: int) -> list[tuple[int, int]]:

@@ -21,6 +21,7 @@ import numpy as np
 
 from ..api import attention, attention_backward
 from ..errors import ShapeError, as_float_array, fmt_shape, positive_int
+from ..options import parse_dropout, parse_softcap
 from .base import Layer, check_input, merge_heads, split_heads
 from .checks import attention_options, cache_step, check_cache, check_context, mask_options, rope_options
 from .layers import Linear
@@ -41,11 +42,14 @@ class AttentionLayer(Layer):
     grouped = True
 
     def __init__(self, d_model: int, *, causal=False, align=None, window=None, chunk=None,
-                 scale: float | None = None, dtype=np.float32, rng: np.random.Generator | None = None):
+                 scale: float | None = None, softcap=None, dropout: float = 0.0, dtype=np.float32,
+                 rng: np.random.Generator | None = None):
         super().__init__(dtype=dtype, rng=rng)
         self.d_model = positive_int("d_model", d_model)
         mask_options(causal, align, window, chunk)  # a bad value fails here, not at the first forward
         self.causal, self.align, self.window, self.chunk, self.scale = causal, align, window, chunk, scale
+        self.softcap = parse_softcap(softcap)
+        self.dropout = parse_dropout(dropout, 0)[0]  # the rate; each training call draws its seed
         self.alibi = None  # ALiBi slopes (n_heads,) where a layer offers them
 
     def _check_rope_base(self, used: bool, rope_base) -> None:
@@ -111,10 +115,15 @@ class AttentionLayer(Layer):
 
     def _options(self, kv_lengths=None, q_lengths=None, cached: bool = False) -> dict:
         """Keyword arguments of qkv.attention/attention_backward for one call; a cached call
-        is aligned bottom-right (each sequence's newest query sees its newest key)."""
+        is aligned bottom-right (each sequence's newest query sees its newest key). In
+        ``train()`` mode with ``dropout`` the call drops weights with a fresh seed."""
+        drop = {}
+        if self.training and self.dropout:  # a seed from the layer's Generator, kept with opts for backward
+            drop = dict(dropout_p=self.dropout, dropout_seed=int(self.rng.integers(2 ** 63)))
         return attention_options(causal=self.causal, align=self.align, window=self.window, chunk=self.chunk,
                                  alibi=self.alibi, scale=self.scale, gqa=self.grouped,
-                                 kv_lengths=kv_lengths, q_lengths=q_lengths, cached=cached)
+                                 kv_lengths=kv_lengths, q_lengths=q_lengths, cached=cached,
+                                 softcap=self.softcap, **drop)
 
     _cache_step = staticmethod(cache_step)
 

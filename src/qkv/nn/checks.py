@@ -135,7 +135,8 @@ def cache_step(cache, t: int, kv_lengths, q_lengths):
 
 
 def attention_options(*, causal, align, window, chunk, alibi, scale, gqa: bool,
-                      kv_lengths=None, q_lengths=None, cached: bool = False) -> dict:
+                      kv_lengths=None, q_lengths=None, cached: bool = False, softcap=None,
+                      dropout_p=0.0, dropout_seed=None) -> dict:
     """Keyword arguments of :func:`qkv.attention` / :func:`qkv.attention_backward` for one
     call of a layer with these options; a cached call is aligned bottom-right (each
     sequence's newest query sees its newest key, at its own length)."""
@@ -143,4 +144,5 @@ def attention_options(*, causal, align, window, chunk, alibi, scale, gqa: bool,
     if cached:
         align = "bottom_right"
     return dict(causal=causal, align=align, window=window, chunk=chunk, kv_lengths=kv_lengths,
-                q_lengths=q_lengths, alibi=alibi, scale=scale, gqa=gqa, method="auto")
+                q_lengths=q_lengths, alibi=alibi, scale=scale, gqa=gqa, softcap=softcap,
+                dropout_p=dropout_p, dropout_seed=dropout_seed, method="auto")

@@ -58,6 +58,7 @@ class LatentAttention(AttentionLayer):
         d_rope: size of the decoupled RoPE query/key per head; default ``d_head // 2``
             rounded down to even (DeepSeek-V2: 64 with d_head 128); 0 disables RoPE.
         causal, window: as in :func:`qkv.attention`; a cache needs ``causal``.
+        softcap, dropout: as in :class:`MultiHeadAttention` (dropout in ``train()`` mode only).
     ``eval()`` makes the forward keep nothing for backward (inference; ``train()`` undoes it).
     """
 
@@ -65,8 +66,10 @@ class LatentAttention(AttentionLayer):
 
     def __init__(self, d_model: int, n_heads: int, d_latent: int, *, d_head: int | None = None,
                  d_rope: int | None = None, causal=False, align=None, window=None, chunk=None,
-                 rope_base: float = 10000.0, dtype=np.float32, rng: np.random.Generator | None = None):
-        super().__init__(d_model, causal=causal, align=align, window=window, chunk=chunk, dtype=dtype, rng=rng)
+                 rope_base: float = 10000.0, softcap=None, dropout: float = 0.0, dtype=np.float32,
+                 rng: np.random.Generator | None = None):
+        super().__init__(d_model, causal=causal, align=align, window=window, chunk=chunk, softcap=softcap,
+                         dropout=dropout, dtype=dtype, rng=rng)
         self.n_heads = positive_int("n_heads", n_heads)
         self.d_latent = positive_int("d_latent", d_latent)
         self.d_head = head_width(self.d_model, self.n_heads, d_head)

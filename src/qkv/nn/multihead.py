@@ -46,7 +46,9 @@ class MultiHeadAttention(AttentionLayer):
     Options: ``causal`` (as in :func:`qkv.attention`; with a cache the alignment is
     always bottom-right), ``window`` (``n`` or ``(left, right)``), ``rope`` (rotary
     embedding of q and k, half-split, ``rope_base``), ``alibi`` (the paper's slopes for
-    ``n_heads``), ``scale`` (default ``1/sqrt(d_head)``). In cross-attention the query
+    ``n_heads``), ``scale`` (default ``1/sqrt(d_head)``), ``softcap`` (scores
+    ``c·tanh(x / c)``), ``dropout`` (attention-weight dropout, in ``train()`` mode only, a
+    seed a call drawn from ``rng``). In cross-attention the query
     positions and the context positions both count from 0 (for RoPE, ALiBi, causal and
     window alike, top-left aligned unless ``causal="bottom_right"``).
     ``eval()`` makes the forward keep nothing for backward (inference; ``train()`` undoes it).
@@ -61,9 +63,10 @@ class MultiHeadAttention(AttentionLayer):
     def __init__(self, d_model: int, n_heads: int, *, n_kv_heads: int | None = None,
                  d_head: int | None = None, causal=False, align=None, window=None, chunk=None,
                  rope: bool = False, alibi: bool = False, bias: bool = False, scale: float | None = None,
-                 rope_base: float = 10000.0, dtype=np.float32, rng: np.random.Generator | None = None):
+                 rope_base: float = 10000.0, softcap=None, dropout: float = 0.0, dtype=np.float32,
+                 rng: np.random.Generator | None = None):
         super().__init__(d_model, causal=causal, align=align, window=window, chunk=chunk, scale=scale,
-                         dtype=dtype, rng=rng)
+                         softcap=softcap, dropout=dropout, dtype=dtype, rng=rng)
         self.n_heads, self.n_kv_heads, self.d_head = head_layout(self.d_model, n_heads, n_kv_heads, d_head)
         self.rope_base = rope_options(rope, self.d_head, rope_base)
         self.rope, self.bias = bool(rope), bool(bias)

@@ -53,6 +53,7 @@ import numpy as np
 
 from ...masks import MaskSpec
 from . import exp2 as pow2
+from . import modifiers
 from .precise import RowNorm, key_norm_max, precise_rows
 from .tiles import (DEFAULT, LOG2E, Tiles, Workers, batch_of, bias_limit, by_batch, chunks, kv_heads,
                     mask_and_bias, scratch)
@@ -73,6 +74,7 @@ class Call:
     whole_rows: bool      # the call's keys are all of each row's keys (not a ring block)
     masked: bool          # a bias or ALiBi adds to the scores
     clip: float | None    # the fast path's bias clip (see tiles.bias_limit)
+    mods: modifiers.Mods | None = None   # softcap and dropout (qkv.score_ops); None: plain scores
 
 
 @dataclass
@@ -85,6 +87,7 @@ class QueryHead:
     precise: np.ndarray     # (Tq,) bool
     q64: np.ndarray | None  # (Tq, D) float64 Q where some row is precise
     dlse: np.ndarray | None = None  # (Tq,) the gradient of lse, where given
+    keys: modifiers.Keys | None = None  # (Tq,) the rows' dropout keys, where dropout is on
 
 
 @dataclass
@@ -124,7 +127,8 @@ def _prep_q(call: Call, h, q, precise, dout=None, out=None, lse=None, dlse=None)
     dox = np.empty((tq, dv + 1), dt)                              # [dO | dlse - delta], riding in dP
     dox[:, :dv] = np.where(finite[:, None], dout[h], 0)           # rows that saw nothing: zero
     dox[:, dv] = np.where(finite, -delta if dl is None else dl - delta, 0)
-    return QueryHead(qx, dox, np.ascontiguousarray(q[h]), exact, q64, dl)
+    return QueryHead(qx, dox, np.ascontiguousarray(q[h]), exact, q64, dl,
+                     modifiers.task_keys(call.mods, [h], 0, tq))
 
 
 def _prep_kv(call: Call, ikv, k, v, any_precise: bool, sums_only: bool = False) -> KVHead:
@@ -159,12 +163,14 @@ def _walk(call: Call, task: Task, qheads: dict):
                 yield h, q0, q1, a, e, partial_, precise, whole
 
 
-def _exact_tile(call: Call, k64, q64, h, q0, q1, a, e, partial_) -> np.ndarray:
+def _exact_tile(call: Call, k64, q64, h, q0, q1, a, e, partial_, g=None) -> np.ndarray:
     """``xᵀ = (scale · Q Kᵀ + bias)ᵀ`` of a tile in float64 and natural units, masked (the
     same bits each call), ``(keys, rows)``."""
     x = scratch((q1 - q0) * (e - a), F64, call.tiles, 2).reshape(e - a, q1 - q0)
     np.matmul(k64[a:e], q64[q0:q1].T, out=x)                      # (w,D) @ (D,r) -> (w,r): (Q Kᵀ)ᵀ
     x *= call.scale                                               # scaled after the sum, as the dense path does
+    if call.mods is not None:
+        modifiers.cap(call.mods, x, 1.0, g)                       # c·tanh(x / c); g = 1 - tanh² if given
     if partial_ or call.masked:
         mask_and_bias(x, call.spec, [h], q0, q1, a, e, partial_, 1.0)
     return x
@@ -192,6 +198,8 @@ def _sums_lane(call: Call, tasks: list, kvs: dict, qheads: dict, norm: RowNorm) 
 def _grad_tile(call: Call, kv: KVHead, qh: QueryHead, offsets, h, q0, q1, a, e, partial_, precise, whole):
     """Pᵀ and dSᵀ of one tile, ``(keys, rows)`` each (scratch buffers), and the rows'
     ``[dO | -delta]`` they were made with (divided by P's row sums on a whole tile)."""
+    if call.mods is not None:
+        return _mod_grad_tile(call, kv, qh, offsets, h, q0, q1, a, e, partial_, precise, whole)
     w = e - a
     et = scratch((q1 - q0) * w, call.dt, call.tiles, 0).reshape(w, q1 - q0)
     dob = qh.dox[q0:q1]
@@ -231,6 +239,30 @@ def _grad_tile(call: Call, kv: KVHead, qh: QueryHead, offsets, h, q0, q1, a, e, 
     return et, dst, dob
 
 
+def _mod_grad_tile(call: Call, kv: KVHead, qh: QueryHead, offsets, h, q0, q1, a, e, partial_, precise, whole):
+    """:func:`_grad_tile` with softcap or dropout: ``((P ∘ Z)ᵀ, dXᵀ, [dO | -delta])`` (see .modifiers)."""
+    w, n = e - a, q1 - q0
+    et = scratch(n * w, call.dt, call.tiles, 0).reshape(w, n)
+    g = scratch(n * w, call.dt, call.tiles, 3).reshape(w, n) if call.mods.cap is not None else et
+    z = scratch(n * w, call.dt, call.tiles, 4).reshape(w, n)
+    if precise:
+        x = _exact_tile(call, kv.k64, qh.q64, h, q0, q1, a, e, partial_, g if call.mods.cap is not None else None)
+        x -= offsets[0][h][q0:q1]                                 # x - m
+        x -= offsets[1][h][q0:q1]                                 # - log l
+        np.copyto(et, x)
+        np.exp(et, out=et)                                        # P = exp((x - m) - log l)
+        r = et.sum(axis=0, dtype=np.float64) if whole else None
+        if qh.keys is not None:
+            modifiers.keep_tile(call.mods, qh.keys.rows(q0, q1), call.spec.k_start + a, w, z)
+    else:
+        r = modifiers.grad_probs(call, kv, qh, h, q0, q1, a, e, partial_, whole, et, g, z)
+    dob = qh.dox[q0:q1]
+    if whole:  # P divided by its row sums by way of [dO | -delta] / r, as in _grad_tile
+        dob = (dob / np.where(r > 0, r, 1)[:, None]).astype(call.dt, copy=False)
+    dst = scratch(n * w, call.dt, call.tiles, 1).reshape(w, n)
+    return modifiers.grad_scores(call, kv, qh, et, g, z, dst, dob, whole, r, q0, q1, a, e), dst, dob
+
+
 def _grad_lane(call: Call, tasks: list, kvs: dict, qheads: dict, offsets, dq, dk, dv) -> None:
     """dK, dV of each task's keys from all its query heads; dQ added into this lane's ``dq``."""
     d, dvw = dk.shape[-1], dv.shape[-1]
@@ -255,7 +287,7 @@ def _setup(q, k, spec, scale, group, tiles, num_threads, whole_rows=True):
     tiles = DEFAULT if tiles is None else tiles
     dt = np.dtype(q.dtype)
     call = Call(spec, float(scale), k.shape[-2], dt, tiles, whole_rows, spec.bias is not None or spec.alibi is not None,
-                bias_limit(spec, dt))
+                bias_limit(spec, dt), modifiers.of(spec, dt))
     work = int(np.prod(spec.lead)) * q.shape[-2] * k.shape[-2]
     return call, Workers(num_threads, work, tiles), list(kv_heads(k.shape[:-2], group))
 

@@ -97,3 +97,85 @@ def thin_values(p, vv, acc):          # acc (R, Dv) += p (R, w) @ vv (w, Dv): V 
             pij = p[i, j]
             for t in range(dv):
                 acc[i, t] += pij * vv[j, t]
+
+
+# --- softcap and dropout (qkv.score_ops): the tile passes of a problem that uses them -----------
+# tanh(y) = y + y³·R(y²) for |y| < 0.625 (R of degree 4, least squares on Chebyshev nodes against
+# relative error: at most 1.4 units of 2^-24), else sign(y)·(1 - 2 / (2^(2·log2(e)·|y|) + 1));
+# both branches are evaluated and one selected, so the loop vectorises. NaN stays NaN.
+_T0, _T1, _T2, _T3, _T4 = (f32(c) for c in (-0.3333328664302826, 0.13331513106822968, -0.05374465882778168,
+                                            0.020653124898672104, -0.0057189627550542355))
+_TWO_LOG2E, _TSPLIT = f32(2.0 * 1.4426950408889634), f32(0.625)
+u32 = np.uint32
+
+
+@numba.njit(inline="always", fastmath=FASTMATH)
+def tanh32(y):
+    a = abs(y)
+    z = y * y
+    small = y + y * z * ((((_T4 * z + _T3) * z + _T2) * z + _T1) * z + _T0)
+    big = f32(1.0) - f32(2.0) / (pow2(_TWO_LOG2E * a) + f32(1.0))
+    big = big if y >= f32(0.0) else -big
+    return small if a < _TSPLIT else big
+
+
+@numba.njit(inline="always")
+def keep_bits(klo, khi, col):          # qkv.score_ops.bits for one entry, in 32-bit arithmetic
+    x = u32(u32(klo ^ u32(u32(col) * u32(0x9E3779B1))) + khi)
+    x = u32(x ^ (x >> u32(16)))
+    x = u32(x * u32(0x85EBCA6B))
+    x = u32(x ^ (x >> u32(13)))
+    x = u32(x * u32(0xC2B2AE35))
+    return u32(x ^ (x >> u32(16)))
+
+
+@numba.njit(nogil=True, cache=True, fastmath=FASTMATH)
+def softcap_tile(st, g, cap, grad):    # st (w, R) in place: cap·tanh(st / cap); grad: g = 1 - tanh²
+    w, r = st.shape
+    inv = f32(1.0) / cap
+    for i in range(w):
+        for j in range(r):
+            t = tanh32(st[i, j] * inv)
+            st[i, j] = cap * t
+            if grad:
+                g[i, j] = f32(1.0) - t * t
+
+
+@numba.njit(nogil=True, cache=True, fastmath=FASTMATH)
+def mod_exp2_sum(st, m, l, cap, k0, r0, shift, lo, hi, klo, khi, col0, thresh, zscale, drop):
+    # st (w, R) in place, the forward's tile: x = cap·tanh(st / cap) where cap > 0; 2^(x - m[col])
+    # inside the band (else 0), l[col] += Σ_rows; then times keep / (1 - p) where drop
+    w, r = st.shape
+    inv = f32(1.0) / cap if cap > f32(0.0) else f32(0.0)
+    for i in range(w):
+        d0 = (k0 + i) - (r0 + shift)
+        for j in range(r):
+            x = st[i, j]
+            if cap > f32(0.0):
+                x = cap * tanh32(x * inv)
+            d = d0 - j
+            p = f32(0.0) if (d < -lo or d > hi) else pow2(x - m[j])
+            l[j] += p
+            if drop:
+                p = p * zscale if keep_bits(klo[j], khi[j], col0 + i) >= thresh else f32(0.0)
+            st[i, j] = p
+
+
+@numba.njit(nogil=True, cache=True, fastmath=FASTMATH)
+def mod_grad_exp2(et, z, g, nhi, nlo, l, cap, klo, khi, col0, thresh, zscale, drop):
+    # et (w, R) in place, the backward's tile: x = cap·tanh(et / cap) (g = 1 - tanh²) where cap > 0;
+    # P = 2^((x + nhi[col]) + nlo[col]), l[col] += Σ_rows; z = keep / (1 - p) where drop
+    w, r = et.shape
+    inv = f32(1.0) / cap if cap > f32(0.0) else f32(0.0)
+    for i in range(w):
+        for j in range(r):
+            x = et[i, j]
+            if cap > f32(0.0):
+                t = tanh32(x * inv)
+                x = cap * t
+                g[i, j] = f32(1.0) - t * t
+            p = pow2((x + nhi[j]) + nlo[j])
+            et[i, j] = p
+            l[j] += p
+            if drop:
+                z[i, j] = zscale if keep_bits(klo[j], khi[j], col0 + i) >= thresh else f32(0.0)

@@ -69,9 +69,9 @@ import numpy as np
 from ...errors import ShapeError
 from ...masks import MaskSpec
 from . import exp2 as pow2
-from . import products
+from . import modifiers, products
 from .precise import LARGE, large_rows
-from .tiles import (DEFAULT, LOG2E, Rows, Tiles, Workers, batch_of, bias_limit, by_batch, chunks,
+from .tiles import (DEFAULT, LOG2E, Rows, Tiles, Workers, alibi_bound, batch_of, bias_limit, by_batch, chunks,
                     diagonal_pieces, kv_heads, mask_and_bias, scratch, structural, task_rows)
 
 # Base-2 exponent headroom C, and the "bound too loose" threshold: l < 2^-LOOSE.
@@ -96,6 +96,7 @@ class Call:
     clip: float | None    # the fast paths' bias clip (see tiles.bias_limit)
     stop2: float          # in base 2: a row maximum beyond it is large (see large_rows)
     fast: bool            # sc is finite: the compute-dtype paths may be tried (else the precise path alone)
+    mods: modifiers.Mods | None   # softcap and dropout (qkv.score_ops), None where the scores are plain
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +115,7 @@ class Task:
     q0: int
     q1: int
     runs: list
+    keys: modifiers.Keys | None = None   # the rows' dropout keys (stacked), where dropout is on
 
     @property
     def span(self) -> tuple[int, int]:
@@ -131,7 +133,7 @@ def _setup(q, k, spec: MaskSpec, scale: float, group: int, tiles: Tiles | None) 
     rows = group * tq if stack else tq
     stop2 = (LARGE[dt] + np.log(tk)) * LOG2E
     return Call(spec, float(scale), sc, tk, dt, tiles, stack, spec.bias is None and rows >= tiles.stack_rows,
-                bias_limit(spec, dt), stop2, bool(np.isfinite(sc)))
+                bias_limit(spec, dt), stop2, bool(np.isfinite(sc)), modifiers.of(spec, dt))
 
 
 def _prep_kv(call: Call, k, v, ikv) -> KVHead:
@@ -168,6 +170,8 @@ def _fwd_exact(qs, call: Call, kv: KVHead, task: Task):
     scores, values = products.choose(dt, nrow, call.tiles)
     for a, b, partial_ in chunks(task.runs, max(16, call.tiles.scratch // nrow)):
         st = scores(kv.k, qs, a, b, call.tiles)              # (w,D) @ (D,R) -> (w,R): the tile, transposed
+        if call.mods is not None:
+            modifiers.cap(call.mods, st)                     # s = c·tanh(x / c), before bias and masks
         mask_and_bias(st, call.spec, task.heads, task.q0, task.q1, a, b, partial_, LOG2E, call.clip)
         m_new = np.maximum(m, st.max(axis=0))                # m' = max(m, max_j s_j)
         if (m_new > call.stop2).any():
@@ -175,7 +179,10 @@ def _fwd_exact(qs, call: Call, kv: KVHead, task: Task):
         m_safe = np.where(m_new == -np.inf, 0, m_new).astype(dt, copy=False)
         alpha = np.exp2(m - m_safe)                          # exp(m - m'); 0 while m = -inf
         l *= alpha
-        pow2.sub_exp2(st, m_safe, l)                         # exp(s_j - m'); l' = alpha l + Σ exp(s_j - m')
+        if call.mods is None:
+            pow2.sub_exp2(st, m_safe, l)                     # exp(s_j - m'); l' = alpha l + Σ exp(s_j - m')
+        else:                                                # the same, then times keep / (1 - p) with dropout
+            modifiers.exp_sum_drop(call.mods, st, m_safe, l, task.keys, call.spec.k_start + a)
         acc *= alpha[:, None]
         values(st, kv.v, a, b, acc, call.tiles)              # acc' = alpha acc + Σ exp(s_j - m') v_j
         m = m_new
@@ -197,6 +204,8 @@ def _fwd_precise(q64, k64, call: Call, kv: KVHead, task: Task):
         s64 = scratch(nrow * (b - a), np.float64, call.tiles, 1).reshape(b - a, nrow)
         np.matmul(k64[a:b], q64.T, out=s64)                  # (w,D) @ (D,R) -> (w,R), float64
         s64 *= call.scale                                    # scaled after the sum, as the dense path does
+        if call.mods is not None:
+            modifiers.cap(call.mods, s64, 1.0)               # s = c·tanh(x / c), in float64
         mask_and_bias(s64, call.spec, task.heads, task.q0, task.q1, a, b, partial_, 1.0)
         m_new = np.maximum(m, s64.max(axis=0))               # m' = max(m, max_j s_j)
         m_safe = np.where(m_new == -np.inf, 0, m_new)
@@ -207,6 +216,8 @@ def _fwd_precise(q64, k64, call: Call, kv: KVHead, task: Task):
         np.exp(st, out=st)                                   # exp(s_j - m')
         l *= alpha
         l += st.sum(axis=0, dtype=np.float64)                # l' = alpha l + Σ exp(s_j - m')
+        if task.keys is not None:
+            modifiers.drop(call.mods, st, task.keys, call.spec.k_start + a)   # times keep / (1 - p)
         acc *= alpha[:, None].astype(dt)
         acc += st.T @ kv.v[a:b]                              # (R,w) @ (w,Dv) -> (R,Dv)
         m = m_new
@@ -230,7 +241,8 @@ def _fwd_bound(qs, call: Call, kv: KVHead, task: Task):
         else:
             pieces = [(a, b, Rows(q0, q1, partial_))]
         for k0, k1, rows in pieces:
-            _bound_tile(qs, kv.k, kv.v, offset, acc, l, spec, heads, q0, q1, k0, k1, rows, dt, call.tiles)
+            _bound_tile(qs, kv.k, kv.v, offset, acc, l, spec, heads, q0, q1, k0, k1, rows, dt, call.tiles,
+                        call.mods, task.keys)
     if not (l >= 2.0 ** -_LOOSE[dt]).all():
         return None  # a row's largest term is tiny (or it sees nothing): redo exactly
     if not (np.isfinite(acc).all() and np.isfinite(l).all()):
@@ -244,21 +256,13 @@ def _bound_offsets(qs, call: Call, kv: KVHead, task: Task) -> np.ndarray:
     kmax = max(float(kv.norms[a:b].max()) for a, b, _ in task.runs)
     qnorm = np.sqrt(np.einsum("rd,rd->r", qs, qs))
     bound = (qnorm * call.dt.type(kmax)).reshape(len(task.heads), -1)   # U_i >= every s_ij
-    bound = bound + LOG2E * _alibi_bound(call.spec, task.heads, task.q0, task.q1, *task.span)[:, None]  # float64
+    if call.mods is not None and call.mods.cap is not None:
+        bound = np.minimum(bound, call.dt.type(call.mods.cap2))          # a capped score is at most c
+    bound = bound + LOG2E * alibi_bound(call.spec, task.heads, task.q0, task.q1, *task.span)[:, None]  # float64
     return np.maximum(bound.reshape(-1) - _HEADROOM[call.dt], 0).astype(call.dt)
 
 
-def _alibi_bound(spec: MaskSpec, heads: list, q0: int, q1: int, k0: int, k1: int) -> np.ndarray:
-    """Per stacked head, an upper bound of ``-slope·|i' - j|`` over the block (0 if slope >= 0)."""
-    if spec.alibi is None:
-        return np.zeros(len(heads))
-    s = spec.shift(batch_of(spec, heads[0]))
-    far = max(abs(q0 + s - (k1 - 1)), abs(q1 - 1 + s - k0), 0)
-    slopes = np.array([spec.slopes(h) for h in heads], dtype=np.float64)
-    return np.where(slopes < 0, -slopes * far, 0.0)
-
-
-def _bound_tile(qs, kk, vv, m, acc, l, spec, heads, q0, q1, a, b, rows, dt, tiles) -> None:
+def _bound_tile(qs, kk, vv, m, acc, l, spec, heads, q0, q1, a, b, rows, dt, tiles, mods=None, keys=None) -> None:
     """One tile of the bound path: keys a:b against rows ``r0:r1`` (of the task's q0:q1),
     ``rows = (r0, r1, partial)``, offsets ``m`` (None: 0); adds ``Σ p v`` into ``acc`` and
     ``Σ p`` into ``l`` (in the exponential's pass: a column of ones beside V, which was how
@@ -268,6 +272,10 @@ def _bound_tile(qs, kk, vv, m, acc, l, spec, heads, q0, q1, a, b, rows, dt, tile
     st = scratch((i1 - i0) * (b - a), dt, tiles).reshape(b - a, i1 - i0)  # the tile, transposed
     np.matmul(kk[a:b], qs[i0:i1].T, out=st)        # (w,D) @ (D,r) -> (w,r)
     mi = None if m is None else m[i0:i1]
+    if mods is not None:                           # softcap, masks, exp, Σ and dropout (.modifiers)
+        modifiers.bound_tile(mods, st, mi, l[i0:i1], spec, heads, rows, a, b, None if keys is None else keys.rows(i0, i1))
+        acc[i0:i1] += st.T @ vv[a:b]
+        return
     if partial_ and len(heads) == 1 and structural(spec) and \
             pow2.band_sub_exp2(st, np.zeros(i1 - i0, dt) if mi is None else mi, a, r0,
                                spec.shift(batch_of(spec, heads[0])), *spec.band, l=l[i0:i1]):
@@ -279,12 +287,14 @@ def _bound_tile(qs, kk, vv, m, acc, l, spec, heads, q0, q1, a, b, rows, dt, tile
     acc[i0:i1] += st.T @ vv[a:b]                   # (r,w) @ (w,Dv) -> (r,Dv): Σ p v
 
 
-def _bound_may_do(qs, knorm, runs, stop2, dt) -> bool:
+def _bound_may_do(qs, knorm, runs, stop2, dt, cap2: float | None = None) -> bool:
     """False when the bound path could only succeed for rows beyond ``stop2`` (it succeeds
     when the largest term is at least 2^-LOOSE of 2^(U - C)), which are redone precisely."""
     kmax = max(float(knorm[a:b].max()) for a, b, _ in runs)
     with np.errstate(over="ignore", invalid="ignore"):
         u = float(np.sqrt(np.einsum("rd,rd->r", qs, qs)).max()) * kmax
+    if cap2:
+        u = min(u, cap2)                                     # capped scores are at most c (in base 2)
     return u - _HEADROOM[dt] - _LOOSE[dt] <= stop2
 
 
@@ -304,7 +314,8 @@ def _attempt(call: Call, q, kv: KVHead, task: Task):
     if np.isinf(qs).any():
         return None
     res = None
-    if kv.norms is not None and _bound_may_do(qs, kv.norms, task.runs, call.stop2, call.dt):
+    cap2 = None if call.mods is None else call.mods.cap2
+    if kv.norms is not None and _bound_may_do(qs, kv.norms, task.runs, call.stop2, call.dt, cap2):
         # overflow (and inf - inf inside the product, which some BLAS kernels report as
         # invalid) is detected there and the rows redone exactly: no warning escapes
         with np.errstate(over="ignore", under="ignore", invalid="ignore"):
@@ -338,7 +349,7 @@ def _run_task(call: Call, q, kv: KVHead, heads: list, q0: int, q1: int, out, lse
     runs = call.spec.segments(q0, q1, 0, call.tk, batch=b)
     if not runs:
         return  # no key visible: out 0, lse -inf as initialised
-    task = Task(heads, q0, q1, runs)
+    task = Task(heads, q0, q1, runs, modifiers.task_keys(call.mods, heads, q0, q1))
     res = _attempt(call, q, kv, task) if call.fast else None
     if res is None:
         res = _precise(call, q, kv, task)

@@ -220,3 +220,13 @@ def diagonal_pieces(spec, head, q0, q1, a, b, partial, step):
             segs = spec.segments(r0, r1, k0, k1, batch=batch)
             if segs:
                 yield segs[0][0], segs[-1][1], Rows(r0, r1, [(x, y) for x, y, full in segs if not full])
+
+
+def alibi_bound(spec: MaskSpec, heads: list, q0: int, q1: int, k0: int, k1: int) -> np.ndarray:
+    """Per stacked head, an upper bound of ``-slope·|i' - j|`` over the block (0 if slope >= 0)."""
+    if spec.alibi is None:
+        return np.zeros(len(heads))
+    s = spec.shift(batch_of(spec, heads[0]))
+    far = max(abs(q0 + s - (k1 - 1)), abs(q1 - 1 + s - k0), 0)
+    slopes = np.array([spec.slopes(h) for h in heads], dtype=np.float64)
+    return np.where(slopes < 0, -slopes * far, 0.0)
