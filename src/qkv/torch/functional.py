@@ -22,13 +22,20 @@ def _check_qkv(q, k, v) -> None:
             raise ShapeError(f"{name} must have q's dtype {q.dtype}; got {t.dtype}")
 
 
+def draw_seed() -> int:
+    """A dropout seed from torch's default generator (so ``torch.manual_seed`` repeats it)."""
+    return int(torch.randint(-2 ** 63, 2 ** 63 - 1, (), dtype=torch.int64))
+
+
 def attention(q, k, v, *, return_lse=False, return_weights=False, **options):
     """:func:`qkv.attention` on CPU tensors in SDPA's layout, with autograd and ``torch.compile``.
 
     Every keyword of :func:`qkv.attention` is accepted with qkv's meaning (``mask`` True =
     may attend, ``causal`` ``True``/``"top_left"``/``"bottom_right"``, ``window``,
-    ``kv_lengths``, ``alibi``, ``scale``, ``gqa``, ``method``); mask, bias, kv_lengths and
-    alibi may be tensors or arrays. A query row that may attend to nothing gets output 0
+    ``kv_lengths``, ``alibi``, ``scale``, ``gqa``, ``softcap``, ``dropout_p``, ``method``);
+    mask, bias, kv_lengths and alibi may be tensors or arrays. With ``dropout_p > 0`` and no
+    ``dropout_seed`` the seed is drawn from torch's generator (``torch.manual_seed`` repeats
+    a run); the backward draws the same keep-mask from it. A query row that may attend to nothing gets output 0
     and gradient 0, never NaN. Gradients flow to ``q``, ``k`` and ``v`` (and through
     ``lse`` when it is returned); ``bias`` and ``alibi`` are constants, and the weights
     carry no gradient.
@@ -66,6 +73,8 @@ def attention(q, k, v, *, return_lse=False, return_weights=False, **options):
         for name, flag in (("return_lse", return_lse), ("return_weights", return_weights)):
             if not isinstance(flag, bool):
                 raise ShapeError(f"{name} must be True or False; got {flag!r}")
+        if options.get("dropout_p") and options.get("dropout_seed") is None:
+            options["dropout_seed"] = draw_seed()  # torch.manual_seed makes a run repeat
         args = opt.encode(options)
         out, lse = ops.fwd(q, k, v, *args, return_lse)
         result = [out]

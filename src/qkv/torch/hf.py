@@ -25,7 +25,8 @@ A model whose attention layers do not call the ``AttentionInterface`` (Falcon, B
 cannot run on qkv: building it with ``attn_implementation="qkv"``, or switching it with
 ``set_attn_implementation``, raises a ``ValueError`` naming qkv and the model.
 
-Dropout, logit soft-capping and attention sinks are not qkv options: they raise.
+Logit soft-capping (``softcap``, Gemma 2) and attention dropout (in training mode, with a seed
+from torch's generator) are qkv options; attention sinks (``s_aux``) are not: they raise.
 """
 from __future__ import annotations
 
@@ -45,14 +46,13 @@ def hf_attention(module, query, key, value, attention_mask, dropout: float = 0.0
 
     ``query (B, Hq, Tq, D)``, ``key``/``value (B, Hkv, Tk, D)``; returns ``(out (B, Tq, Hq, D), None)``.
     """
-    if dropout:
-        raise ShapeError(f"attention dropout is not a qkv option; got dropout={dropout} (use model.eval(), "
-                         "or attention_dropout=0 in the config, to train with qkv)")
-    for name in ("softcap", "s_aux"):
-        if kwargs.get(name) is not None:
-            raise ShapeError(f"{name} is not a qkv option; use attn_implementation='eager' for this model")
+    if kwargs.get("s_aux") is not None:
+        raise ShapeError("s_aux (attention sinks) is not a qkv option; use attn_implementation='eager' for this model")
     layer_is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    options = dict(scale=scaling, gqa=query.shape[1] != key.shape[1])
+    # softcap (Gemma 2's attn_logit_softcapping) and dropout (transformers passes 0.0 in eval());
+    # the dropout seed comes from torch's generator, as eager's nn.functional.dropout's mask does
+    options = dict(scale=scaling, gqa=query.shape[1] != key.shape[1], softcap=kwargs.get("softcap"),
+                   dropout_p=float(dropout or 0.0))
     options.update(hf_masks.read_mask(attention_mask, query.shape[0], query.shape[-2], key.shape[-2],
                                       layer_is_causal))
     if position_bias is not None:

@@ -24,6 +24,7 @@ from .. import nn as qnn
 from ..errors import ShapeError, positive_int
 from ..nn.checks import (attention_options, cache_step, check_cache, check_context, check_sequences, head_layout,
                          mask_options, rope_options)
+from ..options import parse_dropout, parse_softcap
 from ..positional import alibi_slopes
 from .functional import attention
 from .modules import copy_linear, linear_arrays, numpy_dtype, rope, torch_dtype
@@ -83,7 +84,8 @@ class MultiHeadAttention(nn.Module):
     MQA; query heads ``h*G .. h*G+G-1`` share kv head h), ``causal`` (bottom-right aligned
     with a cache), ``window`` (``n`` or ``(left, right)``), ``rope`` (half-split, base
     ``rope_base``), ``alibi`` (the paper's slopes), ``bias`` (on all four projections),
-    ``scale`` (default ``1/sqrt(d_head)``). :meth:`from_numpy` / :meth:`to_numpy` convert
+    ``scale`` (default ``1/sqrt(d_head)``), ``softcap``, ``dropout`` (in training mode only,
+    each call's seed drawn from torch's generator). :meth:`from_numpy` / :meth:`to_numpy` convert
     to and from the NumPy layer with the same weights and outputs.
 
     >>> import torch
@@ -98,7 +100,8 @@ class MultiHeadAttention(nn.Module):
     def __init__(self, d_model: int, n_heads: int, *, n_kv_heads: int | None = None,
                  d_head: int | None = None, causal=False, align=None, window=None, chunk=None,
                  rope: bool = False, alibi: bool = False, bias: bool = False, scale: float | None = None,
-                 rope_base: float = 10000.0, dtype=torch.float32, device=None):
+                 rope_base: float = 10000.0, softcap=None, dropout: float = 0.0, dtype=torch.float32,
+                 device=None):
         super().__init__()
         # the NumPy layer's checks (qkv.nn.checks), so both refuse the same arguments in the same words
         self.d_model = positive_int("d_model", d_model)
@@ -106,6 +109,7 @@ class MultiHeadAttention(nn.Module):
         self.n_heads, self.n_kv_heads, self.d_head = head_layout(self.d_model, n_heads, n_kv_heads, d_head)
         self.rope_base = rope_options(rope, self.d_head, rope_base)
         self.causal, self.align, self.window, self.chunk, self.scale = causal, align, window, chunk, scale
+        self.softcap, self.dropout = parse_softcap(softcap), parse_dropout(dropout, 0)[0]
         self.rope, self.alibi, self.bias = bool(rope), bool(alibi), bool(bias)
         slopes = torch.from_numpy(alibi_slopes(self.n_heads)) if alibi else None
         self.register_buffer("alibi_slopes", slopes, persistent=False)
@@ -175,8 +179,9 @@ class MultiHeadAttention(nn.Module):
                 k, v = stored["k"], stored["v"]
         opts = attention_options(causal=self.causal, align=self.align, window=self.window, chunk=self.chunk,
                                  alibi=self.alibi_slopes, scale=self.scale, gqa=True,
-                                 kv_lengths=kv_len, q_lengths=q_len, cached=cache is not None)
-        out = attention(q, k, v, **opts)  # (B, Hq, T, D)
+                                 kv_lengths=kv_len, q_lengths=q_len, cached=cache is not None,
+                                 softcap=self.softcap, dropout_p=self.dropout if self.training else 0.0)
+        out = attention(q, k, v, **opts)  # (B, Hq, T, D); a dropout seed from torch's generator
         if cache is not None:
             cache.advance(counts)
         b, _, t, _ = out.shape
@@ -192,6 +197,7 @@ class MultiHeadAttention(nn.Module):
                   causal=layer.causal, align=layer.align, window=layer.window, chunk=layer.chunk,
                   rope=layer.rope, alibi=layer.alibi is not None,
                   bias=layer.bias, scale=layer.scale, rope_base=getattr(layer, "rope_base", 10000.0),
+                  softcap=layer.softcap, dropout=layer.dropout,
                   dtype=torch_dtype(layer.dtype))
         for attr, name in _PROJ:
             b = layer.params["b_" + name] if layer.bias else None
@@ -204,6 +210,7 @@ class MultiHeadAttention(nn.Module):
                                        causal=self.causal, align=self.align, window=self.window,
                                        chunk=self.chunk, rope=self.rope, alibi=self.alibi,
                                        bias=self.bias, scale=self.scale, rope_base=self.rope_base,
+                                       softcap=self.softcap, dropout=self.dropout,
                                        dtype=numpy_dtype(self.q_proj.weight.dtype))
         for attr, name in _PROJ:
             w, b = linear_arrays(getattr(self, attr))

@@ -16,6 +16,10 @@ causal          ``str causal``                           ``"none"``, ``"on"``, `
 align           ``str? align``                           ``None``, ``"top_left"``, ``"bottom_right"``
 chunk           ``int? chunk``                           keys per chunk
 window          ``int? window_left, int? window_right``  the parsed ``(left, right)``
+softcap         ``float? softcap``                       ``None`` = off
+dropout_p       ``float? dropout_p``                     ``0.0`` = off
+dropout_seed    ``int? dropout_seed``                    the seed mod 2**64 as an int64 (qkv.torch draws
+                                                         one from torch's generator where None)
 scale           ``float? scale``                         ``None`` = ``1/sqrt(D)``
 gqa             ``bool gqa``
 method          ``str method``
@@ -36,7 +40,8 @@ import torch
 
 from ..errors import ShapeError, reject_unknown
 from ..kernels import lookup
-from ..options import BY_NAME, OPTIONS as TABLE, names, parse_alignment, parse_chunk, parse_flag, parse_scale, parse_window
+from ..options import (BY_NAME, OPTIONS as TABLE, names, parse_alignment, parse_chunk, parse_dropout, parse_flag,
+                       parse_scale, parse_softcap, parse_window)
 
 # keywords of qkv.attention that choose what is returned rather than what is computed
 RETURNS = names("output")
@@ -104,9 +109,23 @@ def _check_method(value):
     return value
 
 
+def _check_dropout_p(value):
+    return parse_dropout(value, 0)[0]
+
+
+def _check_seed(value):
+    """An int seed as the schema's int64: qkv takes it mod 2**64, so ``n`` and ``n - 2**64`` agree."""
+    if value is None:
+        return None
+    parse_dropout(0.5, value)  # refuses anything but an int, naming dropout_seed
+    value = int(value) % 2 ** 64
+    return value - 2 ** 64 if value >= 2 ** 63 else value
+
+
 # the checks a scalar gets before it enters the schema (any other option: qkv's own, inside)
 _CHECKS = {"align": _check_align, "chunk": parse_chunk, "scale": _check_scale, "gqa": _check_bool("gqa"),
-           "method": _check_method}
+           "method": _check_method, "softcap": parse_softcap, "dropout_p": _check_dropout_p,
+           "dropout_seed": _check_seed}
 _SCALAR = {"int": "int?", "float": "float?", "str": "str?", "bool": "bool"}
 
 
