@@ -81,3 +81,83 @@ def test_one_process_is_w_equals_one():
         assert all(np.allclose(par.grads[k], g, rtol=0, atol=1e-12) for k, g in one.grads.items())
         with pytest.raises(qkv.ShapeError, match="idx has T = 20 tokens, more than block_size = 16"):
             ParallelGPT(GPT(cfg), "context").loss(np.zeros((1, 20), int), np.zeros((1, 20), int))
+
+
+# --------------------------------------------------------------------------- qkv train gpt under mpiexec
+TINY = ["--batch-size", "6", "--block-size", "12", "--n-layer", "1", "--n-head", "2", "--n-embd", "16",
+        "--eval-interval", "3", "--eval-iters", "2", "--warmup", "2", "--lr", "1e-2", "--lr-decay-steps", "8",
+        "--dtype", "float64", "--no-progress"]
+FAIL_AT_STEP_2 = """import sys
+from mpi4py import MPI
+import qkv.models.training as training
+if MPI.COMM_WORLD.Get_rank() == 1:
+    step = training.train_step
+    def broken(run, x, y):
+        if run.step == 2:
+            raise RuntimeError("rank 1 fails at step 2")
+        return step(run, x, y)
+    training.train_step = broken
+from qkv.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _evals(folder):
+    import json
+
+    log = json.loads((folder / "log.json").read_text())
+    return log["losses"], {e["step"]: (e["train_loss"], e["val_loss"]) for e in log["evals"]}
+
+
+@pytest.fixture(scope="module")
+def corpus_file(tmp_path_factory):
+    from test_train_gpt import text_corpus
+
+    path = tmp_path_factory.mktemp("corpus") / "play.txt"
+    path.write_text(text_corpus(300))
+    return path
+
+
+def test_train_gpt_under_mpiexec_equals_one_process_and_resumes_with_another_w(corpus_file, tmp_path):
+    """``mpiexec -n 2 python -m qkv train gpt --parallel context`` to step 4, then ``mpiexec -n 3
+    ... --resume`` (data parallel, the default under mpiexec) to step 8: the log's losses and
+    evaluations are one process's (float64, 1e-10); rank 0 alone printed."""
+    pytest.importorskip("safetensors", reason="qkv train gpt writes safetensors: pip install 'qkv[models]'")
+    import contextlib
+    import io
+
+    from qkv.cli import main
+
+    data = ["train", "gpt", "--data", str(corpus_file), *TINY]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main([*data, "--steps", "8", "--out", str(tmp_path / "one")]) == 0
+    first = mpiexec(2, "-m", "qkv", *data, "--steps", "4", "--out", str(tmp_path / "w"), "--parallel", "context",
+                    timeout=60)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert first.stdout.count("training 4 steps") == 1 and "(context parallel over 2 ranks)" in first.stdout
+    second = mpiexec(3, "-m", "qkv", *data, "--steps", "8", "--out", str(tmp_path / "w"), "--resume", timeout=60)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "resuming at step 4 of 8 steps" in second.stdout and "(data parallel over 3 ranks)" in second.stdout
+    (want, want_evals), (got, got_evals) = _evals(tmp_path / "one"), _evals(tmp_path / "w")
+    assert len(got) == 8 and np.max(np.abs(np.subtract(got, want))) < 1e-10
+    assert set(got_evals) == {0, 3, 4, 6, 8}
+    for step, losses in got_evals.items():
+        if step in want_evals:
+            assert np.max(np.abs(np.subtract(losses, want_evals[step]))) < 1e-10, step
+
+
+def test_train_gpt_under_mpiexec_refuses_a_batch_the_ranks_cannot_split(corpus_file, tmp_path):
+    res = mpiexec(2, "-m", "qkv", "train", "gpt", "--data", str(corpus_file), *TINY, "--batch-size", "5",
+                  "--steps", "2", "--out", str(tmp_path / "w"), timeout=60)
+    assert res.returncode != 0, res.stdout + res.stderr   # MPI_Abort(1) on every rank
+    assert ("qkv train: error: qkv train gpt (rank 0 of 2): batch_size = 5 must be a multiple of the W = 2 "
+            "ranks") in res.stderr
+    assert not (tmp_path / "w" / "config.json").exists()
+
+
+def test_train_gpt_under_mpiexec_ends_when_one_rank_fails(corpus_file, tmp_path):
+    """qkv's own entry (no ``-m mpi4py``): rank 1 raises at step 2 while rank 0 waits in the
+    Allreduce; the job ends with a non-zero status instead of hanging."""
+    res = mpiexec(2, "-c", FAIL_AT_STEP_2, "train", "gpt", "--data", str(corpus_file), *TINY, "--steps", "6",
+                  "--out", str(tmp_path / "w"), timeout=60)
+    assert res.returncode != 0 and "rank 1 fails at step 2" in res.stderr, res.stdout + res.stderr

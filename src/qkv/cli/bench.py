@@ -16,10 +16,10 @@ from __future__ import annotations
 import json
 import os
 import sys
-from contextlib import contextmanager
 
 from ..extras import require
 from .common import UsageError, out_file, progress_bar
+from .mpi import abort_on_error, mpiexec_ranks
 
 HELP = ("qkv's tiled attention against dense NumPy and PyTorch SDPA: speed, memory, decoding; "
         "qkv.torch against SDPA; ring attention over MPI; GPT training against PyTorch")
@@ -62,10 +62,10 @@ def run(args) -> int:
     plan = suites.plan(args.suite, quick=args.quick, repeats=args.repeats, threads=args.threads,
                        torch=not args.no_torch, memory=not args.no_memory, steps=args.steps,
                        data=os.path.abspath(args.data) if args.data else None)
-    if "ring" not in plan.suites and _mpiexec_ranks() > 1:
-        raise UsageError(f"under mpiexec only --suite ring runs (with {_mpiexec_ranks()} ranks every other "
+    if "ring" not in plan.suites and mpiexec_ranks() > 1:
+        raise UsageError(f"under mpiexec only --suite ring runs (with {mpiexec_ranks()} ranks every other "
                          "suite would run once per rank, all at once on the same cores)")
-    with _abort_on_error("ring" in plan.suites) as rank:
+    with abort_on_error("ring" in plan.suites) as rank:
         return _measure(args, plan, rank, report, suites)
 
 
@@ -92,38 +92,6 @@ def _measure(args, plan, rank: int, report, suites) -> int:
             json.dump(results, f, indent=1)
         print(f"json: {args.json}")
     return 0
-
-
-def _mpiexec_ranks() -> int:
-    """The job size an MPI launcher gave this process (MPICH's or Open MPI's), 1 if none."""
-    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return 1
-
-
-@contextmanager
-def _abort_on_error(mpi: bool):
-    """Yields this process's rank in ``MPI.COMM_WORLD`` (0 without ``mpi`` or mpi4py).
-
-    With MPI, ``python -m mpi4py``'s rule (``mpi4py.run.set_abort_status``, what that runner
-    calls): an exception that leaves the block (a ShapeError or UsageError included, which
-    ``qkv.cli.main`` turns into exit status 2) makes this rank call ``MPI_Abort`` when it
-    exits, which ends every rank of the job, instead of a normal finalize that the other
-    ranks, blocked in a collective, would wait for forever."""
-    try:
-        from mpi4py import MPI
-        from mpi4py.run import set_abort_status
-    except ImportError:  # the ring suite is then skipped, with the reason, on this one process
-        mpi = False
-    if not mpi:
-        yield 0
-        return
-    try:
-        yield MPI.COMM_WORLD.Get_rank()
-    except BaseException as err:
-        set_abort_status(err)
-        raise
 
 
 def _show(results: dict, report) -> None:

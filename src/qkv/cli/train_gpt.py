@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ..extras import require
 from .common import UsageError, out_folder, progress_bar
+from .mpi import abort_on_error, mpiexec_ranks
 
 HELP = "train a character-level GPT (nanoGPT's CPU recipe by default) on Shakespeare or any text file"
 DESCRIPTION = HELP + """.
@@ -28,7 +29,13 @@ characters.
 state), optim.safetensors (AdamW's state), log.json (each evaluation's step, train and val
 loss; every step's batch loss) and loss.png, saved at every evaluation. Ctrl-C stops after
 the current step and saves; --resume continues a run where it stopped, with the same losses
-as a run that never stopped. Then: qkv sample DIR."""
+as a run that never stopped. Then: qkv sample DIR.
+
+Under MPI, every rank of `mpiexec -n W qkv train gpt ...` trains together (--parallel data,
+the default there: each rank takes batch-size/W rows of every batch; --parallel context: each
+rank takes its tokens of every sequence and attention runs as ring attention), with the
+losses and weights of one process; rank 0 writes --out, and a run resumes with any W. A rank
+that fails ends the whole job (python -m mpi4py's rule)."""
 
 # (flag, TrainConfig field, type, help); every default comes from TrainConfig.
 OPTIONS = [
@@ -68,6 +75,9 @@ def add_arguments(parser) -> None:
         extra = {"choices": ["float32", "float64"]} if name == "dtype" else {"metavar": "N" if kind is int else "X"}
         parser.add_argument(flag, dest=name, type=kind, default=None, help=text + shown, **extra)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--parallel", choices=["data", "context"], default=None,
+                        help="under mpiexec -n W: split each batch's rows (data, the default there) or each "
+                        "sequence's tokens over the ranks (context: ring attention, block-size a multiple of 2W)")
 
 
 def _given(args) -> dict:
@@ -155,31 +165,74 @@ def _stop_on_ctrl_c():
 
 def run(args) -> int:
     require("safetensors", "models")
+    out = out_folder(args.out)
+    mode = args.parallel or ("data" if mpiexec_ranks() > 1 else None)
+    if mode is None:
+        return _train(args, out, *(_resumed_run if args.resume else _new_run)(args, out))
+    require("mpi4py", "mpi")
+    with abort_on_error(True):
+        return _train_parallel(args, out, mode)
+
+
+def _train_parallel(args, out: Path, mode: str) -> int:
+    """Every rank makes (or loads) the run and checks it; if any rank failed, or the ranks'
+    runs differ, every rank raises the same error before the first step."""
+    from dataclasses import asdict
+
+    from mpi4py import MPI
+
+    from ..distributed.agree import agree
+    from ..distributed.train import parallelize
+
+    comm = MPI.COMM_WORLD
+
+    def make():
+        run_, dataset = (_resumed_run if args.resume else _new_run)(args, out)
+        return parallelize(run_, mode, comm=comm), dataset
+    given = [(k, v) for k, v in sorted(vars(args).items()) if not callable(v)]
+    run_, dataset = agree(comm, "qkv train gpt", make, {"arguments": given})
+    agree(comm, "qkv train gpt", lambda: None, {"run": (asdict(run_.cfg), run_.step, run_.data["sha256"])})
+    return _train(args, out, run_, dataset, comm)
+
+
+def _train(args, out: Path, run_, dataset, comm=None) -> int:
+    """Train ``run_``; with ``comm`` every rank calls this and rank 0 alone prints and writes."""
     from ..models.runfiles import save_run
     from ..models.training import train
 
-    out = out_folder(args.out)
-    run_, dataset = (_resumed_run if args.resume else _new_run)(args, out)
+    rank = 0 if comm is None else comm.Get_rank()
     cfg, start = run_.cfg, run_.step
-    print(f"{'resuming at step ' + str(start) + ' of' if args.resume else 'training'} {cfg.steps} steps: "
-          f"{_describe(run_, dataset)}", flush=True)
-    with _stop_on_ctrl_c() as stop:
-        if args.no_progress:
-            status = train(run_, dataset, checkpoint=lambda r: save_run(r, out), stop=stop)
+    if rank == 0:
+        print(f"{'resuming at step ' + str(start) + ' of' if args.resume else 'training'} {cfg.steps} steps: "
+              f"{_describe(run_, dataset, comm)}", flush=True)
+    checkpoint = (lambda r: save_run(r, out)) if rank == 0 else None
+    with _stop_on_ctrl_c() as pressed:
+        stop = pressed if comm is None else _agreed(comm, pressed)
+        if args.no_progress or rank:
+            status = train(run_, dataset, checkpoint=checkpoint, stop=stop)
         else:
             with progress_bar("gpt", cfg.steps, "loss", "val", "tok/s", remaining=True, completed=start) as update:
-                status = train(run_, dataset, checkpoint=lambda r: save_run(r, out), stop=stop,
+                status = train(run_, dataset, checkpoint=checkpoint, stop=stop,
                                progress=lambda step, loss, val, rate: update(
                                    loss=loss, val=val if val is not None else "—", **{"tok/s": f"{rate:,.0f}"}))
-    _report(run_, out, status, start)
+    if rank == 0:
+        _report(run_, out, status, start)
     return 0
 
 
-def _describe(run, dataset) -> str:
+def _agreed(comm, pressed):
+    """``stop()`` for every rank: True on all once Ctrl-C reached any (a collective per step)."""
+    from mpi4py import MPI
+
+    return lambda: comm.allreduce(pressed(), op=MPI.LOR)
+
+
+def _describe(run, dataset, comm=None) -> str:
     c = run.cfg
     n_params = sum(p.size for p in run.model.params.values())
+    split = "" if comm is None else f" ({run.model.mode} parallel over {comm.Get_size()} ranks)"
     return (f"{n_params:,} parameters (vocab {run.tokenizer.vocab_size}, block {c.block_size}, "
-            f"{c.n_layer} layers, {c.n_head} heads, width {c.n_embd}, {c.dtype}), batch {c.batch_size}, "
+            f"{c.n_layer} layers, {c.n_head} heads, width {c.n_embd}, {c.dtype}), batch {c.batch_size}{split}, "
             f"{len(dataset.train):,} train / {len(dataset.val):,} val characters from {run.data['source']}")
 
 
