@@ -19,6 +19,15 @@ they say. ``b`` is the first leading axis of the output, the head ``h`` the last
 or ``(B, Hq)``), in float64 (or the wider compute dtype). A ``-inf`` entry (of the bias or from the product) means
 "may not attend".
 
+**Softcap** ``c``: the scaled product ``x = scale · q kᵀ`` becomes ``c · tanh(x / c)`` before
+the additive term and the masks (so ``ds/dx = 1 - tanh²(x / c)`` in the gradients).
+**Dropout** ``p`` with ``seed``: the weights become ``P ∘ keep / (1 - p)`` after the softmax
+(lse stays undropped; ``weights`` are the dropped ones), with ``keep`` the README's
+counter-based function of (seed, batch, head, row, column): splitmix64's finaliser chained
+over seed, batch (flat index of the leading axes before the head), head and row, then
+murmur3's 32-bit finaliser of ``(key_lo XOR column · 0x9E3779B1) + key_hi`` compared with
+``⌊p · 2^32⌋`` (:func:`keep_mask`).
+
 **The attention**: ``s = scale · q kᵀ + additive`` (default ``scale = 1/sqrt(D)``) on the
 allowed entries, ``-inf`` elsewhere; ``P = softmax(s)`` per row after subtracting the row
 maximum (so a bias of -1e30 or -1e38 is exact: when every score of a row is ``-1e30 + s_j``
@@ -185,9 +194,38 @@ def _round_into(add: np.ndarray, dtype) -> np.ndarray:
     return np.where(np.isfinite(add), np.clip(add, -top, top), add).astype(dtype)
 
 
+def _mix64(z):
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def _fmix32(x):
+    x = (x ^ (x >> np.uint32(16))) * np.uint32(0x85EBCA6B)
+    x = (x ^ (x >> np.uint32(13))) * np.uint32(0xC2B2AE35)
+    return x ^ (x >> np.uint32(16))
+
+
+def keep_mask(lead, tq, tk, p: float, seed: int) -> np.ndarray:
+    """Bool ``(*lead, Tq, Tk)``: the README's dropout keep-mask (True = kept)."""
+    lead = tuple(lead)
+    n_batch = int(np.prod(lead[:-1])) if len(lead) >= 2 else 1
+    n_head = lead[-1] if lead else 1
+    b = np.arange(n_batch, dtype=np.uint64)[:, None, None]
+    h = np.arange(n_head, dtype=np.uint64)[None, :, None]
+    i = np.arange(tq, dtype=np.uint64)[None, None, :]
+    with np.errstate(over="ignore"):
+        key = _mix64(_mix64(_mix64(_mix64(np.uint64(int(seed) % 2 ** 64)) + b) + h) + i)[..., None]
+        lo = (key % np.uint64(2 ** 32)).astype(np.uint32)
+        hi = (key // np.uint64(2 ** 32)).astype(np.uint32)
+        col = np.arange(tk, dtype=np.uint32) * np.uint32(0x9E3779B1)
+        x = _fmix32((lo ^ col) + hi)
+    return (x >= np.uint32(int(p * 2 ** 32))).reshape(lead + (tq, tk))
+
+
 def solve(q, k, v, dout=None, *, dlse=None, dtype=np.float64, mask=None, bias=None, causal=False, align=None,
           window=None, chunk=None, kv_lengths=None, q_lengths=None, alibi=None, scale=None,
-          gqa=False) -> Solution:
+          gqa=False, softcap=None, dropout_p=0.0, dropout_seed=None) -> Solution:
     """out, lse, weights (and dq, dk, dv when ``dout`` is given) and their sizes, in ``dtype``.
 
     ``q (..., Tq, D)``, ``k (..., Tk, D)``, ``v (..., Tk, Dv)``, ``dout (..., Hq, Tq, Dv)``;
@@ -231,23 +269,32 @@ def solve(q, k, v, dout=None, *, dlse=None, dtype=np.float64, mask=None, bias=No
     with np.errstate(over="ignore"):                   # narrower: each part rounded, added there
         add = _round_into(parts[0], dtype) + _round_into(parts[1], dtype)
     kt = np.swapaxes(kf, -1, -2)
-    s = sc * (qf @ kt) + add                           # (*L,Tq,D) @ (*L,D,Tk) -> (*L,Tq,Tk)
+    x = sc * (qf @ kt)                                 # (*L,Tq,D) @ (*L,D,Tk) -> (*L,Tq,Tk)
+    slope = 1.0
+    if softcap:                                        # c·tanh(x / c), before the additive term
+        t = np.tanh(x / dtype(softcap))
+        x, slope = dtype(softcap) * t, 1 - t * t
+    s = x + add
     s = np.where(ok, s, -np.inf)
     seen = np.isfinite(s).any(axis=-1)                 # (*L, Tq)
     m = np.where(seen, np.max(s, axis=-1), 0)
     e = np.exp(s - m[..., None])                       # exp(-inf) = 0 off the allowed set
     total = np.where(seen, e.sum(axis=-1), 1)
     p = e / total[..., None]
-    out = p @ vf                                       # (*L,Tq,Tk) @ (*L,Tk,Dv) -> (*L,Tq,Dv)
+    z = 1.0
+    if dropout_p:                                      # P ∘ keep / (1 - p); lse undropped
+        z = keep_mask(lead, tq, tk, dropout_p, dropout_seed) / dtype(1 - dropout_p)
+    pz = p * z
+    out = pz @ vf                                      # (*L,Tq,Tk) @ (*L,Tk,Dv) -> (*L,Tq,Dv)
     with np.errstate(divide="ignore"):
         lse = np.where(seen, m + np.log(total), -np.inf).astype(dtype)
-    sol = Solution(out, lse, p)
+    sol = Solution(out, lse, pz)
     with np.errstate(over="ignore", invalid="ignore"):   # sizes: in float64 whatever dtype is
         p64 = p.astype(np.float64)
         terms = abs(float(sc)) * (np.abs(qf) @ np.abs(kt)).astype(np.float64) + np.abs(additive_64)
         spread = np.where(p64 > 0, p64 * terms, 0).sum(axis=-1)    # Σ_j P_ij |terms of s_ij|
         lse_size = np.where(seen, np.abs(lse.astype(np.float64)) + 1 + spread, 0)
-    sol.size = {"out": p @ np.abs(vf), "lse": lse_size, "weights": p}
+    sol.size = {"out": pz @ np.abs(vf), "lse": lse_size, "weights": pz}
     if do is None:
         return sol
 
@@ -256,17 +303,17 @@ def solve(q, k, v, dout=None, *, dlse=None, dtype=np.float64, mask=None, bias=No
             x = x.reshape(x.shape[:-3] + (x.shape[-3] // group, group) + x.shape[-2:]).sum(axis=-3)
         return _sum_to(x, shape)
 
-    dp = do @ np.swapaxes(vf, -1, -2)                  # (*L,Tq,Dv) @ (*L,Dv,Tk) -> (*L,Tq,Tk)
+    dp = z * (do @ np.swapaxes(vf, -1, -2))            # (*L,Tq,Dv) @ (*L,Dv,Tk) -> (*L,Tq,Tk), ∂L/∂P
     delta = (p * dp).sum(axis=-1, keepdims=True)       # rowsum(P ∘ dP) = rowsum(dout ∘ out)
     if dlse is not None:                               # lse_i = log Σ_j exp(s_ij): adds dlse_i P_ij
         delta = delta - np.where(seen, np.broadcast_to(dlse, lead + (tq,)), 0).astype(dtype)[..., None]
-    ds = p * (dp - delta)
-    pt = np.swapaxes(p, -1, -2)
+    ds = p * (dp - delta) * slope                      # through the softcap: ∂s/∂x = 1 - tanh²
+    pt = np.swapaxes(pz, -1, -2)
     sol.dq = _sum_to(sc * (ds @ kf), q.shape)          # (*L,Tq,Tk) @ (*L,Tk,D) -> (*L,Tq,D)
     sol.dk = back(sc * (np.swapaxes(ds, -1, -2) @ qf), k.shape)   # (*L,Tk,Tq) @ (*L,Tq,D)
     sol.dv = back(pt @ do, v.shape)                    # (*L,Tk,Tq) @ (*L,Tq,Dv) -> (*L,Tk,Dv)
     with np.errstate(over="ignore", invalid="ignore"):
-        dp_size = np.abs(do) @ np.abs(np.swapaxes(vf, -1, -2))       # Σ|terms| of dP
+        dp_size = z * (np.abs(do) @ np.abs(np.swapaxes(vf, -1, -2)))  # Σ|terms| of dP
         t = abs(sc) * p * (dp_size + (p * dp_size).sum(axis=-1, keepdims=True))   # of dS
         if dlse is not None:
             t = t + abs(sc) * p * np.abs(np.broadcast_to(dlse, lead + (tq,))).astype(dtype)[..., None]

@@ -6,7 +6,8 @@ index, kind, world])``, so ``(seed, index, kind)`` is a complete reproduction. K
 float32/float64), ``"ring"`` (the options ring attention takes, on a sequence that splits
 over ``world`` ranks), and the layers ``"mha"``, ``"self"``, ``"ring_layer"``.
 
-The draw holds realistic magnitudes: score std 1 to 30 (put in q and k), ``scale`` up to 10
+Softcap and dropout are drawn from a stream of their own (:func:`_softcap_dropout`). The
+draw holds realistic magnitudes: score std 1 to 30 (put in q and k), ``scale`` up to 10
 (and N(0, 1) inputs with ``scale`` up to 10 as they are), float64 biases of -1e30 and -1e38
 beside float32 inputs (whole rows of them: uniform weights, not masked), rows that see
 nothing (by mask, ``-inf`` bias, lengths, windows), NaN in every padding position
@@ -241,6 +242,18 @@ PINNED = {
 }
 
 
+def _softcap_dropout(rng, opts, tags) -> None:
+    """softcap (1 to 60: Grok's 30 and Gemma 2's 50 inside) and dropout (p up to 0.9, a 64-bit
+    seed), drawn from their own stream so that every older draw of a case stays as it was."""
+    if rng.random() < 0.25:
+        opts["softcap"] = _logu(rng, 1, 60)
+        tags.append(f"softcap {opts['softcap']:.3g}")
+    if rng.random() < 0.25:
+        opts["dropout_p"] = float(rng.choice([0.1, 0.3, 0.9]))
+        opts["dropout_seed"] = int(rng.integers(2 ** 63)) * (1 if rng.random() < 0.8 else -1)
+        tags.append(f"dropout {opts['dropout_p']}")
+
+
 def _attention_case(rng, seed, index, kind, world) -> Case:
     tags: list = []
     pins = PINNED.get(kind, ())
@@ -291,6 +304,7 @@ def _attention_case(rng, seed, index, kind, world) -> Case:
     if lead and rng.random() < 0.2:
         shape = (lead[-1],) if len(lead) == 1 or rng.random() < 0.6 else (lead[0], lead[-1])
         opts["alibi"] = rng.uniform(0, 1, shape) * (1.0 if rng.random() < 0.7 else 4.0)
+    _softcap_dropout(np.random.default_rng([seed, index, KINDS.index(kind), world, 21]), opts, tags)
     refusable = ""
     if rng.random() < 0.06 or pin in EXTREMES:
         refusable = _extreme(rng, opts, dtype, lead[-1] if lead else 0, bool(lead), tags,
