@@ -5,6 +5,7 @@ generation with a dynamic and a static cache on a batch with a left-padded row, 
 gradients. A family that cannot use transformers' attention interface (Falcon) must refuse
 qkv with a ValueError, at build time and at set_attn_implementation."""
 import copy
+import math
 
 import pytest
 
@@ -35,6 +36,9 @@ FAMILIES = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
                dict(DECODER, head_dim=16, query_pre_attn_scalar=16, sliding_window=WINDOW, layer_types=HYBRID,
                     attn_logit_softcapping=None, final_logit_softcapping=None), "sliding_window"),
+    "gemma2_softcap": ("Gemma2Config", "Gemma2ForCausalLM",  # the default config's caps: attention 50, final 30
+                       dict(DECODER, head_dim=16, query_pre_attn_scalar=16, sliding_window=WINDOW,
+                            layer_types=HYBRID), "sliding_window"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
                dict(DECODER, head_dim=16, query_pre_attn_scalar=16, sliding_window=WINDOW, layer_types=HYBRID,
                     attn_logit_softcapping=None, final_logit_softcapping=None), "sliding_window"),
@@ -206,3 +210,38 @@ def test_falcon_refuses_qkv_by_name():
     with pytest.raises(ValueError, match=r"qkv.*Falcon"):
         model.set_attn_implementation(NAME)
     assert model.config._attn_implementation == "eager"
+
+
+def test_gemma2_default_config_caps_its_logits_at_50():
+    config = transformers.Gemma2Config(**FAMILIES["gemma2_softcap"][2])
+    assert config.attn_logit_softcapping == 50.0
+
+
+def _gpt2_steps(seed: int, steps: int = 3):
+    """A few SGD steps of GPT-2 with attn_pdrop=0.1 in training mode on qkv; the losses and
+    the last step's gradients."""
+    model = family("gpt2", NAME, attn_pdrop=0.1, resid_pdrop=0.0, embd_pdrop=0.0).train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ids, mask = batch("gpt2")
+    torch.manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_gpt2_trains_with_attention_dropout_on_qkv():
+    losses, grads = _gpt2_steps(5)
+    again, grads_again = _gpt2_steps(5)
+    other, _ = _gpt2_steps(6)
+    assert all(torch.isfinite(g).all() for g in grads.values()) and all(map(math.isfinite, losses))
+    assert losses == again and all(torch.equal(g, grads_again[n]) for n, g in grads.items())  # torch.manual_seed repeats it
+    assert other != losses  # another seed, another keep-mask
+    model = family("gpt2", NAME, attn_pdrop=0.1)
+    ids, mask = batch("gpt2")
+    with torch.no_grad():
+        assert model(input_ids=ids, attention_mask=mask).logits.isfinite().all()
