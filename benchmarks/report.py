@@ -61,7 +61,8 @@ def machine_line(m: dict, torch_version: str | None) -> str:
 
 def header(results: dict) -> list[str]:
     """The lines above the tables: run settings, machine, notes, FLOP convention."""
-    ranks = f", {results['mpi_ranks']} MPI ranks (ring suite)" if results.get("mpi_ranks") else ""
+    ran = " and ".join(name for name, key in (("ring", "ring"), ("train-mpi", "train_mpi")) if results.get(key))
+    ranks = f", {results['mpi_ranks']} MPI ranks ({ran or 'ring'} suite)" if results.get("mpi_ranks") else ""
     lines = [f"qkv bench: {results['threads']} threads{ranks}, median of {results['repeats']} runs"
              f"{' (quick sizes)' if results['quick'] else ''}",
              machine_line(results["machine"], results["torch"])]
@@ -96,6 +97,14 @@ def tables(results: dict) -> list[Table]:
         t.notes.append("products s: qkv's matrix products alone, in its tiles and threads (benchmarks/products.py); "
                        "bound = torch s / products s, the most qkv/torch could be if the softmax cost nothing")
         out.append(t)
+    if results.get("options"):
+        t = Table(f"softcap and dropout: the tiled kernel's forward+backward with the option against without "
+                  f"(same inputs, alternated){smoke}", ["case", "plain s", "with option s", "ratio", "budget"], left=1)
+        for r in results["options"]:
+            sec = r["seconds"]
+            t.rows.append([r["case"], _fmt(sec["plain"], ".4f"), _fmt(sec["option"], ".4f"), _fmt(r["ratio"], ".2f"),
+                           _fmt(r["budget"], ".2f")])
+        out.append(t)
     if results["sweep"]:
         t = Table(f"scaling: forward+backward, one head, D={results['sweep'][0]['d']}, float32; "
                   f"peak extra memory = RSS high-water in a subprocess{smoke}",
@@ -117,6 +126,8 @@ def tables(results: dict) -> list[Table]:
         out.append(ring_table(results["ring"], results.get("ring_pingpong_gb_s"), smoke))
     if results.get("gpt"):
         out.append(gpt_table(results["gpt"], results["threads"], smoke))
+    if results.get("train_mpi"):
+        out.append(train_mpi_table(results["train_mpi"], smoke))
     if results.get("shapes"):
         out.append(shapes_table(results["shapes"], results["repeats"], results["threads"], smoke))
     return out
@@ -194,6 +205,24 @@ def ring_table(rows: list[dict], pingpong_gb_s: float | None = None, smoke: str 
     t.notes.append("sent per rank: forward (W−1)·(|K|+|V|), backward (W−1)·(|K|+|V|) + W·(|dK|+|dV|)")
     if pingpong_gb_s:
         t.notes.append(f"ping-pong between ranks 0 and 1: {pingpong_gb_s:.2f} GB/s one way")
+    return t
+
+
+def train_mpi_table(rows: list[dict], smoke: str = "") -> Table:
+    """The rows of ``train_mpi.suite``: W ranks against one process, the step's parts, bytes and memory."""
+    r0 = rows[0]
+    t = Table(f"GPT training over MPI: {r0['params']:,} parameters, batch {r0['B']} x T={r0['T']}, float32, "
+              f"1 thread a rank; single = one process on W threads; medians{smoke}",
+              ["W", "mode", "tokens/s", "single tokens/s", "÷ single", "step ms", "backward ms",
+               "grad allreduce ms", "loss allreduce ms", "ring wait ms", "sent MiB/rank", "peak MiB/rank"], left=2)
+    for r in rows:
+        ms = lambda v: "—" if v is None else f"{1e3 * v:.1f}"  # noqa: E731
+        t.rows.append([str(r["W"]), r["mode"], f"{r['tokens_per_s']:,.0f}", f"{r['single_tokens_per_s']:,.0f}",
+                       f"{r['vs_single']:.2f}", ms(r["step_s"]), ms(r["backward_s"]), ms(r["allreduce_s"]),
+                       ms(r["loss_allreduce_s"]), ms(r["ring_s"]), f"{r['sent_bytes'] / MIB:.2f}",
+                       f"{max(r['peak_mib']):.0f}"])
+    t.notes.append(f"gradient buffer {r0['grad_bytes'] / MIB:.2f} MiB; sent per rank: a ring Allreduce's "
+                   "2(W−1)/W of it, plus for context n_layer·[2(W−1)(|K|+|V|) + W(|dK|+|dV|)] of the ring")
     return t
 
 

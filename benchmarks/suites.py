@@ -10,7 +10,9 @@ extras), ``torch`` (``qkv.torch.attention`` against qkv on NumPy and SDPA; see
 to run under ``mpiexec -n W``) and ``gpt`` (nanoGPT's CPU recipe trained by qkv's GPT and by a
 plain PyTorch GPT, same weights, batches and threads; see ``gpt_suite.py``; without torch
 qkv's side alone) and ``shapes`` (training and serving shapes, short sequences in big
-batches, qkv ``method="auto"`` against SDPA; see ``shapes_suite.py``; needs the torch extra).
+batches, qkv ``method="auto"`` against SDPA; see ``shapes_suite.py``; needs the torch extra) and
+``train-mpi`` (qkv's GPT trained data- and context-parallel by the ranks of ``MPI.COMM_WORLD``
+against one process; see ``train_mpi.py``; needs the mpi extra, meant for ``mpiexec -n W``).
 Without a choice a run measures :data:`DEFAULT` (a quick run :data:`QUICK_DEFAULT`); torch, ring, gpt and shapes run when named (or with "all"). A suite whose
 extra is missing is skipped with the reason in ``results["skipped"]``.
 
@@ -18,7 +20,7 @@ A quick plan shrinks every size so the whole run takes seconds: a smoke test tha
 path runs (the test suite runs it end to end), not a measurement: at such sizes call
 overheads decide the times, and the qkv/torch ratio swings from run to run.
 
-Under MPI (the ring suite) every rank calls :func:`run_suites`: the ring is measured by
+Under MPI (the ring and train-mpi suites) every rank calls :func:`run_suites`: those are measured by
 all of them together, then rank 0 alone runs the other suites while the others wait
 without spinning, and only rank 0 gets the results (the others get None).
 
@@ -31,16 +33,18 @@ import importlib.util
 import os
 from dataclasses import dataclass
 
-from . import gpt_suite, products, shapes_suite, torch_suite
+from . import gpt_suite, products, shapes_suite, torch_suite, train_mpi
 from .attention import fwd_bwd_flops, forward_flops, inputs, kv_bytes, copier, runner
 from .memory import peak_extra
 from .timing import REWARM_S, alternate, walls
 
-SUITES = ("main", "sweep", "decode", "encoder", "torch", "ring", "gpt", "shapes")
+SUITES = ("main", "sweep", "decode", "encoder", "torch", "ring", "gpt", "shapes", "train-mpi")
+MPI_SUITES = ("ring", "train-mpi")  # every rank of mpiexec -n W takes part
 DEFAULT = ("main", "sweep", "decode", "encoder")  # torch, ring, gpt and shapes run when named
 QUICK_DEFAULT = ("main", "sweep", "decode")  # a quick run leaves the encoder out unless asked
 # What each suite needs beyond the core, as the extra that brings it (said when one is skipped).
-EXTRAS = {"encoder": "models,test", "torch": "torch", "ring": "mpi", "gpt": "torch", "shapes": "torch"}
+EXTRAS = {"encoder": "models,test", "torch": "torch", "ring": "mpi", "gpt": "torch", "shapes": "torch",
+          "train-mpi": "mpi"}
 FULL = {
     "main": dict(b=1, h=8, t=4096, d=64),
     "sweep": dict(ts=(512, 1024, 2048, 4096, 8192, 16384), d=64, dense_max=8192),
@@ -48,6 +52,7 @@ FULL = {
     "torch": torch_suite.FULL,
     # T is cut to the largest multiple of 2W (zigzag's chunks) at or below it
     "ring": dict(t=16384, h=1, d=64, pingpong_bytes=64 << 20),
+    "train-mpi": train_mpi.FULL,
     "repeats": 5,
 }
 QUICK = {
@@ -56,8 +61,26 @@ QUICK = {
     "decode": dict(b=1, hq=8, hkv=2, tk=2048, d=64),
     "torch": torch_suite.QUICK,
     "ring": dict(t=384, h=1, d=32, pingpong_bytes=1 << 20),
+    "train-mpi": train_mpi.QUICK,
     "repeats": 1,
 }
+# softcap and dropout against the plain tiled kernel (issue 21's budgets: 1.15x and 1.3x)
+OPTION_COSTS = (("softcap=50", dict(softcap=50.0), 1.15), ("dropout_p=0.1", dict(dropout_p=0.1, dropout_seed=0), 1.3))
+
+
+def _option_costs(c, q, k, v, dout, timed, progress) -> list:
+    """Forward+backward of the tiled kernel with each option of :data:`OPTION_COSTS` against
+    the plain one, alternated on the same inputs: ``{"case", "seconds": {plain, option}, "ratio"}``."""
+    rows = []
+    for label, extra, budget in OPTION_COSTS:
+        progress(0, description=f"main: fwd+bwd {label}")
+        secs = timed({"plain": runner("qkv", q, k, v, dout, causal=False, backward=True),
+                      "option": runner("qkv", q, k, v, dout, causal=False, backward=True, **extra)})
+        rows.append({"case": f"fwd+bwd full {label}", "shape": dict(c), "seconds": secs,
+                     "ratio": secs["option"] / secs["plain"], "budget": budget})
+    return rows
+
+
 SMOKE_NOTE = ("quick sizes are a smoke test that every path runs, not a measurement: at these sizes call "
               "overheads decide the times and qkv/torch swings widely from run to run (torch's peak memory "
               "is left out); for numbers run qkv bench without --quick")
@@ -138,6 +161,8 @@ def count_steps(p: Plan) -> int:
         n += len(torch_suite_steps(p))
     if "ring" in p.suites:
         n += len(RING_LAYOUTS) + 1  # each layout, then the ping-pong
+    if "train-mpi" in p.suites:
+        n += len(train_mpi.MODES)
     if "gpt" in p.suites:
         n += gpt_suite.count(p.quick, p.steps, p.torch, p.memory)
     if "shapes" in p.suites and p.torch:
@@ -174,8 +199,10 @@ def run_suites(p: Plan, progress=None) -> dict | None:
     progress = progress or (lambda advance, description=None: None)
     tick = lambda: progress(1)  # noqa: E731
     ring = _ring_suite(p, progress) if "ring" in p.suites else None  # first: every rank takes part
-    if ring and ring["rank"] != 0:
-        ring["wait"]()  # idle until rank 0 has run the other suites
+    trained = _train_mpi_suite(p, progress) if "train-mpi" in p.suites else None
+    mpi = ring or trained
+    if mpi and mpi["rank"] != 0:
+        mpi["wait"]()  # idle until rank 0 has run the other suites
         return None
     if p.torch:
         import torch
@@ -186,6 +213,7 @@ def run_suites(p: Plan, progress=None) -> dict | None:
                "note": SMOKE_NOTE if p.quick else None,
                "torch": torch.__version__ if p.torch else None, "machine": describe(p.torch),
                "main": [], "sweep": [], "decode": [], "encoder": [], "torch_suite": [], "ring": [], "gpt": [], "shapes": [],
+               "train_mpi": [], "options": [],
                "ring_pingpong_gb_s": None, "mpi_ranks": None, "skipped": {}}
     ms = methods(p)
 
@@ -205,6 +233,7 @@ def run_suites(p: Plan, progress=None) -> dict | None:
                 flops = (fwd_bwd_flops if backward else forward_flops)(c["b"], c["h"], c["t"], c["t"], c["d"], causal)
                 results["main"].append({"case": label, "shape": dict(c), "causal": causal,
                                         "backward": backward, "flop": flops, "seconds": secs})
+        results["options"] = _option_costs(c, q, k, v, dout, timed, progress)
     if "sweep" in p.suites:
         results["sweep"] = _sweep(p, rng, timed, progress, tick)
     if "decode" in p.suites:
@@ -234,7 +263,11 @@ def run_suites(p: Plan, progress=None) -> dict | None:
         results["ring"], results["ring_pingpong_gb_s"] = ring["rows"], ring["pingpong_gb_s"]
         results["mpi_ranks"] = ring["size"]
         results["skipped"]["ring"] = ring["skipped"]
-        ring["wait"]()  # the other ranks may finish now
+    if trained:
+        results["train_mpi"], results["mpi_ranks"] = trained["rows"], trained["size"]
+        results["skipped"]["train-mpi"] = trained["skipped"]
+    if mpi:
+        mpi["wait"]()  # the other ranks may finish now
     results["skipped"] = {k: v for k, v in results["skipped"].items() if v}
     return results
 
@@ -333,4 +366,19 @@ def _ring_suite(p: Plan, progress) -> dict:
     comm = MPI.COMM_WORLD
     rows, gbs = ring.suite(comm, p.sizes["ring"], p.repeats, RING_LAYOUTS, progress)
     return dict(rank=comm.Get_rank(), size=comm.Get_size(), rows=rows or [], pingpong_gb_s=gbs, skipped=None,
+                wait=lambda: ring.idle_wait(comm))
+
+
+def _train_mpi_suite(p: Plan, progress) -> dict:
+    """Every rank: train_mpi.suite's rows (rank 0) and this rank's ``wait``, as :func:`_ring_suite`."""
+    try:
+        from mpi4py import MPI
+    except ImportError as err:
+        return dict(rank=0, size=None, rows=[], skipped=_needs("train-mpi", f"{type(err).__name__}: {err}"),
+                    wait=lambda: None)
+    from . import ring
+
+    comm = MPI.COMM_WORLD
+    rows = train_mpi.suite(comm, p.sizes["train-mpi"], p.repeats, progress)
+    return dict(rank=comm.Get_rank(), size=comm.Get_size(), rows=rows or [], skipped=None,
                 wait=lambda: ring.idle_wait(comm))

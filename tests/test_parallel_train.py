@@ -161,3 +161,19 @@ def test_train_gpt_under_mpiexec_ends_when_one_rank_fails(corpus_file, tmp_path)
     res = mpiexec(2, "-c", FAIL_AT_STEP_2, "train", "gpt", "--data", str(corpus_file), *TINY, "--steps", "6",
                   "--out", str(tmp_path / "w"), timeout=60)
     assert res.returncode != 0 and "rank 1 fails at step 2" in res.stderr, res.stdout + res.stderr
+
+
+def test_two_ranks_run_the_quick_train_mpi_suite_and_rank_0_reports(tmp_path):
+    import json
+
+    out = tmp_path / "bench.json"
+    res = mpiexec(2, "-m", "qkv", "bench", "--suite", "train-mpi", "--quick", "--no-torch", "--json", str(out),
+                  timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.count("GPT training over MPI") == 1
+    rows = json.loads(out.read_text())["train_mpi"]
+    assert [(r["mode"], r["W"], r["T"]) for r in rows] == [("data", 2, 48), ("context", 2, 48)]
+    for r in rows:
+        assert r["tokens_per_s"] > 0 and r["single_tokens_per_s"] > 0 and len(r["peak_mib"]) == 2
+        assert r["grad_bytes"] == 4 * r["params"] and r["sent_bytes"] >= r["grad_bytes"] / 2
+    assert rows[0]["ring_s"] is None and rows[1]["ring_s"] >= 0 and rows[1]["sent_bytes"] > rows[0]["sent_bytes"]

@@ -4,7 +4,7 @@ This module parses, checks the output paths before minutes of measuring, shows p
 and draws the tables; the measuring, the tables' content and the plot are in
 ``qkv_benchmarks`` (``suites``, ``report``).
 
-**Under MPI** (``mpiexec -n W qkv bench --suite ring``) every rank runs this command; rank 0
+**Under MPI** (``mpiexec -n W qkv bench --suite ring|train-mpi``) every rank runs this command; rank 0
 alone checks and writes the output files and prints. The command then has the semantics of
 ``python -m mpi4py``: an exception on any rank (an output path only rank 0 finds bad
 included) ends the whole job with ``MPI_Abort`` when that rank exits, instead of leaving the other ranks waiting in a
@@ -32,7 +32,7 @@ def add_arguments(parser) -> None:
                         help="tiny sizes, one run each: a smoke test of every path in seconds, not a measurement")
     parser.add_argument("--suite", action="append", choices=SUITES + ("all",),
                         help=f"which suite to run (repeatable; default: {', '.join(DEFAULT)}; with --quick: "
-                        f"{', '.join(QUICK_DEFAULT)}; 'all': every suite; ring runs under mpiexec -n W)")
+                        f"{', '.join(QUICK_DEFAULT)}; 'all': every suite; ring and train-mpi run under mpiexec -n W)")
     parser.add_argument("--repeats", type=int, default=None,
                         help=f"timed runs per method and case; the median is reported "
                         f"(default {FULL['repeats']}, quick {QUICK['repeats']})")
@@ -62,10 +62,11 @@ def run(args) -> int:
     plan = suites.plan(args.suite, quick=args.quick, repeats=args.repeats, threads=args.threads,
                        torch=not args.no_torch, memory=not args.no_memory, steps=args.steps,
                        data=os.path.abspath(args.data) if args.data else None)
-    if "ring" not in plan.suites and mpiexec_ranks() > 1:
-        raise UsageError(f"under mpiexec only --suite ring runs (with {mpiexec_ranks()} ranks every other "
-                         "suite would run once per rank, all at once on the same cores)")
-    with abort_on_error("ring" in plan.suites) as rank:
+    mpi = bool(set(suites.MPI_SUITES) & set(plan.suites))
+    if not mpi and mpiexec_ranks() > 1:
+        raise UsageError(f"under mpiexec only --suite ring runs (or --suite train-mpi; with {mpiexec_ranks()} ranks "
+                         "every other suite would run once per rank, all at once on the same cores)")
+    with abort_on_error(mpi) as rank:
         return _measure(args, plan, rank, report, suites)
 
 

@@ -80,8 +80,9 @@ class ParallelGPT:
     in the same order. ``params``, ``grads``, ``no_decay``, ``rng`` and ``config`` are the
     local model's, so an optimizer and ``runfiles.save_run`` use it as they use a GPT.
 
-    ``comm_seconds`` adds up the time spent in the two Allreduces (waiting for the slowest
-    rank included); ``grad_bytes`` is the size of the flat gradient buffer.
+    ``comm_seconds`` adds up the time spent in the Allreduces of the ``"loss"`` and of the
+    ``"grads"`` (waiting for the slowest rank included); ``grad_bytes`` is the size of the
+    flat gradient buffer.
     """
 
     def __init__(self, model, mode: str, *, comm=None, layout: str = "zigzag"):
@@ -95,7 +96,7 @@ class ParallelGPT:
             n += g.size
         self._flat = np.empty(n, self.model.config.dtype)  # every gradient, in params order
         self.grad_bytes = self._flat.nbytes
-        self.comm_seconds = 0.0
+        self.comm_seconds = {"loss": 0.0, "grads": 0.0}
 
     # --- what an optimizer and the run files read: the local model's --------------------
     params = property(lambda self: self.model.params)
@@ -137,7 +138,7 @@ class ParallelGPT:
                 raise ShapeError(f"idx has T = {t} tokens, more than block_size = {self.config.block_size}")
             self.model.token_positions = positions(t, comm=self.comm, layout=self.layout)
         local = np.array([self.model.loss(self.local(idx), self.local(targets))], np.float64)
-        self._allreduce(local)
+        self._allreduce(local, "loss")
         return float(local[0]) / self.size
 
     def backward(self) -> None:
@@ -146,16 +147,16 @@ class ParallelGPT:
         grads, flat = self.model.grads, self._flat
         for name, s in self._slices.items():
             flat[s] = grads[name].reshape(-1)
-        self._allreduce(flat)
+        self._allreduce(flat, "grads")
         flat /= self.size
         for name, s in self._slices.items():
             grads[name][...] = flat[s].reshape(grads[name].shape)
 
-    def _allreduce(self, buf: np.ndarray) -> None:
+    def _allreduce(self, buf: np.ndarray, what: str) -> None:
         MPI = require("mpi4py.MPI", "mpi")
         t0 = time.perf_counter()
         self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-        self.comm_seconds += time.perf_counter() - t0
+        self.comm_seconds[what] += time.perf_counter() - t0
 
 
 def _ring_copy(model, comm, layout: str):
