@@ -55,19 +55,20 @@ def inputs(rng, b, hq, hkv, tq, tk, d):
     return q, k, v, dout
 
 
-def runner(method, q, k, v, dout, *, causal, backward, gqa=False):
-    """A no-argument callable doing one forward (and backward) by ``method``."""
+def runner(method, q, k, v, dout, *, causal, backward, gqa=False, **options):
+    """A no-argument callable doing one forward (and backward) by ``method``; ``options``:
+    more keywords of qkv.attention (softcap, dropout) for qkv's methods."""
     if method == "torch":
         return _torch_runner(q, k, v, dout, causal=causal, backward=backward, gqa=gqa)
 
     import qkv
     name = {"qkv": "flash", "dense": "reference", "auto": "auto"}[method]
     if not backward:
-        return lambda: qkv.attention(q, k, v, causal=causal, gqa=gqa, method=name)
+        return lambda: qkv.attention(q, k, v, causal=causal, gqa=gqa, method=name, **options)
 
     def fwd_bwd():
-        out, lse = qkv.attention(q, k, v, causal=causal, gqa=gqa, return_lse=True, method=name)
-        return qkv.attention_backward(dout, q, k, v, out, lse, causal=causal, gqa=gqa, method=name)
+        out, lse = qkv.attention(q, k, v, causal=causal, gqa=gqa, return_lse=True, method=name, **options)
+        return qkv.attention_backward(dout, q, k, v, out, lse, causal=causal, gqa=gqa, method=name, **options)
     return fwd_bwd
 
 

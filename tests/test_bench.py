@@ -59,7 +59,7 @@ def test_header_says_where_the_numbers_come_from(quick_run):
 def test_quick_run_says_it_is_a_smoke_test(quick_run):
     text, data, _ = quick_run
     assert f"note: {SMOKE_NOTE}" in text and data["quick"] and data["note"] == SMOKE_NOTE
-    assert text.count("(smoke-test sizes)") == 3     # every table's title says so
+    assert text.count("(smoke-test sizes)") == 4     # every table's title says so (main, options, sweep, decode)
     assert data["repeats"] == QUICK["repeats"]
 
 
