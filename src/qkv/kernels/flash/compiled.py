@@ -102,14 +102,16 @@ def thin_values(p, vv, acc):          # acc (R, Dv) += p (R, w) @ vv (w, Dv): V 
 # --- softcap and dropout (qkv.score_ops): the tile passes of a problem that uses them -----------
 # tanh(y) = y + y³·R(y²) for |y| < 0.625 (R of degree 4, least squares on Chebyshev nodes against
 # relative error: at most 1.4 units of 2^-24), else sign(y)·(1 - 2 / (2^(2·log2(e)·|y|) + 1));
-# both branches are evaluated and one selected, so the loop vectorises. NaN stays NaN.
+# both branches are evaluated and one selected, so the loop vectorises (with error_model="numpy":
+# numba's default guards every division by a zero test, a branch that kept these loops scalar,
+# 40x slower). NaN stays NaN.
 _T0, _T1, _T2, _T3, _T4 = (f32(c) for c in (-0.3333328664302826, 0.13331513106822968, -0.05374465882778168,
                                             0.020653124898672104, -0.0057189627550542355))
 _TWO_LOG2E, _TSPLIT = f32(2.0 * 1.4426950408889634), f32(0.625)
 u32 = np.uint32
 
 
-@numba.njit(inline="always", fastmath=FASTMATH)
+@numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
 def tanh32(y):
     a = abs(y)
     z = y * y
@@ -129,7 +131,7 @@ def keep_bits(klo, khi, col):          # qkv.score_ops.bits for one entry, in 32
     return u32(x ^ (x >> u32(16)))
 
 
-@numba.njit(nogil=True, cache=True, fastmath=FASTMATH)
+@numba.njit(nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")
 def softcap_tile(st, g, cap, grad):    # st (w, R) in place: cap·tanh(st / cap); grad: g = 1 - tanh²
     w, r = st.shape
     inv = f32(1.0) / cap
@@ -141,17 +143,15 @@ def softcap_tile(st, g, cap, grad):    # st (w, R) in place: cap·tanh(st / cap)
                 g[i, j] = f32(1.0) - t * t
 
 
-@numba.njit(nogil=True, cache=True, fastmath=FASTMATH)
-def mod_exp2_sum(st, m, l, cap, k0, r0, shift, lo, hi, klo, khi, col0, thresh, zscale, drop):
-    # st (w, R) in place, the forward's tile: x = cap·tanh(st / cap) where cap > 0; 2^(x - m[col])
-    # inside the band (else 0), l[col] += Σ_rows; then times keep / (1 - p) where drop
+@numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _fwd_body(st, m, l, cap, k0, r0, shift, lo, hi, klo, khi, col0, thresh, zscale, capped, drop):
     w, r = st.shape
-    inv = f32(1.0) / cap if cap > f32(0.0) else f32(0.0)
+    inv = f32(1.0) / cap if capped else f32(0.0)
     for i in range(w):
         d0 = (k0 + i) - (r0 + shift)
         for j in range(r):
             x = st[i, j]
-            if cap > f32(0.0):
+            if capped:
                 x = cap * tanh32(x * inv)
             d = d0 - j
             p = f32(0.0) if (d < -lo or d > hi) else pow2(x - m[j])
@@ -161,16 +161,27 @@ def mod_exp2_sum(st, m, l, cap, k0, r0, shift, lo, hi, klo, khi, col0, thresh, z
             st[i, j] = p
 
 
-@numba.njit(nogil=True, cache=True, fastmath=FASTMATH)
-def mod_grad_exp2(et, z, g, nhi, nlo, l, cap, klo, khi, col0, thresh, zscale, drop):
-    # et (w, R) in place, the backward's tile: x = cap·tanh(et / cap) (g = 1 - tanh²) where cap > 0;
-    # P = 2^((x + nhi[col]) + nlo[col]), l[col] += Σ_rows; z = keep / (1 - p) where drop
+@numba.njit(nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")
+def mod_exp2_sum(st, m, l, cap, k0, r0, shift, lo, hi, klo, khi, col0, thresh, zscale, drop):
+    # st (w, R) in place, the forward's tile: x = cap·tanh(st / cap) where cap > 0; 2^(x - m[col])
+    # inside the band (else 0), l[col] += Σ_rows; then times keep / (1 - p) where drop. Each case
+    # its own loop (the flags are constants of the inlined body), so that each vectorises.
+    if cap > f32(0.0) and drop:
+        _fwd_body(st, m, l, cap, k0, r0, shift, lo, hi, klo, khi, col0, thresh, zscale, True, True)
+    elif cap > f32(0.0):
+        _fwd_body(st, m, l, cap, k0, r0, shift, lo, hi, klo, khi, col0, thresh, zscale, True, False)
+    else:
+        _fwd_body(st, m, l, cap, k0, r0, shift, lo, hi, klo, khi, col0, thresh, zscale, False, True)
+
+
+@numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _grad_body(et, z, g, nhi, nlo, l, cap, klo, khi, col0, thresh, zscale, capped, drop):
     w, r = et.shape
-    inv = f32(1.0) / cap if cap > f32(0.0) else f32(0.0)
+    inv = f32(1.0) / cap if capped else f32(0.0)
     for i in range(w):
         for j in range(r):
             x = et[i, j]
-            if cap > f32(0.0):
+            if capped:
                 t = tanh32(x * inv)
                 x = cap * t
                 g[i, j] = f32(1.0) - t * t
@@ -179,3 +190,15 @@ def mod_grad_exp2(et, z, g, nhi, nlo, l, cap, klo, khi, col0, thresh, zscale, dr
             l[j] += p
             if drop:
                 z[i, j] = zscale if keep_bits(klo[j], khi[j], col0 + i) >= thresh else f32(0.0)
+
+
+@numba.njit(nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")
+def mod_grad_exp2(et, z, g, nhi, nlo, l, cap, klo, khi, col0, thresh, zscale, drop):
+    # et (w, R) in place, the backward's tile: x = cap·tanh(et / cap) (g = 1 - tanh²) where cap > 0;
+    # P = 2^((x + nhi[col]) + nlo[col]), l[col] += Σ_rows; z = keep / (1 - p) where drop
+    if cap > f32(0.0) and drop:
+        _grad_body(et, z, g, nhi, nlo, l, cap, klo, khi, col0, thresh, zscale, True, True)
+    elif cap > f32(0.0):
+        _grad_body(et, z, g, nhi, nlo, l, cap, klo, khi, col0, thresh, zscale, True, False)
+    else:
+        _grad_body(et, z, g, nhi, nlo, l, cap, klo, khi, col0, thresh, zscale, False, True)

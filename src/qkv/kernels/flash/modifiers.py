@@ -159,7 +159,7 @@ def grad_probs(call, kv, qh, h, q0, q1, a, e, partial_, whole, et, g, z):
         np.matmul(kv.kx[a:e, :d], qh.qx[q0:q1, :d].T, out=et)    # (w,D) @ (D,r) -> (w,r): log2(e)·xᵀ
     else:
         np.matmul(kv.kx[a:e], qh.qx[q0:q1].T, out=et)            # (w,D+2) @ (D+2,r): (S - lse)ᵀ
-    nhi, nlo = qh.qx[q0:q1, d], qh.qx[q0:q1, d + 1]
+    nhi, nlo = np.ascontiguousarray(qh.qx[q0:q1, d]), np.ascontiguousarray(qh.qx[q0:q1, d + 1])  # strided: scalar loops
     comp = _compiled(et)
     if comp is not None and not (partial_ or call.masked):
         r = np.zeros(q1 - q0)
