@@ -5,8 +5,8 @@ losses, evaluations and weights; then a checkpoint written by W ranks resumes on
 and one written by one process resumes on W ranks. Prints ``rank R ok NAME max-diff X`` per
 case; a mismatch raises, which under ``-m mpi4py`` ends the job with a non-zero status.
 
-``fail``: every rank checks a batch that W ranks cannot split (the same ShapeError on all),
-then rank W-1 alone raises in the middle of training while the others wait in the
+``fail``: every rank checks a batch that W ranks cannot split, then runs whose configs differ
+(the same ShapeError on all, each time), then rank W-1 alone raises in the middle of training while the others wait in the
 gradients' Allreduce: the job must end, not hang."""
 import os
 import sys
@@ -117,10 +117,11 @@ def resume_with_another_w(ref):
 
 
 def fail():
-    try:
-        parallelize(fresh(config(batch_size=2 * W + 1)), "data")
-    except Exception as err:
-        say(f"rank {r} raised: {type(err).__name__}: {err}")
+    for bad in (config(batch_size=2 * W + 1), config(lr=0.01 * (1 + r))):  # one no rank can split; ranks that differ
+        try:
+            parallelize(fresh(bad), "data")
+        except Exception as err:
+            say(f"rank {r} raised: {type(err).__name__}: {err}")
     run = parallelize(fresh(config()), "data")
     if r == W - 1:
         model_loss = run.model.model.loss

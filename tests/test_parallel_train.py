@@ -37,13 +37,16 @@ def test_parallel_training_equals_one_process(size, tmp_path):
 
 
 def test_a_failing_rank_ends_the_job(tmp_path):
-    """A batch W ranks cannot split raises the same ShapeError on every rank; then one rank
+    """A batch W ranks cannot split, and runs that differ between ranks, raise the same error on
+    every rank before any step; then one rank
     raising mid-training (the others in the Allreduce) ends the job with a non-zero status
     within the timeout, instead of a hang."""
     res = _launch(2, tmp_path, "fail", timeout=60)
-    raised = {line.split(" raised: ")[1] for line in res.stdout.splitlines() if " raised: " in line}
-    assert raised == {"ShapeError: batch_size = 5 must be a multiple of the W = 2 ranks: data parallel "
-                      "gives each rank batch_size / W rows of every batch"}, res.stdout + res.stderr
+    raised = sorted({line.split(" raised: ")[1] for line in res.stdout.splitlines() if " raised: " in line})
+    assert len(raised) == 2, res.stdout + res.stderr
+    assert raised[0].startswith("OptionError: parallelize: every rank must pass the same config; got rank 0: ")
+    assert raised[1] == ("ShapeError: parallelize (rank 0 of 2): batch_size = 5 must be a multiple of the W = 2 "
+                         "ranks: data parallel gives each rank batch_size / W rows of every batch")
     assert res.returncode != 0 and "rank 1 fails at step 3" in res.stderr
     assert "finished" not in res.stdout
 
@@ -150,7 +153,7 @@ def test_train_gpt_under_mpiexec_refuses_a_batch_the_ranks_cannot_split(corpus_f
     res = mpiexec(2, "-m", "qkv", "train", "gpt", "--data", str(corpus_file), *TINY, "--batch-size", "5",
                   "--steps", "2", "--out", str(tmp_path / "w"), timeout=60)
     assert res.returncode != 0, res.stdout + res.stderr   # MPI_Abort(1) on every rank
-    assert ("qkv train: error: qkv train gpt (rank 0 of 2): batch_size = 5 must be a multiple of the W = 2 "
+    assert ("qkv train: error: parallelize (rank 0 of 2): batch_size = 5 must be a multiple of the W = 2 "
             "ranks") in res.stderr
     assert not (tmp_path / "w" / "config.json").exists()
 

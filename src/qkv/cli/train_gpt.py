@@ -176,9 +176,8 @@ def run(args) -> int:
 
 def _train_parallel(args, out: Path, mode: str) -> int:
     """Every rank makes (or loads) the run and checks it; if any rank failed, or the ranks'
-    runs differ, every rank raises the same error before the first step."""
-    from dataclasses import asdict
-
+    runs differ (``parallelize`` compares them), every rank raises the same error before the
+    first step."""
     from mpi4py import MPI
 
     from ..distributed.agree import agree
@@ -186,13 +185,10 @@ def _train_parallel(args, out: Path, mode: str) -> int:
 
     comm = MPI.COMM_WORLD
 
-    def make():
-        run_, dataset = (_resumed_run if args.resume else _new_run)(args, out)
-        return parallelize(run_, mode, comm=comm), dataset
     given = [(k, v) for k, v in sorted(vars(args).items()) if not callable(v)]
-    run_, dataset = agree(comm, "qkv train gpt", make, {"arguments": given})
-    agree(comm, "qkv train gpt", lambda: None, {"run": (asdict(run_.cfg), run_.step, run_.data["sha256"])})
-    return _train(args, out, run_, dataset, comm)
+    run_, dataset = agree(comm, "qkv train gpt", lambda: (_resumed_run if args.resume else _new_run)(args, out),
+                          {"arguments": given})
+    return _train(args, out, parallelize(run_, mode, comm=comm), dataset, comm)
 
 
 def _train(args, out: Path, run_, dataset, comm=None) -> int:

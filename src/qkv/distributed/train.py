@@ -175,16 +175,29 @@ def _ring_copy(model, comm, layout: str):
 def parallelize(run, mode: str, *, comm=None, layout: str = "zigzag"):
     """Make ``run`` (a :class:`qkv.models.training.Run`, new or loaded on every rank) train on
     every rank of ``comm``: its model becomes a :class:`ParallelGPT` and its AdamW one over the
-    local model with the same state. Checks that the run's batch splits (a ShapeError naming
-    ``batch_size`` or ``block_size``). Returns ``run``; :func:`qkv.models.training.train`
-    then trains it, every rank calling it, with the checkpoint written by rank 0 alone."""
+    local model with the same state. Returns ``run``; :func:`qkv.models.training.train` then
+    trains it, every rank calling it, with the checkpoint written by rank 0 alone.
+
+    Collective: every rank checks that the batch splits (a ShapeError naming ``batch_size``
+    or ``block_size``) and the ranks compare their runs (config, step, data, the parameters'
+    sum); if any rank failed or they differ, every rank raises the same ShapeError."""
+    from dataclasses import asdict
+
     from ..models.training import make_optimizer
+    from .agree import agree
 
     comm, size, rank = world(comm)
-    check_split(mode, run.cfg.batch_size, run.cfg.block_size, size, layout)
-    par = ParallelGPT(run.model, mode, comm=comm, layout=layout)
-    opt = make_optimizer(par.model, run.cfg)
-    opt.load_state_dict(run.opt.state_dict())
+
+    def check():
+        check_split(mode, run.cfg.batch_size, run.cfg.block_size, size, layout)
+        par = ParallelGPT(run.model, mode, comm=comm, layout=layout)
+        opt = make_optimizer(par.model, run.cfg)
+        opt.load_state_dict(run.opt.state_dict())
+        return par, opt
+    total = float(sum(np.sum(p, dtype=np.float64) for p in run.model.params.values()))
+    par, opt = agree(comm, "parallelize", check, dict(
+        mode=mode, layout=layout, config=sorted(asdict(run.cfg).items()), step=run.step,
+        data=sorted(run.data.items()), parameter_sum=total))
     if rank:  # the dropout masks: a stream of its own on every rank but 0 (see the module docstring)
         par.rng.bit_generator.state = np.random.default_rng((3, run.cfg.seed, rank, run.step)).bit_generator.state
     run.model, run.opt = par, opt
