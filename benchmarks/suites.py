@@ -150,6 +150,7 @@ def count_steps(p: Plan) -> int:
     n = 0
     if "main" in p.suites:
         n += 4 * (len(methods(p)) + 1) * per  # + the products-only bound
+        n += len(OPTION_COSTS) * 2 * per       # softcap and dropout, each against the plain kernel
     if "sweep" in p.suites:
         n += sum(len(_sweep_methods(p, t)) * per for t in p.sizes["sweep"]["ts"])
         n += len(_memory_jobs(p)) if p.memory else 0

@@ -56,8 +56,10 @@ def test_progress_is_told_of_every_step_it_counted():
         if description:
             said.append(description)
     results = suites.run_suites(p, progress)
-    assert sum(advanced) == suites.count_steps(p) == 4 * 3 * 2 + 3 * 2  # qkv, dense, products; decode + copy
-    assert said == ["main: fwd full", "main: fwd causal", "main: fwd+bwd full", "main: fwd+bwd causal", "decode"]
+    # qkv, dense, products; softcap and dropout against plain; decode + copy
+    assert sum(advanced) == suites.count_steps(p) == 4 * 3 * 2 + 2 * 2 * 2 + 3 * 2
+    assert said == ["main: fwd full", "main: fwd causal", "main: fwd+bwd full", "main: fwd+bwd causal",
+                    "main: fwd+bwd softcap=50", "main: fwd+bwd dropout_p=0.1", "decode"]
     assert results["sweep"] == [] and len(results["main"]) == 4 and results["torch"] is None
     assert set(results["decode"][0]["seconds"]) == {"qkv", "dense"}
 
