@@ -8,6 +8,12 @@ from qkv import api
 from qkv.kernels import stacked
 from qkv.threads import kernel_threads
 
+@pytest.fixture(autouse=True)
+def no_row_kernel(monkeypatch):
+    """auto as it chooses without the fast extra (with it, float32 goes to qkv.kernels.rows)."""
+    monkeypatch.setattr(api, "AUTO_ROWS_MAX", 0)
+
+
 CASES = [dict(), dict(causal=True), dict(causal="bottom_right"), dict(window=(5, 3)), dict(causal=True, chunk=7)]
 
 

@@ -3,7 +3,8 @@
 Each part keeps its numba code beside it, in a module that imports numba and is loaded only
 from here: :func:`flash` gives :mod:`qkv.kernels.flash.compiled` (the score tiles'
 exponential, the decoding rows' products), :func:`encoder` gives :mod:`qkv.models.compiled`
-(the encoder's bias + GELU and residual + LayerNorm). Every pass there is a module-level
+(the encoder's bias + GELU and residual + LayerNorm); :data:`ROWS` names
+:mod:`qkv.kernels.rows_compiled` (short sequences' attention, a query row a pass). Every pass there is a module-level
 ``njit`` with ``cache=True``: compiled once per machine into numba's on-disk cache
 (``__pycache__`` beside the module), loaded from it by later processes. Both give None
 where numba is not installed or ``QKV_JIT=0`` is set in the environment; callers then keep
@@ -19,6 +20,7 @@ from types import ModuleType
 
 FLASH = "qkv.kernels.flash.compiled"
 ENCODER = "qkv.models.compiled"
+ROWS = "qkv.kernels.rows_compiled"
 
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}
@@ -30,7 +32,7 @@ def enabled() -> bool:
 
 
 def load(name: str) -> ModuleType | None:
-    """The compiled module ``name`` (:data:`FLASH`, :data:`ENCODER`, or the layers'
+    """The compiled module ``name`` (:data:`FLASH`, :data:`ENCODER`, :data:`ROWS`, or the layers'
     ``qkv.nn.fused``), imported at the first
     call, or None where :func:`enabled` is false; the answer is kept for the process."""
     if name in _loaded:  # every tile asks: no lock once loaded

@@ -1,0 +1,135 @@
+"""Short sequences with the fast extra: one compiled pass per query row, every head of a stack.
+
+At the shapes people train small models at (nanoGPT's CPU recipe: B=12, H=4, T=64, D=32) a
+head's whole problem is a few KiB; what costs the time in NumPy is the number of passes and
+calls, not the arithmetic. Here each query row's scores, softmax and products run in one
+compiled loop (:mod:`qkv.kernels.rows_compiled`, numba), beside its head's keys in L1, and
+only over the keys the row may see (causal rows stop at the diagonal): no ``(Tq, Tk)``
+array, no BLAS, one call per work unit of heads.
+
+It takes what :func:`applies` says: float32, no weights, a mask that is the same for every
+head and gives each row one contiguous run of keys (causal, window, chunk, any alignment;
+not a user mask, bias, ALiBi or lengths). ``method="auto"`` chooses it for short sequences
+where the fast extra is present (:func:`qkv.api._kernel`).
+
+Bits: every head is computed alone, in a fixed order, so the thread count and the work
+units never change a bit. They are not :mod:`.reference`'s bits (another exponential,
+another order of sums): the kernel is tested against it within float32's error budget.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import jit, threads
+from ..masks import MaskSpec
+from . import reference, stacked
+
+MAX_KEYS = 1024          # longer rows go to the tiled kernel
+UNIT_ENTRIES = 1 << 16   # score entries of one work unit (256 KiB float32; with dP, 512 KiB of a 1 MiB L2)
+SERIAL_WORK = 1 << 15    # score entries below which a call stays on the calling thread
+
+
+def applies(spec: MaskSpec, dtype) -> bool:
+    """True when the compiled pass can run this problem (see the module docstring)."""
+    return (np.dtype(dtype) == np.float32 and spec.tk <= MAX_KEYS and stacked.applies(spec)
+            and jit.load(jit.ROWS) is not None)
+
+
+def key_runs(spec: MaskSpec) -> tuple[np.ndarray, np.ndarray]:
+    """``(lo, hi)`` int64 ``(Tq,)``: row i may see keys ``lo[i] <= j < hi[i]`` (``lo == hi``:
+    none), from the band and chunk rules of :class:`~qkv.masks.MaskSpec` (one alignment)."""
+    left, right = spec.band
+    a = np.arange(spec.tq, dtype=np.int64) + spec.shift(None)  # each row as a key position
+    lo = np.zeros(spec.tq, np.int64)
+    hi = np.full(spec.tq, spec.tk, np.int64)
+    if left is not None:
+        lo = np.maximum(lo, a - left)
+    if right is not None:
+        hi = np.minimum(hi, a + right + 1)
+    if spec.chunk is not None:
+        c, ks = spec.chunk, spec.k_start
+        first = (a + ks) // c * c - ks
+        lo, hi = np.maximum(lo, first), np.minimum(hi, first + c)
+    lo, hi = np.clip(lo, 0, spec.tk), np.clip(hi, 0, spec.tk)
+    empty = lo >= hi
+    lo[empty], hi[empty] = 0, 0
+    return lo, hi
+
+
+def _units(n: int, tq: int, tk: int, group: int, n_threads: int) -> list[tuple[int, int]]:
+    """Query-head ranges ``[a, b)`` of whole kv groups, at most :data:`UNIT_ENTRIES` scores
+    each and at least four units a thread where there are heads enough (one group at least).
+    Every head is computed alone, so the units never change a bit."""
+    per = max(1, min(UNIT_ENTRIES // (tq * tk) // group, -(-n // group // (4 * n_threads)))) * group
+    return [(a, min(a + per, n)) for a in range(0, n, per)]
+
+
+def _run(job, n: int, tq: int, tk: int, group: int, num_threads: int | None) -> None:
+    """``job(a, b)`` for every unit: on the calling thread below :data:`SERIAL_WORK` score
+    entries (BLAS as it is), else on the kernel threads with BLAS held to one."""
+    nt = 1 if n * tq * tk < SERIAL_WORK else (num_threads or threads.get_num_threads())
+    units = _units(n, tq, tk, group, nt)
+    if nt <= 1 or len(units) <= 1:
+        for a, b in units:
+            job(a, b)
+        return
+    threads.hold_blas()
+    try:
+        list(threads.pool(nt).map(lambda ab: job(*ab), units))
+    finally:
+        threads.release_blas()
+
+
+def _stack(x: np.ndarray) -> np.ndarray:
+    """``(*L, T, D) -> (N, T, D)`` (a view where the layout allows)."""
+    return x.reshape((-1,) + x.shape[-2:])
+
+
+def forward(q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_weights: bool = False,
+            num_threads: int | None = None):
+    """As :func:`reference.forward` (no weights): ``(out (*L,Tq,Dv), lse (*L,Tq), None)``."""
+    mod = jit.load(jit.ROWS)
+    qf, kf, vf = _stack(q), _stack(k), _stack(v)          # (N,Tq,D), (N/G,Tk,D), (N/G,Tk,Dv)
+    n, tq, tk = qf.shape[0], spec.tq, spec.tk
+    out = np.empty((n, tq, vf.shape[-1]), np.float32)
+    lse = np.empty((n, tq), np.float32)
+    lo, hi = key_runs(spec)
+
+    def job(a, b):
+        kk = reference._expand_groups(kf[a // group:b // group], group)
+        vv = reference._expand_groups(vf[a // group:b // group], group)
+        s = np.matmul(qf[a:b], np.swapaxes(kk, -1, -2))  # (n,Tq,D) @ (n,D,Tk) -> (n,Tq,Tk)
+        mod.softmax_rows(s, lo, hi, scale, lse[a:b])      # s -> P
+        np.matmul(s, vv, out=out[a:b])                    # (n,Tq,Tk) @ (n,Tk,Dv) -> (n,Tq,Dv)
+
+    _run(job, n, tq, tk, group, num_threads)
+    return out.reshape(spec.lead + out.shape[-2:]), lse.reshape(spec.lead + (tq,)), None
+
+
+def backward(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int = 1, dlse=None,
+             num_threads: int | None = None):
+    """As :func:`reference.backward`: ``(dq (*L,Tq,D), dk (*Lk,Tk,D), dv (*Lk,Tk,Dv))``. ``out``
+    and ``lse`` are not read: each row's softmax is recomputed from its own scores."""
+    mod = jit.load(jit.ROWS)
+    qf, kf, vf, dof = _stack(q), _stack(k), _stack(v), _stack(dout)
+    n, tq, tk = qf.shape[0], spec.tq, spec.tk
+    dl = np.zeros((1, 1), np.float32) if dlse is None else np.ascontiguousarray(dlse.reshape(n, tq))
+    dq, dk, dv = np.empty(qf.shape, np.float32), np.empty(kf.shape, np.float32), np.empty(vf.shape, np.float32)
+    lo, hi = key_runs(spec)
+
+    def job(a, b):
+        ka, kb = a // group, b // group
+        kk, vv = reference._expand_groups(kf[ka:kb], group), reference._expand_groups(vf[ka:kb], group)
+        p = np.matmul(qf[a:b], np.swapaxes(kk, -1, -2))   # raw products (n,Tq,Tk)
+        ds = np.matmul(dof[a:b], np.swapaxes(vv, -1, -2))  # dP = dO Vᵀ (n,Tq,Tk)
+        mod.softmax_grad_rows(p, ds, lo, hi, scale, dl if dlse is None else dl[a:b], dlse is not None)
+        np.matmul(ds, kk, out=dq[a:b])                     # (n,Tq,Tk) @ (n,Tk,D) -> (n,Tq,D)
+        gk = np.matmul(np.swapaxes(ds, -1, -2), qf[a:b])   # (n,Tk,Tq) @ (n,Tq,D) -> (n,Tk,D)
+        gv = np.matmul(np.swapaxes(p, -1, -2), dof[a:b])   # (n,Tk,Tq) @ (n,Tq,Dv) -> (n,Tk,Dv)
+        if group > 1:                                      # the G query heads of each kv head add up
+            gk = gk.reshape((-1, group) + gk.shape[-2:]).sum(axis=1)
+            gv = gv.reshape((-1, group) + gv.shape[-2:]).sum(axis=1)
+        dk[ka:kb], dv[ka:kb] = gk, gv
+
+    _run(job, n, tq, tk, group, num_threads)
+    return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
