@@ -166,9 +166,11 @@ def check_input(name: str, x, d_model: int, *, batch_first: bool = True) -> tupl
     return x, squeezed
 
 
-def linear_grad(x: np.ndarray, dy: np.ndarray) -> np.ndarray:
-    """``dW`` of ``y = x @ W`` summed over every leading axis: ``(..., n) , (..., m) -> (n, m)``."""
-    return x.reshape(-1, x.shape[-1]).T @ dy.reshape(-1, dy.shape[-1])  # (n, N) @ (N, m) -> (n, m)
+def linear_grad(x: np.ndarray, dy: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """``dW`` of ``y = x @ W`` summed over every leading axis: ``(..., n) , (..., m) -> (n, m)``,
+    written into ``out`` when given (a layer's grads array: no temporary and copy)."""
+    # (n, N) @ (N, m) -> (n, m)
+    return np.matmul(x.reshape(-1, x.shape[-1]).T, dy.reshape(-1, dy.shape[-1]), out=out)
 
 
 def split_heads(x: np.ndarray, n_heads: int) -> np.ndarray:

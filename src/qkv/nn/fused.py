@@ -8,14 +8,20 @@ output arrays they are given; scalars come in the arrays' dtype, so float32 stay
 Module-level ``njit`` with ``cache=True``: compiled once per machine into numba's on-disk
 cache (``__pycache__`` beside this file), loaded from it by later processes.
 
-The tanh GELU's forward stays in NumPy: its ``np.tanh`` is a SIMD routine, where a compiled
-loop would call the scalar libm ``tanh`` (measured 4x slower than NumPy's five passes).
+The tanh GELU's forward is compiled for float32 only, with ``tanh(u) = 1 - 2 / (1 + 2^(2u log2 e))``
+and the vectorised ``2^x`` of the flash kernel (:func:`qkv.kernels.flash.compiled.pow2`): a
+compiled ``math.tanh`` would call the scalar libm routine (4x slower than NumPy's passes);
+float64 keeps NumPy's SIMD ``np.tanh``. Near ``u = 0`` that formula's ``tanh`` is exact to
+float32's rounding in absolute terms (~6e-8), which is what ``h (1 + tanh(u)) / 2`` needs.
 """
 from __future__ import annotations
 
 import math
 
 import numba
+import numpy as np
+
+from ..kernels.flash.compiled import FASTMATH, pow2
 
 FLAGS = {"nsz", "contract", "reassoc", "arcp"}  # reassociation lets LLVM vectorise the row sums
 SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -63,6 +69,21 @@ def layer_norm_backward(dy, xhat, r, w, dx, dw, db):  # dx = r (g - mean(g) - x�
             dx[i, j] = r[i] * (dy[i, j] * w[j] - mg - xhat[i, j] * mgx)
 
 
+# pow2's flags ("afn" keeps its floor a vector op); error_model="numpy": no zero-division
+# check on the division, which would keep the loop scalar
+@numba.njit(nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")
+def gelu_tanh_forward32(h, y, t):  # float32: t = tanh(u), y = h (1 + t) / 2
+    k0 = np.float32(SQRT_2_OVER_PI)
+    k1 = np.float32(SQRT_2_OVER_PI * GELU_CUBIC)
+    c = np.float32(2.0 / math.log(2.0))
+    one, two, half = np.float32(1.0), np.float32(2.0), np.float32(0.5)
+    for i in range(h.size):
+        x = h[i]
+        ti = one - two / (one + pow2(c * (x * (k0 + k1 * x * x))))
+        t[i] = ti
+        y[i] = half * x * (one + ti)
+
+
 @numba.njit(nogil=True, cache=True, fastmath=FLAGS)
 def gelu_tanh_backward(dy, h, t, dh):  # dy ((1 + t)/2 + h (1 - t²) √(2/π) (1 + 3 c h²) / 2)
     k0 = SQRT_2_OVER_PI
@@ -87,7 +108,7 @@ def gelu_backward(dy, h, cdf, dh):  # dy (Φ(h) + h φ(h))
         dh[i] = dy[i] * (cdf[i] + x * INV_SQRT_2PI * math.exp(-0.5 * x * x))
 
 
-@numba.njit(nogil=True, cache=True, fastmath=FLAGS)
+@numba.njit(nogil=True, cache=True, fastmath=FLAGS, error_model="numpy")  # no zero check: a vector loop
 def adamw_update(p, g, m, v, coef, shrink, b1, c1, b2, c2, step_size, root_c2, eps):  # c1 = 1 - b1, c2 = 1 - b2
     for i in range(p.size):
         gi = g[i] * coef                                  # clipped gradient

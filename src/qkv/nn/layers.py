@@ -39,7 +39,7 @@ class Linear(Layer):
         want = x.shape[:-1] + (self.d_out,)
         if dy.shape != want:
             raise ShapeError(f"dy must have the output's shape (..., d_out) = {fmt_shape(want)}; got {fmt_shape(dy.shape)}")
-        self.grads["W"][...] = linear_grad(x, dy)
+        linear_grad(x, dy, out=self.grads["W"])
         if self.bias:
             self.grads["b"][...] = dy.reshape(-1, self.d_out).sum(axis=0)
         dx = dy.reshape(-1, self.d_out) @ self.params["W"].T  # (N, d_out) @ (d_out, d_in) -> (N, d_in)
