@@ -23,7 +23,6 @@ from qkv.models.training import TrainConfig, new_run, train
 
 comm = MPI.COMM_WORLD
 W, r = comm.Get_size(), comm.Get_rank()
-FOLDER = Path(sys.argv[1])
 WORDS = "to be or not that is the question whether tis nobler in mind suffer slings arrows".split()
 TEXT = " ".join(np.random.default_rng(0).choice(WORDS, 400)) + "\n"
 DATA = CharDataset(TEXT)
@@ -95,22 +94,21 @@ def equal_context_gradients():
                                                               for k, g in one.grads.items())), TOL)
 
 
-def resume_with_another_w(ref):
+def resume_with_another_w(ref, folder: Path):
     """W ranks to step 10, saved by rank 0, then one process to 20; and one process to 10,
     then W ranks (context parallel) to 20: both equal the reference's 20 steps."""
-    folder = FOLDER / f"w{W}"
     run = parallelize(fresh(config(steps=10, lr_decay_steps=20)), "data")
-    train(run, DATA, checkpoint=lambda run_: save_run(run_, folder) if r == 0 else None)
+    train(run, DATA, checkpoint=lambda run_: save_run(run_, folder / f"w{W}") if r == 0 else None)
     comm.Barrier()
     if r == 0:
-        one = load_run(folder)
+        one = load_run(folder / f"w{W}")
         one.cfg.steps = 20
         train(one, DATA)
         check("saved-by-W-resumed-by-1", diff(one, ref), TOL)
         single = fresh(config(steps=10, lr_decay_steps=20))
-        train(single, DATA, checkpoint=lambda run_: save_run(run_, FOLDER / "one"))
+        train(single, DATA, checkpoint=lambda run_: save_run(run_, folder / "one"))
     comm.Barrier()
-    run = parallelize(load_run(FOLDER / "one"), "context")
+    run = parallelize(load_run(folder / "one"), "context")
     run.cfg.steps = 20
     train(run, DATA)
     check("saved-by-1-resumed-by-W", diff(run, ref), TOL)
@@ -135,9 +133,10 @@ def fail():
     say(f"rank {r} finished: it should not have")
 
 
-if "fail" in sys.argv[2:]:
-    fail()
-else:
-    reference_run = equal_training()
-    equal_context_gradients()
-    resume_with_another_w(reference_run)
+if __name__ == "__main__":  # not on import (pytest's doctest collection imports every module)
+    if "fail" in sys.argv[2:]:
+        fail()
+    else:
+        reference_run = equal_training()
+        equal_context_gradients()
+        resume_with_another_w(reference_run, Path(sys.argv[1]))
