@@ -11,11 +11,12 @@ K = V = np.zeros((2, 4, 7, 8))
 
 @pytest.mark.parametrize("kwargs, words", [
     ({"is_causal": True}, ["is_causal=", "causal=True"]),
-    ({"dropout_p": 0.0}, ["dropout_p=", "no dropout"]),
+    ({"dropout": 0.1}, ["dropout=", "dropout_p=", "dropout_seed="]),
+    ({"attn_logit_softcapping": 50.0}, ["attn_logit_softcapping=", "softcap="]),
     ({"attn_mask": np.ones((5, 7), bool)}, ["attn_mask=", "mask=", "True = may attend", "bias="]),
     ({"enable_gqa": True}, ["enable_gqa=", "gqa=True"]),
     ({"casual": True}, ["casual=", "its options are mask, bias, causal"]),
-    ({"is_causal": True, "dropout_p": 0.1}, ["unknown keyword arguments", "is_causal=", "dropout_p="]),
+    ({"is_causal": True, "dropout": 0.1}, ["unknown keyword arguments", "is_causal=", "dropout="]),
 ])
 def test_torch_habits_point_to_qkv_names(kwargs, words):
     """Names from torch's scaled_dot_product_attention are a ShapeError giving qkv's name, not a TypeError."""

@@ -123,16 +123,23 @@ def test_right_padding_becomes_kv_lengths_and_other_masks_go_dense(calls):
     assert hf.hf_mask(2, 1, 10, q_offset=3, kv_offset=0, mask_function=window).shape == (2, 1, 1, 10)
 
 
-def test_dropout_in_training_raises_a_shape_error():
-    import qkv
-
+def test_dropout_in_training_drops_weights_and_torch_manual_seed_repeats_it():
+    """A model in training mode passes its attention dropout: qkv drops weights with a seed
+    from torch's generator (eval() passes 0.0: no dropout)."""
     _, ours = twins("llama")
-    ours.config.attention_dropout = 0.1
+    ours = copy.deepcopy(ours)
+    ours.config.attention_dropout = 0.5
     for layer in ours.model.layers:
-        layer.self_attn.attention_dropout = 0.1
-    ours.train()
-    with pytest.raises(qkv.ShapeError, match="attention dropout is not a qkv option"):
-        ours(torch.zeros(1, 4, dtype=torch.long))
+        layer.self_attn.attention_dropout = 0.5
+    ids = torch.arange(2, 10)[None]
+    with torch.no_grad():
+        plain = ours.eval()(ids).logits
+        ours.train()
+        torch.manual_seed(3)
+        first = ours(ids).logits
+        torch.manual_seed(3)
+        again = ours(ids).logits
+    assert torch.equal(first, again) and not torch.allclose(first, plain)
 
 
 def test_a_2d_mask_made_again_from_itself_is_the_same():
@@ -176,17 +183,19 @@ def test_a_sliding_window_read_under_compile_is_transformers_mask():
     assert (compiled(q, k, k, reach) - hf.hf_attention(Layer(), q, k, k, reach)[0])[real].abs().max() <= 1e-6
 
 
-def test_softcapping_raises_until_qkv_has_it():
-    """Gemma 2 caps its attention logits: qkv has no softcap yet, so it raises, never ignores it."""
-    import qkv
-
+def test_softcapping_reaches_qkv():
+    """Gemma 2 caps its attention logits (softcap=50 by default): qkv caps them too, as eager does."""
     config = transformers.Gemma2Config(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                       attn_logit_softcapping=50.0)
-    config._attn_implementation = NAME
-    model = transformers.Gemma2ForCausalLM(config).eval()
-    with pytest.raises(qkv.ShapeError, match="softcap is not a qkv option"):
-        model(torch.zeros(1, 4, dtype=torch.long))
+                                       attn_logit_softcapping=5.0)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    eager = transformers.Gemma2ForCausalLM(config).eval()
+    ours = copy.deepcopy(eager)
+    ours.set_attn_implementation(NAME)
+    ids = torch.arange(2, 12)[None]
+    with torch.no_grad():
+        assert (ours(ids).logits - eager(ids).logits).abs().max().item() <= 1e-4
 
 
 def test_torch_names_get_qkvs_name_in_the_error():
