@@ -91,12 +91,13 @@ def gelu_backward(dy: np.ndarray, saved) -> np.ndarray:
 # --- GELU, tanh approximation (GPT-2's "gelu_new") ----------------------------------------
 def gelu_tanh_forward(h: np.ndarray):
     """``h (1 + tanh(u)) / 2``; saves ``(h, tanh(u))``. (float32 with the fast extra: one
-    compiled pass; else NumPy's SIMD tanh and seven passes.)"""
+    compiled pass that saves ``(h, None)``, the backward's pass computing ``tanh(u)`` again,
+    as PyTorch keeps only ``h``; else NumPy's SIMD tanh and seven passes.)"""
     fast = compiled(h) if h.dtype == np.float32 else None
     if fast is not None:
-        y, t = np.empty_like(h), np.empty_like(h)
-        fast.gelu_tanh_forward32(h.reshape(-1), y.reshape(-1), t.reshape(-1))
-        return y, (h, t)
+        y = np.empty_like(h)
+        fast.gelu_tanh_forward32(h.reshape(-1), y.reshape(-1))
+        return y, (h, None)
     t = h * h
     t *= SQRT_2_OVER_PI * GELU_CUBIC
     t += SQRT_2_OVER_PI
@@ -112,10 +113,16 @@ def gelu_tanh_backward(dy: np.ndarray, saved) -> np.ndarray:
     """``dy ((1 + t)/2 + h (1 - t²) √(2/π) (1 + 3 · 0.044715 h²) / 2)``."""
     h, t = saved
     fast = compiled(dy, h)
+    if fast is not None and t is None:
+        dh = np.empty_like(h)
+        fast.gelu_tanh_backward32(dy.reshape(-1), h.reshape(-1), dh.reshape(-1))
+        return dh
     if fast is not None:
         dh = np.empty_like(h)
         fast.gelu_tanh_backward(dy.reshape(-1), h.reshape(-1), t.reshape(-1), dh.reshape(-1))
         return dh
+    if t is None:  # saved by the compiled forward, the fast extra gone since (QKV_JIT toggled in one process)
+        t = np.tanh(SQRT_2_OVER_PI * h * (1.0 + GELU_CUBIC * h * h)).astype(h.dtype, copy=False)
     du = h * h
     du *= 3.0 * SQRT_2_OVER_PI * GELU_CUBIC
     du += SQRT_2_OVER_PI                          # du/dh = √(2/π) (1 + 3 · 0.044715 h²)

@@ -71,17 +71,32 @@ def layer_norm_backward(dy, xhat, r, w, dx, dw, db):  # dx = r (g - mean(g) - x�
 
 # pow2's flags ("afn" keeps its floor a vector op); error_model="numpy": no zero-division
 # check on the division, which would keep the loop scalar
-@numba.njit(nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")
-def gelu_tanh_forward32(h, y, t):  # float32: t = tanh(u), y = h (1 + t) / 2
+@numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _tanh_u32(x):  # float32 tanh(√(2/π) (x + 0.044715 x³)) = 1 - 2 / (1 + 2^(2u log2 e))
     k0 = np.float32(SQRT_2_OVER_PI)
     k1 = np.float32(SQRT_2_OVER_PI * GELU_CUBIC)
     c = np.float32(2.0 / math.log(2.0))
-    one, two, half = np.float32(1.0), np.float32(2.0), np.float32(0.5)
+    one = np.float32(1.0)
+    return one - np.float32(2.0) / (one + pow2(c * (x * (k0 + k1 * x * x))))
+
+
+@numba.njit(nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")
+def gelu_tanh_forward32(h, y):  # float32: y = h (1 + tanh(u)) / 2
+    half, one = np.float32(0.5), np.float32(1.0)
     for i in range(h.size):
         x = h[i]
-        ti = one - two / (one + pow2(c * (x * (k0 + k1 * x * x))))
-        t[i] = ti
-        y[i] = half * x * (one + ti)
+        y[i] = half * x * (one + _tanh_u32(x))
+
+
+@numba.njit(nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")
+def gelu_tanh_backward32(dy, h, dh):  # float32, tanh(u) computed again: as gelu_tanh_backward
+    k0 = np.float32(SQRT_2_OVER_PI)
+    k1 = np.float32(3.0 * SQRT_2_OVER_PI * GELU_CUBIC)
+    half, one = np.float32(0.5), np.float32(1.0)
+    for i in range(h.size):
+        x = h[i]
+        ti = _tanh_u32(x)
+        dh[i] = dy[i] * half * (one + ti + x * (one - ti * ti) * (k0 + k1 * x * x))
 
 
 @numba.njit(nogil=True, cache=True, fastmath=FLAGS)
