@@ -18,6 +18,8 @@ another order of sums): the kernel is tested against it within float32's error b
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from .. import jit, threads
@@ -37,22 +39,27 @@ def applies(spec: MaskSpec, dtype) -> bool:
 
 def key_runs(spec: MaskSpec) -> tuple[np.ndarray, np.ndarray]:
     """``(lo, hi)`` int64 ``(Tq,)``: row i may see keys ``lo[i] <= j < hi[i]`` (``lo == hi``:
-    none), from the band and chunk rules of :class:`~qkv.masks.MaskSpec` (one alignment)."""
-    left, right = spec.band
-    a = np.arange(spec.tq, dtype=np.int64) + spec.shift(None)  # each row as a key position
-    lo = np.zeros(spec.tq, np.int64)
-    hi = np.full(spec.tq, spec.tk, np.int64)
+    none), from the band and chunk rules of :class:`~qkv.masks.MaskSpec` (one alignment).
+    Read-only arrays, kept for the next call of the same rules (a training loop's every call)."""
+    return _key_runs(spec.tq, spec.tk, *spec.band, spec.chunk, spec.shift(None), spec.k_start)
+
+
+@functools.lru_cache(maxsize=64)
+def _key_runs(tq: int, tk: int, left, right, chunk, shift: int, k_start: int):
+    a = np.arange(tq, dtype=np.int64) + shift  # each row as a key position
+    lo = np.zeros(tq, np.int64)
+    hi = np.full(tq, tk, np.int64)
     if left is not None:
         lo = np.maximum(lo, a - left)
     if right is not None:
         hi = np.minimum(hi, a + right + 1)
-    if spec.chunk is not None:
-        c, ks = spec.chunk, spec.k_start
-        first = (a + ks) // c * c - ks
-        lo, hi = np.maximum(lo, first), np.minimum(hi, first + c)
-    lo, hi = np.clip(lo, 0, spec.tk), np.clip(hi, 0, spec.tk)
+    if chunk is not None:
+        first = (a + k_start) // chunk * chunk - k_start
+        lo, hi = np.maximum(lo, first), np.minimum(hi, first + chunk)
+    lo, hi = np.minimum(np.maximum(lo, 0), tk), np.minimum(np.maximum(hi, 0), tk)
     empty = lo >= hi
     lo[empty], hi[empty] = 0, 0
+    lo.flags.writeable = hi.flags.writeable = False
     return lo, hi
 
 
