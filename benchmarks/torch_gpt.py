@@ -5,8 +5,8 @@ pre-norm blocks of causal self-attention (one fused ``c_attn`` for q, k, v;
 ``F.scaled_dot_product_attention``) and a GELU MLP, a final LayerNorm, and an LM head tied
 to the token embedding. The options of :class:`qkv.models.GPTConfig` are mirrored: GQA
 (``n_kv_head``), RoPE (half-split, as :func:`qkv.positional.rope`), ``bias``, the MLP
-activation (``gelu``, ``gelu_tanh``, ``swiglu``), untied heads, dropout (residual and
-embedding; neither model drops attention weights).
+activation (``gelu``, ``gelu_tanh``, ``swiglu``), untied heads, dropout (embedding, residual and
+attention weights, as nanoGPT's; the two models draw different masks).
 
 - :func:`make_torch_gpt` ``(config) -> torch.nn.Module``: ``model(idx, targets)`` returns
   ``(logits, loss)`` like nanoGPT's; parameters in ``config.dtype``.
@@ -54,6 +54,7 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(c.n_embd, (self.n_head + 2 * self.n_kv_head) * self.hs, bias=c.bias)
         self.c_proj = nn.Linear(c.n_embd, c.n_embd, bias=c.bias)
         self.resid_dropout = nn.Dropout(c.dropout)
+        self.attn_dropout = c.dropout
 
     def forward(self, x):
         b, t, c = x.shape
@@ -67,7 +68,8 @@ class CausalSelfAttention(nn.Module):
         if self.n_kv_head != self.n_head:
             g = self.n_head // self.n_kv_head
             k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,  # (B, nh, T, hs)
+                                           dropout_p=self.attn_dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(b, t, c)
         return self.resid_dropout(self.c_proj(y))
 

@@ -239,3 +239,28 @@ def test_load_gpt2_refuses_anything_else(gpt2_folder, tmp_path, edit, match):
     folder, _ = gpt2_folder
     with pytest.raises(CheckpointError, match=match):
         load_gpt2(_edit(folder, tmp_path / "m", **edit))
+
+
+def test_dropout_reaches_the_attention_weights():
+    """GPTConfig.dropout drops attention weights too (nanoGPT's attn_dropout), in train() only:
+    with the residual and embedding dropout turned off, train-mode losses still differ from
+    eval mode's, repeat for the same seed, and backward gives finite gradients."""
+    cfg = tiny(dropout=0.3)
+    x, y = batch(cfg)
+
+    def attention_dropout_only():
+        m = GPT(cfg)
+        for layer in [m.drop] + [d for blk in m.h for d in (blk.drop_1, blk.drop_2)]:
+            layer.p = 0.0
+        return m
+
+    m = attention_dropout_only()
+    assert all(blk.attn.dropout == 0.3 for blk in m.h)
+    first = [m.loss(x, y) for _ in range(2)]
+    m.backward()
+    assert all(np.isfinite(g).all() for g in m.grads.values())
+    m.eval()
+    plain = m.loss(x, y)
+    assert first[0] != first[1] and plain not in first           # new masks each call; none in eval()
+    again = attention_dropout_only()
+    assert [again.loss(x, y) for _ in range(2)] == first          # the seed repeats them

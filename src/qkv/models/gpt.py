@@ -56,8 +56,10 @@ class GPTConfig:
     ``n_kv_head``: key/value heads (GQA; None = ``n_head``). ``positions``: ``"learned"``
     (GPT-2's ``wpe``) or ``"rope"`` (rotary, in the attention). ``activation``: the MLP's,
     ``"gelu_tanh"`` (GPT-2's), ``"gelu"`` or ``"swiglu"``. ``n_inner``: MLP width (None =
-    ``4 n_embd``). ``dtype``: float32, or float64 for checks. ``seed``: the initial weights
-    and the dropout masks.
+    ``4 n_embd``). ``dropout``: nanoGPT's, in ``train()`` mode only: on the embeddings'
+    sum, on each block's two branches, and on the attention weights (qkv's ``dropout_p``,
+    its keep-mask seeded per call from the model's generator). ``dtype``: float32, or
+    float64 for checks. ``seed``: the initial weights and the dropout masks.
     """
 
     vocab_size: int
@@ -136,7 +138,7 @@ class GPT(Layer):
         self.token_positions = None
         self.h = [TransformerBlock(
             c.n_embd, attention(c.n_embd, c.n_head, n_kv_heads=c.n_kv_head, causal=True, bias=c.bias,
-                                rope=c.positions == "rope", rope_base=c.rope_base, **kw),
+                                rope=c.positions == "rope", rope_base=c.rope_base, dropout=c.dropout, **kw),
             MLP(c.n_embd, c.n_inner, c.activation, c.bias, **kw), "layernorm", c.dropout,
             bias=c.bias, eps=c.layer_norm_eps, **kw) for _ in range(c.n_layer)]
         self.ln_f = LayerNorm(c.n_embd, c.layer_norm_eps, c.bias, dtype=c.dtype)
