@@ -137,6 +137,6 @@ def test_chosen_only_where_it_applies():
     for opts in (dict(kv_lengths=np.arange(4) * 10 + 5), dict(bias=np.zeros((64, 64), np.float32)),
                  dict(mask=np.tri(64, dtype=bool)), dict(alibi=np.ones(4, np.float32))):
         assert api._kernel("auto", api.prepare(q, k, v, **opts), False) is not api.ROWS, opts
-    qa, ka, va, _ = _inputs((1, 2, 600, 16), (1, 2, 600, 16))                       # 600² keys: the tiles
+    qa, ka, va, _ = _inputs((1, 2, 1100, 16), (1, 2, 1100, 16))                     # past 1024²: the tiles
     assert api._kernel("auto", api.prepare(qa, ka, va), False) is not api.ROWS
     assert api._kernel("reference", api.prepare(q, k, v), False) is not api.ROWS    # a method named: that one

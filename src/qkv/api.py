@@ -151,10 +151,12 @@ class _WeightsBeside:
 # 2.8 ms stacked. Not yet measured as AVX2.
 AUTO_STACK_MAX = 256 * 256
 # With the fast extra, float32, method="auto" takes qkv.kernels.rows (the stacked products with
-# one compiled softmax pass a row) at any size up to this many entries a head, before all of
-# the above. Measured (Zen 4, AVX-512) in CPU time on one thread, rows / torch SDPA, fwd+bwd:
-# 0.85-0.99 from (12, 4, 64, 32) to (16, 12, 192, 64).
-AUTO_ROWS_MAX = 512 * 512
+# one compiled softmax pass a row, causal rows in blocks that skip the keys they cannot see)
+# at any size up to this many entries a head, before all of the above. Measured (Zen 4) in
+# CPU time on one thread, fwd+bwd, torch SDPA / rows, AVX-512: 1.04-1.18 full and 1.10-1.53
+# causal from (12, 4, 64, 32) to (4, 16, 512, 128), 1.00 / 1.25 at (8, 12, 1024, 64), where
+# the tiled kernel is 0.90 / 1.01; as AVX2 1.09-1.26 (before the causal blocks).
+AUTO_ROWS_MAX = 1024 * 1024
 
 
 def _kernel(method: str, prob: Problem, need_weights: bool):

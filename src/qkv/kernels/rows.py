@@ -29,6 +29,7 @@ from . import reference, stacked
 MAX_KEYS = 1024          # longer rows go to the tiled kernel
 UNIT_ENTRIES = 1 << 16   # score entries of one work unit (256 KiB float32; with dP, 512 KiB of a 1 MiB L2)
 SERIAL_WORK = 1 << 15    # score entries below which a call stays on the calling thread
+BLOCK_ROWS = 64          # query rows a block where a mask lets blocks skip keys
 
 
 def applies(spec: MaskSpec, dtype) -> bool:
@@ -92,6 +93,32 @@ def _stack(x: np.ndarray) -> np.ndarray:
     return x.reshape((-1,) + x.shape[-2:])
 
 
+def row_blocks(spec: MaskSpec) -> tuple:
+    """``((r0, r1, k0, k1, lo, hi), ...)``: the query rows cut into blocks that each take
+    only the keys ``[k0, k1)`` some row of theirs sees (``lo``/``hi`` relative to ``k0``).
+    Blocks of :data:`BLOCK_ROWS` rows where that skips a fifth of the products or more (a
+    causal or windowed T of 256 and up), else one block; they depend on the rules alone."""
+    return _row_blocks(spec.tq, spec.tk, *spec.band, spec.chunk, spec.shift(None), spec.k_start)
+
+
+@functools.lru_cache(maxsize=64)
+def _row_blocks(tq: int, tk: int, *rules):
+    lo, hi = _key_runs(tq, tk, *rules)
+
+    def block(r0, r1):
+        seen = hi[r0:r1] > lo[r0:r1]
+        k0 = int(lo[r0:r1][seen].min()) if seen.any() else 0
+        k1 = int(hi[r0:r1][seen].max()) if seen.any() else 0
+        bl, bh = np.maximum(lo[r0:r1] - k0, 0), np.maximum(hi[r0:r1] - k0, 0)
+        bl.flags.writeable = bh.flags.writeable = False
+        return r0, r1, k0, k1, bl, bh
+
+    whole = block(0, tq)
+    cut = tuple(block(r, min(r + BLOCK_ROWS, tq)) for r in range(0, tq, BLOCK_ROWS))
+    products = sum((r1 - r0) * (k1 - k0) for r0, r1, k0, k1, _, _ in cut)
+    return cut if products <= 0.8 * tq * (whole[3] - whole[2]) else (whole,)
+
+
 def forward(q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_weights: bool = False,
             num_threads: int | None = None):
     """As :func:`reference.forward` (no weights): ``(out (*L,Tq,Dv), lse (*L,Tq), None)``."""
@@ -100,14 +127,16 @@ def forward(q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_weight
     n, tq, tk = qf.shape[0], spec.tq, spec.tk
     out = np.empty((n, tq, vf.shape[-1]), np.float32)
     lse = np.empty((n, tq), np.float32)
-    lo, hi = key_runs(spec)
+    blocks = row_blocks(spec)
 
     def job(a, b):
         kk = reference._expand_groups(kf[a // group:b // group], group)
         vv = reference._expand_groups(vf[a // group:b // group], group)
-        s = np.matmul(qf[a:b], np.swapaxes(kk, -1, -2))  # (n,Tq,D) @ (n,D,Tk) -> (n,Tq,Tk)
-        mod.softmax_rows(s, lo, hi, scale, lse[a:b])      # s -> P
-        np.matmul(s, vv, out=out[a:b])                    # (n,Tq,Tk) @ (n,Tk,Dv) -> (n,Tq,Dv)
+        for r0, r1, k0, k1, lo, hi in blocks:
+            # (n,R,D) @ (n,D,K) -> (n,R,K): the keys [k0, k1) these rows may see
+            s = np.matmul(qf[a:b, r0:r1], np.swapaxes(kk[:, k0:k1], -1, -2))
+            mod.softmax_rows(s, lo, hi, scale, lse[a:b, r0:r1])    # s -> P
+            np.matmul(s, vv[:, k0:k1], out=out[a:b, r0:r1])        # (n,R,K) @ (n,K,Dv) -> (n,R,Dv)
 
     _run(job, n, tq, tk, group, num_threads)
     return out.reshape(spec.lead + out.shape[-2:]), lse.reshape(spec.lead + (tq,)), None
@@ -122,17 +151,28 @@ def backward(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int =
     n, tq, tk = qf.shape[0], spec.tq, spec.tk
     dl = np.zeros((1, 1), np.float32) if dlse is None else np.ascontiguousarray(dlse.reshape(n, tq))
     dq, dk, dv = np.empty(qf.shape, np.float32), np.empty(kf.shape, np.float32), np.empty(vf.shape, np.float32)
-    lo, hi = key_runs(spec)
+    blocks = row_blocks(spec)
 
     def job(a, b):
         ka, kb = a // group, b // group
         kk, vv = reference._expand_groups(kf[ka:kb], group), reference._expand_groups(vf[ka:kb], group)
-        p = np.matmul(qf[a:b], np.swapaxes(kk, -1, -2))   # raw products (n,Tq,Tk)
-        ds = np.matmul(dof[a:b], np.swapaxes(vv, -1, -2))  # dP = dO Vᵀ (n,Tq,Tk)
-        mod.softmax_grad_rows(p, ds, lo, hi, scale, dl if dlse is None else dl[a:b], dlse is not None)
-        np.matmul(ds, kk, out=dq[a:b])                     # (n,Tq,Tk) @ (n,Tk,D) -> (n,Tq,D)
-        gk = np.matmul(np.swapaxes(ds, -1, -2), qf[a:b])   # (n,Tk,Tq) @ (n,Tq,D) -> (n,Tk,D)
-        gv = np.matmul(np.swapaxes(p, -1, -2), dof[a:b])   # (n,Tk,Tq) @ (n,Tq,Dv) -> (n,Tk,Dv)
+        if len(blocks) == 1 and blocks[0][2:4] == (0, tk):
+            gk = gv = None                                 # one block over every key: its products are dK, dV
+        else:
+            gk, gv = np.zeros((b - a,) + kf.shape[1:], np.float32), np.zeros((b - a,) + vf.shape[1:], np.float32)
+        for r0, r1, k0, k1, lo, hi in blocks:
+            qb, dob, kb_, vb = qf[a:b, r0:r1], dof[a:b, r0:r1], kk[:, k0:k1], vv[:, k0:k1]
+            p = np.matmul(qb, np.swapaxes(kb_, -1, -2))    # raw products (n,R,K)
+            ds = np.matmul(dob, np.swapaxes(vb, -1, -2))   # dP = dO Vᵀ (n,R,K)
+            mod.softmax_grad_rows(p, ds, lo, hi, scale, dl if dlse is None else dl[a:b, r0:r1], dlse is not None)
+            np.matmul(ds, kb_, out=dq[a:b, r0:r1])         # (n,R,K) @ (n,K,D) -> (n,R,D)
+            pk = np.matmul(np.swapaxes(ds, -1, -2), qb)    # (n,K,R) @ (n,R,D) -> (n,K,D)
+            pv = np.matmul(np.swapaxes(p, -1, -2), dob)    # (n,K,R) @ (n,R,Dv) -> (n,K,Dv)
+            if gk is None:
+                gk, gv = pk, pv
+            else:
+                gk[:, k0:k1] += pk
+                gv[:, k0:k1] += pv
         if group > 1:                                      # the G query heads of each kv head add up
             gk = gk.reshape((-1, group) + gk.shape[-2:]).sum(axis=1)
             gv = gv.reshape((-1, group) + gv.shape[-2:]).sum(axis=1)
