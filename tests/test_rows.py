@@ -140,3 +140,26 @@ def test_chosen_only_where_it_applies():
     qa, ka, va, _ = _inputs((1, 2, 1100, 16), (1, 2, 1100, 16))                     # past 1024²: the tiles
     assert api._kernel("auto", api.prepare(qa, ka, va), False) is not api.ROWS
     assert api._kernel("reference", api.prepare(q, k, v), False) is not api.ROWS    # a method named: that one
+
+
+@pytest.mark.parametrize("opts", [dict(softcap=50.0, causal=True), dict(softcap=5.0), dict(dropout_p=0.1, dropout_seed=3),
+                                  dict(dropout_p=0.5, dropout_seed=2**63 + 5, softcap=20.0, causal="bottom_right"),
+                                  dict(dropout_p=0.2, dropout_seed=7, window=(9, 0), causal=True)])
+@pytest.mark.parametrize("std", [1.0, 6.0])   # scores of std 1 and about 36 (Gemma 2's range against its cap of 50)
+def test_softcap_and_dropout_against_the_oracle(opts, std):
+    """The keep-mask is the oracle's, written from qkv.score_ops' definition, and the softcap's
+    tanh passes into the backward: every result within the float32 budget, lse undropped."""
+    q, k, v, dout = _inputs((2, 4, 300, 16), (2, 2, 300, 16), scale=std)   # 300 rows: causal blocks too
+    dlse = np.random.default_rng(4).standard_normal(q.shape[:-1]).astype(np.float32)
+    assert _check(q, k, v, dout, gqa=True, **opts) == []
+    assert _check(q, k, v, dout, dlse=dlse, gqa=True, **opts) == []
+
+
+def test_dropout_draws_the_tiled_kernels_mask():
+    """The same seed gives the row kernel and the tiled kernel one mask: their outputs agree to
+    float32 rounding, and another seed moves them by far more."""
+    q, k, v, _ = _inputs((1, 2, 200, 16), (1, 2, 200, 16))
+    rows_out = qkv.attention(q, k, v, causal=True, dropout_p=0.3, dropout_seed=11)
+    tiled = qkv.attention(q, k, v, causal=True, dropout_p=0.3, dropout_seed=11, method="flash")
+    other = qkv.attention(q, k, v, causal=True, dropout_p=0.3, dropout_seed=12, method="flash")
+    assert np.abs(rows_out - tiled).max() < 1e-5 < np.abs(rows_out - other).max()

@@ -136,14 +136,16 @@ def test_backward_equals_finite_differences(method):
 
 
 def test_softcap_bounds_the_scores_and_auto_takes_a_kernel_that_has_both():
-    """method='auto' takes the short-sequence kernels for plain scores only: with softcap or
-    dropout (spec.plain_scores False) the reference or the tiled kernel."""
+    """method='auto' takes the stacked kernel for plain scores only: with softcap or dropout
+    (spec.plain_scores False) the row kernel (fast extra, float32) or the reference or the
+    tiled kernel, which implement both."""
     from qkv import api
     q, k, v, _ = _problem(7, (16, 4, 128, 16), 128, std=30.0, dtype=np.float32)
     for opts in (dict(softcap=5.0), dict(dropout_p=0.1, dropout_seed=1)):
-        prob = api.prepare(q, k, v, **opts)
-        assert not prob.spec.plain_scores
-        assert api._kernel("auto", prob, False).name in ("reference", "flash")
+        for x in (q, q.astype(np.float64)):
+            prob = api.prepare(x, k.astype(x.dtype), v.astype(x.dtype), **opts)
+            assert not prob.spec.plain_scores
+            assert api._kernel("auto", prob, False).name in ("rows", "reference", "flash")
     assert api.prepare(q, k, v).spec.plain_scores
     _, lse = qkv.attention(q, k, v, softcap=5.0, return_lse=True)
     assert (lse <= 5.0 + np.log(128) + 1e-4).all()

@@ -1,20 +1,25 @@
-"""Short sequences with the fast extra: one compiled pass per query row, every head of a stack.
+"""Sequences of up to 1024 keys with the fast extra: stacked products, one compiled pass a row.
 
-At the shapes people train small models at (nanoGPT's CPU recipe: B=12, H=4, T=64, D=32) a
-head's whole problem is a few KiB; what costs the time in NumPy is the number of passes and
-calls, not the arithmetic. Here each query row's scores, softmax and products run in one
-compiled loop (:mod:`qkv.kernels.rows_compiled`, numba), beside its head's keys in L1, and
-only over the keys the row may see (causal rows stop at the diagonal): no ``(Tq, Tk)``
-array, no BLAS, one call per work unit of heads.
+At the shapes people train and serve (nanoGPT's CPU recipe: B=12, H=4, T=64, D=32; GPT-2 at
+T=1024) a head's scores fit a core's cache, and what NumPy spends is its passes over them:
+scale, mask, max, subtract, exp, sum, divide, each a temporary. Here a work unit of heads
+runs the products as stacked ``np.matmul`` calls (BLAS, one matrix per head) and everything
+between them as one compiled pass a query row (:mod:`qkv.kernels.rows_compiled`, numba):
+scores to log2 units (softcapped where asked), ``2^x`` and its sum, the division, the
+dropout mask; the backward recomputes each row's probabilities from its own scores. Rows
+that a causal or windowed mask keeps from most keys go in blocks of :data:`BLOCK_ROWS`
+that take only the keys they may see (a causal T of 256 and up: a quarter to half of the
+products skipped).
 
 It takes what :func:`applies` says: float32, no weights, a mask that is the same for every
 head and gives each row one contiguous run of keys (causal, window, chunk, any alignment;
-not a user mask, bias, ALiBi or lengths). ``method="auto"`` chooses it for short sequences
-where the fast extra is present (:func:`qkv.api._kernel`).
+not a user mask, bias, ALiBi or lengths), softcap and dropout (:mod:`qkv.score_ops`).
+``method="auto"`` chooses it where the fast extra is present (:func:`qkv.api._kernel`).
 
-Bits: every head is computed alone, in a fixed order, so the thread count and the work
-units never change a bit. They are not :mod:`.reference`'s bits (another exponential,
-another order of sums): the kernel is tested against it within float32's error budget.
+Bits: every head is computed alone, in an order fixed by the problem, so the thread count
+and the work units never change a bit. They are not :mod:`.reference`'s bits (another
+exponential, another order of sums): the kernel is tested against it within float32's
+error budget.
 """
 from __future__ import annotations
 
@@ -24,9 +29,10 @@ import numpy as np
 
 from .. import jit, threads
 from ..masks import MaskSpec
-from . import reference, stacked
+from .. import score_ops
+from . import reference
 
-MAX_KEYS = 1024          # longer rows go to the tiled kernel
+MAX_KEYS = 1024          # longer rows go to the tiled kernel (measured: rows at T = 4096 lose in the backward)
 UNIT_ENTRIES = 1 << 16   # score entries of one work unit (256 KiB float32; with dP, 512 KiB of a 1 MiB L2)
 SERIAL_WORK = 1 << 15    # score entries below which a call stays on the calling thread
 BLOCK_ROWS = 64          # query rows a block where a mask lets blocks skip keys
@@ -34,8 +40,31 @@ BLOCK_ROWS = 64          # query rows a block where a mask lets blocks skip keys
 
 def applies(spec: MaskSpec, dtype) -> bool:
     """True when the compiled pass can run this problem (see the module docstring)."""
-    return (np.dtype(dtype) == np.float32 and spec.tk <= MAX_KEYS and stacked.applies(spec)
-            and jit.load(jit.ROWS) is not None)
+    return (np.dtype(dtype) == np.float32 and spec.tk <= MAX_KEYS and spec.mask is None and spec.bias is None
+            and spec.alibi is None and spec.kv_lengths is None and spec.q_lengths is None
+            and not isinstance(spec.offset, np.ndarray) and jit.load(jit.ROWS) is not None)
+
+
+class _Mods:
+    """The softcap and dropout arguments of the compiled passes, for a stack of ``n`` heads."""
+
+    def __init__(self, spec: MaskSpec, n: int):
+        self.cap = float(spec.softcap or 0.0)
+        self.drop = spec.dropout_p > 0
+        if self.drop:  # the rows' dropout keys (qkv.score_ops), split into their two 32-bit halves
+            k64 = score_ops.keys(spec, 0, spec.tq).reshape(n, spec.tq)
+            self.klo = (k64 & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+            self.khi = (k64 >> np.uint64(32)).astype(np.uint32)
+        else:
+            self.klo = self.khi = np.zeros((1, 1), np.uint32)
+        self.thresh = np.uint32(score_ops.threshold(spec.dropout_p))
+        self.zscale = np.float32(1.0 / (1.0 - spec.dropout_p))
+        self.k_start = spec.k_start
+
+    def args(self, a: int, b: int, r0: int, r1: int, k0: int) -> tuple:
+        """``(cap, klo, khi, col0, thresh, zscale, drop)`` for heads a:b, rows r0:r1, keys from k0."""
+        klo, khi = (self.klo, self.khi) if not self.drop else (self.klo[a:b, r0:r1], self.khi[a:b, r0:r1])
+        return self.cap, klo, khi, self.k_start + k0, self.thresh, self.zscale, self.drop
 
 
 def key_runs(spec: MaskSpec) -> tuple[np.ndarray, np.ndarray]:
@@ -128,6 +157,7 @@ def forward(q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_weight
     out = np.empty((n, tq, vf.shape[-1]), np.float32)
     lse = np.empty((n, tq), np.float32)
     blocks = row_blocks(spec)
+    mods = _Mods(spec, n)
 
     def job(a, b):
         kk = reference._expand_groups(kf[a // group:b // group], group)
@@ -135,7 +165,7 @@ def forward(q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_weight
         for r0, r1, k0, k1, lo, hi in blocks:
             # (n,R,D) @ (n,D,K) -> (n,R,K): the keys [k0, k1) these rows may see
             s = np.matmul(qf[a:b, r0:r1], np.swapaxes(kk[:, k0:k1], -1, -2))
-            mod.softmax_rows(s, lo, hi, scale, lse[a:b, r0:r1])    # s -> P
+            mod.softmax_rows(s, lo, hi, scale, lse[a:b, r0:r1], *mods.args(a, b, r0, r1, k0))  # s -> P
             np.matmul(s, vv[:, k0:k1], out=out[a:b, r0:r1])        # (n,R,K) @ (n,K,Dv) -> (n,R,Dv)
 
     _run(job, n, tq, tk, group, num_threads)
@@ -152,6 +182,7 @@ def backward(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int =
     dl = np.zeros((1, 1), np.float32) if dlse is None else np.ascontiguousarray(dlse.reshape(n, tq))
     dq, dk, dv = np.empty(qf.shape, np.float32), np.empty(kf.shape, np.float32), np.empty(vf.shape, np.float32)
     blocks = row_blocks(spec)
+    mods = _Mods(spec, n)
 
     def job(a, b):
         ka, kb = a // group, b // group
@@ -164,7 +195,8 @@ def backward(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int =
             qb, dob, kb_, vb = qf[a:b, r0:r1], dof[a:b, r0:r1], kk[:, k0:k1], vv[:, k0:k1]
             p = np.matmul(qb, np.swapaxes(kb_, -1, -2))    # raw products (n,R,K)
             ds = np.matmul(dob, np.swapaxes(vb, -1, -2))   # dP = dO Vᵀ (n,R,K)
-            mod.softmax_grad_rows(p, ds, lo, hi, scale, dl if dlse is None else dl[a:b, r0:r1], dlse is not None)
+            mod.softmax_grad_rows(p, ds, lo, hi, scale, dl if dlse is None else dl[a:b, r0:r1], dlse is not None,
+                                  *mods.args(a, b, r0, r1, k0))  # p -> P ∘ Z, ds -> dS
             np.matmul(ds, kb_, out=dq[a:b, r0:r1])         # (n,R,K) @ (n,K,D) -> (n,R,D)
             pk = np.matmul(np.swapaxes(ds, -1, -2), qb)    # (n,K,R) @ (n,R,D) -> (n,K,D)
             pv = np.matmul(np.swapaxes(p, -1, -2), dob)    # (n,K,R) @ (n,R,Dv) -> (n,K,Dv)

@@ -10,6 +10,12 @@ carried in log2 units (``s · scale · log2 e``), inlined so that LLVM vectorise
 - :func:`softmax_grad_rows`: raw products and ``dP = dO Vᵀ`` in; ``P`` recomputed from the
   row's own max and sum (self-normalised: it never reads the saved lse) and
   ``dS = scale · P ∘ (dP − Σ_j P_ij dP_ij + dlse_i)`` out, in place of ``dP``.
+
+Both take :mod:`qkv.score_ops`' softcap (``s = c·tanh(x/c)`` before the exponential, its
+slope ``1 - tanh²`` on dS; :func:`~qkv.kernels.flash.compiled.tanh32`) and dropout (``P ∘ Z``
+after the softmax, ``Z ∘ dO Vᵀ`` in the backward, the keep-mask drawn again from the rows'
+keys and the columns by :func:`~qkv.kernels.flash.compiled.keep_bits`). Each of the four
+cases runs its own loops (the flags are constants of the inlined body), so each vectorises.
 """
 from __future__ import annotations
 
@@ -18,9 +24,10 @@ import math
 import numba
 import numpy as np
 
-from .flash.compiled import FASTMATH, pow2
+from .flash.compiled import FASTMATH, keep_bits, pow2, tanh32
 
 f32 = np.float32
+u32 = np.uint32
 LOG2E = 1.0 / math.log(2.0)
 LN2 = f32(math.log(2.0))
 NEG_INF = f32(-np.inf)
@@ -56,10 +63,26 @@ def _max(x):
     return m
 
 
-@numba.njit(inline="always", fastmath=FASTMATH)
-def _probabilities(row, j0, j1, c, e):
-    """row[j0:j1] = softmax(c · row[j0:j1]) (base 2), 0 elsewhere; returns log2 Σ_j 2^(c·row[j]).
-    ``e`` is a scratch row of at least j1 - j0 entries.
+@numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _to_log2(x, c, cap_in, cap_out, slope, capped, want_slope):
+    """Raw products to scores in log2 units in place: ``c·x``, or with a softcap
+    ``cap_out·tanh(cap_in·x)`` (``cap_in = scale / cap``, ``cap_out = cap·log2 e``) and
+    ``slope = 1 - tanh²`` where wanted. ``capped``/``want_slope`` are constants of each caller."""
+    if capped:
+        for j in range(x.shape[0]):
+            t = tanh32(x[j] * cap_in)
+            x[j] = cap_out * t
+            if want_slope:
+                slope[j] = f32(1.0) - t * t
+    else:
+        for j in range(x.shape[0]):
+            x[j] *= c
+
+
+@numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _probabilities(row, j0, j1, e):
+    """row[j0:j1] (scores in log2 units) = their softmax (base 2), 0 elsewhere; returns
+    log2 Σ_j 2^row[j]. ``e`` is a scratch row of at least j1 - j0 entries.
 
     Most rows take two vector passes and no max: while the sum of ``2^x`` lies in
     ``[2^-60, 2^100]`` every term is exact to float32's rounding (none overflows, none that
@@ -69,8 +92,6 @@ def _probabilities(row, j0, j1, c, e):
     _zero(row[:j0])
     _zero(row[j1:])
     x = row[j0:j1]
-    for j in range(x.shape[0]):
-        x[j] *= c
     m = f32(0.0)
     l = _exp2_sum(x, m, e)
     if not (l >= TINY and l <= HUGE):
@@ -82,12 +103,18 @@ def _probabilities(row, j0, j1, c, e):
     return m + np.log2(l)
 
 
-@numba.njit(nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")
-def softmax_rows(s, lo, hi, scale, lse):
-    """s (n, Tq, Tk) raw products -> P in place; lse (n, Tq) = log Σ_j exp(scale · s_ij)."""
+@numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _keep(z, klo, khi, col0, thresh, zscale):
+    """z[j] = keep / (1 - p) of columns col0 + j of one row (qkv.score_ops' mask)."""
+    for j in range(z.shape[0]):
+        z[j] = zscale if keep_bits(klo, khi, col0 + j) >= thresh else f32(0.0)
+
+
+@numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _forward_rows(s, lo, hi, c, cap_in, cap_out, lse, klo, khi, col0, thresh, zscale, capped, drop):
     n, tq, tk = s.shape
-    c = f32(scale * LOG2E)
     e = np.empty(tk, f32)
+    z = np.empty(tk, f32)
     for h in range(n):
         for i in range(tq):
             j0, j1 = lo[i], hi[i]
@@ -96,16 +123,41 @@ def softmax_rows(s, lo, hi, scale, lse):
                 _zero(row)
                 lse[h, i] = NEG_INF
                 continue
-            lse[h, i] = _probabilities(row, j0, j1, c, e) * LN2
+            x = row[j0:j1]
+            _to_log2(x, c, cap_in, cap_out, e, capped, False)
+            lse[h, i] = _probabilities(row, j0, j1, e) * LN2
+            if drop:                         # P ∘ Z; lse stays the undropped one
+                zz = z[:j1 - j0]
+                _keep(zz, klo[h, i], khi[h, i], u32(col0 + j0), thresh, zscale)
+                for j in range(x.shape[0]):
+                    x[j] *= zz[j]
 
 
 @numba.njit(nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")
-def softmax_grad_rows(s, dp, lo, hi, scale, dlse, use_dlse):
-    """s (n, Tq, Tk) raw products -> P in place; dp (n, Tq, Tk) = dO Vᵀ -> dS (scaled) in place."""
-    n, tq, tk = s.shape
+def softmax_rows(s, lo, hi, scale, lse, cap, klo, khi, col0, thresh, zscale, drop):
+    """s (n, Tq, Tk) raw products -> P (times the keep-mask Z where ``drop``) in place;
+    lse (n, Tq) = log Σ_j exp(s'_ij), s' = scale · s (softcapped where ``cap > 0``).
+    ``klo``/``khi`` (n, Tq) uint32: the rows' dropout keys; ``col0``: the first key's column."""
     c = f32(scale * LOG2E)
-    sc = f32(scale)
+    cap_in = f32(scale / cap) if cap > 0 else f32(0.0)
+    cap_out = f32(cap * LOG2E)
+    if cap > 0 and drop:
+        _forward_rows(s, lo, hi, c, cap_in, cap_out, lse, klo, khi, col0, thresh, zscale, True, True)
+    elif cap > 0:
+        _forward_rows(s, lo, hi, c, cap_in, cap_out, lse, klo, khi, col0, thresh, zscale, True, False)
+    elif drop:
+        _forward_rows(s, lo, hi, c, cap_in, cap_out, lse, klo, khi, col0, thresh, zscale, False, True)
+    else:
+        _forward_rows(s, lo, hi, c, cap_in, cap_out, lse, klo, khi, col0, thresh, zscale, False, False)
+
+
+@numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _backward_rows(s, dp, lo, hi, c, cap_in, cap_out, sc, dlse, use_dlse, klo, khi, col0, thresh, zscale,
+                   capped, drop):
+    n, tq, tk = s.shape
     e = np.empty(tk, f32)
+    slope = np.empty(tk, f32)
+    z = np.empty(tk, f32)
     for h in range(n):
         for i in range(tq):
             j0, j1 = lo[i], hi[i]
@@ -114,8 +166,15 @@ def softmax_grad_rows(s, dp, lo, hi, scale, dlse, use_dlse):
                 _zero(row)
                 _zero(g)
                 continue
-            _probabilities(row, j0, j1, c, e)
             p, gs = row[j0:j1], g[j0:j1]
+            sl = slope[:j1 - j0]
+            _to_log2(p, c, cap_in, cap_out, sl, capped, True)
+            _probabilities(row, j0, j1, e)
+            zz = z[:j1 - j0]
+            if drop:                         # ∂L/∂P = Z ∘ dO Vᵀ
+                _keep(zz, klo[h, i], khi[h, i], u32(col0 + j0), thresh, zscale)
+                for j in range(p.shape[0]):
+                    gs[j] *= zz[j]
             delta = f32(0.0)
             for j in range(p.shape[0]):
                 delta += p[j] * gs[j]
@@ -124,4 +183,32 @@ def softmax_grad_rows(s, dp, lo, hi, scale, dlse, use_dlse):
             _zero(g[:j0])
             _zero(g[j1:])
             for j in range(p.shape[0]):
-                gs[j] = p[j] * (gs[j] - delta) * sc
+                d = p[j] * (gs[j] - delta) * sc
+                if capped:                   # through the softcap: dX = dS ∘ (1 - tanh²)
+                    d *= sl[j]
+                gs[j] = d
+            if drop:                         # P ∘ Z, for dV = (P ∘ Z)ᵀ dO
+                for j in range(p.shape[0]):
+                    p[j] *= zz[j]
+
+
+@numba.njit(nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")
+def softmax_grad_rows(s, dp, lo, hi, scale, dlse, use_dlse, cap, klo, khi, col0, thresh, zscale, drop):
+    """s (n, Tq, Tk) raw products -> P ∘ Z in place (for dV); dp (n, Tq, Tk) = dO Vᵀ -> dS
+    (times scale, and the softcap's slope) in place. Arguments as :func:`softmax_rows`."""
+    c = f32(scale * LOG2E)
+    cap_in = f32(scale / cap) if cap > 0 else f32(0.0)
+    cap_out = f32(cap * LOG2E)
+    sc = f32(scale)
+    if cap > 0 and drop:
+        _backward_rows(s, dp, lo, hi, c, cap_in, cap_out, sc, dlse, use_dlse, klo, khi, col0, thresh, zscale,
+                       True, True)
+    elif cap > 0:
+        _backward_rows(s, dp, lo, hi, c, cap_in, cap_out, sc, dlse, use_dlse, klo, khi, col0, thresh, zscale,
+                       True, False)
+    elif drop:
+        _backward_rows(s, dp, lo, hi, c, cap_in, cap_out, sc, dlse, use_dlse, klo, khi, col0, thresh, zscale,
+                       False, True)
+    else:
+        _backward_rows(s, dp, lo, hi, c, cap_in, cap_out, sc, dlse, use_dlse, klo, khi, col0, thresh, zscale,
+                       False, False)
