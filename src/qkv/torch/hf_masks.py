@@ -29,8 +29,17 @@ A 2-D mask holds the whole history and is cut only from the right, so that trans
 which treats a 2-D mask as a user's padding mask and builds a layer's mask again from it
 (``generate`` with a static cache does), gets the same mask back. Under ``torch.compile``
 the closure is not read (dynamo cannot): a sliding window is then a complete mask.
+
+transformers hands every layer of a pattern the same mask object, so :func:`read_mask`
+translates a mask once a forward, not once a layer: it keeps its last few translations, each
+under a weak reference to its mask and the mask's version counter (bumped by every in-place
+change), shape, dtype and data pointer, and the layer's sizes. Another mask object, or the
+same one changed in place, is translated again; so is any mask under ``torch.compile`` or in
+``inference_mode`` (whose tensors count no versions).
 """
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -140,16 +149,45 @@ def _sliding_mask(reach: torch.Tensor, tq: int, tk: int) -> torch.Tensor:
     return ((distance >= 0) & (distance < keys[:, None, :]))[:, None]  # (Tq,Tk) vs (B,1,Tk) -> (B,1,Tq,Tk)
 
 
+KEPT = 4  # translations kept: one a mask pattern (a hybrid model has two) and a spare
+_kept: list = []  # (weak reference to the mask, key, options), the newest first
+
+
+def _key(mask: torch.Tensor, *sizes):
+    """What a kept translation of ``mask`` must match besides the object itself: None where no
+    version is counted (an inference tensor), so nothing is kept."""
+    try:
+        version = mask._version
+    except RuntimeError:  # inference_mode's tensors count no in-place changes
+        return None
+    return (version, tuple(mask.shape), mask.dtype, mask.data_ptr()) + sizes
+
+
 def read_mask(mask, b: int, tq: int, tk: int, layer_is_causal: bool) -> dict:
     """qkv options for what :func:`hf_mask` (or a caller) passed as the ``attention_mask`` of a
-    layer with ``B`` sequences, ``Tq`` queries and ``Tk`` keys."""
+    layer with ``B`` sequences, ``Tq`` queries and ``Tk`` keys: translated once for all the
+    layers that get the same, unchanged mask (see the module docstring)."""
     if mask is None:
         return {"causal": "bottom_right"} if layer_is_causal else {}
-    if mask.ndim == 4:  # complete: it says everything
-        if mask.dtype != torch.bool:
-            return {"bias": mask}
-        one_row = mask.shape[0] == b and mask.shape[-3:-1] == (1, 1)  # (B, 1, 1, Tk): padding, or Tq = 1
-        return _padding(mask[:, 0, 0, :]) if one_row else {"mask": mask}
+    if mask.ndim == 4 and not (mask.dtype == torch.bool and mask.shape[0] == b and mask.shape[-3:-1] == (1, 1)):
+        return {"mask": mask} if mask.dtype == torch.bool else {"bias": mask}  # complete: nothing to translate
+    if torch.compiler.is_compiling():
+        return translate(mask, b, tq, tk, layer_is_causal)
+    key = _key(mask, b, tq, tk, bool(layer_is_causal))
+    for ref, kept_key, options in _kept:
+        if key is not None and ref() is mask and kept_key == key:
+            return dict(options)
+    options = translate(mask, b, tq, tk, layer_is_causal)
+    if key is not None:
+        _kept.insert(0, (weakref.ref(mask), key, options))
+        del _kept[KEPT:]
+    return dict(options)
+
+
+def translate(mask: torch.Tensor, b: int, tq: int, tk: int, layer_is_causal: bool) -> dict:
+    """:func:`read_mask`'s work for a 2-D mask or a 4-D one of one row ``(B, 1, 1, Tk)``."""
+    if mask.ndim == 4:  # (B, 1, 1, Tk): padding, or Tq = 1
+        return _padding(mask[:, 0, 0, :])
     if mask.ndim != 2 or mask.dtype not in (torch.bool, torch.int32):
         raise ShapeError(f"qkv's attention function got an attention_mask of shape {tuple(mask.shape)} and dtype "
                          f"{mask.dtype}; expected None, (B, L) bool or int32 from qkv's mask function, or "

@@ -150,6 +150,9 @@ NAMES = tuple(opt.name for opt in OPTIONS)
 SCHEMA_ARGS = ", ".join(arg for opt in OPTIONS for arg in opt.args)
 # each option's default, from qkv's one table of options
 DEFAULTS = {name: BY_NAME[name].default for name in NAMES}
+# (row, index of its first argument) of each option, and of those that are tensors
+_SLOTS = tuple((opt, sum(len(o.args) for o in OPTIONS[:i])) for i, opt in enumerate(OPTIONS))
+_TENSOR_SLOTS = tuple((opt, i) for opt, i in _SLOTS if opt.is_tensor)
 
 
 def accepted() -> tuple[str, ...]:
@@ -158,7 +161,43 @@ def accepted() -> tuple[str, ...]:
 
 
 def encode(options: dict) -> tuple:
-    """Keyword options (missing ones take qkv's defaults) -> the operator's option arguments."""
+    """Keyword options (missing ones take qkv's defaults) -> the operator's option arguments.
+
+    Options of plain values only (no tensor or array; what a model's every layer passes) are
+    checked once and their encoding kept (:data:`KEPT` sets), keyed on each value and its type."""
+    key = _plain_key(options)
+    if key is not None and key in _encoded:
+        return _encoded[key]
+    out = _encode(options)
+    if key is not None:
+        if len(_encoded) >= KEPT:
+            _encoded.clear()
+        _encoded[key] = out
+    return out
+
+
+KEPT = 256  # encodings and decodings kept, each: a training loop's few sets, a dropout seed a call
+_encoded: dict = {}
+_decoded: dict = {}
+_PLAIN = (type(None), bool, int, float, str)
+
+
+def _plain_key(options: dict):
+    """``((name, type, value), ...)`` sorted by name, or None where a value is not a plain
+    scalar (nor a tuple of them): the types keep ``True`` and ``1`` apart, which compare equal."""
+    key = []
+    for name, value in options.items():
+        if type(value) is tuple:
+            if not all(type(x) in _PLAIN for x in value):
+                return None
+            value = tuple((type(x), x) for x in value)
+        elif type(value) not in _PLAIN:
+            return None
+        key.append((name, type(value), value))
+    return tuple(sorted(key, key=lambda item: item[0]))
+
+
+def _encode(options: dict) -> tuple:
     unknown = sorted(set(options) - set(NAMES))
     unwired = [name for name in unknown if name in accepted()]
     if unwired:
@@ -173,13 +212,23 @@ def encode(options: dict) -> tuple:
 
 
 def decode(args: tuple) -> dict:
-    """The operator's option arguments -> keyword arguments for :func:`qkv.attention`."""
-    out, i = {}, 0
-    for opt in OPTIONS:
-        n = len(opt.args)
-        out[opt.name] = opt.decode(tuple(args[i:i + n]))
-        i += n
+    """The operator's option arguments -> keyword arguments for :func:`qkv.attention`: the
+    scalars' decoding is kept per set of scalars, the tensors are NumPy views each call."""
+    key = tuple(_TENSOR if isinstance(a, torch.Tensor) else a for a in args)
+    scalars = _decoded.get(key)
+    if scalars is None:
+        scalars = {opt.name: opt.decode(tuple(args[i:i + len(opt.args)]))
+                   for opt, i in _SLOTS if not opt.is_tensor}
+        if len(_decoded) >= KEPT:
+            _decoded.clear()
+        _decoded[key] = scalars
+    out = dict(scalars)
+    for opt, i in _TENSOR_SLOTS:
+        out[opt.name] = None if args[i] is None else to_numpy(args[i])
     return out
+
+
+_TENSOR = object()  # a tensor's place in decode's key
 
 
 def tensors(args: tuple) -> list:
