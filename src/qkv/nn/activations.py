@@ -23,7 +23,7 @@ import math
 
 import numpy as np
 
-from .fusion import compiled
+from .fusion import chunked, compiled
 
 SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 GELU_CUBIC = 0.044715
@@ -96,7 +96,8 @@ def gelu_tanh_forward(h: np.ndarray):
     fast = compiled(h) if h.dtype == np.float32 else None
     if fast is not None:
         y = np.empty_like(h)
-        fast.gelu_tanh_forward32(h.reshape(-1), y.reshape(-1))
+        hf, yf = h.reshape(-1), y.reshape(-1)
+        chunked(lambda a, b: fast.gelu_tanh_forward32(hf[a:b], yf[a:b]), hf.size)
         return y, (h, None)
     t = h * h
     t *= SQRT_2_OVER_PI * GELU_CUBIC
@@ -115,7 +116,8 @@ def gelu_tanh_backward(dy: np.ndarray, saved) -> np.ndarray:
     fast = compiled(dy, h)
     if fast is not None and t is None:
         dh = np.empty_like(h)
-        fast.gelu_tanh_backward32(dy.reshape(-1), h.reshape(-1), dh.reshape(-1))
+        df, hf, dhf = dy.reshape(-1), h.reshape(-1), dh.reshape(-1)
+        chunked(lambda a, b: fast.gelu_tanh_backward32(df[a:b], hf[a:b], dhf[a:b]), hf.size)
         return dh
     if fast is not None:
         dh = np.empty_like(h)

@@ -13,7 +13,7 @@ from types import ModuleType
 
 import numpy as np
 
-from .. import jit
+from .. import jit, threads
 
 MODULE = "qkv.nn.fused"
 
@@ -38,3 +38,33 @@ def compiled(*arrays: np.ndarray) -> ModuleType | None:
         if a.dtype != dtype or dtype not in (np.float32, np.float64) or not a.flags.c_contiguous:
             return None
     return mod
+
+
+PARALLEL_MIN = 1 << 16  # elements below which a fused pass stays on the calling thread
+
+
+def parallel(jobs: list, sizes: list) -> None:
+    """Call every ``job()`` (numba passes that release the GIL) on qkv's kernel threads
+    (:func:`qkv.get_num_threads`), in groups balanced by ``sizes``; on the calling thread
+    when there is one thread or less than :data:`PARALLEL_MIN` elements in all. Each job
+    writes its own arrays, so the bits never depend on the threads."""
+    n = threads.get_num_threads()
+    if n <= 1 or len(jobs) <= 1 or sum(sizes) < PARALLEL_MIN:
+        for job in jobs:
+            job()
+        return
+    groups, loads = [[] for _ in range(n)], [0] * n
+    for i in sorted(range(len(jobs)), key=lambda i: -sizes[i]):  # largest first, to the lightest group
+        g = loads.index(min(loads))
+        groups[g].append(jobs[i])
+        loads[g] += sizes[i]
+    list(threads.pool(n).map(lambda group: [job() for job in group], [g for g in groups if g]))
+
+
+def chunked(call, size: int) -> None:
+    """``call(a, b)`` over ``[0, size)`` cut in one contiguous piece per kernel thread (see
+    :func:`parallel`): for element-wise passes."""
+    n = max(1, min(threads.get_num_threads(), size // (PARALLEL_MIN // 2) or 1))
+    cuts = [size * i // n for i in range(n + 1)]
+    parallel([(lambda a=a, b=b: call(a, b)) for a, b in zip(cuts[:-1], cuts[1:])],
+             [b - a for a, b in zip(cuts[:-1], cuts[1:])])

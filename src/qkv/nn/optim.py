@@ -8,7 +8,7 @@ import numpy as np
 
 from ..errors import ShapeError, fmt_shape
 from ..numerics import logsumexp
-from .fusion import compiled
+from .fusion import compiled, parallel
 
 
 def cross_entropy(logits, targets) -> tuple[float, np.ndarray]:
@@ -147,14 +147,17 @@ class AdamW:
         step_size = lr / (1 - self.b1 ** self.t)
         root_c2 = math.sqrt(1 - self.b2 ** self.t)
         shrink = 1.0 - lr * self.weight_decay
+        jobs, sizes = [], []  # the compiled updates, run together on the kernel threads below
         for layer, name, m, v, decay in self.slots:
             p, g = layer.params[name], layer.grads[name]
             fast = compiled(p, g, m, v)
             if fast is not None:
                 f = p.dtype.type  # scalars in the arrays' dtype: float32 stays float32
-                fast.adamw_update(p.reshape(-1), g.reshape(-1), m.reshape(-1), v.reshape(-1), f(coef),
-                                  f(shrink if decay else 1.0), f(self.b1), f(1 - self.b1), f(self.b2),
-                                  f(1 - self.b2), f(step_size), f(root_c2), f(self.eps))
+                args = (p.reshape(-1), g.reshape(-1), m.reshape(-1), v.reshape(-1), f(coef),
+                        f(shrink if decay else 1.0), f(self.b1), f(1 - self.b1), f(self.b2),
+                        f(1 - self.b2), f(step_size), f(root_c2), f(self.eps))
+                jobs.append(lambda fast=fast, args=args: fast.adamw_update(*args))
+                sizes.append(p.size)
                 continue
             if coef != 1.0:
                 g = g * p.dtype.type(coef)
@@ -170,6 +173,7 @@ class AdamW:
             np.divide(m, denom, out=denom)
             denom *= step_size
             p -= denom                                       # p -= lr m̂ / (sqrt(v̂) + eps)
+        parallel(jobs, sizes)
         return norm
 
     def state_dict(self) -> dict[str, np.ndarray]:
