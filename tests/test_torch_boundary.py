@@ -135,3 +135,32 @@ def test_one_translation_a_forward_in_a_model_equal_to_eager(monkeypatch):
         b = eager(ids, attention_mask=pad, use_cache=False).logits
         assert (a - b)[pad.bool()].abs().max().item() <= 1e-4
     assert len(count) == 2
+
+
+def test_a_call_without_gradients_runs_the_kernel_directly_with_the_operators_bits(monkeypatch):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    calls = []
+    real = ops.fwd
+    monkeypatch.setattr(ops, "fwd", lambda *a: calls.append(1) or real(*a))
+    q, k, v = (torch.randn(2, 3, 6, 4) for _ in range(3))
+    with torch.no_grad():
+        direct = qt.attention(q, k, v, causal=True)
+    assert not calls
+    assert torch.equal(direct, real(q, k, v, *options.encode(dict(causal=True)), False)[0])
+    qt.attention(q, k, v.requires_grad_(True), causal=True)  # a gradient wanted: the operator
+    assert len(calls) == 1
+    with torch.no_grad():
+        seen = []
+
+        class Log(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                seen.append(str(func))
+                return func(*args, **(kwargs or {}))
+
+        with Log():  # a mode that records calls sees the operator
+            qt.attention(q, k, v, causal=True)
+        assert len(calls) == 2 and any("qkv.attention_fwd" in f for f in seen)
+        with torch.device("cpu"):  # a function mode
+            qt.attention(q, k, v, causal=True)
+        assert len(calls) == 3

@@ -22,6 +22,21 @@ def _check_qkv(q, k, v) -> None:
             raise ShapeError(f"{name} must have q's dtype {q.dtype}; got {t.dtype}")
 
 
+def _plain_call(q, k, v, args: tuple) -> bool:
+    """True where the forward operator would only run its CPU kernel and nothing would record
+    it: no gradient wanted, plain tensors, nothing tracing, compiling, transforming, profiling
+    or intercepting calls. Then the kernel runs directly, without the dispatcher's ~0.2 ms a
+    call (measured inside a Llama forward); everywhere else the operator runs."""
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return False
+    C = torch._C
+    return (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
+            and all(type(a) is torch.Tensor for a in args if isinstance(a, torch.Tensor))
+            and not torch.compiler.is_compiling() and C._get_tracing_state() is None
+            and C._len_torch_dispatch_stack() == 0 and not C._is_torch_function_mode_enabled()
+            and C._functorch.peek_interpreter_stack() is None and not torch.autograd._profiler_enabled())
+
+
 def draw_seed() -> int:
     """A dropout seed from torch's default generator (so ``torch.manual_seed`` repeats it)."""
     return int(torch.randint(-2 ** 63, 2 ** 63 - 1, (), dtype=torch.int64))
@@ -41,7 +56,9 @@ def attention(q, k, v, *, return_lse=False, return_weights=False, **options):
     carry no gradient.
 
     Contiguous (or simply strided) float16/32/64 tensors reach qkv's kernels as NumPy views
-    without a copy and the results come back without one. float16 computes in float32 (as
+    without a copy and the results come back without one. Where no gradient is wanted and
+    nothing traces, compiles or records the call, the operator's kernel is called directly
+    (the same kernel: the same bits, less per-call cost). float16 computes in float32 (as
     in qkv), bfloat16 is converted to float32 at the boundary (NumPy has no bfloat16) and
     the results are cast back; float64 computes in float64.
 
@@ -76,7 +93,10 @@ def attention(q, k, v, *, return_lse=False, return_weights=False, **options):
         if options.get("dropout_p") and options.get("dropout_seed") is None:
             options["dropout_seed"] = draw_seed()  # torch.manual_seed makes a run repeat
         args = opt.encode(options)
-        out, lse = ops.fwd(q, k, v, *args, return_lse)
+        if _plain_call(q, k, v, args):
+            out, lse = ops.fwd_kernel(q, k, v, *args, return_lse)
+        else:
+            out, lse = ops.fwd(q, k, v, *args, return_lse)
         result = [out]
         if return_lse:
             result.append(lse)

@@ -47,7 +47,8 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
 
 # --- kernels: NumPy views in, qkv, tensors out ----------------------------------------------
 
-def _fwd_kernel(q, k, v, *args):
+def fwd_kernel(q, k, v, *args):
+    """The forward operator's CPU kernel: ``(out, lse)`` for q, k, v and the option arguments."""
     kwargs = opt.decode(args[:-1])
     out, lse = np_attention(opt.to_numpy(q), opt.to_numpy(k), opt.to_numpy(v), return_lse=True, **kwargs)
     return opt.from_numpy(out, q.dtype), opt.from_numpy(lse, _lse_dtype(q.dtype))
@@ -67,7 +68,7 @@ def _weights_kernel(q, k, v, *args):
     return opt.from_numpy(weights, q.dtype)
 
 
-fwd = torch.library.custom_op(FWD, _fwd_kernel, mutates_args=(), schema=FWD_SCHEMA)
+fwd = torch.library.custom_op(FWD, fwd_kernel, mutates_args=(), schema=FWD_SCHEMA)
 bwd = torch.library.custom_op(BWD, _bwd_kernel, mutates_args=(), schema=BWD_SCHEMA)
 weights = torch.library.custom_op(WEIGHTS, _weights_kernel, mutates_args=(), schema=WEIGHTS_SCHEMA)
 
