@@ -12,6 +12,7 @@ reports medians, with the peer measured in the same run. The modules, each one t
 - ``encoder``: qkv's MiniLM encoder against sentence-transformers;
 - ``torch_suite``: ``qkv.torch.attention`` against qkv on NumPy and PyTorch SDPA (``--suite torch``);
 - ``shapes_suite``: qkv (``method="auto"``) against SDPA at training and serving shapes (``--suite shapes``);
+- ``hf_suite``: a small Hugging Face decoder on attn_implementation "qkv" against "sdpa" and "eager" (``--suite hf``);
 - ``ring``: ring attention over MPI against one process (``mpiexec -n W qkv bench --suite ring``);
 - ``machine``: the CPU's vector level as NumPy uses it, the BLAS and its kernel, the exp path;
 - ``report``: the header, the tables (as data) and the sweep plot (a matplotlib Figure).

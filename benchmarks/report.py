@@ -130,6 +130,8 @@ def tables(results: dict) -> list[Table]:
         out.append(train_mpi_table(results["train_mpi"], smoke))
     if results.get("shapes"):
         out.append(shapes_table(results["shapes"], results["repeats"], results["threads"], smoke))
+    if results.get("hf"):
+        out.append(hf_table(results["hf"], results["repeats"], smoke))
     return out
 
 
@@ -271,6 +273,25 @@ def shapes_table(rows: list[dict], repeats: int | None = None, threads: int | No
                        f"{r['torch_gflops']:.1f}", f"{r['ratio']:.2f}"])
     t.notes.append("torch ÷ qkv: the median over repeats of torch's time ÷ qkv's time in the same repeat "
                    "(above 1, qkv is faster)")
+    return t
+
+
+def hf_table(rows: list[dict], repeats: int | None = None, smoke: str = "") -> Table:
+    """The rows of ``hf_suite.measure``: each implementation's time and qkv ÷ sdpa, qkv ÷ eager."""
+    one = rows[0]["thread_cpu_s"] is not None
+    clock = "CPU time of the one thread" if one else "wall clock"
+    s = rows[0]["size"]
+    runs = f", medians of {repeats}" if repeats else ""
+    t = Table(f"Hugging Face decoders, hidden {s['hidden']}, {s['heads']} heads, {s['layers']} layers, "
+              f"B={s['batch']} T={s['t']}, float32: attn_implementation qkv against sdpa and eager, "
+              f"{rows[0]['threads']} thread(s), {clock}{runs}{smoke}",
+              ["model", "pass", "qkv s", "sdpa s", "eager s", "qkv ÷ sdpa", "qkv ÷ eager", "wall qkv ÷ sdpa"], left=2)
+    for r in rows:
+        sec = r["thread_cpu_s"] or r["wall_s"]
+        t.rows.append([r["family"], r["pass"], *(f"{sec[m]:.4f}" for m in ("qkv", "sdpa", "eager")),
+                       f"{r['qkv_vs_sdpa']:.3f}", f"{r['qkv_vs_eager']:.3f}", f"{r['qkv_vs_sdpa_wall']:.3f}"])
+    t.notes.append("qkv ÷ peer: the median over repeats of qkv's time ÷ the peer's in the same repeat (below 1, "
+                   "qkv is faster; issue 22's target: qkv ÷ sdpa <= 1.1)")
     return t
 
 

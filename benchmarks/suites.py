@@ -13,7 +13,7 @@ qkv's side alone) and ``shapes`` (training and serving shapes, short sequences i
 batches, qkv ``method="auto"`` against SDPA; see ``shapes_suite.py``; needs the torch extra) and
 ``train-mpi`` (qkv's GPT trained data- and context-parallel by the ranks of ``MPI.COMM_WORLD``
 against one process; see ``train_mpi.py``; needs the mpi extra, meant for ``mpiexec -n W``).
-Without a choice a run measures :data:`DEFAULT` (a quick run :data:`QUICK_DEFAULT`); torch, ring, gpt and shapes run when named (or with "all"). A suite whose
+Without a choice a run measures :data:`DEFAULT` (a quick run :data:`QUICK_DEFAULT`); torch, ring, gpt, shapes and hf run when named (or with "all"). A suite whose
 extra is missing is skipped with the reason in ``results["skipped"]``.
 
 A quick plan shrinks every size so the whole run takes seconds: a smoke test that every
@@ -33,18 +33,18 @@ import importlib.util
 import os
 from dataclasses import dataclass
 
-from . import gpt_suite, products, shapes_suite, torch_suite, train_mpi
+from . import gpt_suite, hf_suite, products, shapes_suite, torch_suite, train_mpi
 from .attention import fwd_bwd_flops, forward_flops, inputs, kv_bytes, copier, runner
 from .memory import peak_extra
 from .timing import REWARM_S, alternate, walls
 
-SUITES = ("main", "sweep", "decode", "encoder", "torch", "ring", "gpt", "shapes", "train-mpi")
+SUITES = ("main", "sweep", "decode", "encoder", "torch", "ring", "gpt", "shapes", "train-mpi", "hf")
 MPI_SUITES = ("ring", "train-mpi")  # every rank of mpiexec -n W takes part
-DEFAULT = ("main", "sweep", "decode", "encoder")  # torch, ring, gpt and shapes run when named
+DEFAULT = ("main", "sweep", "decode", "encoder")  # the others run when named
 QUICK_DEFAULT = ("main", "sweep", "decode")  # a quick run leaves the encoder out unless asked
 # What each suite needs beyond the core, as the extra that brings it (said when one is skipped).
 EXTRAS = {"encoder": "models,test", "torch": "torch", "ring": "mpi", "gpt": "torch", "shapes": "torch",
-          "train-mpi": "mpi"}
+          "train-mpi": "mpi", "hf": "hf"}
 FULL = {
     "main": dict(b=1, h=8, t=4096, d=64),
     "sweep": dict(ts=(512, 1024, 2048, 4096, 8192, 16384), d=64, dense_max=8192),
@@ -168,6 +168,8 @@ def count_steps(p: Plan) -> int:
         n += gpt_suite.count(p.quick, p.steps, p.torch, p.memory)
     if "shapes" in p.suites and p.torch:
         n += len(shapes_suite.cases(p.quick))
+    if "hf" in p.suites and p.torch:
+        n += len(hf_suite.cases(p.quick))
     return n
 
 
@@ -214,7 +216,7 @@ def run_suites(p: Plan, progress=None) -> dict | None:
                "note": SMOKE_NOTE if p.quick else None,
                "torch": torch.__version__ if p.torch else None, "machine": describe(p.torch),
                "main": [], "sweep": [], "decode": [], "encoder": [], "torch_suite": [], "ring": [], "gpt": [], "shapes": [],
-               "train_mpi": [], "options": [],
+               "hf": [], "train_mpi": [], "options": [],
                "ring_pingpong_gb_s": None, "mpi_ranks": None, "skipped": {}}
     ms = methods(p)
 
@@ -260,6 +262,8 @@ def run_suites(p: Plan, progress=None) -> dict | None:
         results["gpt"], results["skipped"]["gpt"] = _gpt_suite(p, progress)
     if "shapes" in p.suites:
         results["shapes"], results["skipped"]["shapes"] = _shapes_suite(p, progress)
+    if "hf" in p.suites:
+        results["hf"], results["skipped"]["hf"] = hf_suite.suite(p, progress, _needs("hf", "transformers is not installed"))
     if ring:
         results["ring"], results["ring_pingpong_gb_s"] = ring["rows"], ring["pingpong_gb_s"]
         results["mpi_ranks"] = ring["size"]

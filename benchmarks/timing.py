@@ -22,13 +22,16 @@ REWARM_S = 1.0
 
 
 def rounds(fns: dict[str, Callable[[], object]], repeats: int, *, rewarm_below: float = REWARM_S,
-           rotate: bool = False, tick: Callable[[], None] | None = None) -> dict[str, list[tuple[float, float]]]:
+           rotate: bool = False, tick: Callable[[], None] | None = None,
+           cpu_clock: Callable[[], float] = time.process_time) -> dict[str, list[tuple[float, float]]]:
     """``{name: [(wall s, cpu s), ...]}``, one pair per round: the runs themselves.
 
     One untimed warm-up each, then ``repeats`` rounds in which every side runs once, in the
     order given or, with ``rotate``, starting one side later each round (so no side always
     runs right after the same other one). ``tick()`` is called after every warm-up and every
-    timed run (a progress count: ``len(fns) * (1 + repeats)`` calls in all).
+    timed run (a progress count: ``len(fns) * (1 + repeats)`` calls in all). ``cpu_clock``:
+    the CPU clock of the second number (``time.thread_time`` counts the calling thread alone:
+    with every library held to one thread, a side's whole work and nothing else's).
     """
     tick = tick or (lambda: None)
     rewarm = {}
@@ -44,9 +47,9 @@ def rounds(fns: dict[str, Callable[[], object]], repeats: int, *, rewarm_below: 
         for name in names[shift:] + names[:shift]:
             if rewarm[name]:
                 fns[name]()
-            w0, c0 = time.perf_counter(), time.process_time()
+            w0, c0 = time.perf_counter(), cpu_clock()
             fns[name]()
-            runs[name].append((time.perf_counter() - w0, time.process_time() - c0))
+            runs[name].append((time.perf_counter() - w0, cpu_clock() - c0))
             tick()
     return runs
 

@@ -263,3 +263,34 @@ def test_shapes_suite_without_torch_is_skipped(tmp_path, capsys):
     out = tmp_path / "s.json"
     assert cli.main(["bench", "--quick", "--suite", "shapes", "--no-torch", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["skipped"]["shapes"] == "PyTorch was left out (torch=False, --no-torch)"
+
+
+# --- qkv bench --suite hf ----------------------------------------------------------------
+
+def test_hf_suite_runs_from_the_command_line(tmp_path, capsys):
+    """`qkv bench --quick --suite hf --threads 1`: a row per model and pass with the three
+    implementations' times, one-thread CPU times, and the table shows the JSON's ratios."""
+    pytest.importorskip("torch", reason="the hf suite needs PyTorch: pip install 'qkv[hf]'")
+    pytest.importorskip("transformers", reason="the hf suite needs transformers: pip install 'qkv[hf]'")
+    from qkv_benchmarks import hf_suite
+
+    out = tmp_path / "h.json"
+    assert cli.main(["bench", "--quick", "--suite", "hf", "--threads", "1", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    rows = data["hf"]
+    assert data["main"] == [] and data["skipped"] == {}
+    assert [(r["family"], r["pass"]) for r in rows] == hf_suite.cases(quick=True)
+    for r in rows:
+        assert set(r["wall_s"]) == set(r["thread_cpu_s"]) == set(hf_suite.IMPLS) and r["threads"] == 1
+        assert all(s > 0 for s in r["wall_s"].values()) and r["qkv_vs_sdpa"] > 0 and r["qkv_vs_eager"] > 0
+    flat = " ".join(text.split())  # the title may wrap
+    assert "attn_implementation qkv against sdpa and eager" in flat and "CPU time of the one thread" in flat
+    lines = [x.split() for x in text.splitlines() if x.split()[:1] in (["llama"], ["gpt2"])]
+    assert [cells[5] for cells in lines] == [f"{r['qkv_vs_sdpa']:.3f}" for r in rows]
+
+
+def test_hf_suite_without_torch_is_skipped(tmp_path):
+    out = tmp_path / "h.json"
+    assert cli.main(["bench", "--quick", "--suite", "hf", "--no-torch", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["skipped"]["hf"] == "PyTorch was left out (torch=False, --no-torch)"
