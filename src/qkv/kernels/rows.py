@@ -93,26 +93,37 @@ def _key_runs(tq: int, tk: int, left, right, chunk, shift: int, k_start: int):
     return lo, hi
 
 
-def _units(n: int, tq: int, tk: int, group: int, n_threads: int) -> list[tuple[int, int]]:
-    """Query-head ranges ``[a, b)`` of whole kv groups, at most :data:`UNIT_ENTRIES` scores
-    each and at least four units a thread where there are heads enough (one group at least).
-    Every head is computed alone, so the units never change a bit."""
-    per = max(1, min(UNIT_ENTRIES // (tq * tk) // group, -(-n // group // (4 * n_threads)))) * group
-    return [(a, min(a + per, n)) for a in range(0, n, per)]
+def _units(n: int, tq: int, tk: int, group: int, n_threads: int) -> list[list[tuple[int, int]]]:
+    """One list a thread: its contiguous share of the kv groups (balanced), cut into units of
+    at most :data:`UNIT_ENTRIES` scores (one group at least) that it runs in turn. Every head
+    is computed alone, so neither the shares nor the units change a bit."""
+    groups = n // group
+    per = max(1, UNIT_ENTRIES // (tq * tk) // group)
+    shares = [(groups * t // n_threads, groups * (t + 1) // n_threads) for t in range(n_threads)]
+    return [[(a * group, min(a + per, b) * group) for a in range(a0, b, per)] for a0, b in shares if b > a0]
 
 
 def _run(job, n: int, tq: int, tk: int, group: int, num_threads: int | None) -> None:
     """``job(a, b)`` for every unit: on the calling thread below :data:`SERIAL_WORK` score
-    entries (BLAS as it is), else on the kernel threads with BLAS held to one."""
+    entries (BLAS as it is), else one share a kernel thread, the calling thread taking the
+    first (one hand-off a thread: a pool task costs ~20 µs), with BLAS held to one thread."""
     nt = 1 if n * tq * tk < SERIAL_WORK else (num_threads or threads.get_num_threads())
-    units = _units(n, tq, tk, group, nt)
-    if nt <= 1 or len(units) <= 1:
+    shares = _units(n, tq, tk, group, min(nt, n // group))
+
+    def run(units):
         for a, b in units:
             job(a, b)
+
+    if len(shares) <= 1:
+        for units in shares:
+            run(units)
         return
     threads.hold_blas()
     try:
-        list(threads.pool(nt).map(lambda ab: job(*ab), units))
+        rest = [threads.pool(nt).submit(run, units) for units in shares[1:]]
+        run(shares[0])
+        for fut in rest:
+            fut.result()
     finally:
         threads.release_blas()
 
