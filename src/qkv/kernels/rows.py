@@ -93,22 +93,24 @@ def _key_runs(tq: int, tk: int, left, right, chunk, shift: int, k_start: int):
     return lo, hi
 
 
-def _units(n: int, tq: int, tk: int, group: int, n_threads: int) -> list[list[tuple[int, int]]]:
-    """One list a thread: its contiguous share of the kv groups (balanced), cut into units of
-    at most :data:`UNIT_ENTRIES` scores (one group at least) that it runs in turn. Every head
-    is computed alone, so neither the shares nor the units change a bit."""
+def _units(n: int, entries: int, group: int, n_threads: int) -> list[list[tuple[int, int]]]:
+    """One list a thread: its contiguous share of the kv groups (balanced), cut into units
+    whose largest block of scores (``entries`` a head) holds at most :data:`UNIT_ENTRIES`
+    (one group at least), run in turn. Every head is computed alone, so neither the shares
+    nor the units change a bit."""
     groups = n // group
-    per = max(1, UNIT_ENTRIES // (tq * tk) // group)
+    per = max(1, UNIT_ENTRIES // max(entries, 1) // group)
     shares = [(groups * t // n_threads, groups * (t + 1) // n_threads) for t in range(n_threads)]
     return [[(a * group, min(a + per, b) * group) for a in range(a0, b, per)] for a0, b in shares if b > a0]
 
 
-def _run(job, n: int, tq: int, tk: int, group: int, num_threads: int | None) -> None:
+def _run(job, n: int, tq: int, tk: int, group: int, num_threads: int | None, blocks: tuple) -> None:
     """``job(a, b)`` for every unit: on the calling thread below :data:`SERIAL_WORK` score
     entries (BLAS as it is), else one share a kernel thread, the calling thread taking the
     first (one hand-off a thread: a pool task costs ~20 µs), with BLAS held to one thread."""
     nt = 1 if n * tq * tk < SERIAL_WORK else (num_threads or threads.get_num_threads())
-    shares = _units(n, tq, tk, group, min(nt, n // group))
+    entries = max((r1 - r0) * (k1 - k0) for r0, r1, k0, k1, _, _ in blocks)
+    shares = _units(n, entries, group, min(nt, n // group))
 
     def run(units):
         for a, b in units:
@@ -179,7 +181,7 @@ def forward(q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_weight
             mod.softmax_rows(s, lo, hi, scale, lse[a:b, r0:r1], *mods.args(a, b, r0, r1, k0))  # s -> P
             np.matmul(s, vv[:, k0:k1], out=out[a:b, r0:r1])        # (n,R,K) @ (n,K,Dv) -> (n,R,Dv)
 
-    _run(job, n, tq, tk, group, num_threads)
+    _run(job, n, tq, tk, group, num_threads, blocks)
     return out.reshape(spec.lead + out.shape[-2:]), lse.reshape(spec.lead + (tq,)), None
 
 
@@ -221,5 +223,5 @@ def backward(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int =
             gv = gv.reshape((-1, group) + gv.shape[-2:]).sum(axis=1)
         dk[ka:kb], dv[ka:kb] = gk, gv
 
-    _run(job, n, tq, tk, group, num_threads)
+    _run(job, n, tq, tk, group, num_threads, blocks)
     return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
