@@ -155,7 +155,8 @@ AUTO_STACK_MAX = 256 * 256
 # at any size up to this many entries a head, before all of the above. Measured (Zen 4) in
 # CPU time on one thread, fwd+bwd, torch SDPA / rows, AVX-512: 1.04-1.18 full and 1.10-1.53
 # causal from (12, 4, 64, 32) to (4, 16, 512, 128), 1.00 / 1.25 at (8, 12, 1024, 64), where
-# the tiled kernel is 0.90 / 1.01; as AVX2 1.09-1.26 (before the causal blocks).
+# the tiled kernel is 0.90 / 1.01; at T = 4096 the rows lose to the tiles in the backward
+# (2.0 against 1.5 s). Two threads, the shapes suite: README, Speed.
 AUTO_ROWS_MAX = 1024 * 1024
 
 
