@@ -289,3 +289,24 @@ def test_gelu_tanh_float32_element_by_element(path):
     assert np.all(np.abs(dh - dh64) <= 8 * np.spacing(size.astype(np.float32)) + 1e-45)
     y, _ = gelu_tanh_forward(np.array([np.nan, np.inf], np.float32))
     assert np.isnan(y[0]) and y[1] == np.inf
+
+
+def test_layers_give_the_same_bits_for_any_thread_count(path):
+    """LayerNorm's backward (fixed row chunks, their column sums added in order), the GELU's
+    passes and AdamW's updates run on the kernel threads: the same bits for 1, 2 and 3."""
+    from qkv.threads import kernel_threads
+
+    x = (3 * rng(4).standard_normal((8, 130, 96))).astype(np.float32)   # 1040 rows: five chunks
+    dy = rng(5).standard_normal(x.shape).astype(np.float32)
+    runs = []
+    for n in (1, 2, 3):
+        with kernel_threads(n):
+            ln, mlp = nn.LayerNorm(96, dtype=np.float32), nn.MLP(96, 192, "gelu_tanh", rng=rng(6), dtype=np.float32)
+            y = mlp.forward(ln.forward(x))
+            dx = ln.backward(mlp.backward(dy))
+            opt = nn.AdamW([ln, mlp], lr=1e-2)
+            opt.step()
+            runs.append([y, dx, ln.grads["weight"], *mlp.grads.values(), *mlp.params.values()])
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            np.testing.assert_array_equal(a, b)

@@ -22,7 +22,7 @@ import numpy as np
 from ..api import attention, attention_backward
 from ..errors import ShapeError, as_float_array, fmt_shape, positive_int
 from ..options import parse_dropout, parse_softcap
-from .base import Layer, check_input, merge_heads, split_heads
+from .base import Layer, check_input, linear_grad, merge_heads, split_heads
 from .checks import attention_options, cache_step, check_cache, check_context, mask_options, rope_options
 from .layers import Linear
 
@@ -169,12 +169,37 @@ class AttentionLayer(Layer):
         """The inverse of :meth:`_heads`: fills the projections' grads and returns ``dx``, or
         ``(dx, dcontext)`` for cross-attention (self-attention's x fed all three), 2-D where
         the input was."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        if not cross and projs[0]._saved is projs[1]._saved is projs[2]._saved and dq.shape[-1] == dv.shape[-1]:
+            dx = self._fused_projections_backward(dq, dk, dv)
+            return dx[0] if squeezed else dx
         dx = self.q_proj.backward(merge_heads(dq))  # (B,Hq,T,D) -> (B,T,Hq*D) -> (B,T,d_model)
         dsrc = self.k_proj.backward(merge_heads(dk)) + self.v_proj.backward(merge_heads(dv))  # (B,Tk,d_model)
         if cross:
             return (dx[0], dsrc[0]) if squeezed else (dx, dsrc)
         dx = dx + dsrc
         return dx[0] if squeezed else dx
+
+    def _fused_projections_backward(self, dq, dk, dv) -> np.ndarray:
+        """Self-attention's three projections backward as two products (one ``dW`` for the
+        three matrices side by side, one ``dx``), as :meth:`_fused_projections` runs the
+        forward: the heads' gradients go straight into one ``(B, T, Σ d_out)`` array."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        x = projs[0]._need_saved()                                # (B, T, d_model), kept by all three
+        b, t, d = x.shape[0], x.shape[1], dq.shape[-1]
+        heads = [g.shape[1] for g in (dq, dk, dv)]
+        dy = np.empty((b, t, sum(heads), d), self.dtype)
+        for g, a, e in zip((dq, dk, dv), np.cumsum([0] + heads[:-1]), np.cumsum(heads)):
+            np.copyto(dy[:, :, a:e], np.swapaxes(g, 1, 2))        # (B,H,T,D) -> (B,T,H,D), merged in place
+        dy2 = dy.reshape(b * t, -1)                               # (B·T, Σ d_out)
+        dw = linear_grad(x, dy2.reshape(b, t, -1))                # (d_model, B·T) @ (B·T, Σ d_out)
+        cuts = np.cumsum([0] + [p.d_out for p in projs])
+        for p, a, e in zip(projs, cuts[:-1], cuts[1:]):
+            np.copyto(p.grads["W"], dw[:, a:e])
+            if p.bias:
+                p.grads["b"][...] = dy2[:, a:e].sum(axis=0)
+        w = np.concatenate([p.params["W"] for p in projs], axis=1)  # (d_model, Σ d_out)
+        return (dy2 @ w.T).reshape(x.shape)                       # (B·T, Σ d_out) @ (Σ d_out, d_model)
 
     @staticmethod
     def _attend_backward(dout, q, k, v, out, lse, opts: dict):

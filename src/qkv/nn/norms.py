@@ -23,7 +23,9 @@ import numpy as np
 
 from ..errors import ShapeError, as_float_array, fmt_shape, positive_int
 from .base import Layer
-from .fusion import compiled
+from .fusion import compiled, parallel
+
+ROW_CHUNK = 256  # rows of one compiled LayerNorm backward call (its own column sums, added in order)
 
 
 def _check(layer: Layer, x) -> np.ndarray:
@@ -86,12 +88,17 @@ class LayerNorm(Layer):
         w = self.params["weight"]
         fast = compiled(dy, xhat, w)
         if fast is not None:
-            dx, dw, db = np.empty_like(dy), np.zeros(self.d), np.zeros(self.d)  # float64 column sums
-            fast.layer_norm_backward(dy.reshape(-1, self.d), xhat.reshape(-1, self.d), r.reshape(-1), w,
-                                     dx.reshape(-1, self.d), dw, db)
-            self.grads["weight"][...] = dw
+            dx = np.empty_like(dy)
+            g, xh, rr, dx2 = dy.reshape(-1, self.d), xhat.reshape(-1, self.d), r.reshape(-1), dx.reshape(-1, self.d)
+            starts = range(0, g.shape[0], ROW_CHUNK)  # fixed row chunks, whatever the threads: the same sums
+            dw, db = np.zeros((len(starts), self.d)), np.zeros((len(starts), self.d))  # float64 column sums
+            parallel([lambda i=i, a=a: fast.layer_norm_backward(g[a:a + ROW_CHUNK], xh[a:a + ROW_CHUNK],
+                                                                 rr[a:a + ROW_CHUNK], w, dx2[a:a + ROW_CHUNK],
+                                                                 dw[i], db[i]) for i, a in enumerate(starts)],
+                     [min(ROW_CHUNK, g.shape[0] - a) * self.d for a in starts])
+            self.grads["weight"][...] = dw.sum(axis=0)
             if self.bias:
-                self.grads["bias"][...] = db
+                self.grads["bias"][...] = db.sum(axis=0)
             return dx
         self.grads["weight"][...] = _row_sum(dy * xhat)
         if self.bias:
