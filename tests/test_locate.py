@@ -63,7 +63,9 @@ def test_hub_id_from_the_cache(offline, package_folder, reference):
     snap = lay_out_cache(offline, package_folder)
     model = load_bert(ID)
     assert model.path == snap and model.name == ID
-    np.testing.assert_array_equal(model.encode(TEXTS), reference)
+    # The same weights give the same vectors to float32 rounding (a padded batch and texts run
+    # one a batch round differently, and the full suite has seen both within one test).
+    np.testing.assert_allclose(model.encode(TEXTS), reference, rtol=1e-5, atol=1e-6)
 
 
 def test_hub_id_from_hf_home(offline, monkeypatch, tmp_path, package_folder):
