@@ -296,12 +296,12 @@ def test_layers_give_the_same_bits_for_any_thread_count(path):
     passes and AdamW's updates run on the kernel threads: the same bits for 1, 2 and 3."""
     from qkv.threads import kernel_threads
 
-    x = (3 * rng(4).standard_normal((8, 130, 96))).astype(np.float32)   # 1040 rows: five chunks
+    x = (3 * rng(4).standard_normal((16, 260, 256))).astype(np.float32)   # past fusion.PARALLEL_MIN: threaded
     dy = rng(5).standard_normal(x.shape).astype(np.float32)
     runs = []
     for n in (1, 2, 3):
         with kernel_threads(n):
-            ln, mlp = nn.LayerNorm(96, dtype=np.float32), nn.MLP(96, 192, "gelu_tanh", rng=rng(6), dtype=np.float32)
+            ln, mlp = nn.LayerNorm(256, dtype=np.float32), nn.MLP(256, 2048, "gelu_tanh", rng=rng(6), dtype=np.float32)
             y = mlp.forward(ln.forward(x))
             dx = ln.backward(mlp.backward(dy))
             opt = nn.AdamW([ln, mlp], lr=1e-2)

@@ -34,7 +34,7 @@ from . import reference
 
 MAX_KEYS = 1024          # longer rows go to the tiled kernel (measured: rows at T = 4096 lose in the backward)
 UNIT_ENTRIES = 1 << 16   # score entries of one work unit (256 KiB float32; with dP, 512 KiB of a 1 MiB L2)
-SERIAL_WORK = 1 << 15    # score entries below which a call stays on the calling thread
+SERIAL_WORK = 1 << 18    # score entries below which a call stays on the calling thread (see _run)
 BLOCK_ROWS = 64          # query rows a block where a mask lets blocks skip keys
 
 
@@ -107,7 +107,14 @@ def _units(n: int, entries: int, group: int, n_threads: int) -> list[list[tuple[
 def _run(job, n: int, tq: int, tk: int, group: int, num_threads: int | None, blocks: tuple) -> None:
     """``job(a, b)`` for every unit: on the calling thread below :data:`SERIAL_WORK` score
     entries (BLAS as it is), else one share a kernel thread, the calling thread taking the
-    first (one hand-off a thread: a pool task costs ~20 µs), with BLAS held to one thread."""
+    first (one hand-off a thread: a pool task costs ~20 µs), with BLAS held to one thread.
+
+    The threshold was measured inside a training step, not alone: at nanoGPT's CPU recipe
+    (12·4 heads of 64², 196,608 entries) the two threads' hand-off and BLAS's hold came after
+    OpenBLAS's own threads had just run the projections, and cost more than they saved (the
+    step 40.8 ms threaded, 38.7 on the calling thread). Alone such a call is faster threaded
+    (backward 0.65 against 1.05 ms), which is what the shapes suite sees at its two smallest
+    shapes."""
     nt = 1 if n * tq * tk < SERIAL_WORK else (num_threads or threads.get_num_threads())
     entries = max((r1 - r0) * (k1 - k0) for r0, r1, k0, k1, _, _ in blocks)
     shares = _units(n, entries, group, min(nt, n // group))

@@ -40,14 +40,16 @@ def compiled(*arrays: np.ndarray) -> ModuleType | None:
     return mod
 
 
-PARALLEL_MIN = 1 << 16  # elements below which a fused pass stays on the calling thread
+PARALLEL_MIN = 1 << 20  # elements below which a fused pass stays on the calling thread (see parallel)
 
 
 def parallel(jobs: list, sizes: list) -> None:
     """Call every ``job()`` (numba passes that release the GIL) on qkv's kernel threads
     (:func:`qkv.get_num_threads`), in groups balanced by ``sizes``; on the calling thread
     when there is one thread or less than :data:`PARALLEL_MIN` elements in all. Each job
-    writes its own arrays, so the bits never depend on the threads."""
+    writes its own arrays, so the bits never depend on the threads. (nanoGPT's CPU recipe,
+    under the threshold throughout: handing its GELU, LayerNorm and AdamW passes to a second
+    thread right after OpenBLAS's threads ran a product made the step 1.6 ms slower.)"""
     n = threads.get_num_threads()
     if n <= 1 or len(jobs) <= 1 or sum(sizes) < PARALLEL_MIN:
         for job in jobs:
