@@ -314,36 +314,32 @@ def _needs(suite: str, why: str) -> str:
     return f"{why} (it needs: pip install 'qkv[{EXTRAS[suite]}]')"
 
 
-def _torch_suite(p: Plan, progress):
-    """``(rows, None)`` from torch_suite.measure, or ``([], reason)`` without PyTorch."""
+def _against_torch(p: Plan, progress, suite: str, measure):
+    """``(rows, None)`` from ``measure(told)``, or ``([], reason)`` without PyTorch; ``told``
+    advances the progress bar as measure says a label before each step."""
     if not p.torch:
         if importlib.util.find_spec("torch") is None:
-            return [], _needs("torch", "torch is not installed")
+            return [], _needs(suite, "torch is not installed")
         return [], "PyTorch was left out (torch=False, --no-torch)"
     started = []
 
     def told(label):  # measure says a label before each step: the step before it is done
-        progress(1 if started else 0, description=f"torch: {label}")
+        progress(1 if started else 0, description=f"{suite}: {label}")
         started.append(label)
-    rows = torch_suite.measure(p.repeats, p.quick, told, memory=_torch_memory(p), threads=p.threads)
+    rows = measure(told)
     progress(1)
     return rows, None
+
+
+def _torch_suite(p: Plan, progress):
+    """torch_suite.measure's rows (see :func:`_against_torch`)."""
+    return _against_torch(p, progress, "torch", lambda told: torch_suite.measure(
+        p.repeats, p.quick, told, memory=_torch_memory(p), threads=p.threads))
 
 
 def _shapes_suite(p: Plan, progress):
-    """``(rows, None)`` from shapes_suite.measure, or ``([], reason)`` without PyTorch."""
-    if not p.torch:
-        if importlib.util.find_spec("torch") is None:
-            return [], _needs("shapes", "torch is not installed")
-        return [], "PyTorch was left out (torch=False, --no-torch)"
-    started = []
-
-    def told(label):  # measure says a label before each step: the step before it is done
-        progress(1 if started else 0, description=f"shapes: {label}")
-        started.append(label)
-    rows = shapes_suite.measure(p.repeats, p.quick, told)
-    progress(1)
-    return rows, None
+    """shapes_suite.measure's rows (see :func:`_against_torch`)."""
+    return _against_torch(p, progress, "shapes", lambda told: shapes_suite.measure(p.repeats, p.quick, told))
 
 
 def _gpt_suite(p: Plan, progress):

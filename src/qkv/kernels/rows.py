@@ -27,9 +27,8 @@ import functools
 
 import numpy as np
 
-from .. import jit, threads
+from .. import jit, score_ops, threads
 from ..masks import MaskSpec
-from .. import score_ops
 from . import reference
 
 MAX_KEYS = 1024          # longer rows go to the tiled kernel (measured: rows at T = 4096 lose in the backward)
@@ -69,26 +68,20 @@ class _Mods:
 
 def key_runs(spec: MaskSpec) -> tuple[np.ndarray, np.ndarray]:
     """``(lo, hi)`` int64 ``(Tq,)``: row i may see keys ``lo[i] <= j < hi[i]`` (``lo == hi``:
-    none), from the band and chunk rules of :class:`~qkv.masks.MaskSpec` (one alignment).
+    none): each row's :meth:`~qkv.masks.MaskSpec.segments` (band, chunk, one alignment).
     Read-only arrays, kept for the next call of the same rules (a training loop's every call)."""
     return _key_runs(spec.tq, spec.tk, *spec.band, spec.chunk, spec.shift(None), spec.k_start)
 
 
 @functools.lru_cache(maxsize=64)
 def _key_runs(tq: int, tk: int, left, right, chunk, shift: int, k_start: int):
-    a = np.arange(tq, dtype=np.int64) + shift  # each row as a key position
-    lo = np.zeros(tq, np.int64)
-    hi = np.full(tq, tk, np.int64)
-    if left is not None:
-        lo = np.maximum(lo, a - left)
-    if right is not None:
-        hi = np.minimum(hi, a + right + 1)
-    if chunk is not None:
-        first = (a + k_start) // chunk * chunk - k_start
-        lo, hi = np.maximum(lo, first), np.minimum(hi, first + chunk)
-    lo, hi = np.minimum(np.maximum(lo, 0), tk), np.minimum(np.maximum(hi, 0), tk)
-    empty = lo >= hi
-    lo[empty], hi[empty] = 0, 0
+    # the rules alone, as a spec whose shift() is `shift` (no arrays: hashable arguments to cache on)
+    rules = MaskSpec((), tq, tk, left=left, right=right, chunk=chunk, offset=shift + k_start, k_start=k_start)
+    lo, hi = np.zeros(tq, np.int64), np.zeros(tq, np.int64)
+    for i in range(tq):
+        runs = rules.segments(i, i + 1, 0, tk)
+        if runs:
+            lo[i], hi[i] = runs[0][0], runs[-1][1]
     lo.flags.writeable = hi.flags.writeable = False
     return lo, hi
 
