@@ -8,8 +8,8 @@ between them as one compiled pass a query row (:mod:`qkv.kernels.rows_compiled`,
 scores to log2 units (softcapped where asked), ``2^x`` and its sum, the division, the
 dropout mask; the backward recomputes each row's probabilities from its own scores. Rows
 that a causal or windowed mask keeps from most keys go in blocks of :data:`BLOCK_ROWS`
-that take only the keys they may see (a causal T of 256 and up: a quarter to half of the
-products skipped).
+(32 up to :data:`SHORT_ROWS` query rows) that take only the keys they may see (a causal T
+of 64 and up: a quarter to half of the products skipped).
 
 It takes what :func:`applies` says: float32, no weights, a mask that is the same for every
 head and gives each row one contiguous run of keys (causal, window, chunk, any alignment;
@@ -34,7 +34,8 @@ from . import reference
 MAX_KEYS = 1024          # longer rows go to the tiled kernel (measured: rows at T = 4096 lose in the backward)
 UNIT_ENTRIES = 1 << 16   # score entries of one work unit (256 KiB float32; with dP, 512 KiB of a 1 MiB L2)
 SERIAL_WORK = 1 << 18    # score entries below which a call stays on the calling thread (see _run)
-BLOCK_ROWS = 64          # query rows a block where a mask lets blocks skip keys
+BLOCK_ROWS = 64          # query rows a block where a mask lets blocks skip keys (32 up to SHORT_ROWS rows)
+SHORT_ROWS = 128
 
 
 def applies(spec: MaskSpec, dtype) -> bool:
@@ -97,10 +98,12 @@ def _units(n: int, entries: int, group: int, n_threads: int) -> list[list[tuple[
     return [[(a * group, min(a + per, b) * group) for a in range(a0, b, per)] for a0, b in shares if b > a0]
 
 
-def _run(job, n: int, tq: int, tk: int, group: int, num_threads: int | None, blocks: tuple) -> None:
+def _run(job, n: int, tq: int, tk: int, group: int, num_threads: int | None, blocks: tuple,
+         inner: int = 1) -> None:
     """``job(a, b)`` for every unit: on the calling thread below :data:`SERIAL_WORK` score
     entries (BLAS as it is), else one share a kernel thread, the calling thread taking the
     first (one hand-off a thread: a pool task costs ~20 µs), with BLAS held to one thread.
+    A unit that straddles items of ``inner`` heads is run in pieces (:func:`_pieces`).
 
     The threshold was measured inside a training step, not alone: at nanoGPT's CPU recipe
     (12·4 heads of 64², 196,608 entries) the two threads' hand-off and BLAS's hold came after
@@ -114,7 +117,8 @@ def _run(job, n: int, tq: int, tk: int, group: int, num_threads: int | None, blo
 
     def run(units):
         for a, b in units:
-            job(a, b)
+            for a2, b2 in _pieces(a, b, inner):
+                job(a2, b2)
 
     if len(shares) <= 1:
         for units in shares:
@@ -130,16 +134,83 @@ def _run(job, n: int, tq: int, tk: int, group: int, num_threads: int | None, blo
         threads.release_blas()
 
 
-def _stack(x: np.ndarray) -> np.ndarray:
-    """``(*L, T, D) -> (N, T, D)`` (a view where the layout allows)."""
-    return x.reshape((-1,) + x.shape[-2:])
+def _pieces(a: int, b: int, inner: int) -> list[tuple[int, int]]:
+    """Heads ``[a, b)`` cut where they straddle an item of ``inner`` heads: a partial item,
+    the whole items, a partial item (each a view of a ``(N/inner, inner, T, D)`` array)."""
+    if inner == 1 or (a // inner == (b - 1) // inner) or (a % inner == 0 and b % inner == 0):
+        return [(a, b)]
+    c0, c1 = -(-a // inner) * inner, b // inner * inner
+    return [(x, y) for x, y in ((a, c0), (c0, c1), (c1, b)) if y > x]
+
+
+class _Heads:
+    """``x (*L, T, D)`` read a range of heads at a time, without a copy where its strides
+    allow: as ``(N, T, D)``, else as ``(N/inner, inner, T, D)`` (the heads of one item, say
+    q's ``(B, H, T, D)`` view of a ``(B, T, 3, H, D)`` projection), else copied. A range is
+    given by :meth:`take` as ``(n, T, D)`` within one item, else ``(n/inner, inner, T, D)``
+    (whole items: :func:`_pieces`), the same batch axes for every array of the problem.
+    ``group > 1`` (kv heads shared by query heads): copied to ``(N/G, T, D)``, each range
+    repeated to its query heads."""
+
+    def __init__(self, x: np.ndarray, inner: int, group: int = 1):
+        self.inner, self.group = inner, group
+        y = _view(x, (-1,) + x.shape[-2:])
+        if y is None and inner > 1 and group == 1:
+            y = _view(x, (-1, inner) + x.shape[-2:])
+        self.x = x.reshape((-1,) + x.shape[-2:]) if y is None else y
+        self.shape = (int(np.prod(x.shape[:-2], dtype=np.int64)),) + x.shape[-2:]
+
+    def take(self, a: int, b: int) -> np.ndarray:
+        x, inner, g = self.x, self.inner, self.group
+        if g > 1:
+            x = reference._expand_groups(x[a // g:b // g], g)  # (b-a, T, D)
+            a, b = 0, b - a
+        whole = inner > 1 and a // inner != (b - 1) // inner      # whole items (see _pieces)
+        if x.ndim == 3:
+            return x[a:b].reshape((-1, inner) + x.shape[1:]) if whole else x[a:b]
+        return x[a // inner:b // inner] if whole else x[a // inner, a % inner:a % inner + b - a]
+
+
+def _view(x: np.ndarray, shape: tuple) -> np.ndarray | None:
+    """``x`` reshaped to ``shape`` as a view, or None where that needs a copy."""
+    y = x.view()
+    try:
+        y.shape = shape
+    except AttributeError:
+        return None
+    return y
+
+
+def _flat(x: np.ndarray) -> np.ndarray:
+    """A product's ``(n, R, K)`` or ``(n/inner, inner, R, K)`` result as ``(n, R, K)`` (a view)."""
+    return x.reshape((int(np.prod(x.shape[:-2])),) + x.shape[-2:])
+
+
+def _like(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """``x (n, R, K)`` with the batch axes of ``y`` (a view)."""
+    return x.reshape(y.shape[:-2] + x.shape[-2:])
+
+
+def _stack_t(x: np.ndarray) -> np.ndarray:
+    """``(*L, T, D) -> (N, D, T)`` contiguous: the right operand of ``q Kᵀ`` and ``dO Vᵀ``.
+    OpenBLAS multiplies by a transposed view at 0.6x the rate of a plain matrix at the small
+    heads of training (48 heads of 64 x 32: 200 against 117 µs, one thread, AVX-512; about
+    even from T = 512), and the copy costs a sixth of the difference: the product by ``Kᵀ``
+    runs as a plain one against this copy."""
+    t = np.empty((int(np.prod(x.shape[:-2], dtype=np.int64)), x.shape[-1], x.shape[-2]), x.dtype)
+    np.copyto(t.reshape(x.shape[:-2] + t.shape[-2:]), np.swapaxes(x, -1, -2))
+    return t
 
 
 def row_blocks(spec: MaskSpec) -> tuple:
     """``((r0, r1, k0, k1, lo, hi), ...)``: the query rows cut into blocks that each take
     only the keys ``[k0, k1)`` some row of theirs sees (``lo``/``hi`` relative to ``k0``).
-    Blocks of :data:`BLOCK_ROWS` rows where that skips a fifth of the products or more (a
-    causal or windowed T of 256 and up), else one block; they depend on the rules alone."""
+    Blocks of :data:`BLOCK_ROWS` rows (half that up to :data:`SHORT_ROWS` rows) where that
+    skips a fifth of the products or more (a causal or windowed T of 64 and up), else one
+    block; they depend on the rules alone. Measured (fwd / bwd µs, 2 threads, AVX-512,
+    causal): (12,4,64,32) one block 437 / 980, blocks of 32 387 / 922, of 16 370 / 1743;
+    (32,8,128,64) 64: 7574 / 25460, 32: 7240 / 23407; (1,8,256,16) 64: 432 / 851, 32:
+    502 / 1206 (per-block work outweighs the products skipped)."""
     return _row_blocks(spec.tq, spec.tk, *spec.band, spec.chunk, spec.shift(None), spec.k_start)
 
 
@@ -156,32 +227,39 @@ def _row_blocks(tq: int, tk: int, *rules):
         return r0, r1, k0, k1, bl, bh
 
     whole = block(0, tq)
-    cut = tuple(block(r, min(r + BLOCK_ROWS, tq)) for r in range(0, tq, BLOCK_ROWS))
+    size = BLOCK_ROWS // 2 if tq <= SHORT_ROWS else BLOCK_ROWS
+    cut = tuple(block(r, min(r + size, tq)) for r in range(0, tq, size))
     products = sum((r1 - r0) * (k1 - k0) for r0, r1, k0, k1, _, _ in cut)
     return cut if products <= 0.8 * tq * (whole[3] - whole[2]) else (whole,)
+
+
+def _inner(spec: MaskSpec) -> int:
+    """Heads of one item: the last leading axis (H of ``(B, H, T, D)``), 1 without two."""
+    return spec.lead[-1] if len(spec.lead) >= 2 else 1
 
 
 def forward(q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_weights: bool = False,
             num_threads: int | None = None):
     """As :func:`reference.forward` (no weights): ``(out (*L,Tq,Dv), lse (*L,Tq), None)``."""
     mod = jit.load(jit.ROWS)
-    qf, kf, vf = _stack(q), _stack(k), _stack(v)          # (N,Tq,D), (N/G,Tk,D), (N/G,Tk,Dv)
-    n, tq, tk = qf.shape[0], spec.tq, spec.tk
-    out = np.empty((n, tq, vf.shape[-1]), np.float32)
+    inner = _inner(spec)
+    qh, vh = _Heads(q, inner), _Heads(v, inner, group)                  # (N,Tq,D), (N/G,Tk,Dv)
+    kh = _Heads(_stack_t(k), inner, group)                                # (N/G,D,Tk)
+    n, tq, tk = qh.shape[0], spec.tq, spec.tk
+    out = np.empty((n, tq, v.shape[-1]), np.float32)
     lse = np.empty((n, tq), np.float32)
     blocks = row_blocks(spec)
     mods = _Mods(spec, n)
 
     def job(a, b):
-        kk = reference._expand_groups(kf[a // group:b // group], group)
-        vv = reference._expand_groups(vf[a // group:b // group], group)
+        qq, kk, vv = qh.take(a, b), kh.take(a, b), vh.take(a, b)
         for r0, r1, k0, k1, lo, hi in blocks:
             # (n,R,D) @ (n,D,K) -> (n,R,K): the keys [k0, k1) these rows may see
-            s = np.matmul(qf[a:b, r0:r1], np.swapaxes(kk[:, k0:k1], -1, -2))
-            mod.softmax_rows(s, lo, hi, scale, lse[a:b, r0:r1], *mods.args(a, b, r0, r1, k0))  # s -> P
-            np.matmul(s, vv[:, k0:k1], out=out[a:b, r0:r1])        # (n,R,K) @ (n,K,Dv) -> (n,R,Dv)
+            s = np.matmul(qq[..., r0:r1, :], kk[..., k0:k1])
+            mod.softmax_rows(_flat(s), lo, hi, scale, lse[a:b, r0:r1], *mods.args(a, b, r0, r1, k0))  # s -> P
+            np.matmul(s, vv[..., k0:k1, :], out=_like(out[a:b, r0:r1], s))  # (n,R,K) @ (n,K,Dv) -> (n,R,Dv)
 
-    _run(job, n, tq, tk, group, num_threads, blocks)
+    _run(job, n, tq, tk, group, num_threads, blocks, inner)
     return out.reshape(spec.lead + out.shape[-2:]), lse.reshape(spec.lead + (tq,)), None
 
 
@@ -190,30 +268,32 @@ def backward(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int =
     """As :func:`reference.backward`: ``(dq (*L,Tq,D), dk (*Lk,Tk,D), dv (*Lk,Tk,Dv))``. ``out``
     and ``lse`` are not read: each row's softmax is recomputed from its own scores."""
     mod = jit.load(jit.ROWS)
-    qf, kf, vf, dof = _stack(q), _stack(k), _stack(v), _stack(dout)
-    n, tq, tk = qf.shape[0], spec.tq, spec.tk
+    inner = _inner(spec)
+    qh, doh, kh = _Heads(q, inner), _Heads(dout, inner), _Heads(k, inner, group)
+    kth, vth = _Heads(_stack_t(k), inner, group), _Heads(_stack_t(v), inner, group)  # (N/G,D,Tk), (N/G,Dv,Tk)
+    n, tq, tk = qh.shape[0], spec.tq, spec.tk
     dl = np.zeros((1, 1), np.float32) if dlse is None else np.ascontiguousarray(dlse.reshape(n, tq))
-    dq, dk, dv = np.empty(qf.shape, np.float32), np.empty(kf.shape, np.float32), np.empty(vf.shape, np.float32)
+    dq = np.empty(qh.shape, np.float32)
+    dk, dv = np.empty(kh.shape, np.float32), np.empty(kh.shape[:2] + v.shape[-1:], np.float32)
     blocks = row_blocks(spec)
     mods = _Mods(spec, n)
+    whole = len(blocks) == 1 and blocks[0][2:4] == (0, tk)  # one block over every key: its products are dK, dV
 
     def job(a, b):
-        ka, kb = a // group, b // group
-        kk, vv = reference._expand_groups(kf[ka:kb], group), reference._expand_groups(vf[ka:kb], group)
-        if len(blocks) == 1 and blocks[0][2:4] == (0, tk):
-            gk = gv = None                                 # one block over every key: its products are dK, dV
-        else:
-            gk, gv = np.zeros((b - a,) + kf.shape[1:], np.float32), np.zeros((b - a,) + vf.shape[1:], np.float32)
+        qq, dd, kk, ktt, vtt = qh.take(a, b), doh.take(a, b), kh.take(a, b), kth.take(a, b), vth.take(a, b)
+        gk = gv = None
+        if not whole:
+            gk, gv = np.zeros((b - a,) + dk.shape[1:], np.float32), np.zeros((b - a,) + dv.shape[1:], np.float32)
         for r0, r1, k0, k1, lo, hi in blocks:
-            qb, dob, kb_, vb = qf[a:b, r0:r1], dof[a:b, r0:r1], kk[:, k0:k1], vv[:, k0:k1]
-            p = np.matmul(qb, np.swapaxes(kb_, -1, -2))    # raw products (n,R,K)
-            ds = np.matmul(dob, np.swapaxes(vb, -1, -2))   # dP = dO Vᵀ (n,R,K)
-            mod.softmax_grad_rows(p, ds, lo, hi, scale, dl if dlse is None else dl[a:b, r0:r1], dlse is not None,
-                                  *mods.args(a, b, r0, r1, k0))  # p -> P ∘ Z, ds -> dS
-            np.matmul(ds, kb_, out=dq[a:b, r0:r1])         # (n,R,K) @ (n,K,D) -> (n,R,D)
-            pk = np.matmul(np.swapaxes(ds, -1, -2), qb)    # (n,K,R) @ (n,R,D) -> (n,K,D)
-            pv = np.matmul(np.swapaxes(p, -1, -2), dob)    # (n,K,R) @ (n,R,Dv) -> (n,K,Dv)
-            if gk is None:
+            qb, dob = qq[..., r0:r1, :], dd[..., r0:r1, :]
+            p = np.matmul(qb, ktt[..., k0:k1])             # raw products q Kᵀ (n,R,K)
+            ds = np.matmul(dob, vtt[..., k0:k1])           # dP = dO Vᵀ (n,R,K)
+            mod.softmax_grad_rows(_flat(p), _flat(ds), lo, hi, scale, dl if dlse is None else dl[a:b, r0:r1],
+                                  dlse is not None, *mods.args(a, b, r0, r1, k0))  # p -> P ∘ Z, ds -> dS
+            np.matmul(ds, kk[..., k0:k1, :], out=_like(dq[a:b, r0:r1], ds))  # (n,R,K) @ (n,K,D) -> (n,R,D)
+            pk = _flat(np.matmul(np.swapaxes(ds, -1, -2), qb))   # (n,K,R) @ (n,R,D) -> (n,K,D)
+            pv = _flat(np.matmul(np.swapaxes(p, -1, -2), dob))   # (n,K,R) @ (n,R,Dv) -> (n,K,Dv)
+            if whole:
                 gk, gv = pk, pv
             else:
                 gk[:, k0:k1] += pk
@@ -221,7 +301,7 @@ def backward(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int =
         if group > 1:                                      # the G query heads of each kv head add up
             gk = gk.reshape((-1, group) + gk.shape[-2:]).sum(axis=1)
             gv = gv.reshape((-1, group) + gv.shape[-2:]).sum(axis=1)
-        dk[ka:kb], dv[ka:kb] = gk, gv
+        dk[a // group:b // group], dv[a // group:b // group] = gk, gv
 
-    _run(job, n, tq, tk, group, num_threads, blocks)
+    _run(job, n, tq, tk, group, num_threads, blocks, inner)
     return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)

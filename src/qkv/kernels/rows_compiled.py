@@ -41,48 +41,45 @@ def _zero(x):
 
 
 @numba.njit(inline="always", fastmath=FASTMATH)
-def _exp2_sum(x, m, e):
-    """e[:n] = 2^(x - m); returns the sum."""
+def _exp2_sum(x, c, m, e):
+    """e[:n] = 2^(c·x - m); returns the sum (the scaling in the same loop: one pass, not two)."""
     l = f32(0.0)
     for j in range(x.shape[0]):
-        t = pow2(x[j] - m)
+        t = pow2(x[j] * c - m)
         e[j] = t
-        l += e[j]
+        l += t
     return l
 
 
 @numba.njit(fastmath=FASTMATH, cache=True)
-def _max(x):
-    """max(x) of a non-empty 1-D array, NaN if any is (a scalar loop: the rare rows only)."""
-    m = x[0]
+def _max(x, c):
+    """max(c·x) of a non-empty 1-D array, NaN if any is (a scalar loop: the rare rows only)."""
+    m = x[0] * c
     for j in range(x.shape[0]):
-        if not x[j] <= m:
-            m = x[j]
+        y = x[j] * c
+        if not y <= m:
+            m = y
             if m != m:
                 return m
     return m
 
 
 @numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _to_log2(x, c, cap_in, cap_out, slope, capped, want_slope):
-    """Raw products to scores in log2 units in place: ``c·x``, or with a softcap
-    ``cap_out·tanh(cap_in·x)`` (``cap_in = scale / cap``, ``cap_out = cap·log2 e``) and
-    ``slope = 1 - tanh²`` where wanted. ``capped``/``want_slope`` are constants of each caller."""
-    if capped:
-        for j in range(x.shape[0]):
-            t = tanh32(x[j] * cap_in)
-            x[j] = cap_out * t
-            if want_slope:
-                slope[j] = f32(1.0) - t * t
-    else:
-        for j in range(x.shape[0]):
-            x[j] *= c
+def _capped_log2(x, cap_in, cap_out, slope, want_slope):
+    """Raw products to softcapped scores in log2 units in place, ``cap_out·tanh(cap_in·x)``
+    (``cap_in = scale / cap``, ``cap_out = cap·log2 e``), and ``slope = 1 - tanh²`` where
+    wanted (a constant of each caller). Uncapped rows are scaled inside the exponential's loop."""
+    for j in range(x.shape[0]):
+        t = tanh32(x[j] * cap_in)
+        x[j] = cap_out * t
+        if want_slope:
+            slope[j] = f32(1.0) - t * t
 
 
 @numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _probabilities(row, j0, j1, e):
-    """row[j0:j1] (scores in log2 units) = their softmax (base 2), 0 elsewhere; returns
-    log2 Σ_j 2^row[j]. ``e`` is a scratch row of at least j1 - j0 entries.
+def _probabilities(row, j0, j1, c, e):
+    """row[j0:j1] (scores in log2 units once multiplied by ``c``) = their softmax (base 2),
+    0 elsewhere; returns log2 Σ_j 2^(c·row[j]). ``e`` is a scratch row of at least j1 - j0 entries.
 
     Most rows take two vector passes and no max: while the sum of ``2^x`` lies in
     ``[2^-60, 2^100]`` every term is exact to float32's rounding (none overflows, none that
@@ -93,10 +90,10 @@ def _probabilities(row, j0, j1, e):
     _zero(row[j1:])
     x = row[j0:j1]
     m = f32(0.0)
-    l = _exp2_sum(x, m, e)
+    l = _exp2_sum(x, c, m, e)
     if not (l >= TINY and l <= HUGE):
-        m = _max(x)
-        l = _exp2_sum(x, m, e)
+        m = _max(x, c)
+        l = _exp2_sum(x, c, m, e)
     inv = f32(1.0) / l
     for j in range(x.shape[0]):
         x[j] = e[j] * inv
@@ -124,8 +121,9 @@ def _forward_rows(s, lo, hi, c, cap_in, cap_out, lse, klo, khi, col0, thresh, zs
                 lse[h, i] = NEG_INF
                 continue
             x = row[j0:j1]
-            _to_log2(x, c, cap_in, cap_out, e, capped, False)
-            lse[h, i] = _probabilities(row, j0, j1, e) * LN2
+            if capped:
+                _capped_log2(x, cap_in, cap_out, e, False)
+            lse[h, i] = _probabilities(row, j0, j1, f32(1.0) if capped else c, e) * LN2
             if drop:                         # P ∘ Z; lse stays the undropped one
                 zz = z[:j1 - j0]
                 _keep(zz, klo[h, i], khi[h, i], u32(col0 + j0), thresh, zscale)
@@ -168,8 +166,9 @@ def _backward_rows(s, dp, lo, hi, c, cap_in, cap_out, sc, dlse, use_dlse, klo, k
                 continue
             p, gs = row[j0:j1], g[j0:j1]
             sl = slope[:j1 - j0]
-            _to_log2(p, c, cap_in, cap_out, sl, capped, True)
-            _probabilities(row, j0, j1, e)
+            if capped:
+                _capped_log2(p, cap_in, cap_out, sl, True)
+            _probabilities(row, j0, j1, f32(1.0) if capped else c, e)
             zz = z[:j1 - j0]
             if drop:                         # ∂L/∂P = Z ∘ dO Vᵀ
                 _keep(zz, klo[h, i], khi[h, i], u32(col0 + j0), thresh, zscale)
