@@ -137,3 +137,29 @@ def test_rope_base_checker_is_public():
     assert qkv.positional.check_base(500) == 500.0
     with pytest.raises(qkv.ShapeError, match=r"rope_base must be a finite number > 1"):
         qkv.positional.check_base(float("inf"), "rope_base")
+
+
+@pytest.mark.parametrize("name", ["self", "mha", "latent", "mha64"])
+def test_backward_on_the_forwards_checked_problem_equals_the_public_calls(name, monkeypatch):
+    """The layers keep the forward's checked problem and kernel for their backward (no second
+    round of checks): the same bits as qkv.attention_backward with the same options."""
+    from qkv.nn.attention_layer import PREPARED, AttentionLayer
+
+    make = (lambda: nn.MultiHeadAttention(8, 2, causal=True, dtype=np.float64, rng=rng(1))) if name == "mha64" \
+        else LAYERS[name]
+    x, dy = rng(2).standard_normal((3, 70, 8)), rng(3).standard_normal((3, 70, 8))
+    seen, results = [], []
+    public = AttentionLayer._attend_backward
+    for prepared in (True, False):
+        if not prepared:  # the same forward, its backward through qkv.attention_backward
+            monkeypatch.setattr(AttentionLayer, "_attend_backward", staticmethod(
+                lambda dout, q, k, v, out, lse, opts: public(dout, q, k, v, out, lse,
+                                                             {n: o for n, o in opts.items() if n != PREPARED})))
+        layer = make()
+        y = layer.forward(x)
+        s = layer._saved
+        seen.append(PREPARED in (s["opts"] if isinstance(s, dict) else s[-1]))
+        results.append([layer.backward(dy[..., :y.shape[-1]])] + [g.copy() for g in layer.grads.values()])
+    assert seen == [True, True]
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
