@@ -24,6 +24,7 @@ error budget.
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 
@@ -36,6 +37,7 @@ UNIT_ENTRIES = 1 << 16   # score entries of one work unit (256 KiB float32; with
 SERIAL_WORK = 1 << 18    # score entries below which a call stays on the calling thread (see _run)
 BLOCK_ROWS = 64          # query rows a block where a mask lets blocks skip keys (32 up to SHORT_ROWS rows)
 SHORT_ROWS = 128
+COPY_T_KEYS = 128        # keys up to which the products run against a transposed copy of K (and V): _keys_t
 
 
 def applies(spec: MaskSpec, dtype) -> bool:
@@ -158,7 +160,7 @@ class _Heads:
         if y is None and inner > 1 and group == 1:
             y = _view(x, (-1, inner) + x.shape[-2:])
         self.x = x.reshape((-1,) + x.shape[-2:]) if y is None else y
-        self.shape = (int(np.prod(x.shape[:-2], dtype=np.int64)),) + x.shape[-2:]
+        self.shape = (math.prod(x.shape[:-2]),) + x.shape[-2:]
 
     def take(self, a: int, b: int) -> np.ndarray:
         x, inner, g = self.x, self.inner, self.group
@@ -183,23 +185,24 @@ def _view(x: np.ndarray, shape: tuple) -> np.ndarray | None:
 
 def _flat(x: np.ndarray) -> np.ndarray:
     """A product's ``(n, R, K)`` or ``(n/inner, inner, R, K)`` result as ``(n, R, K)`` (a view)."""
-    return x.reshape((int(np.prod(x.shape[:-2])),) + x.shape[-2:])
+    return x if x.ndim == 3 else x.reshape((x.shape[0] * x.shape[1],) + x.shape[-2:])
 
 
 def _like(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """``x (n, R, K)`` with the batch axes of ``y`` (a view)."""
-    return x.reshape(y.shape[:-2] + x.shape[-2:])
+    return x if y.ndim == 3 else x.reshape(y.shape[:-2] + x.shape[-2:])
 
 
-def _stack_t(x: np.ndarray) -> np.ndarray:
-    """``(*L, T, D) -> (N, D, T)`` contiguous: the right operand of ``q Kᵀ`` and ``dO Vᵀ``.
-    OpenBLAS multiplies by a transposed view at 0.6x the rate of a plain matrix at the small
-    heads of training (48 heads of 64 x 32: 200 against 117 µs, one thread, AVX-512; about
-    even from T = 512), and the copy costs a sixth of the difference: the product by ``Kᵀ``
-    runs as a plain one against this copy."""
-    t = np.empty((int(np.prod(x.shape[:-2], dtype=np.int64)), x.shape[-1], x.shape[-2]), x.dtype)
-    np.copyto(t.reshape(x.shape[:-2] + t.shape[-2:]), np.swapaxes(x, -1, -2))
-    return t
+def _keys_t(x: np.ndarray, tk: int) -> np.ndarray:
+    """``x (..., Tk, D)`` as the right operand of ``q Kᵀ`` (or ``dO Vᵀ``): up to
+    :data:`COPY_T_KEYS` keys a contiguous copy of its transpose ``(..., D, Tk)``, made by the
+    unit that uses it; beyond, the transposed view. OpenBLAS multiplies by a transposed view
+    at 0.6x the rate of a plain matrix at training's small heads (48 heads of 64 x 32: 200
+    against 117 µs, one thread, AVX-512; 8 of 128 x 64: 203 against 178) and the copy costs
+    a sixth to a half of the difference; from 256 keys the two rates are within 8 % and the
+    copy costs more than it saves."""
+    t = np.swapaxes(x, -1, -2)
+    return np.ascontiguousarray(t) if tk <= COPY_T_KEYS else t
 
 
 def row_blocks(spec: MaskSpec) -> tuple:
@@ -233,18 +236,21 @@ def _row_blocks(tq: int, tk: int, *rules):
     return cut if products <= 0.8 * tq * (whole[3] - whole[2]) else (whole,)
 
 
-def _inner(spec: MaskSpec) -> int:
-    """Heads of one item: the last leading axis (H of ``(B, H, T, D)``), 1 without two."""
-    return spec.lead[-1] if len(spec.lead) >= 2 else 1
+def _inner(spec: MaskSpec, *arrays: np.ndarray) -> int:
+    """Heads of one item where some array is read as ``(N/inner, inner, T, D)`` (the last
+    leading axis, H of ``(B, H, T, D)``), else 1: where every array is a ``(N, T, D)`` view the
+    products stay 3-D (measured: 4-D products cost 10-30 % at (16,12,192,64))."""
+    if len(spec.lead) < 2 or all(_view(x, (-1,) + x.shape[-2:]) is not None for x in arrays):
+        return 1
+    return spec.lead[-1]
 
 
 def forward(q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_weights: bool = False,
             num_threads: int | None = None):
     """As :func:`reference.forward` (no weights): ``(out (*L,Tq,Dv), lse (*L,Tq), None)``."""
     mod = jit.load(jit.ROWS)
-    inner = _inner(spec)
-    qh, vh = _Heads(q, inner), _Heads(v, inner, group)                  # (N,Tq,D), (N/G,Tk,Dv)
-    kh = _Heads(_stack_t(k), inner, group)                                # (N/G,D,Tk)
+    inner = _inner(spec, q, k, v)
+    qh, kh, vh = _Heads(q, inner), _Heads(k, inner, group), _Heads(v, inner, group)  # (N,Tq,D), (N/G,Tk,D), ...
     n, tq, tk = qh.shape[0], spec.tq, spec.tk
     out = np.empty((n, tq, v.shape[-1]), np.float32)
     lse = np.empty((n, tq), np.float32)
@@ -252,10 +258,10 @@ def forward(q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_weight
     mods = _Mods(spec, n)
 
     def job(a, b):
-        qq, kk, vv = qh.take(a, b), kh.take(a, b), vh.take(a, b)
+        qq, kt, vv = qh.take(a, b), _keys_t(kh.take(a, b), tk), vh.take(a, b)
         for r0, r1, k0, k1, lo, hi in blocks:
             # (n,R,D) @ (n,D,K) -> (n,R,K): the keys [k0, k1) these rows may see
-            s = np.matmul(qq[..., r0:r1, :], kk[..., k0:k1])
+            s = np.matmul(qq[..., r0:r1, :], kt[..., k0:k1])
             mod.softmax_rows(_flat(s), lo, hi, scale, lse[a:b, r0:r1], *mods.args(a, b, r0, r1, k0))  # s -> P
             np.matmul(s, vv[..., k0:k1, :], out=_like(out[a:b, r0:r1], s))  # (n,R,K) @ (n,K,Dv) -> (n,R,Dv)
 
@@ -268,19 +274,19 @@ def backward(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int =
     """As :func:`reference.backward`: ``(dq (*L,Tq,D), dk (*Lk,Tk,D), dv (*Lk,Tk,Dv))``. ``out``
     and ``lse`` are not read: each row's softmax is recomputed from its own scores."""
     mod = jit.load(jit.ROWS)
-    inner = _inner(spec)
-    qh, doh, kh = _Heads(q, inner), _Heads(dout, inner), _Heads(k, inner, group)
-    kth, vth = _Heads(_stack_t(k), inner, group), _Heads(_stack_t(v), inner, group)  # (N/G,D,Tk), (N/G,Dv,Tk)
+    inner = _inner(spec, q, k, v, dout)
+    qh, doh, kh, vh = _Heads(q, inner), _Heads(dout, inner), _Heads(k, inner, group), _Heads(v, inner, group)
     n, tq, tk = qh.shape[0], spec.tq, spec.tk
     dl = np.zeros((1, 1), np.float32) if dlse is None else np.ascontiguousarray(dlse.reshape(n, tq))
     dq = np.empty(qh.shape, np.float32)
-    dk, dv = np.empty(kh.shape, np.float32), np.empty(kh.shape[:2] + v.shape[-1:], np.float32)
+    dk, dv = np.empty(kh.shape, np.float32), np.empty(vh.shape, np.float32)
     blocks = row_blocks(spec)
     mods = _Mods(spec, n)
     whole = len(blocks) == 1 and blocks[0][2:4] == (0, tk)  # one block over every key: its products are dK, dV
 
     def job(a, b):
-        qq, dd, kk, ktt, vtt = qh.take(a, b), doh.take(a, b), kh.take(a, b), kth.take(a, b), vth.take(a, b)
+        qq, dd, kk, vv = qh.take(a, b), doh.take(a, b), kh.take(a, b), vh.take(a, b)
+        ktt, vtt = _keys_t(kk, tk), _keys_t(vv, tk)
         gk = gv = None
         if not whole:
             gk, gv = np.zeros((b - a,) + dk.shape[1:], np.float32), np.zeros((b - a,) + dv.shape[1:], np.float32)
