@@ -8,9 +8,14 @@ time and the process's CPU time (all threads: on a shared machine it says how mu
 side did even when other jobs stretch the wall clock).
 
 A side whose warm-up took under ``rewarm_below`` seconds is also run untimed right before
-each of its timed runs: without it a short call pays for what ran before it (OpenBLAS's
-and torch's OpenMP worker threads keep spinning after their work and steal a core, and a
-core left idle comes back slowly); both distort a 30 ms decode.
+each of its timed runs, again and again for at least ``SETTLE_S`` seconds of its own work:
+without it a short call pays for what ran before it (OpenBLAS's and torch's OpenMP worker
+threads keep spinning after their work and steal a core, and a core left idle comes back
+slowly); both distort a 30 ms decode. One untimed call was not enough below a millisecond:
+torch's OpenMP workers (GOMP's default wait policy) still spun through it and the timed
+call (qkv at (1, 8, 256, 16) forward: 0.77 ms after torch's call, 0.49 ms with
+``OMP_WAIT_POLICY=PASSIVE``, 2 threads, AVX-512); 20 ms of the side's own calls first
+measures each side in its own steady state, as a training or serving loop runs it.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ import time
 from typing import Callable
 
 REWARM_S = 1.0
+SETTLE_S = 0.02
 
 
 def rounds(fns: dict[str, Callable[[], object]], repeats: int, *, rewarm_below: float = REWARM_S,
@@ -46,7 +52,10 @@ def rounds(fns: dict[str, Callable[[], object]], repeats: int, *, rewarm_below: 
         shift = r % len(names) if rotate else 0
         for name in names[shift:] + names[:shift]:
             if rewarm[name]:
+                s0 = time.perf_counter()
                 fns[name]()
+                while time.perf_counter() - s0 < SETTLE_S:
+                    fns[name]()
             w0, c0 = time.perf_counter(), cpu_clock()
             fns[name]()
             runs[name].append((time.perf_counter() - w0, cpu_clock() - c0))

@@ -7,6 +7,7 @@ import pytest
 from qkv import ShapeError
 from qkv_benchmarks import suites
 from qkv_benchmarks.report import Table
+from qkv_benchmarks import timing
 from qkv_benchmarks.timing import alternate, rounds, walls
 
 
@@ -22,7 +23,8 @@ def _recorder():
     (0.0, ["a", "b", "a", "b", "a", "b"]),                              # warm-up each, then alternate
     (float("inf"), ["a", "b", "a", "a", "b", "b", "a", "a", "b", "b"]),  # each timed run re-warmed first
 ])
-def test_alternate_warms_up_then_alternates(rewarm_below, expected):
+def test_alternate_warms_up_then_alternates(rewarm_below, expected, monkeypatch):
+    monkeypatch.setattr(timing, "SETTLE_S", 0.0)  # one re-warm call (see the settle test below)
     calls, make = _recorder()
     ticks = []
     med = alternate({"a": make("a"), "b": make("b")}, 2, rewarm_below=rewarm_below, tick=lambda: ticks.append(1))
@@ -31,6 +33,23 @@ def test_alternate_warms_up_then_alternates(rewarm_below, expected):
     assert set(med) == {"a", "b"} and all(set(m) == {"wall", "cpu"} for m in med.values())
     assert all(m["wall"] >= 0 and m["cpu"] >= 0 for m in med.values())
     assert walls(med) == {k: m["wall"] for k, m in med.items()}
+
+
+def test_a_short_side_settles_on_its_own_calls_before_each_timed_run(monkeypatch):
+    """Re-warm calls repeat until SETTLE_S of the side's own work has passed (each stand-in
+    call advances a fake clock by 8 ms: three re-warm calls before each timed one at 20 ms)."""
+    now = [0.0]
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(timing, "SETTLE_S", 0.02)
+    calls = []
+
+    def make(name):
+        def call():
+            calls.append(name)
+            now[0] += 0.008
+        return call
+    rounds({"a": make("a"), "b": make("b")}, 2, rewarm_below=float("inf"))
+    assert calls == ["a", "b"] + ["a"] * 4 + ["b"] * 4 + ["a"] * 4 + ["b"] * 4
 
 
 def test_plan_resolves_suites_and_defaults():
