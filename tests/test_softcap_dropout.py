@@ -193,3 +193,32 @@ def test_layer_dropout_only_in_training_and_its_backward_uses_the_forwards_mask(
     assert abs((loss(xp) - loss(xm)) / 2e-6 - dx[i]) < 1e-7
     with pytest.raises(qkv.OptionError, match="dropout_p must be"):
         nn.MultiHeadAttention(16, 4, dropout=1.5)
+
+
+@pytest.mark.parametrize("top", [0.3, 0.6249, 0.6251, 3.0, np.inf, np.nan])
+def test_tiles_within_the_cap_take_tanhs_first_branch_with_the_same_bits(top):
+    """A tile whose every |x / cap| is under tanh32's split runs its first branch alone
+    (all_small): the same bits as tanh32 entry by entry, on both sides of the split, with
+    inf and NaN; the forward and backward passes and the row kernel's rows alike."""
+    from qkv import jit
+    comp = jit.flash()
+    if comp is None or jit.load(jit.ROWS) is None:
+        pytest.skip("the compiled passes need the fast extra (numba) and QKV_JIT != 0")
+    from qkv.kernels import rows_compiled
+    from qkv.kernels.flash.compiled import _TSPLIT, all_small, tanh32
+
+    cap = np.float32(50.0)
+    rng = np.random.default_rng(0)
+    st = (rng.uniform(-1, 1, (37, 19)) * 0.6 * cap).astype(np.float32)
+    st[5, 7] = top * cap                                    # the tile's largest |x / cap|
+    inv = np.float32(1) / cap
+    want = np.array([[cap * tanh32(v * inv) for v in row] for row in st], np.float32)  # tanh32 alone, per entry
+    if not np.isnan(top):  # with a NaN either branch gives NaN there (and the same elsewhere)
+        assert all_small(st, inv) == bool(top < _TSPLIT)
+    got, g = st.copy(), np.empty_like(st)
+    comp.softcap_tile(got, g, cap, True)
+    np.testing.assert_array_equal(got, want)
+    x = st[5].copy()                                        # a row of the row kernel, log2 units
+    slope = np.empty_like(x)
+    rows_compiled._capped_log2(x, inv, cap, slope, True)
+    np.testing.assert_array_equal(x, want[5])

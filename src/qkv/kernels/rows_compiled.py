@@ -12,7 +12,7 @@ carried in log2 units (``s · scale · log2 e``), inlined so that LLVM vectorise
   ``dS = scale · P ∘ (dP − Σ_j P_ij dP_ij + dlse_i)`` out, in place of ``dP``.
 
 Both take :mod:`qkv.score_ops`' softcap (``s = c·tanh(x/c)`` before the exponential, its
-slope ``1 - tanh²`` on dS; :func:`~qkv.kernels.flash.compiled.tanh32`) and dropout (``P ∘ Z``
+slope ``1 - tanh²`` on dS; :func:`~qkv.kernels.flash.compiled.tanh32`, its first branch alone on a row within it) and dropout (``P ∘ Z``
 after the softmax, ``Z ∘ dO Vᵀ`` in the backward, the keep-mask drawn again from the rows'
 keys and the columns by :func:`~qkv.kernels.flash.compiled.keep_bits`). Each of the four
 cases runs its own loops (the flags are constants of the inlined body), so each vectorises.
@@ -24,7 +24,7 @@ import math
 import numba
 import numpy as np
 
-from .flash.compiled import FASTMATH, keep_bits, pow2, tanh32
+from .flash.compiled import _TSPLIT, FASTMATH, abs_max, keep_bits, pow2, tanh_any
 
 f32 = np.float32
 u32 = np.uint32
@@ -69,8 +69,16 @@ def _capped_log2(x, cap_in, cap_out, slope, want_slope):
     """Raw products to softcapped scores in log2 units in place, ``cap_out·tanh(cap_in·x)``
     (``cap_in = scale / cap``, ``cap_out = cap·log2 e``), and ``slope = 1 - tanh²`` where
     wanted (a constant of each caller). Uncapped rows are scaled inside the exponential's loop."""
+    if abs_max(x) * abs(cap_in) < _TSPLIT:        # the row never reaches tanh's second branch (flash.compiled.all_small)
+        _capped_loop(x, cap_in, cap_out, slope, want_slope, True)
+    else:
+        _capped_loop(x, cap_in, cap_out, slope, want_slope, False)
+
+
+@numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _capped_loop(x, cap_in, cap_out, slope, want_slope, small):
     for j in range(x.shape[0]):
-        t = tanh32(x[j] * cap_in)
+        t = tanh_any(x[j] * cap_in, small)
         x[j] = cap_out * t
         if want_slope:
             slope[j] = f32(1.0) - t * t

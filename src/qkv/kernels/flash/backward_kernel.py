@@ -251,6 +251,8 @@ def _mod_grad_tile(call: Call, kv: KVHead, qh: QueryHead, offsets, h, q0, q1, a,
         x -= offsets[1][h][q0:q1]                                 # - log l
         np.copyto(et, x)
         np.exp(et, out=et)                                        # P = exp((x - m) - log l)
+        if call.mods.cap is not None:
+            g *= et                                               # P ∘ (1 - tanh²) (see modifiers.grad_scores)
         r = et.sum(axis=0, dtype=np.float64) if whole else None
         if qh.keys is not None:
             modifiers.keep_tile(call.mods, qh.keys.rows(q0, q1), call.spec.k_start + a, w, z)

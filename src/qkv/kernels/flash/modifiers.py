@@ -148,7 +148,7 @@ def keep_tile(mods: Mods, keys: Keys, col0: int, w: int, out: np.ndarray) -> np.
 
 
 def grad_probs(call, kv, qh, h, q0, q1, a, e, partial_, whole, et, g, z):
-    """The fast path's ``P`` of a tile into ``et (w, r)`` (and ``g = 1 - tanh²`` with softcap,
+    """The fast path's ``P`` of a tile into ``et (w, r)`` (and ``g = P ∘ (1 - tanh²)`` with softcap,
     ``z = Z`` with dropout); returns P's row sums where ``whole``, else None. Without softcap
     ``S - lse`` rides in the product as in :mod:`.backward_kernel`; with it the product gives
     ``log2(e)·x``, capped before the bias, masks and the ``-lse`` subtraction."""
@@ -178,13 +178,15 @@ def grad_probs(call, kv, qh, h, q0, q1, a, e, partial_, whole, et, g, z):
         et += nlo
     r = np.zeros(q1 - q0) if whole else None
     pow2.sub_exp2(et, None, r)                                  # P = exp(S - lse), r_i = Σ_j P_ij
+    if capped:
+        g *= et                                                 # P ∘ (1 - tanh²), as the compiled pass
     if keys is not None:
         keep_tile(mods, keys, call.spec.k_start + a, e - a, z)
     return r
 
 
 def grad_scores(call, kv, qh, et, g, z, dst, dob, whole, r, q0, q1, a, e):
-    """``dSᵀ`` of a tile into ``dst`` from ``Pᵀ`` (``et``), ``Z`` and the softcap's slope:
+    """``dSᵀ`` of a tile into ``dst`` from ``Pᵀ`` (``et``), ``Z`` and ``g = P ∘ (1 - tanh²)``:
     ``dS = P ∘ (Z ∘ dO Vᵀ - delta + dlse) ∘ (1 - tanh²)`` (the whole-tile correction of
     :func:`.backward_kernel._grad_tile` included); returns ``(P ∘ Z)ᵀ`` for dV."""
     mods, dv = call.mods, qh.dox.shape[-1] - 1
@@ -200,7 +202,6 @@ def grad_scores(call, kv, qh, et, g, z, dst, dob, whole, r, q0, q1, a, e):
     ez = et
     if mods.p:
         ez = np.multiply(et, z, out=z)                          # P ∘ Z, for dV
-    dst *= et                                                   # dS = P ∘ (dP - delta)
-    if mods.cap is not None:
-        dst *= g                                                # through the softcap: dX = dS ∘ (1 - tanh²)
+    # dS = P ∘ (dP - delta), through the softcap dX = dS ∘ (1 - tanh²): g holds P ∘ (1 - tanh²)
+    dst *= et if mods.cap is None else g
     return ez
