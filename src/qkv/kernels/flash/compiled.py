@@ -184,7 +184,7 @@ def _softcap_body(st, g, cap, inv, grad, small):
 
 
 @numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _fwd_body(st, m, l, cap, k0, r0, shift, lo, hi, klo, khi, col0, thresh, zscale, capped, drop, small=False):
+def _fwd_body(st, m, l, cap, k0, r0, shift, lo, hi, klo, khi, col0, thresh, zscale, capped, drop, small, banded):
     w, r = st.shape
     inv = f32(1.0) / cap if capped else f32(0.0)
     for i in range(w):
@@ -193,12 +193,32 @@ def _fwd_body(st, m, l, cap, k0, r0, shift, lo, hi, klo, khi, col0, thresh, zsca
             x = st[i, j]
             if capped:
                 x = cap * tanh_any(x * inv, small)
-            d = d0 - j
-            p = f32(0.0) if (d < -lo or d > hi) else pow2(x - m[j])
+            if banded:                               # int64 arithmetic: a loop at half the vector width
+                d = d0 - j
+                p = f32(0.0) if (d < -lo or d > hi) else pow2(x - m[j])
+            else:
+                p = pow2(x - m[j])
             l[j] += p
             if drop:
                 p = p * zscale if keep_bits(klo[j], khi[j], col0 + i) >= thresh else f32(0.0)
             st[i, j] = p
+
+
+@numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _fwd_cases(st, m, l, cap, k0, r0, shift, lo, hi, klo, khi, col0, thresh, zscale, drop, small, banded):
+    if cap > f32(0.0) and drop and small:
+        _fwd_body(st, m, l, cap, k0, r0, shift, lo, hi, klo, khi, col0, thresh, zscale, True, True, True, banded)
+    elif cap > f32(0.0) and drop:
+        _fwd_body(st, m, l, cap, k0, r0, shift, lo, hi, klo, khi, col0, thresh, zscale, True, True, False, banded)
+    elif cap > f32(0.0) and small:
+        _fwd_body(st, m, l, cap, k0, r0, shift, lo, hi, klo, khi, col0, thresh, zscale, True, False, True, banded)
+    elif cap > f32(0.0):
+        _fwd_body(st, m, l, cap, k0, r0, shift, lo, hi, klo, khi, col0, thresh, zscale, True, False, False, banded)
+    else:
+        _fwd_body(st, m, l, cap, k0, r0, shift, lo, hi, klo, khi, col0, thresh, zscale, False, True, False, banded)
+
+
+_UNBOUNDED = 1 << 62                    # a band side this far is no band (modifiers._FAR)
 
 
 @numba.njit(nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")
@@ -207,20 +227,14 @@ def mod_exp2_sum(st, m, l, cap, k0, r0, shift, lo, hi, klo, khi, col0, thresh, z
     # inside the band (else 0), l[col] += Σ_rows; then times keep / (1 - p) where drop. Each case
     # its own loop (the flags are constants of the inlined body), so that each vectorises.
     small = cap > f32(0.0) and all_small(st, f32(1.0) / cap)   # no tile entry reaches tanh's second branch
-    if cap > f32(0.0) and drop and small:
-        _fwd_body(st, m, l, cap, k0, r0, shift, lo, hi, klo, khi, col0, thresh, zscale, True, True, True)
-    elif cap > f32(0.0) and drop:
-        _fwd_body(st, m, l, cap, k0, r0, shift, lo, hi, klo, khi, col0, thresh, zscale, True, True)
-    elif cap > f32(0.0) and small:
-        _fwd_body(st, m, l, cap, k0, r0, shift, lo, hi, klo, khi, col0, thresh, zscale, True, False, True)
-    elif cap > f32(0.0):
-        _fwd_body(st, m, l, cap, k0, r0, shift, lo, hi, klo, khi, col0, thresh, zscale, True, False)
+    if lo < _UNBOUNDED or hi < _UNBOUNDED:
+        _fwd_cases(st, m, l, cap, k0, r0, shift, lo, hi, klo, khi, col0, thresh, zscale, drop, small, True)
     else:
-        _fwd_body(st, m, l, cap, k0, r0, shift, lo, hi, klo, khi, col0, thresh, zscale, False, True)
+        _fwd_cases(st, m, l, cap, k0, r0, shift, lo, hi, klo, khi, col0, thresh, zscale, drop, small, False)
 
 
 @numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _grad_body(et, z, g, nhi, nlo, l, cap, klo, khi, col0, thresh, zscale, capped, drop, small=False):
+def _grad_body(et, z, g, nhi, nlo, l, cap, klo, khi, col0, thresh, zscale, capped, drop, small, sums):
     w, r = et.shape
     inv = f32(1.0) / cap if capped else f32(0.0)
     for i in range(w):
@@ -232,25 +246,34 @@ def _grad_body(et, z, g, nhi, nlo, l, cap, klo, khi, col0, thresh, zscale, cappe
                 x = cap * t
             p = pow2((x + nhi[j]) + nlo[j])
             et[i, j] = p
+            if sums:                                 # float64 sums: a loop at half the vector width
+                l[j] += p
             if capped:
                 g[i, j] = p * (f32(1.0) - t * t)      # P ∘ (1 - tanh²): dS's two factors in one
-            l[j] += p
             if drop:
                 z[i, j] = zscale if keep_bits(klo[j], khi[j], col0 + i) >= thresh else f32(0.0)
+
+
+@numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _grad_cases(et, z, g, nhi, nlo, l, cap, klo, khi, col0, thresh, zscale, drop, small, sums):
+    if cap > f32(0.0) and drop and small:
+        _grad_body(et, z, g, nhi, nlo, l, cap, klo, khi, col0, thresh, zscale, True, True, True, sums)
+    elif cap > f32(0.0) and drop:
+        _grad_body(et, z, g, nhi, nlo, l, cap, klo, khi, col0, thresh, zscale, True, True, False, sums)
+    elif cap > f32(0.0) and small:
+        _grad_body(et, z, g, nhi, nlo, l, cap, klo, khi, col0, thresh, zscale, True, False, True, sums)
+    elif cap > f32(0.0):
+        _grad_body(et, z, g, nhi, nlo, l, cap, klo, khi, col0, thresh, zscale, True, False, False, sums)
+    else:
+        _grad_body(et, z, g, nhi, nlo, l, cap, klo, khi, col0, thresh, zscale, False, True, False, sums)
 
 
 @numba.njit(nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")
 def mod_grad_exp2(et, z, g, nhi, nlo, l, cap, klo, khi, col0, thresh, zscale, drop):
     # et (w, R) in place, the backward's tile: x = cap·tanh(et / cap) (g = P ∘ (1 - tanh²)) where cap > 0;
-    # P = 2^((x + nhi[col]) + nlo[col]), l[col] += Σ_rows; z = keep / (1 - p) where drop
+    # P = 2^((x + nhi[col]) + nlo[col]), l[col] += Σ_rows unless l is empty; z = keep / (1 - p) where drop
     small = cap > f32(0.0) and all_small(et, f32(1.0) / cap)   # no tile entry reaches tanh's second branch
-    if cap > f32(0.0) and drop and small:
-        _grad_body(et, z, g, nhi, nlo, l, cap, klo, khi, col0, thresh, zscale, True, True, True)
-    elif cap > f32(0.0) and drop:
-        _grad_body(et, z, g, nhi, nlo, l, cap, klo, khi, col0, thresh, zscale, True, True)
-    elif cap > f32(0.0) and small:
-        _grad_body(et, z, g, nhi, nlo, l, cap, klo, khi, col0, thresh, zscale, True, False, True)
-    elif cap > f32(0.0):
-        _grad_body(et, z, g, nhi, nlo, l, cap, klo, khi, col0, thresh, zscale, True, False)
+    if l.shape[0] > 0:
+        _grad_cases(et, z, g, nhi, nlo, l, cap, klo, khi, col0, thresh, zscale, drop, small, True)
     else:
-        _grad_body(et, z, g, nhi, nlo, l, cap, klo, khi, col0, thresh, zscale, False, True)
+        _grad_cases(et, z, g, nhi, nlo, l, cap, klo, khi, col0, thresh, zscale, drop, small, False)

@@ -162,7 +162,7 @@ def grad_probs(call, kv, qh, h, q0, q1, a, e, partial_, whole, et, g, z):
     nhi, nlo = np.ascontiguousarray(qh.qx[q0:q1, d]), np.ascontiguousarray(qh.qx[q0:q1, d + 1])  # strided: scalar loops
     comp = _compiled(et)
     if comp is not None and not (partial_ or call.masked):
-        r = np.zeros(q1 - q0)
+        r = np.zeros(q1 - q0 if whole else 0)                 # no row sums unless the tile holds the rows' every key
         k = keys if keys is not None else _NO_KEYS
         zero = np.zeros(q1 - q0, et.dtype)
         comp.mod_grad_exp2(et, z, g, nhi if capped else zero, nlo if capped else zero, r, np.float32(mods.cap2),
