@@ -53,8 +53,11 @@ def test_exp_path_is_what_the_kernel_module_says(monkeypatch):
 
 def test_blas_info_names_the_kernel_and_a_pinning_environment(monkeypatch):
     monkeypatch.setenv("OPENBLAS_CORETYPE", "Haswell")
+    monkeypatch.delenv("OPENBLAS_L2_SIZE", raising=False)   # set on some of this project's machines
     info = machine.blas_info()
     assert info["env"] == {"OPENBLAS_CORETYPE": "Haswell"}
+    monkeypatch.setenv("OPENBLAS_L2_SIZE", "512")
+    assert machine.blas_info()["env"] == {"OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_L2_SIZE": "512"}
     if "kernel" not in info:
         pytest.skip("threadpoolctl does not see NumPy's BLAS here")
     assert info["library"] and info["kernel"]

@@ -37,14 +37,21 @@ UNIT_ENTRIES = 1 << 16   # score entries of one work unit (256 KiB float32; with
 SERIAL_WORK = 1 << 18    # score entries below which a call stays on the calling thread (see _run)
 BLOCK_ROWS = 64          # query rows a block where a mask lets blocks skip keys (32 up to SHORT_ROWS rows)
 SHORT_ROWS = 128
+BLAS_ALONE = 1 << 16     # multiply-adds of one product up to which BLAS is left as it is (OpenBLAS splits from 2^18)
 COPY_T_KEYS = 128        # keys up to which the products run against a transposed copy of K (and V): _keys_t
 
 
 def applies(spec: MaskSpec, dtype) -> bool:
     """True when the compiled pass can run this problem (see the module docstring)."""
+    return stackable(spec, dtype) and jit.load(jit.ROWS) is not None
+
+
+def stackable(spec: MaskSpec, dtype) -> bool:
+    """Float32, at most :data:`MAX_KEYS` keys, and a mask that gives each row one run of keys,
+    the same for every head (no user mask, bias, ALiBi, lengths or per-item offset)."""
     return (np.dtype(dtype) == np.float32 and spec.tk <= MAX_KEYS and spec.mask is None and spec.bias is None
             and spec.alibi is None and spec.kv_lengths is None and spec.q_lengths is None
-            and not isinstance(spec.offset, np.ndarray) and jit.load(jit.ROWS) is not None)
+            and not isinstance(spec.offset, np.ndarray))
 
 
 class _Mods:
@@ -101,10 +108,13 @@ def _units(n: int, entries: int, group: int, n_threads: int) -> list[list[tuple[
 
 
 def _run(job, n: int, tq: int, tk: int, group: int, num_threads: int | None, blocks: tuple,
-         inner: int = 1) -> None:
+         inner: int = 1, depth: int = 1) -> None:
     """``job(a, b)`` for every unit: on the calling thread below :data:`SERIAL_WORK` score
-    entries (BLAS as it is), else one share a kernel thread, the calling thread taking the
-    first (one hand-off a thread: a pool task costs ~20 µs), with BLAS held to one thread.
+    entries, else one share a kernel thread, the calling thread taking the first (one hand-off
+    a thread: a pool task costs ~20 µs), with BLAS held to one thread. On the calling thread
+    BLAS is held too where a head's product (a block's entries times ``depth``, the head
+    width) is past :data:`BLAS_ALONE`: OpenBLAS may split it over its threads, and its Haswell
+    kernels' split changes the rounding, so one thread and two would give other bits.
     A unit that straddles items of ``inner`` heads is run in pieces (:func:`_pieces`).
 
     The threshold was measured inside a training step, not alone: at nanoGPT's CPU recipe
@@ -122,7 +132,7 @@ def _run(job, n: int, tq: int, tk: int, group: int, num_threads: int | None, blo
             for a2, b2 in _pieces(a, b, inner):
                 job(a2, b2)
 
-    if len(shares) <= 1:
+    if len(shares) <= 1 and entries * depth <= BLAS_ALONE:
         for units in shares:
             run(units)
         return
@@ -265,7 +275,7 @@ def forward(q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_weight
             mod.softmax_rows(_flat(s), lo, hi, scale, lse[a:b, r0:r1], *mods.args(a, b, r0, r1, k0))  # s -> P
             np.matmul(s, vv[..., k0:k1, :], out=_like(out[a:b, r0:r1], s))  # (n,R,K) @ (n,K,Dv) -> (n,R,Dv)
 
-    _run(job, n, tq, tk, group, num_threads, blocks, inner)
+    _run(job, n, tq, tk, group, num_threads, blocks, inner, max(q.shape[-1], v.shape[-1]))
     return out.reshape(spec.lead + out.shape[-2:]), lse.reshape(spec.lead + (tq,)), None
 
 
@@ -309,5 +319,5 @@ def backward(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int =
             gv = gv.reshape((-1, group) + gv.shape[-2:]).sum(axis=1)
         dk[a // group:b // group], dv[a // group:b // group] = gk, gv
 
-    _run(job, n, tq, tk, group, num_threads, blocks, inner)
+    _run(job, n, tq, tk, group, num_threads, blocks, inner, max(q.shape[-1], v.shape[-1]))
     return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)

@@ -1,0 +1,162 @@
+"""The row kernel's structure without the fast extra: the same stacked products, work units
+and causal blocks as :mod:`qkv.kernels.rows`, with the fewest NumPy passes over the scores.
+
+Where :mod:`.stacked` takes seven element-wise passes over a head's scores (scale, mask, max,
+subtract, exp, sum, divide) and the backward nine, this kernel takes, per block of rows:
+
+- forward: ``exp`` and its row sum, and the mask where a block has one. The scale goes into
+  q before the product (a ``T × D`` pass, not ``T × T``); no max pass while a row's
+  ``Σ exp`` lies in ``[2^-60, 2^64]`` (then no term overflows and none that matters
+  underflows, as in the compiled pass); the division goes onto the output rows
+  (``out = (E V) / Σ``). A block with a row outside that range (scaled scores beyond ~±40,
+  a row that sees no key, a NaN) is computed again with its rows' max subtracted first, as
+  the reference does.
+- backward: ``exp(S - lse)`` with the forward's lse (subtract, exp) and its row sum ``c``
+  (lse is rounded to float32: at scores of a few hundred its last bit moves every P of the
+  row by 2^-17, so the rows are normalised again, by ``1/c`` on the ``T × D`` operands and
+  results), then ``dS = P ∘ (dP − Δ)`` (two passes), with ``Δ_i = dO_i · O_i`` (a ``T × D``
+  product, not a ``T × T`` pass) and the scale on the ``T × D`` results.
+
+Float32, plain scores (no softcap or dropout: those go to the stacked, dense or tiled
+kernels) and the masks :mod:`.rows` takes. ``method="auto"`` chooses it without the fast extra
+(:func:`qkv.api._kernel`). Every head is computed alone, so the thread count never changes a
+bit; the bits are not :mod:`.reference`'s (another order of operations), and the kernel is
+tested against it within float32's error budget.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from ..masks import MaskSpec
+from . import rows
+from .rows import _flat, _Heads, _inner, _keys_t, _like, _run
+
+TINY, HUGE = np.float32(2.0 ** -60), np.float32(2.0 ** 64)  # a row's Σ exp without its max, to stay exact
+# (and E V, undivided, far from float32's overflow)
+
+
+def applies(spec: MaskSpec, dtype) -> bool:
+    """True when this kernel can run the problem (see the module docstring)."""
+    return rows.stackable(spec, dtype) and spec.plain_scores
+
+
+def hidden(spec: MaskSpec) -> tuple:
+    """One entry a block of :func:`rows.row_blocks`: a ``(R, K)`` bool array, True where the
+    row may not see the key, or None where the block's rows see all its keys."""
+    return _hidden(spec.tq, spec.tk, *spec.band, spec.chunk, spec.shift(None), spec.k_start)
+
+
+@functools.lru_cache(maxsize=64)
+def _hidden(tq: int, tk: int, *rules):
+    out = []
+    for r0, r1, k0, k1, lo, hi in rows._row_blocks(tq, tk, *rules):
+        cols = np.arange(k1 - k0)
+        h = (cols < lo[:, None]) | (cols >= hi[:, None])
+        h.flags.writeable = False
+        out.append(h if h.any() else None)
+    return tuple(out)
+
+
+def forward(q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_weights: bool = False,
+            num_threads: int | None = None):
+    """As :func:`reference.forward` (no weights): ``(out (*L,Tq,Dv), lse (*L,Tq), None)``."""
+    inner = _inner(spec, q, k, v)
+    qh, kh, vh = _Heads(q, inner), _Heads(k, inner, group), _Heads(v, inner, group)
+    n, tq, tk = qh.shape[0], spec.tq, spec.tk
+    out = np.empty((n, tq, v.shape[-1]), np.float32)
+    lse = np.empty((n, tq), np.float32)
+    blocks, masks = rows.row_blocks(spec), hidden(spec)
+    sc = np.float32(scale)
+
+    def job(a, b):
+        qq = qh.take(a, b) * sc                               # scaled once: T·D, not T·T
+        kt, vv = _keys_t(kh.take(a, b), tk), vh.take(a, b)
+        for (r0, r1, k0, k1, _, _), hid in zip(blocks, masks):
+            args = (qq[..., r0:r1, :], kt[..., k0:k1], vv[..., k0:k1, :], hid, _like(out[a:b, r0:r1], qq))
+            with np.errstate(over="ignore", invalid="ignore"):   # a row past 2^64 is done again below
+                total, shift = _block(*args, stable=False)
+            if not ((total >= TINY) & (total <= HUGE)).all():
+                total, shift = _block(*args, stable=True)
+            with np.errstate(divide="ignore"):
+                args[-1][...] /= np.where(total > 0, total, 1)[..., None]
+                lse[a:b, r0:r1] = (shift + np.log(total)).reshape(b - a, r1 - r0)
+
+    _run(job, n, tq, tk, group, num_threads, blocks, inner, max(q.shape[-1], v.shape[-1]))
+    return out.reshape(spec.lead + out.shape[-2:]), lse.reshape(spec.lead + (tq,)), None
+
+
+def _block(qb, kt, vv, hid, o, stable: bool):
+    """``o = exp(S - m) V`` for a block of rows (``S = qb kt``, -inf where ``hid``), not yet
+    divided; returns ``(Σ_j exp(S_ij - m_i), m)``. ``m`` is 0 unless ``stable``, then the
+    rows' max (0 for a row that sees nothing), as the reference subtracts it."""
+    e = np.matmul(qb, kt)                                     # scaled scores (…,R,K)
+    if hid is not None:
+        np.copyto(e, -np.inf, where=hid)
+    m = np.zeros(e.shape[:-1], np.float32)
+    if stable:
+        m = e.max(axis=-1, initial=-np.inf)
+        m[m == -np.inf] = 0
+        e -= m[..., None]
+    np.exp(e, out=e)
+    np.matmul(e, vv, out=o)                                   # E V, divided by the caller
+    return e.sum(axis=-1), m
+
+
+def backward(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int = 1, dlse=None,
+             num_threads: int | None = None):
+    """As :func:`reference.backward`: ``(dq (*L,Tq,D), dk (*Lk,Tk,D), dv (*Lk,Tk,Dv))``, with
+    ``P = exp(S - lse)`` from the forward's lse and ``Δ = rowsum(dO ∘ O)`` from its out."""
+    inner = _inner(spec, q, k, v, dout, out)
+    qh, doh, oh = _Heads(q, inner), _Heads(dout, inner), _Heads(out, inner)
+    kh, vh = _Heads(k, inner, group), _Heads(v, inner, group)
+    n, tq, tk = qh.shape[0], spec.tq, spec.tk
+    ls = lse.reshape(n, tq)
+    ls = np.where(ls == -np.inf, np.float32(0), ls)          # a row that sees nothing: exp(-inf - 0) = 0
+    dl = None if dlse is None else dlse.reshape(n, tq)
+    dq = np.empty(qh.shape, np.float32)
+    dk, dv = np.empty(kh.shape, np.float32), np.empty(vh.shape, np.float32)
+    blocks, masks = rows.row_blocks(spec), hidden(spec)
+    whole = len(blocks) == 1 and blocks[0][2:4] == (0, tk)
+    sc = np.float32(scale)
+
+    def job(a, b):
+        qq, dd, kk, vv = qh.take(a, b) * sc, doh.take(a, b), kh.take(a, b), vh.take(a, b)
+        delta = np.vecdot(dd, oh.take(a, b))                  # (…,Tq): Σ_j P_ij dP_ij = dO_i · O_i
+        if dl is not None:                                    # ∂lse_i/∂s_ij = P_ij
+            delta -= dl[a:b].reshape(delta.shape)
+        la = ls[a:b].reshape(delta.shape)
+        ktt, vtt = _keys_t(kk, tk), _keys_t(vv, tk)
+        gk = gv = None
+        if not whole:
+            gk, gv = np.zeros((b - a,) + dk.shape[1:], np.float32), np.zeros((b - a,) + dv.shape[1:], np.float32)
+        for (r0, r1, k0, k1, _, _), hid in zip(blocks, masks):
+            qb, dob = qq[..., r0:r1, :], dd[..., r0:r1, :]
+            p = np.matmul(qb, ktt[..., k0:k1])                # scaled scores (…,R,K)
+            if hid is not None:
+                np.copyto(p, -np.inf, where=hid)
+            p -= la[..., r0:r1, None]
+            np.exp(p, out=p)                                  # P · c_i
+            c = p.sum(axis=-1, keepdims=True)                 # c_i = 1 to lse's float32 rounding
+            inv = np.divide(1, c, out=np.zeros_like(c), where=c > 0)
+            ds = np.matmul(dob, vtt[..., k0:k1])              # dP = dO Vᵀ
+            ds -= delta[..., r0:r1, None]
+            ds *= p                                           # dS · c_i / scale
+            g = _like(dq[a:b, r0:r1], ds)
+            np.matmul(ds, kk[..., k0:k1, :], out=g)
+            g *= inv * sc
+            pk = _flat(np.matmul(np.swapaxes(ds, -1, -2), qb * inv))   # q carries the scale: dK = scale dSᵀ Q
+            pv = _flat(np.matmul(np.swapaxes(p, -1, -2), dob * inv))
+            if whole:
+                gk, gv = pk, pv
+            else:
+                gk[:, k0:k1] += pk
+                gv[:, k0:k1] += pv
+        if group > 1:
+            gk = gk.reshape((-1, group) + gk.shape[-2:]).sum(axis=1)
+            gv = gv.reshape((-1, group) + gv.shape[-2:]).sum(axis=1)
+        dk[a // group:b // group], dv[a // group:b // group] = gk, gv
+
+    _run(job, n, tq, tk, group, num_threads, blocks, inner, max(q.shape[-1], v.shape[-1]))
+    return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
