@@ -114,10 +114,9 @@ def _as(x: np.ndarray, dtype: np.dtype, shape: tuple) -> np.ndarray:
     return x if x.shape == shape else np.broadcast_to(x, shape)
 
 
-# method="auto" takes the tiled kernel once the score matrices of all heads together have
-# this many entries (B·H·Tq·Tk); below it the dense path's fewer Python steps win.
-# Measured on 2 cores, float32, D = 16 and 64, 1 and 8 heads (medians of 40 alternating
-# runs): dense/flash time was 0.8-1.1 at 2^17 entries, 1.0-1.6 at 2^18, 1.2-6.8 at 2^19.
+# method="auto" takes the tiled kernel from this many score entries of all heads together
+# (B·H·Tq·Tk); below, the dense path's fewer Python steps win. Measured (2 cores, float32, D =
+# 16 and 64, 1 and 8 heads, medians of 40): dense/flash 0.8-1.1 at 2^17, 1.0-1.6 at 2^18.
 AUTO_FLASH_MIN = 2 ** 18
 STACKED = Kernel("stacked", stacked, makes_weights=False, dense=False,  # not a method= name: auto's choice
                  summary="dense, exact, many heads a work unit")
@@ -128,8 +127,7 @@ ROWS_NUMPY = Kernel("rows-numpy", rows_numpy, makes_weights=False, dense=False, 
 
 
 class _WeightsBeside:
-    """A kernel that makes no weights, for out/lse, with the dense path making the weights
-    only (forward only: the backward never asks for weights)."""
+    """A kernel without weights for out/lse, the dense path for the weights (forward only)."""
 
     def __init__(self, kern):
         self.kern = kern
@@ -142,15 +140,12 @@ class _WeightsBeside:
         return out, lse, weights
 
 
-# From AUTO_FLASH_MIN entries on, method="auto" takes the stacked dense kernel
-# (qkv.kernels.stacked: many (batch, head) pairs a work unit, the reference's bits) instead
-# of the tiled one when one head's scores have at most AUTO_STACK_MAX entries (T <= 256 for
-# Tq = Tk). Measured on 2 cores (Zen 4 AVX-512 only), float32, medians of 5, stacked time /
-# tiled time, fwd and fwd+bwd, full and causal: 0.25-0.29 at (32, 8, 128, 64), 0.48-0.77 at
-# (64, 6, 256, 64) and (16, 12, 192, 64), 0.42-1.1 at (1, 8, 256, 16) (fwd+bwd 0.42-0.73);
-# at T = 512 0.76-1.17 (left to the tiles). Below AUTO_FLASH_MIN the dense path over all
-# heads at once (BLAS threads) is as fast or faster: (12, 4, 64, 32) fwd+bwd 2.3 ms against
-# 2.8 ms stacked. Not yet measured as AVX2.
+# From AUTO_FLASH_MIN entries on, auto takes the stacked dense kernel (qkv.kernels.stacked:
+# the reference's bits) over the tiled one up to AUTO_STACK_MAX entries a head (T <= 256).
+# Measured (Zen 4 AVX-512, 2 cores, float32, medians of 5), stacked / tiled time: 0.25-0.29 at
+# (32, 8, 128, 64), 0.48-0.77 at (64, 6, 256, 64) and (16, 12, 192, 64), 0.42-1.1 at (1, 8,
+# 256, 16); at T = 512 0.76-1.17 (left to the tiles). Below AUTO_FLASH_MIN the dense path
+# over all heads at once is as fast or faster ((12, 4, 64, 32) fwd+bwd 2.3 against 2.8 ms).
 AUTO_STACK_MAX = 256 * 256
 # With the fast extra, float32, method="auto" takes qkv.kernels.rows (the stacked products with
 # one compiled softmax pass a row, causal rows in blocks that skip the keys they cannot see)
@@ -160,12 +155,9 @@ AUTO_STACK_MAX = 256 * 256
 # the tiled kernel is 0.90 / 1.01; at T = 4096 the rows lose to the tiles in the backward
 # (2.0 against 1.5 s). Two threads, the shapes suite: README, Speed.
 AUTO_ROWS_MAX = 1024 * 1024
-# Without the fast extra (or with QKV_JIT=0), float32 plain scores: qkv.kernels.rows_numpy (the
-# row kernel's products and blocks, three to five NumPy passes over the scores where the
-# stacked kernel takes seven to nine) from this many entries (B·H·Tq·Tk) up to AUTO_ROWS_MAX a
-# head. Measured (Zen 4, AVX-512, 2 threads, fwd+bwd, causal, one process each): 103 µs
-# against the reference's 81 at (1, 1, 8, 8), 279 against 286 at (4, 4, 32, 32); the shapes
-# suite NumPy only, torch ÷ qkv: README, Speed.
+# Without the fast extra, float32 plain scores: qkv.kernels.rows_numpy from this many entries
+# (B·H·Tq·Tk) on. Measured (Zen 4, fwd+bwd causal): 103 µs against the reference's 81 at
+# (1, 1, 8, 8), 279 against 286 at (4, 4, 32, 32); the shapes suite: README, Speed.
 AUTO_ROWS_NUMPY_MIN = 2 ** 14
 
 
@@ -175,11 +167,11 @@ def _kernel(method: str, prob: Problem, need_weights: bool):
     spec = prob.spec
     entries = math.prod(spec.lead) * spec.tq * spec.tk
     if method == "auto":
-        if not need_weights and spec.tq * spec.tk <= AUTO_ROWS_MAX and rows.applies(spec, prob.q.dtype):
-            return ROWS
-        if (not need_weights and spec.tq * spec.tk <= AUTO_ROWS_MAX and entries >= AUTO_ROWS_NUMPY_MIN
-                and rows_numpy.applies(spec, prob.q.dtype)):
-            return ROWS_NUMPY
+        if not need_weights and spec.tq * spec.tk <= AUTO_ROWS_MAX:
+            if rows.applies(spec, prob.q.dtype):
+                return ROWS
+            if entries >= AUTO_ROWS_NUMPY_MIN and rows_numpy.applies(spec, prob.q.dtype):
+                return ROWS_NUMPY
         if (not need_weights and spec.tq * spec.tk <= AUTO_STACK_MAX and entries >= AUTO_FLASH_MIN
                 and stacked.applies(spec)):
             return STACKED
