@@ -25,10 +25,14 @@ tiled kernel takes it from P where a tile holds whole rows.)
 """
 from __future__ import annotations
 
+import contextlib
+import math
+
 import torch
 
 from ..api import attention as np_attention, attention_backward as np_attention_backward
 from ..errors import ShapeError, fmt_shape
+from ..threads import kernel_threads
 from . import options as opt
 
 FWD = "qkv::attention_fwd"
@@ -47,10 +51,28 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
 
 # --- kernels: NumPy views in, qkv, tensors out ----------------------------------------------
 
+# Up to this many score entries (B·H·Tq·Tk) qkv's kernels run on the calling thread while torch
+# uses more than one thread. torch's OpenMP workers spin on after each of torch's operators
+# (libgomp's wait policy) and hold the cores a kernel thread of qkv's would take: inside a
+# Hugging Face model (width 128, B=4, 2 threads) qkv ÷ sdpa went from 1.10-1.21 threaded to
+# 1.07-1.10 on the calling thread at T = 256, 0.94-1.00 from 0.96-1.04 at T = 512, 1.04-1.06
+# from 1.02-1.18 at T = 1024 (16·2^20 entries). Past it the kernel threads are worth it.
+TORCH_SERIAL_WORK = 1 << 24
+
+
+def _threads(q, k):
+    """``kernel_threads(1)`` for a problem of at most :data:`TORCH_SERIAL_WORK` entries while
+    torch's own threads are up; else the caller's setting."""
+    if torch.get_num_threads() > 1 and math.prod(q.shape[:-1]) * k.shape[-2] <= TORCH_SERIAL_WORK:
+        return kernel_threads(1)
+    return contextlib.nullcontext()
+
+
 def fwd_kernel(q, k, v, *args):
     """The forward operator's CPU kernel: ``(out, lse)`` for q, k, v and the option arguments."""
     kwargs = opt.decode(args[:-1])
-    out, lse = np_attention(opt.to_numpy(q), opt.to_numpy(k), opt.to_numpy(v), return_lse=True, **kwargs)
+    with _threads(q, k):
+        out, lse = np_attention(opt.to_numpy(q), opt.to_numpy(k), opt.to_numpy(v), return_lse=True, **kwargs)
     return opt.from_numpy(out, q.dtype), opt.from_numpy(lse, _lse_dtype(q.dtype))
 
 
@@ -58,13 +80,15 @@ def _bwd_kernel(dout, q, k, v, out, lse, dlse, *args):
     kwargs = opt.decode(args)
     arrays = [opt.to_numpy(t) for t in (dout, q, k, v, out, lse)]
     dlse = None if dlse is None else opt.to_numpy(dlse.to(lse.dtype))
-    dq, dk, dv = np_attention_backward(*arrays, dlse=dlse, **kwargs)
+    with _threads(q, k):
+        dq, dk, dv = np_attention_backward(*arrays, dlse=dlse, **kwargs)
     return opt.from_numpy(dq, q.dtype), opt.from_numpy(dk, k.dtype), opt.from_numpy(dv, v.dtype)
 
 
 def _weights_kernel(q, k, v, *args):
     kwargs = opt.decode(args)
-    _, weights = np_attention(opt.to_numpy(q), opt.to_numpy(k), opt.to_numpy(v), return_weights=True, **kwargs)
+    with _threads(q, k):
+        _, weights = np_attention(opt.to_numpy(q), opt.to_numpy(k), opt.to_numpy(v), return_weights=True, **kwargs)
     return opt.from_numpy(weights, q.dtype)
 
 
