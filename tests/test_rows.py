@@ -9,39 +9,14 @@ from qkv import api, jit
 from qkv.kernels import rows
 from qkv.threads import kernel_threads
 
-import oracle
-from differential import judge, plain
-from problems import cases
+from row_cases import MASKS, check, differential_cases, inputs
 
 pytestmark = pytest.mark.skipif(jit.load(jit.ROWS) is None,
                                 reason="the row kernel needs the fast extra (numba) and QKV_JIT != 0")
 
 
-def _inputs(shape_q, shape_kv, scale=1.0, seed=0):
-    rng = np.random.default_rng(seed)
-    q = (scale * rng.standard_normal(shape_q)).astype(np.float32)
-    k, v = ((scale * rng.standard_normal(shape_kv)).astype(np.float32) for _ in range(2))
-    dout = rng.standard_normal(shape_q[:-1] + (shape_kv[-1],)).astype(np.float32)
-    return q, k, v, dout
-
-
 def _check(q, k, v, dout, dlse=None, **opts) -> list:
-    """Every result of attention + attention_backward (method="auto", which must be the row
-    kernel) against the oracle, within the float32 budget."""
-    assert api._kernel("auto", api.prepare(q, k, v, **opts), False) is api.ROWS
-    want = oracle.solve(q, k, v, dout, dlse=dlse, **opts)
-    base = plain(oracle.solve(q, k, v, dout, dlse=dlse, dtype=np.float32, **opts), np.float32)
-    out, lse = qkv.attention(q, k, v, return_lse=True, **opts)
-    grads = qkv.attention_backward(dout, q, k, v, out, lse, dlse=dlse, **opts)
-    fails = [judge("out", out, want.out, want.size["out"], base.out, np.float32),
-             judge("lse", lse, want.lse, want.size["lse"], base.lse, np.float32)]
-    for name, got in zip(("dq", "dk", "dv"), grads):
-        fails.append(judge(name, got, getattr(want, name), want.size[name], getattr(base, name), np.float32))
-    return [f for f in fails if f]
-
-
-MASKS = [dict(), dict(causal=True), dict(causal="bottom_right"), dict(window=(5, 3)), dict(window=(None, 0)),
-         dict(causal=True, chunk=7), dict(chunk=16, align="bottom_right"), dict(causal=True, window=(0, 0))]
+    return check(api.ROWS, q, k, v, dout, dlse=dlse, **opts)
 
 
 @pytest.mark.parametrize("opts", MASKS)
@@ -49,7 +24,7 @@ MASKS = [dict(), dict(causal=True), dict(causal="bottom_right"), dict(window=(5,
                                    ((3, 2, 50, 8), (3, 2, 20, 8)),     # Tq > Tk: bottom-right rows that see nothing
                                    ((12, 4, 64, 32), (12, 4, 64, 32))])  # nanoGPT's CPU recipe
 def test_masks_and_groups_within_the_float32_budget(opts, shape):
-    q, k, v, dout = _inputs(*shape)
+    q, k, v, dout = inputs(*shape)
     gqa = q.shape[1] != k.shape[1]
     dlse = np.random.default_rng(1).standard_normal(q.shape[:-1]).astype(np.float32)
     assert _check(q, k, v, dout, gqa=gqa, **opts) == []
@@ -60,13 +35,13 @@ def test_masks_and_groups_within_the_float32_budget(opts, shape):
 def test_trained_model_magnitudes_and_the_rows_that_need_their_max(scale):
     """Scores of std 16 up to ~900 (in log2 units past 2^100: the rows that subtract their
     max first), negative scale too."""
-    q, k, v, dout = _inputs((2, 3, 40, 16), (2, 3, 40, 16), scale=np.sqrt(scale))
+    q, k, v, dout = inputs((2, 3, 40, 16), (2, 3, 40, 16), scale=np.sqrt(scale))
     for opts in (dict(causal=True), dict(scale=-0.3), dict()):
         assert _check(q, k, v, dout, **opts) == []
 
 
 def test_nan_reaches_its_rows_only():
-    q, k, v, _ = _inputs((1, 2, 16, 8), (1, 2, 16, 8))
+    q, k, v, _ = inputs((1, 2, 16, 8), (1, 2, 16, 8))
     q[0, 1, 5, 3] = np.nan
     out = qkv.attention(q, k, v, causal=True)
     assert np.isnan(out[0, 1, 5]).all()
@@ -78,25 +53,13 @@ def test_nan_reaches_its_rows_only():
 def test_the_differential_cases_it_takes():
     """The harness's random float32 problems (lengths, extreme values, every alignment) that the
     row kernel takes: all within the budget, and enough of them to mean something."""
-    taken, fails = 0, []
-    for case in cases(7, 400, "core"):
-        a, opts = case.arrays, case.opts
-        if a["q"].dtype != np.float32:
-            continue
-        try:
-            prob = api.prepare(a["q"], a["k"], a["v"], **opts)
-        except qkv.ShapeError:
-            continue
-        if api._kernel("auto", prob, False) is not api.ROWS:
-            continue
-        taken += 1
-        fails += [f"{case}: {f}" for f in _check(a["q"], a["k"], a["v"], a["dout"], **opts)]
+    taken, fails = differential_cases(api.ROWS)
     assert fails == []
     assert taken >= 20
 
 
 def test_the_same_bits_for_any_thread_count():
-    q, k, v, dout = _inputs((8, 8, 97, 24), (8, 4, 83, 24))
+    q, k, v, dout = inputs((8, 8, 97, 24), (8, 4, 83, 24))
     runs = []
     for threads in (1, 2, 3):
         with kernel_threads(threads):
@@ -161,7 +124,7 @@ def test_key_runs_are_the_masks_rows(seed):
         opts["window"] = (left, 0 if "causal" in opts and right is not None else right)  # causal: no right side
     if rng.random() < 0.4:
         opts["chunk"] = int(rng.integers(1, 12))
-    q, k, v, _ = _inputs((2, tq, 4), (2, tk, 4))
+    q, k, v, _ = inputs((2, tq, 4), (2, tk, 4))
     spec = api.prepare(q, k, v, **opts).spec
     ok = spec.allowed()
     ok = np.ones((tq, tk), bool) if ok is None else np.broadcast_to(ok, (tq, tk))
@@ -171,7 +134,7 @@ def test_key_runs_are_the_masks_rows(seed):
 
 
 def test_chosen_only_where_it_applies():
-    q, k, v, _ = _inputs((4, 4, 64, 16), (4, 4, 64, 16))
+    q, k, v, _ = inputs((4, 4, 64, 16), (4, 4, 64, 16))
     assert api._kernel("auto", api.prepare(q, k, v, causal=True), False) is api.ROWS
     assert api._kernel("auto", api.prepare(q, k, v), True) is not api.ROWS          # weights
     q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
@@ -179,7 +142,7 @@ def test_chosen_only_where_it_applies():
     for opts in (dict(kv_lengths=np.arange(4) * 10 + 5), dict(bias=np.zeros((64, 64), np.float32)),
                  dict(mask=np.tri(64, dtype=bool)), dict(alibi=np.ones(4, np.float32))):
         assert api._kernel("auto", api.prepare(q, k, v, **opts), False) is not api.ROWS, opts
-    qa, ka, va, _ = _inputs((1, 2, 1100, 16), (1, 2, 1100, 16))                     # past 1024²: the tiles
+    qa, ka, va, _ = inputs((1, 2, 1100, 16), (1, 2, 1100, 16))                     # past 1024²: the tiles
     assert api._kernel("auto", api.prepare(qa, ka, va), False) is not api.ROWS
     assert api._kernel("reference", api.prepare(q, k, v), False) is not api.ROWS    # a method named: that one
 
@@ -191,7 +154,7 @@ def test_chosen_only_where_it_applies():
 def test_softcap_and_dropout_against_the_oracle(opts, std):
     """The keep-mask is the oracle's, written from qkv.score_ops' definition, and the softcap's
     tanh passes into the backward: every result within the float32 budget, lse undropped."""
-    q, k, v, dout = _inputs((2, 4, 300, 16), (2, 2, 300, 16), scale=std)   # 300 rows: causal blocks too
+    q, k, v, dout = inputs((2, 4, 300, 16), (2, 2, 300, 16), scale=std)   # 300 rows: causal blocks too
     dlse = np.random.default_rng(4).standard_normal(q.shape[:-1]).astype(np.float32)
     assert _check(q, k, v, dout, gqa=True, **opts) == []
     assert _check(q, k, v, dout, dlse=dlse, gqa=True, **opts) == []
@@ -200,7 +163,7 @@ def test_softcap_and_dropout_against_the_oracle(opts, std):
 def test_dropout_draws_the_tiled_kernels_mask():
     """The same seed gives the row kernel and the tiled kernel one mask: their outputs agree to
     float32 rounding, and another seed moves them by far more."""
-    q, k, v, _ = _inputs((1, 2, 200, 16), (1, 2, 200, 16))
+    q, k, v, _ = inputs((1, 2, 200, 16), (1, 2, 200, 16))
     rows_out = qkv.attention(q, k, v, causal=True, dropout_p=0.3, dropout_seed=11)
     tiled = qkv.attention(q, k, v, causal=True, dropout_p=0.3, dropout_seed=11, method="flash")
     other = qkv.attention(q, k, v, causal=True, dropout_p=0.3, dropout_seed=12, method="flash")

@@ -11,9 +11,7 @@ from qkv import api
 from qkv.kernels import rows, rows_numpy
 from qkv.threads import kernel_threads
 
-import oracle
-from differential import judge, plain
-from problems import cases
+from row_cases import MASKS, check, differential_cases, inputs
 
 
 @pytest.fixture(autouse=True)
@@ -24,31 +22,8 @@ def without_the_fast_extra(monkeypatch):
     monkeypatch.setattr(api, "AUTO_ROWS_NUMPY_MIN", 0)
 
 
-def _inputs(shape_q, shape_kv, scale=1.0, seed=0):
-    rng = np.random.default_rng(seed)
-    q = (scale * rng.standard_normal(shape_q)).astype(np.float32)
-    k, v = ((scale * rng.standard_normal(shape_kv)).astype(np.float32) for _ in range(2))
-    dout = rng.standard_normal(shape_q[:-1] + (shape_kv[-1],)).astype(np.float32)
-    return q, k, v, dout
-
-
 def _check(q, k, v, dout, dlse=None, **opts) -> list:
-    """Every result of attention + attention_backward (method="auto", which must be this
-    kernel) against the oracle, within the float32 budget."""
-    assert api._kernel("auto", api.prepare(q, k, v, **opts), False) is api.ROWS_NUMPY
-    want = oracle.solve(q, k, v, dout, dlse=dlse, **opts)
-    base = plain(oracle.solve(q, k, v, dout, dlse=dlse, dtype=np.float32, **opts), np.float32)
-    out, lse = qkv.attention(q, k, v, return_lse=True, **opts)
-    grads = qkv.attention_backward(dout, q, k, v, out, lse, dlse=dlse, **opts)
-    fails = [judge("out", out, want.out, want.size["out"], base.out, np.float32),
-             judge("lse", lse, want.lse, want.size["lse"], base.lse, np.float32)]
-    for name, got in zip(("dq", "dk", "dv"), grads):
-        fails.append(judge(name, got, getattr(want, name), want.size[name], getattr(base, name), np.float32))
-    return [f for f in fails if f]
-
-
-MASKS = [dict(), dict(causal=True), dict(causal="bottom_right"), dict(window=(5, 3)), dict(window=(None, 0)),
-         dict(causal=True, chunk=7), dict(chunk=16, align="bottom_right"), dict(causal=True, window=(0, 0))]
+    return check(api.ROWS_NUMPY, q, k, v, dout, dlse=dlse, **opts)
 
 
 @pytest.mark.parametrize("opts", MASKS)
@@ -56,7 +31,7 @@ MASKS = [dict(), dict(causal=True), dict(causal="bottom_right"), dict(window=(5,
                                    ((3, 2, 50, 8), (3, 2, 20, 8)),     # Tq > Tk: bottom-right rows that see nothing
                                    ((2, 3, 150, 32), (2, 3, 150, 32))])  # causal blocks of 64, some skipping keys
 def test_masks_and_groups_within_the_float32_budget(opts, shape):
-    q, k, v, dout = _inputs(*shape)
+    q, k, v, dout = inputs(*shape)
     gqa = q.shape[1] != k.shape[1]
     dlse = np.random.default_rng(1).standard_normal(q.shape[:-1]).astype(np.float32)
     assert _check(q, k, v, dout, gqa=gqa, **opts) == []
@@ -71,7 +46,7 @@ def test_trained_model_magnitudes_and_the_blocks_done_again(std, monkeypatch):
     again = []
     block = rows_numpy._block
     monkeypatch.setattr(rows_numpy, "_block", lambda *a, stable: again.append(stable) or block(*a, stable=stable))
-    q, k, v, dout = _inputs((2, 3, 70, 16), (2, 3, 70, 16), scale=std)
+    q, k, v, dout = inputs((2, 3, 70, 16), (2, 3, 70, 16), scale=std)
     for opts in (dict(causal=True), dict(scale=-0.3), dict(), dict(scale=3.0)):
         again.clear()
         assert _check(q, k, v, dout, **opts) == []
@@ -80,7 +55,7 @@ def test_trained_model_magnitudes_and_the_blocks_done_again(std, monkeypatch):
 
 
 def test_rows_that_see_nothing_and_a_nan():
-    q, k, v, dout = _inputs((1, 2, 16, 8), (1, 2, 10, 8))
+    q, k, v, dout = inputs((1, 2, 16, 8), (1, 2, 10, 8))
     out, lse = qkv.attention(q, k, v, causal="bottom_right", return_lse=True)
     assert (out[:, :, :6] == 0).all() and (lse[:, :, :6] == -np.inf).all()
     dq, dk, dv = qkv.attention_backward(dout, q, k, v, out, lse, causal="bottom_right")
@@ -95,19 +70,7 @@ def test_rows_that_see_nothing_and_a_nan():
 def test_the_differential_cases_it_takes():
     """The harness's random float32 problems (lengths, extreme values, every alignment) that
     this kernel takes: all within the budget, and enough of them to mean something."""
-    taken, fails = 0, []
-    for case in cases(7, 400, "core"):
-        a, opts = case.arrays, case.opts
-        if a["q"].dtype != np.float32:
-            continue
-        try:
-            prob = api.prepare(a["q"], a["k"], a["v"], **opts)
-        except qkv.ShapeError:
-            continue
-        if api._kernel("auto", prob, False) is not api.ROWS_NUMPY:
-            continue
-        taken += 1
-        fails += [f"{case}: {f}" for f in _check(a["q"], a["k"], a["v"], a["dout"], **opts)]
+    taken, fails = differential_cases(api.ROWS_NUMPY)
     assert fails == []
     assert taken >= 20
 
@@ -136,11 +99,11 @@ def test_the_same_bits_for_any_thread_count_and_strided_heads():
 
 def test_chosen_only_where_it_applies(monkeypatch):
     monkeypatch.setattr(api, "AUTO_ROWS_NUMPY_MIN", 2 ** 14)
-    q, k, v, _ = _inputs((1, 4, 64, 16), (1, 4, 64, 16))                                 # 2^14 entries
+    q, k, v, _ = inputs((1, 4, 64, 16), (1, 4, 64, 16))                                 # 2^14 entries
     assert api._kernel("auto", api.prepare(q, k, v, causal=True), False) is api.ROWS_NUMPY
     small = api.prepare(q[:, :3], k[:, :3], v[:, :3], causal=True)                        # 3 · 2^12: the reference
     assert api._kernel("auto", small, False) is not api.ROWS_NUMPY
-    q, k, v, _ = _inputs((4, 4, 64, 16), (4, 4, 64, 16))
+    q, k, v, _ = inputs((4, 4, 64, 16), (4, 4, 64, 16))
     assert api._kernel("auto", api.prepare(q, k, v, causal=True), False) is api.ROWS_NUMPY
     assert api._kernel("auto", api.prepare(q, k, v), True) is not api.ROWS_NUMPY           # weights
     q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
@@ -149,5 +112,5 @@ def test_chosen_only_where_it_applies(monkeypatch):
                  dict(mask=np.tri(64, dtype=bool)), dict(alibi=np.ones(4, np.float32)), dict(softcap=30.0),
                  dict(dropout_p=0.1, dropout_seed=1)):
         assert api._kernel("auto", api.prepare(q, k, v, **opts), False) is not api.ROWS_NUMPY, opts
-    qa, ka, va, _ = _inputs((1, 2, 1100, 16), (1, 2, 1100, 16))                            # past 1024²: the tiles
+    qa, ka, va, _ = inputs((1, 2, 1100, 16), (1, 2, 1100, 16))                            # past 1024²: the tiles
     assert api._kernel("auto", api.prepare(qa, ka, va), False) is not api.ROWS_NUMPY

@@ -1,0 +1,56 @@
+"""What the row kernels' tests share (``test_rows.py``, the compiled one; ``test_rows_numpy.py``,
+its NumPy form): inputs, the masks they run, and every result judged against the oracle."""
+import numpy as np
+
+import qkv
+from qkv import api
+
+import oracle
+from differential import judge, plain
+
+MASKS = [dict(), dict(causal=True), dict(causal="bottom_right"), dict(window=(5, 3)), dict(window=(None, 0)),
+         dict(causal=True, chunk=7), dict(chunk=16, align="bottom_right"), dict(causal=True, window=(0, 0))]
+
+
+def inputs(shape_q, shape_kv, scale=1.0, seed=0):
+    rng = np.random.default_rng(seed)
+    q = (scale * rng.standard_normal(shape_q)).astype(np.float32)
+    k, v = ((scale * rng.standard_normal(shape_kv)).astype(np.float32) for _ in range(2))
+    dout = rng.standard_normal(shape_q[:-1] + (shape_kv[-1],)).astype(np.float32)
+    return q, k, v, dout
+
+
+def check(kernel, q, k, v, dout, dlse=None, **opts) -> list:
+    """Every result of attention + attention_backward (method="auto", which must choose
+    ``kernel``) against the oracle, within the float32 budget: the failures, if any."""
+    assert api._kernel("auto", api.prepare(q, k, v, **opts), False) is kernel
+    want = oracle.solve(q, k, v, dout, dlse=dlse, **opts)
+    base = plain(oracle.solve(q, k, v, dout, dlse=dlse, dtype=np.float32, **opts), np.float32)
+    out, lse = qkv.attention(q, k, v, return_lse=True, **opts)
+    grads = qkv.attention_backward(dout, q, k, v, out, lse, dlse=dlse, **opts)
+    fails = [judge("out", out, want.out, want.size["out"], base.out, np.float32),
+             judge("lse", lse, want.lse, want.size["lse"], base.lse, np.float32)]
+    for name, got in zip(("dq", "dk", "dv"), grads):
+        fails.append(judge(name, got, getattr(want, name), want.size[name], getattr(base, name), np.float32))
+    return [f for f in fails if f]
+
+
+def differential_cases(kernel) -> tuple[int, list]:
+    """The harness's random float32 problems (lengths, extreme values, every alignment) that
+    ``auto`` gives ``kernel``, each checked: ``(how many, their failures)``."""
+    from problems import cases
+
+    taken, fails = 0, []
+    for case in cases(7, 400, "core"):
+        a, opts = case.arrays, case.opts
+        if a["q"].dtype != np.float32:
+            continue
+        try:
+            prob = api.prepare(a["q"], a["k"], a["v"], **opts)
+        except qkv.ShapeError:
+            continue
+        if api._kernel("auto", prob, False) is not kernel:
+            continue
+        taken += 1
+        fails += [f"{case}: {f}" for f in check(kernel, a["q"], a["k"], a["v"], a["dout"], **opts)]
+    return taken, fails
