@@ -1,5 +1,5 @@
 """The row kernel (``qkv.kernels.rows``): what ``method="auto"`` runs for float32 sequences of
-up to 512 keys with the fast extra. Judged against the float64 oracle by the differential
+up to 1024 keys with the fast extra. Judged against the float64 oracle by the differential
 harness's budget, bit-identical for any thread count, and chosen only where it applies."""
 import numpy as np
 import pytest
