@@ -86,6 +86,28 @@ def test_a_hold_from_any_thread_limits_blas_and_any_thread_restores_it():
         threads._drop_claim()
 
 
+@pytest.mark.parametrize("direct", [True, False])
+def test_the_hold_sets_and_restores_through_either_path(direct, monkeypatch):
+    """NumPy's OpenBLAS is held through its own set function; any other BLAS (here: the direct
+    path refused) through threadpoolctl. Either way one thread while held, as found after."""
+    from threadpoolctl import threadpool_limits
+
+    if not blas_threads():
+        pytest.skip("no BLAS that threadpoolctl controls")
+    if direct:
+        assert threads._openblas_pools(threads._controller()), "NumPy's wheel carries a pthreads OpenBLAS"
+    else:
+        monkeypatch.setattr(threads, "_openblas_pools", lambda ctl: None)
+    original = threadpool_limits(limits=2, user_api="blas")
+    try:
+        with threads.blas_one_thread():
+            assert all(n == 1 for n in blas_threads())
+        assert blas_threads() == [2] * len(blas_threads())
+    finally:
+        original.restore_original_limits()
+        threads._drop_claim()
+
+
 def test_kernel_threads_hold_for_the_calling_thread_only(monkeypatch):
     import numpy as np
 

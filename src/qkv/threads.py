@@ -14,7 +14,9 @@ change a pthreads OpenBLAS's process-wide pool and silently skips sets from any 
 hold taken from a worker thread then did nothing. The counted hold is itself the arbiter
 between qkv's callers, so it drops that claim around each change it makes (see
 :func:`_set_blas`). With an OpenMP-threaded BLAS the limit is per thread; that build was
-not available to test here.
+not available to test here. Where every loaded BLAS is a pthreads OpenBLAS (NumPy's wheels)
+the hold calls its ``openblas_set_num_threads`` directly: 1.7 µs a hold and release against
+threadpoolctl's 10, a cost every kernel call pays.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from .errors import ShapeError
 
 _lock = threading.Lock()
 _state = {"threads": None, "pool": None, "pool_size": 0}
-_blas = {"users": 0, "limiter": None}
+_blas = {"users": 0, "limiter": None, "ctl": None, "pools": None}
 _here = contextvars.ContextVar("qkv_kernel_threads", default=None)  # kernel_threads(n) in force
 
 
@@ -107,12 +109,52 @@ def _set_blas(change):
         _drop_claim()
 
 
+def _openblas_pools(ctl) -> tuple | None:
+    """``((get, set), ...)``: the thread-count functions of each loaded BLAS where every one is a
+    pthreads OpenBLAS (one process-wide pool each: what the hold sets, as threadpoolctl would,
+    in a microsecond instead of its ten); None where another BLAS is loaded. Kept per
+    threadpoolctl controller (renewed when modules were imported)."""
+    if _blas.get("ctl") is not ctl:
+        _blas["ctl"], _blas["pools"] = ctl, _find_pools(ctl)
+    return _blas["pools"]
+
+
+def _find_pools(ctl) -> tuple | None:
+    import ctypes
+
+    pools = []
+    for lib in ctl.lib_controllers:
+        if lib.user_api != "blas":
+            continue
+        if lib.internal_api != "openblas" or getattr(lib, "threading_layer", None) != "pthreads":
+            return None
+        try:
+            dll = ctypes.CDLL(lib.filepath, mode=getattr(os, "RTLD_NOLOAD", 0) | ctypes.RTLD_LOCAL)  # the loaded one only
+        except OSError:
+            return None
+        names = [(f"{p}openblas_get_num_threads{x}", f"{p}openblas_set_num_threads{x}")
+                 for p in ("", "scipy_") for x in ("", "64_", "_64")]
+        found = [(getattr(dll, g), getattr(dll, st)) for g, st in names if hasattr(dll, g) and hasattr(dll, st)]
+        if not found:
+            return None
+        get, set_ = found[0]
+        get.restype, get.argtypes, set_.restype, set_.argtypes = ctypes.c_int, [], None, [ctypes.c_int]
+        pools.append((get, set_))
+    return tuple(pools)
+
+
 def hold_blas() -> None:
     """Hold BLAS to one thread until the matching :func:`release_blas` (counted; any thread)."""
     with _lock:
         if _blas["users"] == 0:
             ctl = _controller()
-            _blas["limiter"] = _set_blas(lambda: ctl.limit(limits=1, user_api="blas"))
+            pools = _openblas_pools(ctl)
+            if pools is not None:
+                _blas["limiter"] = [(set_, get()) for get, set_ in pools]
+                for set_, _ in _blas["limiter"]:
+                    set_(1)
+            else:
+                _blas["limiter"] = _set_blas(lambda: ctl.limit(limits=1, user_api="blas"))
         _blas["users"] += 1
 
 
@@ -121,7 +163,12 @@ def release_blas() -> None:
     with _lock:
         _blas["users"] -= 1
         if _blas["users"] == 0:
-            _set_blas(_blas["limiter"].restore_original_limits)
+            found = _blas["limiter"]
+            if isinstance(found, list):
+                for set_, n in found:
+                    set_(n)
+            else:
+                _set_blas(found.restore_original_limits)
             _blas["limiter"] = None
 
 
