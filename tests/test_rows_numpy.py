@@ -45,7 +45,7 @@ def test_trained_model_magnitudes_and_the_blocks_done_again(std, monkeypatch):
     stays within the budget, also where lse is rounded at a magnitude of hundreds."""
     again = []
     block = rows_numpy._block
-    monkeypatch.setattr(rows_numpy, "_block", lambda *a, stable: again.append(stable) or block(*a, stable=stable))
+    monkeypatch.setattr(rows_numpy, "_block", lambda *a: again.append(len(a) > 7) or block(*a))  # shift: done again
     q, k, v, dout = inputs((2, 3, 70, 16), (2, 3, 70, 16), scale=std)
     for opts in (dict(causal=True), dict(scale=-0.3), dict(), dict(scale=3.0)):
         again.clear()

@@ -30,7 +30,7 @@ import numpy as np
 
 from .. import jit, score_ops, threads
 from ..masks import MaskSpec
-from . import reference
+from . import reference, workspace
 
 MAX_KEYS = 1024          # longer rows go to the tiled kernel (measured: rows at T = 4096 lose in the backward)
 UNIT_ENTRIES = 1 << 16   # score entries of one work unit (256 KiB float32; with dP, 512 KiB of a 1 MiB L2)
@@ -96,26 +96,27 @@ def _key_runs(tq: int, tk: int, left, right, chunk, shift: int, k_start: int):
     return lo, hi
 
 
-def _units(n: int, entries: int, group: int, n_threads: int) -> list[list[tuple[int, int]]]:
+def _units(n: int, entries: int, group: int, n_threads: int, unit: int) -> list[list[tuple[int, int]]]:
     """One list a thread: its contiguous share of the kv groups (balanced), cut into units
-    whose largest block of scores (``entries`` a head) holds at most :data:`UNIT_ENTRIES`
+    whose largest block of scores (``entries`` a head) holds at most ``unit`` entries
     (one group at least), run in turn. Every head is computed alone, so neither the shares
     nor the units change a bit."""
     groups = n // group
-    per = max(1, UNIT_ENTRIES // max(entries, 1) // group)
+    per = max(1, unit // max(entries, 1) // group)
     shares = [(groups * t // n_threads, groups * (t + 1) // n_threads) for t in range(n_threads)]
     return [[(a * group, min(a + per, b) * group) for a in range(a0, b, per)] for a0, b in shares if b > a0]
 
 
 def _run(job, n: int, tq: int, tk: int, group: int, num_threads: int | None, blocks: tuple,
-         inner: int = 1, depth: int = 1) -> None:
+         inner: int = 1, depth: int = 1, unit: int | None = None) -> None:
     """``job(a, b)`` for every unit: on the calling thread below :data:`SERIAL_WORK` score
     entries, else one share a kernel thread, the calling thread taking the first (one hand-off
     a thread: a pool task costs ~20 µs), with BLAS held to one thread. On the calling thread
     BLAS is held too where a head's product (a block's entries times ``depth``, the head
     width) is past :data:`BLAS_ALONE`: OpenBLAS may split it over its threads, and its Haswell
     kernels' split changes the rounding, so one thread and two would give other bits.
-    A unit that straddles items of ``inner`` heads is run in pieces (:func:`_pieces`).
+    A unit that straddles items of ``inner`` heads is run in pieces (:func:`_pieces`); a unit
+    holds up to ``unit`` score entries (:data:`UNIT_ENTRIES` by default).
 
     The threshold was measured inside a training step, not alone: at nanoGPT's CPU recipe
     (12·4 heads of 64², 196,608 entries) the two threads' hand-off and BLAS's hold came after
@@ -125,7 +126,7 @@ def _run(job, n: int, tq: int, tk: int, group: int, num_threads: int | None, blo
     shapes."""
     nt = 1 if n * tq * tk < SERIAL_WORK else (num_threads or threads.get_num_threads())
     entries = max((r1 - r0) * (k1 - k0) for r0, r1, k0, k1, _, _ in blocks)
-    shares = _units(n, entries, group, min(nt, n // group))
+    shares = _units(n, entries, group, min(nt, n // group), unit or UNIT_ENTRIES)
 
     def run(units):
         for a, b in units:
@@ -203,19 +204,18 @@ def _like(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return x if y.ndim == 3 else x.reshape(y.shape[:-2] + x.shape[-2:])
 
 
-def _keys_t(x: np.ndarray, tk: int) -> np.ndarray:
+def _keys_t(x: np.ndarray, tk: int, name: str = "kt") -> np.ndarray:
     """``x (..., Tk, D)`` as the right operand of ``q Kᵀ`` (or ``dO Vᵀ``): up to
     :data:`COPY_T_KEYS` keys a contiguous copy of its transpose ``(..., D, Tk)``, made by the
-    unit that uses it; beyond, the transposed view. OpenBLAS multiplies by a transposed view
+    unit that uses it (in its thread's buffer ``name``); beyond, the transposed view. OpenBLAS multiplies by a transposed view
     at 0.6x the rate of a plain matrix at training's small heads (48 heads of 64 x 32: 200
     against 117 µs, one thread, AVX-512; 8 of 128 x 64: 203 against 178) and the copy costs
     a sixth to a half of the difference; from 256 keys the two rates are within 8 % and the
     copy costs more than it saves."""
-    t = np.swapaxes(x, -1, -2)
-    return np.ascontiguousarray(t) if tk <= COPY_T_KEYS else t
+    return workspace.transposed(x, name) if tk <= COPY_T_KEYS else np.swapaxes(x, -1, -2)
 
 
-def row_blocks(spec: MaskSpec) -> tuple:
+def row_blocks(spec: MaskSpec, size: int | None = None) -> tuple:
     """``((r0, r1, k0, k1, lo, hi), ...)``: the query rows cut into blocks that each take
     only the keys ``[k0, k1)`` some row of theirs sees (``lo``/``hi`` relative to ``k0``).
     Blocks of :data:`BLOCK_ROWS` rows (half that up to :data:`SHORT_ROWS` rows) where that
@@ -223,12 +223,13 @@ def row_blocks(spec: MaskSpec) -> tuple:
     block; they depend on the rules alone. Measured (fwd / bwd µs, 2 threads, AVX-512,
     causal): (12,4,64,32) one block 437 / 980, blocks of 32 387 / 922, of 16 370 / 1743;
     (32,8,128,64) 64: 7574 / 25460, 32: 7240 / 23407; (1,8,256,16) 64: 432 / 851, 32:
-    502 / 1206 (per-block work outweighs the products skipped)."""
-    return _row_blocks(spec.tq, spec.tk, *spec.band, spec.chunk, spec.shift(None), spec.k_start)
+    502 / 1206 (per-block work outweighs the products skipped). ``size``: blocks of that
+    many rows instead."""
+    return _row_blocks(spec.tq, spec.tk, size, *spec.band, spec.chunk, spec.shift(None), spec.k_start)
 
 
 @functools.lru_cache(maxsize=64)
-def _row_blocks(tq: int, tk: int, *rules):
+def _row_blocks(tq: int, tk: int, size, *rules):
     lo, hi = _key_runs(tq, tk, *rules)
 
     def block(r0, r1):
@@ -240,7 +241,7 @@ def _row_blocks(tq: int, tk: int, *rules):
         return r0, r1, k0, k1, bl, bh
 
     whole = block(0, tq)
-    size = BLOCK_ROWS // 2 if tq <= SHORT_ROWS else BLOCK_ROWS
+    size = size or (BLOCK_ROWS // 2 if tq <= SHORT_ROWS else BLOCK_ROWS)
     cut = tuple(block(r, min(r + size, tq)) for r in range(0, tq, size))
     products = sum((r1 - r0) * (k1 - k0) for r0, r1, k0, k1, _, _ in cut)
     return cut if products <= 0.8 * tq * (whole[3] - whole[2]) else (whole,)
@@ -271,7 +272,7 @@ def forward(q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_weight
         qq, kt, vv = qh.take(a, b), _keys_t(kh.take(a, b), tk), vh.take(a, b)
         for r0, r1, k0, k1, lo, hi in blocks:
             # (n,R,D) @ (n,D,K) -> (n,R,K): the keys [k0, k1) these rows may see
-            s = np.matmul(qq[..., r0:r1, :], kt[..., k0:k1])
+            s = workspace.matmul(qq[..., r0:r1, :], kt[..., k0:k1], "s")
             mod.softmax_rows(_flat(s), lo, hi, scale, lse[a:b, r0:r1], *mods.args(a, b, r0, r1, k0))  # s -> P
             np.matmul(s, vv[..., k0:k1, :], out=_like(out[a:b, r0:r1], s))  # (n,R,K) @ (n,K,Dv) -> (n,R,Dv)
 
@@ -296,19 +297,19 @@ def backward(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int =
 
     def job(a, b):
         qq, dd, kk, vv = qh.take(a, b), doh.take(a, b), kh.take(a, b), vh.take(a, b)
-        ktt, vtt = _keys_t(kk, tk), _keys_t(vv, tk)
+        ktt, vtt = _keys_t(kk, tk), _keys_t(vv, tk, "vt")
         gk = gv = None
         if not whole:
-            gk, gv = np.zeros((b - a,) + dk.shape[1:], np.float32), np.zeros((b - a,) + dv.shape[1:], np.float32)
+            gk, gv = workspace.zeros("gk", (b - a,) + dk.shape[1:]), workspace.zeros("gv", (b - a,) + dv.shape[1:])
         for r0, r1, k0, k1, lo, hi in blocks:
             qb, dob = qq[..., r0:r1, :], dd[..., r0:r1, :]
-            p = np.matmul(qb, ktt[..., k0:k1])             # raw products q Kᵀ (n,R,K)
-            ds = np.matmul(dob, vtt[..., k0:k1])           # dP = dO Vᵀ (n,R,K)
+            p = workspace.matmul(qb, ktt[..., k0:k1], "s")   # raw products q Kᵀ (n,R,K)
+            ds = workspace.matmul(dob, vtt[..., k0:k1], "ds")  # dP = dO Vᵀ (n,R,K)
             mod.softmax_grad_rows(_flat(p), _flat(ds), lo, hi, scale, dl if dlse is None else dl[a:b, r0:r1],
                                   dlse is not None, *mods.args(a, b, r0, r1, k0))  # p -> P ∘ Z, ds -> dS
             np.matmul(ds, kk[..., k0:k1, :], out=_like(dq[a:b, r0:r1], ds))  # (n,R,K) @ (n,K,D) -> (n,R,D)
-            pk = _flat(np.matmul(np.swapaxes(ds, -1, -2), qb))   # (n,K,R) @ (n,R,D) -> (n,K,D)
-            pv = _flat(np.matmul(np.swapaxes(p, -1, -2), dob))   # (n,K,R) @ (n,R,Dv) -> (n,K,Dv)
+            pk = _flat(workspace.matmul(np.swapaxes(ds, -1, -2), qb, "pk"))   # (n,K,R) @ (n,R,D) -> (n,K,D)
+            pv = _flat(workspace.matmul(np.swapaxes(p, -1, -2), dob, "pv"))   # (n,K,R) @ (n,R,Dv) -> (n,K,Dv)
             if whole:
                 gk, gv = pk, pv
             else:

@@ -33,9 +33,22 @@ import functools
 import numpy as np
 
 from ..masks import MaskSpec
-from . import rows
+from . import rows, workspace
 from .rows import _flat, _Heads, _inner, _keys_t, _like, _run
 
+# Score entries of one work unit: four times the compiled kernel's (rows.UNIT_ENTRIES). Here a
+# unit's every pass is a NumPy call with a fixed cost, and with two threads each call that
+# releases the GIL may hand it over; fewer, bigger calls beat the cache they spill. Measured
+# (2 threads, AVX-512, forward, ms; 2^14 / 2^16 / 2^17 / 2^18 / 2^19 / 2^20): (32, 8, 128, 64)
+# 12.9 / 6.70 / 5.85 / 5.57 / 5.67 / 6.28; fwd+bwd alternating with torch: (1, 8, 256, 16)
+# 2.72 at 2^16 against 1.47 at 2^18, (16, 12, 192, 64) 50.7 against 29.2, (8, 12, 1024, 64) 333
+# against 330 (one head a unit either way).
+UNIT_ENTRIES = 1 << 18
+# Query rows a block of the backward where a mask lets blocks skip keys (the forward's are
+# rows.row_blocks' own): the backward takes twice the forward's passes a block. Measured
+# (causal backward, 2 threads, AVX-512, ms; blocks of 64 / 128 / one block): (1, 8, 256, 16)
+# 1.05 / 0.87 / 0.82, (4, 16, 512, 128) 52.8 / 48.6 / 62.0, (8, 12, 1024, 64) 154 / 144 / 231.
+BACKWARD_ROWS = 128
 TINY, HUGE = np.float32(2.0 ** -60), np.float32(2.0 ** 64)  # a row's Σ exp without its max, to stay exact
 # (and E V, undivided, far from float32's overflow)
 
@@ -45,20 +58,29 @@ def applies(spec: MaskSpec, dtype) -> bool:
     return rows.stackable(spec, dtype) and spec.plain_scores
 
 
-def hidden(spec: MaskSpec) -> tuple:
-    """One entry a block of :func:`rows.row_blocks`: a ``(R, K)`` bool array, True where the
-    row may not see the key, or None where the block's rows see all its keys."""
-    return _hidden(spec.tq, spec.tk, *spec.band, spec.chunk, spec.shift(None), spec.k_start)
+def hidden(spec: MaskSpec, size: int | None = None) -> tuple:
+    """One entry a block of :func:`rows.row_blocks` (``size`` as there): ``(c0, c1, h)`` where some row may not
+    see some of the block's keys ``c0 <= j < c1`` (relative to the block's first key), ``h``
+    ``(R, c1 - c0)`` True where the row may not see the key; None where its rows see all its
+    keys. (A causal block's hidden keys are its last R columns, its diagonal square: the
+    mask pass covers those alone.)"""
+    return _hidden(spec.tq, spec.tk, size, *spec.band, spec.chunk, spec.shift(None), spec.k_start)
 
 
 @functools.lru_cache(maxsize=64)
-def _hidden(tq: int, tk: int, *rules):
+def _hidden(tq: int, tk: int, size, *rules):
     out = []
-    for r0, r1, k0, k1, lo, hi in rows._row_blocks(tq, tk, *rules):
+    for r0, r1, k0, k1, lo, hi in rows._row_blocks(tq, tk, size, *rules):
         cols = np.arange(k1 - k0)
         h = (cols < lo[:, None]) | (cols >= hi[:, None])
+        where = np.flatnonzero(h.any(axis=0))
+        if where.size == 0:
+            out.append(None)
+            continue
+        c0, c1 = int(where[0]), int(where[-1]) + 1
+        h = np.ascontiguousarray(h[:, c0:c1])
         h.flags.writeable = False
-        out.append(h if h.any() else None)
+        out.append((c0, c1, h))
     return tuple(out)
 
 
@@ -74,47 +96,60 @@ def forward(q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_weight
     sc = np.float32(scale)
 
     def job(a, b):
-        qq = qh.take(a, b) * sc                               # scaled once: T·D, not T·T
+        qq = _scaled(qh.take(a, b), sc)                       # scaled once: T·D, not T·T
         kt, vv = _keys_t(kh.take(a, b), tk), vh.take(a, b)
-        for (r0, r1, k0, k1, _, _), hid in zip(blocks, masks):
-            args = (qq[..., r0:r1, :], kt[..., k0:k1], vv[..., k0:k1, :], hid, _like(out[a:b, r0:r1], qq))
-            with np.errstate(over="ignore", invalid="ignore"):   # a row past 2^64 is done again below
-                total, shift = _block(*args, stable=False)
-            if not ((total >= TINY) & (total <= HUGE)).all():
-                total, shift = _block(*args, stable=True)
-            with np.errstate(divide="ignore"):
-                args[-1][...] /= np.where(total > 0, total, 1)[..., None]
-                lse[a:b, r0:r1] = (shift + np.log(total)).reshape(b - a, r1 - r0)
+        o = _like(out[a:b], qq)
+        total = workspace.take("total", qq.shape[:-1] + (1,))  # each row's Σ exp, (…,Tq,1)
+        shift = None
+        with np.errstate(over="ignore", invalid="ignore"):     # a row past 2^64 is done again below
+            for blk, hid in zip(blocks, masks):
+                _block(qq, kt, vv, blk, hid, o, total)
+            ok = (total >= TINY) & (total <= HUGE)
+            if not ok.all():                                  # rare: large scores, a row that sees nothing
+                shift = np.zeros(total.shape, np.float32)
+                for blk, hid in zip(blocks, masks):
+                    if not ok[..., blk[0]:blk[1], :].all():
+                        _block(qq, kt, vv, blk, hid, o, total, shift)
+        with np.errstate(divide="ignore"):
+            np.divide(o, total, out=o, where=total > 0)       # a row that sees nothing stays 0
+            ls = np.log(total[..., 0])
+        if shift is not None:
+            ls += shift[..., 0]
+        lse[a:b] = ls.reshape(b - a, tq)
 
-    _run(job, n, tq, tk, group, num_threads, blocks, inner, max(q.shape[-1], v.shape[-1]))
+    _run(job, n, tq, tk, group, num_threads, blocks, inner, max(q.shape[-1], v.shape[-1]), UNIT_ENTRIES)
     return out.reshape(spec.lead + out.shape[-2:]), lse.reshape(spec.lead + (tq,)), None
 
 
-def _block(qb, kt, vv, hid, o, stable: bool):
-    """``o = exp(S - m) V`` for a block of rows (``S = qb kt``, -inf where ``hid``), not yet
-    divided; returns ``(Σ_j exp(S_ij - m_i), m)``. ``m`` is 0 unless ``stable``, then the
-    rows' max (0 for a row that sees nothing), as the reference subtracts it."""
-    e = np.matmul(qb, kt)                                     # scaled scores (…,R,K)
+def _block(qq, kt, vv, blk, hid, o, total, shift=None):
+    """For the rows ``r0:r1`` of block ``blk``: ``o = exp(S - m) V`` (``S = q kᵀ`` over the
+    block's keys, -inf where ``hid``), not yet divided, and ``total = Σ_j exp(S_ij - m_i)``.
+    ``m`` is 0, or with ``shift`` the rows' max (0 for a row that sees nothing; stored in
+    ``shift``), as the reference subtracts it."""
+    r0, r1, k0, k1, _, _ = blk
+    e = workspace.matmul(qq[..., r0:r1, :], kt[..., k0:k1], "s")   # scaled scores (…,R,K)
     if hid is not None:
-        np.copyto(e, -np.inf, where=hid)
-    m = np.zeros(e.shape[:-1], np.float32)
-    if stable:
-        m = e.max(axis=-1, initial=-np.inf)
+        c0, c1, h = hid
+        np.copyto(e[..., c0:c1], -np.inf, where=h)
+    if shift is not None:
+        m = e.max(axis=-1, initial=-np.inf, keepdims=True)
         m[m == -np.inf] = 0
-        e -= m[..., None]
+        e -= m
+        shift[..., r0:r1, :] = m
     np.exp(e, out=e)
-    np.matmul(e, vv, out=o)                                   # E V, divided by the caller
-    return _row_sums(e), m
+    np.matmul(e, vv[..., k0:k1, :], out=o[..., r0:r1, :])  # E V, divided by the caller
+    np.matmul(e, _ones(e.shape[-1]), out=total[..., r0:r1, :])  # the row sums: see _ones
 
 
-def _row_sums(e: np.ndarray) -> np.ndarray:
-    """``e (…, R, K)`` summed over K as a product with a column of ones: BLAS's matrix-vector
-    pass, a quarter of NumPy's pairwise sum's time at 256 keys (12 against 47 µs, 4 heads)."""
-    return np.matmul(e, _ones(e.shape[-1]))[..., 0]
+def _scaled(x: np.ndarray, sc: np.float32) -> np.ndarray:
+    """``x · sc`` in the thread's buffer ``q``."""
+    return np.multiply(x, sc, out=workspace.take("q", x.shape))
 
 
 @functools.lru_cache(maxsize=16)
 def _ones(k: int) -> np.ndarray:
+    """A ``(k, 1)`` column of ones: a product with it sums rows in BLAS's matrix-vector pass,
+    a quarter of NumPy's pairwise sum's time at 256 keys (12 against 47 µs, 4 heads)."""
     x = np.ones((k, 1), np.float32)
     x.flags.writeable = False
     return x
@@ -133,7 +168,7 @@ def backward(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int =
     dl = None if dlse is None else dlse.reshape(n, tq)
     dq = np.empty(qh.shape, np.float32)
     dk, dv = np.empty(kh.shape, np.float32), np.empty(vh.shape, np.float32)
-    blocks, masks = rows.row_blocks(spec), hidden(spec)
+    blocks, masks = rows.row_blocks(spec, BACKWARD_ROWS), hidden(spec, BACKWARD_ROWS)
     whole = len(blocks) == 1 and blocks[0][2:4] == (0, tk)
     sc = np.float32(scale)
 
@@ -142,28 +177,31 @@ def backward(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int =
         delta = np.vecdot(dd, oh.take(a, b))                  # (…,Tq): Σ_j P_ij dP_ij = dO_i · O_i
         if dl is not None:                                    # ∂lse_i/∂s_ij = P_ij
             delta -= dl[a:b].reshape(delta.shape)
-        qq, la = qh.take(a, b) * sc, ls[a:b].reshape(delta.shape)
-        ktt, vtt = _keys_t(kk, tk), _keys_t(vv, tk)
+        qq, la = _scaled(qh.take(a, b), sc), ls[a:b].reshape(delta.shape)
+        ktt, vtt = _keys_t(kk, tk), _keys_t(vv, tk, "vt")
         gk = gv = None
         if not whole:
-            gk, gv = np.zeros((b - a,) + dk.shape[1:], np.float32), np.zeros((b - a,) + dv.shape[1:], np.float32)
+            gk, gv = workspace.zeros("gk", (b - a,) + dk.shape[1:]), workspace.zeros("gv", (b - a,) + dv.shape[1:])
         for (r0, r1, k0, k1, _, _), hid in zip(blocks, masks):
             qb, dob = qq[..., r0:r1, :], dd[..., r0:r1, :]
-            p = np.matmul(qb, ktt[..., k0:k1])                # scaled scores (…,R,K)
+            p = workspace.matmul(qb, ktt[..., k0:k1], "s")    # scaled scores (…,R,K)
             if hid is not None:
-                np.copyto(p, -np.inf, where=hid)
+                c0, c1, h = hid
+                np.copyto(p[..., c0:c1], -np.inf, where=h)
             p -= la[..., r0:r1, None]
             np.exp(p, out=p)                                  # P · c_i
             c = np.matmul(p, _ones(p.shape[-1]))              # c_i = 1 to lse's float32 rounding
             inv = np.divide(1, c, out=np.zeros_like(c), where=c > 0)
-            ds = np.matmul(dob, vtt[..., k0:k1])              # dP = dO Vᵀ
+            ds = workspace.matmul(dob, vtt[..., k0:k1], "ds")  # dP = dO Vᵀ
             ds -= delta[..., r0:r1, None]
             ds *= p                                           # dS · c_i / scale
             g = _like(dq[a:b, r0:r1], ds)
             np.matmul(ds, kk[..., k0:k1, :], out=g)
             g *= inv * sc
-            pk = _flat(np.matmul(np.swapaxes(ds, -1, -2), qb * inv))   # q carries the scale: dK = scale dSᵀ Q
-            pv = _flat(np.matmul(np.swapaxes(p, -1, -2), dob * inv))
+            qi = np.multiply(qb, inv, out=workspace.take("qi", qb.shape))
+            di = np.multiply(dob, inv, out=workspace.take("di", dob.shape))
+            pk = _flat(workspace.matmul(np.swapaxes(ds, -1, -2), qi, "pk"))   # q carries the scale: dK = scale dSᵀ Q
+            pv = _flat(workspace.matmul(np.swapaxes(p, -1, -2), di, "pv"))
             if whole:
                 gk, gv = pk, pv
             else:
@@ -174,5 +212,5 @@ def backward(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int =
             gv = gv.reshape((-1, group) + gv.shape[-2:]).sum(axis=1)
         dk[a // group:b // group], dv[a // group:b // group] = gk, gv
 
-    _run(job, n, tq, tk, group, num_threads, blocks, inner, max(q.shape[-1], v.shape[-1]))
+    _run(job, n, tq, tk, group, num_threads, blocks, inner, max(q.shape[-1], v.shape[-1]), UNIT_ENTRIES)
     return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
