@@ -33,7 +33,10 @@ from ..masks import MaskSpec
 from . import reference, workspace
 
 MAX_KEYS = 1024          # longer rows go to the tiled kernel (measured: rows at T = 4096 lose in the backward)
-UNIT_ENTRIES = 1 << 16   # score entries of one work unit (256 KiB float32; with dP, 512 KiB of a 1 MiB L2)
+UNIT_ENTRIES = 1 << 17   # score entries of one work unit (512 KiB float32; with dP, a 1 MiB L2). Measured,
+# 2 threads, AVX-512, ms fwd / fwd+bwd at 2^16 -> 2^17: (1,8,256,16) 0.305 / 0.861 -> 0.260 / 0.764,
+# (16,12,192,64) 7.43 / 24.8 -> 6.77 / 22.8, (8,12,1024,64) causal 58.8 / 205 -> 54.2 / 189 (2^18 within
+# noise of 2^17: fewer units, fewer GIL hand-offs between the two threads' NumPy calls)
 SERIAL_WORK = 1 << 18    # score entries below which a call stays on the calling thread (see _run)
 BLOCK_ROWS = 64          # query rows a block where a mask lets blocks skip keys (32 up to SHORT_ROWS rows)
 SHORT_ROWS = 128

@@ -36,7 +36,7 @@ from ..masks import MaskSpec
 from . import rows, workspace
 from .rows import _flat, _Heads, _inner, _keys_t, _like, _run
 
-# Score entries of one work unit: four times the compiled kernel's (rows.UNIT_ENTRIES). Here a
+# Score entries of one work unit: twice the compiled kernel's (rows.UNIT_ENTRIES). Here a
 # unit's every pass is a NumPy call with a fixed cost, and with two threads each call that
 # releases the GIL may hand it over; fewer, bigger calls beat the cache they spill. Measured
 # (2 threads, AVX-512, forward, ms; 2^14 / 2^16 / 2^17 / 2^18 / 2^19 / 2^20): (32, 8, 128, 64)
