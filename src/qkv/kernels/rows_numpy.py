@@ -4,14 +4,14 @@ and causal blocks as :mod:`qkv.kernels.rows`, with the fewest NumPy passes over 
 Where :mod:`.stacked` takes seven element-wise passes over a head's scores (scale, mask, max,
 subtract, exp, sum, divide) and the backward nine, this kernel takes, per block of rows:
 
-- forward: ``exp``, and the mask where a block has one; the row sums are a product with a
-  column of ones. The scale goes into q before the product (a ``T × D`` pass, not
-  ``T × T``); no max pass while a row's
+- forward: ``exp``, and the mask on the block's hidden columns alone (a causal block's
+  diagonal square); the row sums are a product with a column of ones. The scale goes into
+  q before the product (a ``T × D`` pass, not ``T × T``); no max pass while a row's
   ``Σ exp`` lies in ``[2^-60, 2^64]`` (then no term overflows and none that matters
-  underflows, as in the compiled pass); the division goes onto the output rows
-  (``out = (E V) / Σ``). A block with a row outside that range (scaled scores beyond ~±40,
-  a row that sees no key, a NaN) is computed again with its rows' max subtracted first, as
-  the reference does.
+  underflows, as in the compiled pass); the division goes onto the output rows, once a
+  unit (``out = (E V) / Σ``). A block with a row outside that range (scaled scores beyond
+  ~±40, a row that sees no key, a NaN) is computed again with its rows' max subtracted
+  first, as the reference does.
 - backward: ``exp(S - lse)`` with the forward's lse and its row sum ``c`` (lse is rounded
   to float32: at scores of a few hundred its last bit moves every P of the row by 2^-17, so
   the rows are normalised again, by ``1/c`` on the ``T × D`` operands and results), then
@@ -19,6 +19,10 @@ subtract, exp, sum, divide) and the backward nine, this kernel takes, per block 
   pass), the scale on the ``T × D`` results, the row sums a product with a column of ones.
   (Tried: the subtractions carried by the products as one column more, ``[scale·q, -lse]
   [k, 1]ᵀ = S - lse``: no faster, the odd widths cost BLAS what the passes cost.)
+
+Every pass is a NumPy call with a fixed cost, so units are bigger than the compiled kernel's
+and the backward's blocks taller (:data:`UNIT_ENTRIES`, :data:`BACKWARD_ROWS`); temporaries
+live in the thread's :mod:`.workspace`.
 
 Float32, plain scores (no softcap or dropout: those go to the stacked, dense or tiled
 kernels) and the masks :mod:`.rows` takes. ``method="auto"`` chooses it without the fast extra
@@ -111,7 +115,7 @@ def forward(q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_weight
                     if not ok[..., blk[0]:blk[1], :].all():
                         _block(qq, kt, vv, blk, hid, o, total, shift)
         with np.errstate(divide="ignore"):
-            np.divide(o, total, out=o, where=total > 0)       # a row that sees nothing stays 0
+            np.divide(o, np.where(total > 0, total, 1), out=o)  # a row that sees nothing stays 0 (where= is 5x slower)
             ls = np.log(total[..., 0])
         if shift is not None:
             ls += shift[..., 0]
