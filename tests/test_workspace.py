@@ -23,6 +23,16 @@ def test_a_name_is_one_buffer_a_thread_grown_when_too_small():
     assert workspace.take("test-a", (3,), np.float64).dtype == np.float64
 
 
+def test_a_call_leaves_no_buffer_behind():
+    """Each thread lets go of its buffers at the end of its share of a call: a training step's
+    peak memory does not carry them."""
+    rng = np.random.default_rng(2)
+    q, k, v = (rng.standard_normal((2, 4, 64, 16)).astype(np.float32) for _ in range(3))
+    workspace.take("test-c", (8,))
+    qkv.attention(q, k, v, causal=True)
+    assert getattr(workspace._local, "bufs", {}) == {}
+
+
 def test_zeros_and_a_product_into_a_buffer():
     z = workspace.zeros("test-z", (3, 5))
     z += 1

@@ -132,9 +132,12 @@ def _run(job, n: int, tq: int, tk: int, group: int, num_threads: int | None, blo
     shares = _units(n, entries, group, min(nt, n // group), unit or UNIT_ENTRIES)
 
     def run(units):
-        for a, b in units:
-            for a2, b2 in _pieces(a, b, inner):
-                job(a2, b2)
+        try:
+            for a, b in units:
+                for a2, b2 in _pieces(a, b, inner):
+                    job(a2, b2)
+        finally:
+            workspace.release()
 
     if len(shares) <= 1 and entries * depth <= BLAS_ALONE:
         for units in shares:

@@ -1,19 +1,21 @@
-"""Scratch arrays of the row kernels, one set a thread, reused from call to call.
+"""Scratch arrays of the row kernels: one set a thread, shared by the units and blocks of a call.
 
-A row kernel's work unit makes the same few temporaries every time (a block of scores, dP,
-the gradient products), each 64 KiB to a few MiB. Left to ``malloc`` each is a fresh
-allocation: glibc serves blocks past its mmap threshold (128 KiB until something frees a
-bigger block) with ``mmap`` and hands them back at ``free``, and trims a heap whose free top
-passes its trim threshold, so the next unit page-faults the same memory in again. Measured
-(one thread, AVX-512, a NumPy-only process, B=1 H=8 T=256 D=16): the row kernel's backward
-took 2.7 ms that way against 1.2 ms once the thresholds had been raised, which importing
-torch or numba happens to do; the pool's worker threads, each with an arena of its own, hit
-the same. Here a temporary is a view of a buffer the thread keeps (grown to the largest
-block it has needed), so a unit allocates nothing large.
+A row kernel's work unit makes the same few temporaries for each block of rows (the block's
+scores, dP, the gradient products), 64 KiB to a few MiB each. Here a temporary is a view of
+a buffer its thread keeps while it runs its share of a call (:func:`take`, grown to the
+largest block it needs) and lets go of at the end (:func:`release`, called by
+:func:`qkv.kernels.rows._run`): a call allocates each once, not once a block, and keeps
+nothing after it (a training step's peak memory stays what it was).
 
-A buffer lives as long as its thread: the calling thread's and each kernel thread's, at most
-a few MiB each (a unit is :data:`qkv.kernels.rows.UNIT_ENTRIES`-sized, or one head's block).
-What :func:`take` gives must not leave the kernel: the next unit on the thread overwrites it.
+What makes allocation cheap between calls is glibc's dynamic mmap threshold: until a process
+frees a block bigger than 128 KiB, glibc serves such blocks with ``mmap`` and returns them
+at ``free``, so each call page-faulted its buffers in anew. Measured (one thread, AVX-512, a
+NumPy-only process, the row kernel's backward): B=1 H=8 T=256 D=16 2.7 ms against 1.2 ms, B=12
+H=4 T=64 D=32 2.2 against 0.63, once the threshold had been raised, which importing torch or
+numba happens to do. Importing this module frees one untouched 8 MiB block, which raises
+it the same way (:func:`_raise_mmap_threshold`).
+
+What :func:`take` gives must not leave the kernel: the next block on the thread overwrites it.
 """
 from __future__ import annotations
 
@@ -23,6 +25,16 @@ import threading
 import numpy as np
 
 _local = threading.local()
+
+
+def _raise_mmap_threshold() -> None:
+    """Free one untouched 8 MiB block: glibc then serves blocks up to that size from its heap
+    and keeps freed memory there (its dynamic mmap threshold, as any process that freed a big
+    array, or imported torch or numba, already has). No memory is touched or kept."""
+    np.empty(1 << 23, np.uint8)
+
+
+_raise_mmap_threshold()
 
 
 def take(name: str, shape: tuple, dtype=np.float32) -> np.ndarray:
@@ -36,6 +48,11 @@ def take(name: str, shape: tuple, dtype=np.float32) -> np.ndarray:
     if buf is None or buf.size < size or buf.dtype != dtype:
         buf = bufs[name] = np.empty(size, dtype)
     return buf[:size].reshape(shape)
+
+
+def release() -> None:
+    """Let go of this thread's buffers (the end of a call's share of units)."""
+    _local.bufs = {}
 
 
 def matmul(a: np.ndarray, b: np.ndarray, name: str) -> np.ndarray:
