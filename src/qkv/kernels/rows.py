@@ -111,7 +111,7 @@ def _units(n: int, entries: int, group: int, n_threads: int, unit: int) -> list[
 
 
 def _run(job, n: int, tq: int, tk: int, group: int, num_threads: int | None, blocks: tuple,
-         inner: int = 1, depth: int = 1, unit: int | None = None) -> None:
+         inner: int = 1, depth: int = 1, unit: int | None = None, serial: int | None = None) -> None:
     """``job(a, b)`` for every unit: on the calling thread below :data:`SERIAL_WORK` score
     entries, else one share a kernel thread, the calling thread taking the first (one hand-off
     a thread: a pool task costs ~20 µs), with BLAS held to one thread. On the calling thread
@@ -119,7 +119,8 @@ def _run(job, n: int, tq: int, tk: int, group: int, num_threads: int | None, blo
     width) is past :data:`BLAS_ALONE`: OpenBLAS may split it over its threads, and its Haswell
     kernels' split changes the rounding, so one thread and two would give other bits.
     A unit that straddles items of ``inner`` heads is run in pieces (:func:`_pieces`); a unit
-    holds up to ``unit`` score entries (:data:`UNIT_ENTRIES` by default).
+    holds up to ``unit`` score entries (:data:`UNIT_ENTRIES` by default); ``serial`` stands
+    for :data:`SERIAL_WORK`.
 
     The threshold was measured inside a training step, not alone: at nanoGPT's CPU recipe
     (12·4 heads of 64², 196,608 entries) the two threads' hand-off and BLAS's hold came after
@@ -127,7 +128,7 @@ def _run(job, n: int, tq: int, tk: int, group: int, num_threads: int | None, blo
     step 40.8 ms threaded, 38.7 on the calling thread). Alone such a call is faster threaded
     (backward 0.65 against 1.05 ms), which is what the shapes suite sees at its two smallest
     shapes."""
-    nt = 1 if n * tq * tk < SERIAL_WORK else (num_threads or threads.get_num_threads())
+    nt = 1 if n * tq * tk < (SERIAL_WORK if serial is None else serial) else (num_threads or threads.get_num_threads())
     entries = max((r1 - r0) * (k1 - k0) for r0, r1, k0, k1, _, _ in blocks)
     shares = _units(n, entries, group, min(nt, n // group), unit or UNIT_ENTRIES)
 
