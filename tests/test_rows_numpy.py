@@ -97,6 +97,55 @@ def test_the_same_bits_for_any_thread_count_and_strided_heads():
     assert _check(q, k, v, dout, causal=True) == []
 
 
+def test_hugging_faces_gqa_layout_read_in_place_gives_the_copies_bits():
+    """GQA with HF's layout (q contiguous after RoPE, k and v (B, Hkv, T, D) views of
+    (B, T, Hkv, D)): each range of heads gathered from the views, the same bits as from
+    contiguous copies, and within the budget."""
+    rng = np.random.default_rng(5)
+    b, t, hq, hkv, d = 3, 70, 6, 2, 16
+    q = rng.standard_normal((b, hq, t, d)).astype(np.float32)
+    k, v = (rng.standard_normal((b, t, hkv, d)).astype(np.float32).transpose(0, 2, 1, 3) for _ in range(2))
+    dout = rng.standard_normal((b, t, hq, d)).astype(np.float32).transpose(0, 2, 1, 3)
+    assert rows._view(v, (-1, t, d)) is None                   # no (B·Hkv, T, D) view of it
+    runs = []
+    for arrays in ((q, k, v, dout), tuple(np.ascontiguousarray(a) for a in (q, k, v, dout))):
+        qq, kk, vv, dd = arrays
+        with kernel_threads(2):
+            out, lse = qkv.attention(qq, kk, vv, causal=True, gqa=True, return_lse=True)
+            runs.append((out, lse) + qkv.attention_backward(dd, qq, kk, vv, out, lse, causal=True, gqa=True))
+    for a, c in zip(*runs):
+        np.testing.assert_array_equal(a, c)
+    assert _check(q, k, v, dout, causal=True, gqa=True) == []
+
+
+def _numpy_says_view(x, shape):
+    y = x.view()
+    try:
+        y.shape = shape          # NumPy's own rule: raises where the reshape would need a copy
+    except AttributeError:
+        return False
+    return True
+
+
+def test_view_decides_from_the_strides_as_numpy_does():
+    rng = np.random.default_rng(6)
+    base = rng.standard_normal((3, 5, 4, 2, 6)).astype(np.float32)
+    arrays = [base, base.transpose(0, 2, 1, 3, 4), base[:, :, 1], base[:, :, 1].transpose(0, 2, 1, 3),
+              base[::2], base[:, ::2], base[:1], base[:, :, :1], np.broadcast_to(base[:1], base.shape),
+              np.broadcast_to(base[:, :1], base.shape), base[0, 0], base.transpose(1, 0, 2, 3, 4)[:, :1],
+              base[0]]
+    for x in arrays:
+        t, d = x.shape[-2:]
+        for shape in ((-1, t, d), (-1, x.shape[-3], t, d) if x.ndim > 2 else (-1, 1, t, d)):
+            if len(shape) == 4 and x.ndim == 2:
+                continue
+            got = rows._view(x, shape)
+            assert (got is not None) == _numpy_says_view(x, shape), (x.shape, x.strides, shape)
+            if got is not None:
+                assert np.shares_memory(got, x)
+                np.testing.assert_array_equal(got, x.reshape(shape))
+
+
 def test_chosen_only_where_it_applies(monkeypatch):
     monkeypatch.setattr(api, "AUTO_ROWS_NUMPY_MIN", 2 ** 14)
     q, k, v, _ = inputs((1, 4, 64, 16), (1, 4, 64, 16))                                 # 2^14 entries

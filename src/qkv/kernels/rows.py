@@ -30,7 +30,7 @@ import numpy as np
 
 from .. import jit, score_ops, threads
 from ..masks import MaskSpec
-from . import reference, workspace
+from . import workspace
 
 MAX_KEYS = 1024          # longer rows go to the tiled kernel (measured: rows at T = 4096 lose in the backward)
 UNIT_ENTRIES = 1 << 17   # score entries of one work unit (512 KiB float32; with dP, a 1 MiB L2). Measured,
@@ -169,21 +169,25 @@ class _Heads:
     q's ``(B, H, T, D)`` view of a ``(B, T, 3, H, D)`` projection), else copied. A range is
     given by :meth:`take` as ``(n, T, D)`` within one item, else ``(n/inner, inner, T, D)``
     (whole items: :func:`_pieces`), the same batch axes for every array of the problem.
-    ``group > 1`` (kv heads shared by query heads): copied to ``(N/G, T, D)``, each range
-    repeated to its query heads."""
+    ``group > 1`` (kv heads shared by query heads): each range gathered to its query heads,
+    ``(b-a, T, D)``, in one copy (from ``x`` as it is where it is no ``(N/G, T, D)`` view:
+    Hugging Face's v, a ``(B, Hkv, T, D)`` view of ``(B, T, Hkv, D)``)."""
 
     def __init__(self, x: np.ndarray, inner: int, group: int = 1):
-        self.inner, self.group = inner, group
+        self.inner, self.group, self.lead = inner, group, x.shape[:-2]
         y = _view(x, (-1,) + x.shape[-2:])
         if y is None and inner > 1 and group == 1:
             y = _view(x, (-1, inner) + x.shape[-2:])
-        self.x = x.reshape((-1,) + x.shape[-2:]) if y is None else y
+        if y is None and group == 1:
+            y = x.reshape((-1,) + x.shape[-2:])
+        self.x = x if y is None else y
         self.shape = (math.prod(x.shape[:-2]),) + x.shape[-2:]
 
     def take(self, a: int, b: int) -> np.ndarray:
         x, inner, g = self.x, self.inner, self.group
         if g > 1:
-            x = reference._expand_groups(x[a // g:b // g], g)  # (b-a, T, D)
+            kv = np.arange(a, b) // g                          # each query head's kv head
+            x = x[kv] if x.ndim == 3 else x[np.unravel_index(kv, self.lead)]  # (b-a, T, D)
             a, b = 0, b - a
         whole = inner > 1 and a // inner != (b - 1) // inner      # whole items (see _pieces)
         if x.ndim == 3:
@@ -192,13 +196,17 @@ class _Heads:
 
 
 def _view(x: np.ndarray, shape: tuple) -> np.ndarray | None:
-    """``x`` reshaped to ``shape`` as a view, or None where that needs a copy."""
-    y = x.view()
-    try:
-        y.shape = shape
-    except AttributeError:
+    """``x (*L, T, D)`` reshaped to ``shape`` (``(-1, T, D)``, or ``(-1, L[-1], T, D)``) as a
+    view, or None where that needs a copy: decided from the strides (an exception to find
+    out costs ~5 µs a call, ten times that in a model where torch's work just left the cache)."""
+    lead, keep = x.shape[:-2], len(shape) - 3                   # leading axes kept: 0 or 1
+    if keep and (not lead or lead[-1] != shape[1]):
         return None
-    return y
+    merged = lead[:len(lead) - keep]
+    dims = [(n, st) for n, st in zip(merged, x.strides[:len(merged)]) if n != 1]
+    if all(s0 == s1 * n1 for (_, s0), (n1, s1) in zip(dims, dims[1:])):
+        return x.reshape(shape)
+    return None
 
 
 def _flat(x: np.ndarray) -> np.ndarray:
