@@ -163,3 +163,26 @@ def test_backward_on_the_forwards_checked_problem_equals_the_public_calls(name, 
     assert seen == [True, True]
     for a, b in zip(*results):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("t, want", [(64, 1), (512, None)])
+def test_a_layers_small_attention_stays_on_the_calling_thread(monkeypatch, t, want):
+    """Below LAYER_SERIAL_WORK score entries a layer's attention forward and backward run with
+    one kernel thread (OpenBLAS's threads spin on after the layer's projections); past it the
+    caller's setting stands (None: the process default). A bare call is not held."""
+    from qkv import api, threads
+    from qkv.nn import attention_layer
+
+    seen = []
+    real_fwd, real_bwd = api._forward, api._backward
+    monkeypatch.setattr(api, "_forward", lambda *a: seen.append(threads._here.get()) or real_fwd(*a))
+    monkeypatch.setattr(api, "_backward", lambda *a: seen.append(threads._here.get()) or real_bwd(*a))
+    monkeypatch.setattr(attention_layer, "LAYER_SERIAL_WORK", 2 * 2 * 100 * 100)
+    layer = nn.MultiHeadAttention(16, 2, causal=True, rng=rng(9))
+    x = rng(10).standard_normal((2, t, 16)).astype(np.float32)
+    y = layer.forward(x)
+    layer.backward(np.ones_like(y))
+    assert seen == [want, want]
+    seen.clear()
+    qkv.attention(x[:, None], x[:, None], x[:, None], causal=True)
+    assert seen == [None]

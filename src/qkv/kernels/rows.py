@@ -37,7 +37,7 @@ UNIT_ENTRIES = 1 << 17   # score entries of one work unit (512 KiB float32; with
 # 2 threads, AVX-512, ms fwd / fwd+bwd at 2^16 -> 2^17: (1,8,256,16) 0.305 / 0.861 -> 0.260 / 0.764,
 # (16,12,192,64) 7.43 / 24.8 -> 6.77 / 22.8, (8,12,1024,64) causal 58.8 / 205 -> 54.2 / 189 (2^18 within
 # noise of 2^17: fewer units, fewer GIL hand-offs between the two threads' NumPy calls)
-SERIAL_WORK = 1 << 18    # score entries below which a call stays on the calling thread (see _run)
+SERIAL_WORK = 1 << 17    # score entries below which a call stays on the calling thread (see _run)
 BLOCK_ROWS = 64          # query rows a block where a mask lets blocks skip keys (32 up to SHORT_ROWS rows)
 SHORT_ROWS = 128
 BLAS_ALONE = 1 << 16     # multiply-adds of one product up to which BLAS is left as it is (OpenBLAS splits from 2^18)
@@ -122,12 +122,13 @@ def _run(job, n: int, tq: int, tk: int, group: int, num_threads: int | None, blo
     holds up to ``unit`` score entries (:data:`UNIT_ENTRIES` by default); ``serial`` stands
     for :data:`SERIAL_WORK`.
 
-    The threshold was measured inside a training step, not alone: at nanoGPT's CPU recipe
-    (12·4 heads of 64², 196,608 entries) the two threads' hand-off and BLAS's hold came after
-    OpenBLAS's own threads had just run the projections, and cost more than they saved (the
-    step 40.8 ms threaded, 38.7 on the calling thread). Alone such a call is faster threaded
-    (backward 0.65 against 1.05 ms), which is what the shapes suite sees at its two smallest
-    shapes."""
+    The threshold is a bare call's: at nanoGPT's CPU recipe (12·4 heads of 64², 196,608
+    entries) two threads against the calling thread, fwd / fwd+bwd ms, AVX2 0.30 / 0.95
+    against 0.39 / 1.37, AVX-512 0.25 / 0.69 against 0.25 / 0.86. Inside a training step
+    the same call came right after OpenBLAS's own threads had run the projections, and the
+    hand-off cost more than it saved (the step 40.8 ms threaded, 38.7 on the calling
+    thread): :mod:`qkv.nn`'s attention layers hold their calls under 2^18 entries to the
+    calling thread (:data:`qkv.nn.attention_layer.LAYER_SERIAL_WORK`)."""
     nt = 1 if n * tq * tk < (SERIAL_WORK if serial is None else serial) else (num_threads or threads.get_num_threads())
     entries = max((r1 - r0) * (k1 - k0) for r0, r1, k0, k1, _, _ in blocks)
     shares = _units(n, entries, group, min(nt, n // group), unit or UNIT_ENTRIES)

@@ -17,6 +17,9 @@ surrounds that is the same and lives here, said once:
 """
 from __future__ import annotations
 
+import contextlib
+import math
+
 import numpy as np
 
 from .. import api
@@ -26,9 +29,16 @@ from ..options import parse_dropout, parse_softcap
 from .base import Layer, check_input, linear_grad, merge_heads, split_heads
 from .checks import attention_options, cache_step, check_cache, check_context, mask_options, rope_options
 from .layers import Linear
+from ..threads import kernel_threads
 
 FUSE_ROWS = 256  # B*T from which self-attention's three projections run as one product
 PREPARED = "_prepared"  # the key of a forward's checked problem and kernel in its options (see _attend)
+# A layer's attention of fewer score entries (B·H·Tq·Tk) than this runs on the calling thread.
+# Right after the layer's projections OpenBLAS's threads spin on and hold the second core, so
+# a kernel thread started then costs more than it saves (nanoGPT's CPU recipe, (12, 4, 64,
+# 32), inside the training step); a bare qkv.attention call of that size takes the kernel
+# threads (qkv.kernels.rows.SERIAL_WORK).
+LAYER_SERIAL_WORK = 1 << 18
 
 
 class AttentionLayer(Layer):
@@ -153,7 +163,8 @@ class AttentionLayer(Layer):
                 kern = api._kernel(opts.get("method", "auto"), prob, False)
             except ShapeError as err:
                 raise type(err)(str(err)) from None
-            out, lse_ = api._forward(prob, kern, True, False)
+            with _threads(prob):
+                out, lse_ = api._forward(prob, kern, True, False)
             opts[PREPARED] = (prob, kern)
             return out, lse_, None
         res = attention(q, k, v, return_lse=lse, return_weights=return_weights, **opts)
@@ -225,5 +236,13 @@ class AttentionLayer(Layer):
             prob, kern = opts[PREPARED]
             if prob.q is q and dout.shape == out.shape:   # the forward's own arrays
                 saved = dict(dout=dout.astype(prob.q.dtype, copy=False), out=out, lse=lse, dlse=None)
-                return api._backward(prob, kern, saved)
+                with _threads(prob):
+                    return api._backward(prob, kern, saved)
         return attention_backward(dout, q, k, v, out, lse, **{n: x for n, x in opts.items() if n != PREPARED})
+
+
+def _threads(prob):
+    """``kernel_threads(1)`` for a problem of fewer than :data:`LAYER_SERIAL_WORK` score entries."""
+    if math.prod(prob.spec.lead) * prob.spec.tq * prob.spec.tk < LAYER_SERIAL_WORK:
+        return kernel_threads(1)
+    return contextlib.nullcontext()
