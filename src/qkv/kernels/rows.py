@@ -111,7 +111,7 @@ def _units(n: int, entries: int, group: int, n_threads: int, unit: int) -> list[
 
 
 def _run(job, n: int, tq: int, tk: int, group: int, num_threads: int | None, blocks: tuple,
-         inner: int = 1, depth: int = 1, unit: int | None = None, serial: int | None = None) -> None:
+         inner: int = 1, depth: int = 1, unit: int | None = None) -> None:
     """``job(a, b)`` for every unit: on the calling thread below :data:`SERIAL_WORK` score
     entries, else one share a kernel thread, the calling thread taking the first (one hand-off
     a thread: a pool task costs ~20 µs), with BLAS held to one thread. On the calling thread
@@ -119,17 +119,18 @@ def _run(job, n: int, tq: int, tk: int, group: int, num_threads: int | None, blo
     width) is past :data:`BLAS_ALONE`: OpenBLAS may split it over its threads, and its Haswell
     kernels' split changes the rounding, so one thread and two would give other bits.
     A unit that straddles items of ``inner`` heads is run in pieces (:func:`_pieces`); a unit
-    holds up to ``unit`` score entries (:data:`UNIT_ENTRIES` by default); ``serial`` stands
-    for :data:`SERIAL_WORK`.
+    holds up to ``unit`` score entries (:data:`UNIT_ENTRIES` by default).
 
     The threshold is a bare call's: at nanoGPT's CPU recipe (12·4 heads of 64², 196,608
     entries) two threads against the calling thread, fwd / fwd+bwd ms, AVX2 0.30 / 0.95
-    against 0.39 / 1.37, AVX-512 0.25 / 0.69 against 0.25 / 0.86. Inside a training step
+    against 0.39 / 1.37, AVX-512 0.25 / 0.69 against 0.25 / 0.86; without the fast extra
+    (:mod:`.rows_numpy`) AVX2 0.39 / 1.09 against 0.46 / 1.49, AVX-512 0.30 / 0.82 against
+    0.29 / 0.91. Inside a training step
     the same call came right after OpenBLAS's own threads had run the projections, and the
     hand-off cost more than it saved (the step 40.8 ms threaded, 38.7 on the calling
     thread): :mod:`qkv.nn`'s attention layers hold their calls under 2^18 entries to the
     calling thread (:data:`qkv.nn.attention_layer.LAYER_SERIAL_WORK`)."""
-    nt = 1 if n * tq * tk < (SERIAL_WORK if serial is None else serial) else (num_threads or threads.get_num_threads())
+    nt = 1 if n * tq * tk < SERIAL_WORK else (num_threads or threads.get_num_threads())
     entries = max((r1 - r0) * (k1 - k0) for r0, r1, k0, k1, _, _ in blocks)
     shares = _units(n, entries, group, min(nt, n // group), unit or UNIT_ENTRIES)
 

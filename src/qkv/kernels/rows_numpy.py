@@ -53,12 +53,6 @@ UNIT_ENTRIES = 1 << 18
 # (causal backward, 2 threads, AVX-512, ms; blocks of 64 / 128 / one block): (1, 8, 256, 16)
 # 1.05 / 0.87 / 0.82, (4, 16, 512, 128) 52.8 / 48.6 / 62.0, (8, 12, 1024, 64) 154 / 144 / 231.
 BACKWARD_ROWS = 128
-# Score entries from which a call takes the kernel threads: half the compiled kernel's
-# (rows.SERIAL_WORK), its passes being slower. At (12, 4, 64, 32) (196,608 entries), 2 threads
-# against the calling thread, µs fwd / bwd (medians of 15): AVX-512 302 / 522 against 286 /
-# 621, AVX2 387 / 699 against 463 / 1024; the NumPy-only GPT step (that shape inside a training
-# step, AVX-512) 0.86, 0.89 of torch's time against 0.89, 0.90 on the calling thread.
-SERIAL_WORK = 1 << 17
 TINY, HUGE = np.float32(2.0 ** -60), np.float32(2.0 ** 64)  # a row's Σ exp without its max, to stay exact
 # (and E V, undivided, far from float32's overflow)
 
@@ -127,7 +121,7 @@ def forward(q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_weight
             ls += shift[..., 0]
         lse[a:b] = ls.reshape(b - a, tq)
 
-    _run(job, n, tq, tk, group, num_threads, blocks, inner, max(q.shape[-1], v.shape[-1]), UNIT_ENTRIES, SERIAL_WORK)
+    _run(job, n, tq, tk, group, num_threads, blocks, inner, max(q.shape[-1], v.shape[-1]), UNIT_ENTRIES)
     return out.reshape(spec.lead + out.shape[-2:]), lse.reshape(spec.lead + (tq,)), None
 
 
@@ -222,5 +216,5 @@ def backward(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int =
             gv = gv.reshape((-1, group) + gv.shape[-2:]).sum(axis=1)
         dk[a // group:b // group], dv[a // group:b // group] = gk, gv
 
-    _run(job, n, tq, tk, group, num_threads, blocks, inner, max(q.shape[-1], v.shape[-1]), UNIT_ENTRIES, SERIAL_WORK)
+    _run(job, n, tq, tk, group, num_threads, blocks, inner, max(q.shape[-1], v.shape[-1]), UNIT_ENTRIES)
     return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
