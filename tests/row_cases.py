@@ -54,3 +54,40 @@ def differential_cases(kernel) -> tuple[int, list]:
         taken += 1
         fails += [f"{case}: {f}" for f in check(kernel, a["q"], a["k"], a["v"], a["dout"], **opts)]
     return taken, fails
+
+
+def hf_gqa_layout(seed: int) -> tuple:
+    """q contiguous (after RoPE), k and v (B, Hkv, T, D) views of (B, T, Hkv, D) and dout a view
+    of (B, T, Hq, D), as transformers hands a GQA layer's arrays over (B=3, T=70, 6 over 2 heads)."""
+    rng = np.random.default_rng(seed)
+    b, t, hq, hkv, d = 3, 70, 6, 2, 16
+    q = rng.standard_normal((b, hq, t, d)).astype(np.float32)
+    k, v = (rng.standard_normal((b, t, hkv, d)).astype(np.float32).transpose(0, 2, 1, 3) for _ in range(2))
+    dout = rng.standard_normal((b, t, hq, d)).astype(np.float32).transpose(0, 2, 1, 3)
+    return q, k, v, dout
+
+
+def same_bits_as_copies(q, k, v, dout, threads: int = 2, **opts) -> None:
+    """Forward and backward on the arrays as given and on contiguous copies: the same bits."""
+    from qkv.threads import kernel_threads
+
+    runs = []
+    for arrays in ((q, k, v, dout), tuple(np.ascontiguousarray(a) for a in (q, k, v, dout))):
+        qq, kk, vv, dd = arrays
+        with kernel_threads(threads):
+            out, lse = qkv.attention(qq, kk, vv, return_lse=True, **opts)
+            runs.append((out, lse) + qkv.attention_backward(dd, qq, kk, vv, out, lse, **opts))
+    for a, c in zip(*runs):
+        np.testing.assert_array_equal(a, c)
+
+
+def hf_gqa_layout_case(kernel, seed: int) -> None:
+    """GQA with k and v as (B, Hkv, T, D) views of (B, T, Hkv, D), as transformers hands them:
+    each range of heads gathered from the views (no (B·Hkv, T, D) view of them exists); the
+    same bits as contiguous copies, and within the budget."""
+    from qkv.kernels import rows
+
+    q, k, v, dout = hf_gqa_layout(seed)
+    assert rows._view(v, (-1,) + v.shape[-2:]) is None
+    same_bits_as_copies(q, k, v, dout, causal=True, gqa=True)
+    assert check(kernel, q, k, v, dout, causal=True, gqa=True) == []

@@ -9,7 +9,7 @@ from qkv import api, jit
 from qkv.kernels import rows
 from qkv.threads import kernel_threads
 
-from row_cases import MASKS, check, differential_cases, inputs
+from row_cases import MASKS, check, differential_cases, hf_gqa_layout_case, inputs
 
 pytestmark = pytest.mark.skipif(jit.load(jit.ROWS) is None,
                                 reason="the row kernel needs the fast extra (numba) and QKV_JIT != 0")
@@ -168,3 +168,7 @@ def test_dropout_draws_the_tiled_kernels_mask():
     tiled = qkv.attention(q, k, v, causal=True, dropout_p=0.3, dropout_seed=11, method="flash")
     other = qkv.attention(q, k, v, causal=True, dropout_p=0.3, dropout_seed=12, method="flash")
     assert np.abs(rows_out - tiled).max() < 1e-5 < np.abs(rows_out - other).max()
+
+
+def test_hugging_faces_gqa_layout_read_in_place_gives_the_copies_bits():
+    hf_gqa_layout_case(api.ROWS, 8)

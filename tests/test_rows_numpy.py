@@ -11,7 +11,7 @@ from qkv import api
 from qkv.kernels import rows, rows_numpy
 from qkv.threads import kernel_threads
 
-from row_cases import MASKS, check, differential_cases, inputs
+from row_cases import MASKS, check, differential_cases, hf_gqa_layout, hf_gqa_layout_case, inputs
 
 
 @pytest.fixture(autouse=True)
@@ -98,24 +98,12 @@ def test_the_same_bits_for_any_thread_count_and_strided_heads():
 
 
 def test_hugging_faces_gqa_layout_read_in_place_gives_the_copies_bits():
-    """GQA with HF's layout (q contiguous after RoPE, k and v (B, Hkv, T, D) views of
-    (B, T, Hkv, D)): each range of heads gathered from the views, the same bits as from
-    contiguous copies, and within the budget."""
-    rng = np.random.default_rng(5)
-    b, t, hq, hkv, d = 3, 70, 6, 2, 16
-    q = rng.standard_normal((b, hq, t, d)).astype(np.float32)
-    k, v = (rng.standard_normal((b, t, hkv, d)).astype(np.float32).transpose(0, 2, 1, 3) for _ in range(2))
-    dout = rng.standard_normal((b, t, hq, d)).astype(np.float32).transpose(0, 2, 1, 3)
-    assert rows._view(v, (-1, t, d)) is None                   # no (B·Hkv, T, D) view of it
-    runs = []
-    for arrays in ((q, k, v, dout), tuple(np.ascontiguousarray(a) for a in (q, k, v, dout))):
-        qq, kk, vv, dd = arrays
-        with kernel_threads(2):
-            out, lse = qkv.attention(qq, kk, vv, causal=True, gqa=True, return_lse=True)
-            runs.append((out, lse) + qkv.attention_backward(dd, qq, kk, vv, out, lse, causal=True, gqa=True))
-    for a, c in zip(*runs):
-        np.testing.assert_array_equal(a, c)
-    assert _check(q, k, v, dout, causal=True, gqa=True) == []
+    hf_gqa_layout_case(api.ROWS_NUMPY, 5)
+    q, k, v, _ = hf_gqa_layout(5)
+    kb, vb = (np.broadcast_to(x[:1], x.shape) for x in (k, v))  # kv heads shared by the batch: stride 0
+    got = qkv.attention(q, kb, vb, causal=True, gqa=True)
+    np.testing.assert_array_equal(got, qkv.attention(q, *(np.ascontiguousarray(x) for x in (kb, vb)),
+                                                     causal=True, gqa=True))
 
 
 def _numpy_says_view(x, shape):
@@ -133,7 +121,7 @@ def test_view_decides_from_the_strides_as_numpy_does():
     arrays = [base, base.transpose(0, 2, 1, 3, 4), base[:, :, 1], base[:, :, 1].transpose(0, 2, 1, 3),
               base[::2], base[:, ::2], base[:1], base[:, :, :1], np.broadcast_to(base[:1], base.shape),
               np.broadcast_to(base[:, :1], base.shape), base[0, 0], base.transpose(1, 0, 2, 3, 4)[:, :1],
-              base[0]]
+              base[0], base[::-1], base[::-1, ::-1], base[:, ::-1].transpose(1, 0, 2, 3, 4)]
     for x in arrays:
         t, d = x.shape[-2:]
         for shape in ((-1, t, d), (-1, x.shape[-3], t, d) if x.ndim > 2 else (-1, 1, t, d)):
