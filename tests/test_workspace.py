@@ -66,3 +66,14 @@ def test_results_never_share_a_buffer_and_a_second_call_leaves_the_first_intact(
     assert calls
     for x, y in zip((*first, *grads), kept):
         np.testing.assert_array_equal(x, y)
+
+
+def test_import_leaves_malloc_alone_until_a_kernel_runs():
+    """``import qkv`` frees no block of its own; the first buffer a row kernel takes does (once)."""
+    import subprocess
+    import sys
+
+    code = ("import numpy as np, qkv; from qkv.kernels import workspace as w; a = bool(w._primed); "
+            "x = np.ones((2, 4, 64, 16), np.float32); qkv.attention(x, x, x); print(a, bool(w._primed))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "True"]

@@ -20,6 +20,7 @@ threadpoolctl's 10, a cost every kernel call pays.
 """
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import os
 import threading
@@ -66,6 +67,13 @@ def kernel_threads(n: int):
         yield
     finally:
         _here.reset(token)
+
+
+def one_thread_if(serial: bool):
+    """``kernel_threads(1)`` where ``serial``, else a context that changes nothing: for callers
+    that know a kernel thread would find its core taken (a layer right after BLAS's threads,
+    torch's OpenMP workers spinning on)."""
+    return kernel_threads(1) if serial else contextlib.nullcontext()
 
 
 def pool(n: int) -> ThreadPoolExecutor:

@@ -12,8 +12,9 @@ frees a block bigger than 128 KiB, glibc serves such blocks with ``mmap`` and re
 at ``free``, so each call page-faulted its buffers in anew. Measured (one thread, AVX-512, a
 NumPy-only process, the row kernel's backward): B=1 H=8 T=256 D=16 2.7 ms against 1.2 ms, B=12
 H=4 T=64 D=32 2.2 against 0.63, once the threshold had been raised, which importing torch or
-numba happens to do. Importing this module frees one untouched 8 MiB block, which raises
-it the same way (:func:`_raise_mmap_threshold`).
+numba happens to do. The first buffer taken frees one untouched 8 MiB block, which raises
+it the same way (:func:`_raise_mmap_threshold`; not at ``import qkv``: only a process that
+runs a row kernel pays for it).
 
 What :func:`take` gives must not leave the kernel: the next block on the thread overwrites it.
 """
@@ -25,6 +26,7 @@ import threading
 import numpy as np
 
 _local = threading.local()
+_primed = []  # non-empty once _raise_mmap_threshold ran
 
 
 def _raise_mmap_threshold() -> None:
@@ -32,16 +34,16 @@ def _raise_mmap_threshold() -> None:
     and keeps freed memory there (its dynamic mmap threshold, as any process that freed a big
     array, or imported torch or numba, already has). No memory is touched or kept."""
     np.empty(1 << 23, np.uint8)
-
-
-_raise_mmap_threshold()
+    _primed.append(True)
 
 
 def take(name: str, shape: tuple, dtype=np.float32) -> np.ndarray:
     """An uninitialised C-contiguous ``shape`` array: this thread's buffer ``name`` (grown
     where too small). Two names never share memory; one name is one array at a time."""
     bufs = getattr(_local, "bufs", None)
-    if bufs is None:
+    if bufs is None:                       # this thread's first buffer
+        if not _primed:
+            _raise_mmap_threshold()
         bufs = _local.bufs = {}
     size = math.prod(shape)
     buf = bufs.get(name)

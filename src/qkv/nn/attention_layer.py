@@ -17,7 +17,6 @@ surrounds that is the same and lives here, said once:
 """
 from __future__ import annotations
 
-import contextlib
 import math
 
 import numpy as np
@@ -29,7 +28,7 @@ from ..options import parse_dropout, parse_softcap
 from .base import Layer, check_input, linear_grad, merge_heads, split_heads
 from .checks import attention_options, cache_step, check_cache, check_context, mask_options, rope_options
 from .layers import Linear
-from ..threads import kernel_threads
+from ..threads import one_thread_if
 
 FUSE_ROWS = 256  # B*T from which self-attention's three projections run as one product
 PREPARED = "_prepared"  # the key of a forward's checked problem and kernel in its options (see _attend)
@@ -243,6 +242,4 @@ class AttentionLayer(Layer):
 
 def _threads(prob):
     """``kernel_threads(1)`` for a problem of fewer than :data:`LAYER_SERIAL_WORK` score entries."""
-    if math.prod(prob.spec.lead) * prob.spec.tq * prob.spec.tk < LAYER_SERIAL_WORK:
-        return kernel_threads(1)
-    return contextlib.nullcontext()
+    return one_thread_if(math.prod(prob.spec.lead) * prob.spec.tq * prob.spec.tk < LAYER_SERIAL_WORK)

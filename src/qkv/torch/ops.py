@@ -25,14 +25,13 @@ tiled kernel takes it from P where a tile holds whole rows.)
 """
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
 
 from ..api import attention as np_attention, attention_backward as np_attention_backward
 from ..errors import ShapeError, fmt_shape
-from ..threads import kernel_threads
+from ..threads import one_thread_if
 from . import options as opt
 
 FWD = "qkv::attention_fwd"
@@ -63,9 +62,7 @@ TORCH_SERIAL_WORK = 1 << 24
 def _threads(q, k):
     """``kernel_threads(1)`` for a problem of at most :data:`TORCH_SERIAL_WORK` entries while
     torch's own threads are up; else the caller's setting."""
-    if torch.get_num_threads() > 1 and math.prod(q.shape[:-1]) * k.shape[-2] <= TORCH_SERIAL_WORK:
-        return kernel_threads(1)
-    return contextlib.nullcontext()
+    return one_thread_if(torch.get_num_threads() > 1 and math.prod(q.shape[:-1]) * k.shape[-2] <= TORCH_SERIAL_WORK)
 
 
 def fwd_kernel(q, k, v, *args):
