@@ -97,6 +97,26 @@ def exp_path() -> str:
     return str(said) if said else "numpy exp2"
 
 
+def numba_target() -> str | None:
+    """The CPU numba compiles qkv's passes for and its widest vectors ("haswell, 256-bit"), as
+    numba's own settings decide: ``NUMBA_CPU_NAME`` alone keeps the host's features (AVX-512
+    code under a Haswell name); an AVX2-only CPU also takes ``NUMBA_CPU_FEATURES=`` (empty).
+    None without numba."""
+    try:
+        import llvmlite.binding as ll
+        from numba.core import config
+    except Exception:  # no numba: informational only
+        return None
+    name = config.CPU_NAME or ll.get_host_cpu_name()
+    features = config.CPU_FEATURES if config.CPU_FEATURES is not None else ll.get_host_cpu_features().flatten()
+    if features:
+        wide = "+avx512f" in features.split(",")
+    else:  # the CPU name's own features
+        wide = name.lower() not in ("haswell", "broadwell", "skylake", "znver1", "znver2", "znver3",
+                                    "alderlake", "generic", "x86-64", "x86-64-v2", "x86-64-v3")
+    return f"{name}, {512 if wide else 256}-bit"
+
+
 def torch_capability() -> str | None:
     """The vector level torch's kernels run with ("AVX512", "AVX2", ...), if torch says."""
     try:
@@ -112,5 +132,5 @@ def describe(with_torch: bool) -> dict:
     return {"cpu": cpu_model(), "cores": os.cpu_count(), "vector": vector_level(features),
             "numpy_simd": numpy_simd(features),
             "npy_disable_cpu_features": os.environ.get("NPY_DISABLE_CPU_FEATURES"),
-            "blas": blas_info(), "exp": exp_path(),
+            "blas": blas_info(), "exp": exp_path(), "numba": numba_target(),
             "torch_capability": torch_capability() if with_torch else None}

@@ -47,16 +47,17 @@ def _fmt(x, spec):
 
 def machine_line(m: dict, torch_version: str | None) -> str:
     """One line: the CPU and the vector level NumPy uses, the BLAS and its kernel, the exp
-    path of qkv's kernel, and torch's own CPU capability."""
+    path of qkv's kernel (and the CPU numba compiles for), and torch's own CPU capability."""
     blas = m["blas"]
     disabled = f", NPY_DISABLE_CPU_FEATURES={m['npy_disable_cpu_features']}" if m["npy_disable_cpu_features"] else ""
     torch = (f"torch {torch_version} ({m['torch_capability'] or '?'})" if torch_version
              else "torch not in this run")
     found = " ".join(m["numpy_simd"]["found"]) or "none"
+    numba = f" (numba for {m['numba']})" if m.get("numba") else ""
     return (f"machine: {m['cpu'] or 'CPU'}, {m['cores']} cores; NumPy vector level {m['vector']} "
             f"(SIMD paths found: {found}{disabled}); "
             f"BLAS {blas.get('library', '?')} {blas.get('version', '')} kernel {blas.get('kernel', '?')}; "
-            f"qkv exp path: {m['exp']}; {torch}")
+            f"qkv exp path: {m['exp']}{numba}; {torch}")
 
 
 def header(results: dict) -> list[str]:

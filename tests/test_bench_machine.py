@@ -76,3 +76,17 @@ def test_header_lines_carry_the_machine():
     assert lines[1] == machine_line(m, None)
     assert any("OPENBLAS_CORETYPE=Haswell is set" in x for x in lines)
     assert not any(x.startswith("note: quick") for x in lines)
+
+
+@pytest.mark.parametrize("name, features, expect", [
+    ("haswell", "", "haswell, 256-bit"),                    # the CI's AVX2 switch: Haswell's own features
+    ("haswell", "+avx2,+fma,+avx512f", "haswell, 512-bit"),  # NUMBA_CPU_NAME alone keeps the host's AVX-512
+    ("skylake-avx512", "", "skylake-avx512, 512-bit"),
+    ("znver3", "", "znver3, 256-bit"),
+])
+def test_numba_target_follows_numbas_own_settings(monkeypatch, name, features, expect):
+    pytest.importorskip("numba", reason="the fast extra (numba) is not installed")
+    from numba.core import config
+    monkeypatch.setattr(config, "CPU_NAME", name)
+    monkeypatch.setattr(config, "CPU_FEATURES", features)
+    assert machine.numba_target() == expect

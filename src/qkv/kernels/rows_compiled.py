@@ -24,7 +24,7 @@ import math
 import numba
 import numpy as np
 
-from .flash.compiled import _TSPLIT, FASTMATH, abs_max, keep_bits, pow2, tanh_any
+from .flash.compiled import _TSPLIT, FASTMATH, abs_max, keep_bits, pow2, tanh_any, wide_vectors
 
 f32 = np.float32
 u32 = np.uint32
@@ -144,6 +144,7 @@ def softmax_rows(s, lo, hi, scale, lse, cap, klo, khi, col0, thresh, zscale, dro
     """s (n, Tq, Tk) raw products -> P (times the keep-mask Z where ``drop``) in place;
     lse (n, Tq) = log Σ_j exp(s'_ij), s' = scale · s (softcapped where ``cap > 0``).
     ``klo``/``khi`` (n, Tq) uint32: the rows' dropout keys; ``col0``: the first key's column."""
+    wide_vectors()
     c = f32(scale * LOG2E)
     cap_in = f32(scale / cap) if cap > 0 else f32(0.0)
     cap_out = f32(cap * LOG2E)
@@ -203,6 +204,7 @@ def _backward_rows(s, dp, lo, hi, c, cap_in, cap_out, sc, dlse, use_dlse, klo, k
 def softmax_grad_rows(s, dp, lo, hi, scale, dlse, use_dlse, cap, klo, khi, col0, thresh, zscale, drop):
     """s (n, Tq, Tk) raw products -> P ∘ Z in place (for dV); dp (n, Tq, Tk) = dO Vᵀ -> dS
     (times scale, and the softcap's slope) in place. Arguments as :func:`softmax_rows`."""
+    wide_vectors()
     c = f32(scale * LOG2E)
     cap_in = f32(scale / cap) if cap > 0 else f32(0.0)
     cap_out = f32(cap * LOG2E)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ..kernels.flash.compiled import FASTMATH, pow2
+from ..kernels.flash.compiled import FASTMATH, pow2, wide_vectors
 
 f32 = np.float32
 _HALF_LOG2E = f32(0.5 * 1.4426950408889634)
@@ -19,6 +19,7 @@ _HALF_LOG2E = f32(0.5 * 1.4426950408889634)
 
 @numba.njit(nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")  # x/0 without a check: vectorised
 def bias_gelu(h, b, ct, c4, c3, c2, c1, c0):  # h (n, f) float32 in place: gelu(h + b), see functional.gelu
+    wide_vectors()
     n, f = h.shape
     for i in range(n):
         for j in range(f):
@@ -32,6 +33,7 @@ def bias_gelu(h, b, ct, c4, c3, c2, c1, c0):  # h (n, f) float32 in place: gelu(
 
 @numba.njit(nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")
 def add_layer_norm(x, a, gamma, beta, eps, out):  # out[i] = LayerNorm(x[i] + a[i]), rows of (n, d) float32
+    wide_vectors()
     n, d = x.shape
     inv = f32(1.0) / f32(d)
     for i in range(n):

@@ -21,7 +21,7 @@ import math
 import numba
 import numpy as np
 
-from ..kernels.flash.compiled import FASTMATH, pow2
+from ..kernels.flash.compiled import FASTMATH, pow2, wide_vectors
 
 FLAGS = {"nsz", "contract", "reassoc", "arcp"}  # reassociation lets LLVM vectorise the row sums
 SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -32,6 +32,7 @@ INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 @numba.njit(nogil=True, cache=True, fastmath=FLAGS)
 def layer_norm_forward(x, w, b, eps, y, xhat, r):  # rows of x (n, d): y = (x - mu) r w + b
+    wide_vectors()
     n, d = x.shape
     inv_d = 1.0 / d
     for i in range(n):
@@ -53,6 +54,7 @@ def layer_norm_forward(x, w, b, eps, y, xhat, r):  # rows of x (n, d): y = (x - 
 
 @numba.njit(nogil=True, cache=True, fastmath=FLAGS)
 def layer_norm_backward(dy, xhat, r, w, dx, dw, db):  # dx = r (g - mean(g) - x̂ mean(g x̂)), g = dy w
+    wide_vectors()
     n, d = dy.shape
     inv_d = 1.0 / d
     for i in range(n):
@@ -82,6 +84,7 @@ def _tanh_u32(x):  # float32 tanh(√(2/π) (x + 0.044715 x³)) = 1 - 2 / (1 + 2
 
 @numba.njit(nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")
 def gelu_tanh_forward32(h, y):  # float32: y = h (1 + tanh(u)) / 2
+    wide_vectors()
     half, one = np.float32(0.5), np.float32(1.0)
     for i in range(h.size):
         x = h[i]
@@ -90,6 +93,7 @@ def gelu_tanh_forward32(h, y):  # float32: y = h (1 + tanh(u)) / 2
 
 @numba.njit(nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")
 def gelu_tanh_backward32(dy, h, dh):  # float32, tanh(u) computed again: as gelu_tanh_backward
+    wide_vectors()
     k0 = np.float32(SQRT_2_OVER_PI)
     k1 = np.float32(3.0 * SQRT_2_OVER_PI * GELU_CUBIC)
     half, one = np.float32(0.5), np.float32(1.0)
@@ -101,6 +105,7 @@ def gelu_tanh_backward32(dy, h, dh):  # float32, tanh(u) computed again: as gelu
 
 @numba.njit(nogil=True, cache=True, fastmath=FLAGS)
 def gelu_tanh_backward(dy, h, t, dh):  # dy ((1 + t)/2 + h (1 - t²) √(2/π) (1 + 3 c h²) / 2)
+    wide_vectors()
     k0 = SQRT_2_OVER_PI
     k1 = 3.0 * SQRT_2_OVER_PI * GELU_CUBIC
     for i in range(h.size):
@@ -110,6 +115,7 @@ def gelu_tanh_backward(dy, h, t, dh):  # dy ((1 + t)/2 + h (1 - t²) √(2/π) (
 
 @numba.njit(nogil=True, cache=True)
 def gelu_forward(h, y, cdf):  # y = h Φ(h), Φ(h) = (1 + erf(h/√2)) / 2
+    wide_vectors()
     for i in range(h.size):
         c = 0.5 * (1.0 + math.erf(h[i] * INV_SQRT_2))
         cdf[i] = c
@@ -118,6 +124,7 @@ def gelu_forward(h, y, cdf):  # y = h Φ(h), Φ(h) = (1 + erf(h/√2)) / 2
 
 @numba.njit(nogil=True, cache=True)
 def gelu_backward(dy, h, cdf, dh):  # dy (Φ(h) + h φ(h))
+    wide_vectors()
     for i in range(h.size):
         x = h[i]
         dh[i] = dy[i] * (cdf[i] + x * INV_SQRT_2PI * math.exp(-0.5 * x * x))
@@ -125,6 +132,7 @@ def gelu_backward(dy, h, cdf, dh):  # dy (Φ(h) + h φ(h))
 
 @numba.njit(nogil=True, cache=True, fastmath=FLAGS, error_model="numpy")  # no zero check: a vector loop
 def adamw_update(p, g, m, v, coef, shrink, b1, c1, b2, c2, step_size, root_c2, eps):  # c1 = 1 - b1, c2 = 1 - b2
+    wide_vectors()
     for i in range(p.size):
         gi = g[i] * coef                                  # clipped gradient
         mi = b1 * m[i] + c1 * gi
@@ -136,6 +144,7 @@ def adamw_update(p, g, m, v, coef, shrink, b1, c1, b2, c2, step_size, root_c2, e
 
 @numba.njit(nogil=True, cache=True)
 def softmax_cross_entropy(logits, targets, dlogits):  # -> Σ_rows lse - logit[target]; dlogits
+    wide_vectors()
     n, c = logits.shape
     total = 0.0
     inv_n = 1.0 / n
