@@ -204,6 +204,8 @@ def _view(x: np.ndarray, shape: tuple) -> np.ndarray | None:
     lead, keep = x.shape[:-2], len(shape) - 3                   # leading axes kept: 0 or 1
     if keep and (not lead or lead[-1] != shape[1]):
         return None
+    if x.flags.c_contiguous:                                    # the common case, at 0.1 µs
+        return x.reshape(shape)
     merged = lead[:len(lead) - keep]
     dims = [(n, st) for n, st in zip(merged, x.strides[:len(merged)]) if n != 1]
     if all(s0 == s1 * n1 for (_, s0), (n1, s1) in zip(dims, dims[1:])):
