@@ -18,6 +18,11 @@ over repeats of torch time ÷ qkv time within a repeat (above 1, qkv is faster).
 
 FLOP convention (as in ``attention.py``): forward ``4·B·H·T²·D``, halved when causal;
 forward+backward 3.5 times the forward.
+
+``bound`` (where the fast extra runs): torch time ÷ the time of qkv's same call with the row
+kernel's element-wise passes made no-ops (:func:`products_only`): its products, transposed
+copies, Python and thread hand-offs alone, as ``--suite main``'s bound is its products alone.
+It is the most torch ÷ qkv could be if the exponential, the sums and the masks cost nothing.
 """
 from __future__ import annotations
 
@@ -42,10 +47,41 @@ def flops(shape, causal: bool, pass_: str) -> float:
     return (fwd_bwd_flops if pass_ == "fwd+bwd" else forward_flops)(b, h, t, t, d, causal)
 
 
+class _Free:
+    """The row kernel's passes (:mod:`qkv.kernels.rows_compiled`) as no-ops."""
+
+    @staticmethod
+    def softmax_rows(*args):
+        return None
+
+    @staticmethod
+    def softmax_grad_rows(*args):
+        return None
+
+
+def products_only(fn):
+    """``fn`` (a runner of ``method="auto"``) run with the row kernel's element-wise passes
+    free, or None without the fast extra (the NumPy row kernel has no such switch). The
+    results are garbage; only the time counts."""
+    from qkv import jit
+    if jit.load(jit.ROWS) is None:
+        return None
+
+    def run():
+        real = jit._loaded[jit.ROWS]
+        jit._loaded[jit.ROWS] = _Free
+        try:
+            return fn()
+        finally:
+            jit._loaded[jit.ROWS] = real
+    return run
+
+
 def measure(repeats: int, quick: bool, progress=None, *, seed: int = 0) -> list[dict]:
     """One row per shape, causal flag and pass: ``shape`` [B, H, T, D], ``causal``, ``pass``,
     ``qkv_s`` and ``torch_s`` (medians), ``ratio`` (median of torch ÷ qkv within a repeat),
-    ``flop`` and ``qkv_gflops``/``torch_gflops``. The caller sets the threads of both sides."""
+    ``flop`` and ``qkv_gflops``/``torch_gflops``, ``products_s`` and ``bound`` (torch ÷ products
+    within a repeat; None without the fast extra). The caller sets the threads of both sides."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
@@ -58,12 +94,16 @@ def measure(repeats: int, quick: bool, progress=None, *, seed: int = 0) -> list[
         backward = pass_ == "fwd+bwd"
         fns = {"qkv": runner("auto", q, k, v, dout, causal=causal, backward=backward),
                "torch": runner("torch", q, k, v, dout, causal=causal, backward=backward)}
+        free = products_only(fns["qkv"])
+        if free is not None:
+            fns["products"] = free
         runs = rounds(fns, repeats, rotate=True)
         walls = {m: [w for w, _ in r] for m, r in runs.items()}
         secs = {m: statistics.median(w) for m, w in walls.items()}
+        per = lambda m: statistics.median(a / b_ for a, b_ in zip(walls["torch"], walls[m]))  # noqa: E731
         f = flops(shape, causal, pass_)
         rows.append(dict(shape=list(shape), causal=causal, **{"pass": pass_}, qkv_s=secs["qkv"],
-                         torch_s=secs["torch"],
-                         ratio=statistics.median(a / b_ for a, b_ in zip(walls["torch"], walls["qkv"])),
-                         flop=f, qkv_gflops=f / secs["qkv"] / 1e9, torch_gflops=f / secs["torch"] / 1e9))
+                         torch_s=secs["torch"], ratio=per("qkv"),
+                         flop=f, qkv_gflops=f / secs["qkv"] / 1e9, torch_gflops=f / secs["torch"] / 1e9,
+                         products_s=secs.get("products"), bound=per("products") if free else None))
     return rows
