@@ -72,6 +72,15 @@ def cpu_model() -> str | None:
     return None
 
 
+def cpu_has_avx512() -> bool:
+    """The CPU itself has AVX-512 (/proc/cpuinfo's avx512f), whatever the run-time switches say."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " avx512f" in line for line in f)
+    except OSError:
+        return False
+
+
 def blas_info() -> dict:
     """NumPy's BLAS as threadpoolctl sees it: library, version, kernel (``architecture``),
     and the OpenBLAS settings found in the environment under ``env``."""
@@ -133,4 +142,5 @@ def describe(with_torch: bool) -> dict:
             "numpy_simd": numpy_simd(features),
             "npy_disable_cpu_features": os.environ.get("NPY_DISABLE_CPU_FEATURES"),
             "blas": blas_info(), "exp": exp_path(), "numba": numba_target(),
-            "torch_capability": torch_capability() if with_torch else None}
+            "torch_capability": torch_capability() if with_torch else None,
+            "cpu_avx512": cpu_has_avx512(), "mkl_enable_instructions": os.environ.get("MKL_ENABLE_INSTRUCTIONS")}

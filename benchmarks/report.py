@@ -74,6 +74,11 @@ def header(results: dict) -> list[str]:
         pinned = " ".join(f"{k}={v}" for k, v in env.items())
         lines.append(f"note: {pinned} is set, which pins OpenBLAS to that kernel and can slow NumPy; for the "
                      "machine's own speed run: env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE qkv bench")
+    m = results["machine"]
+    if m.get("torch_capability") == "AVX2" and m.get("cpu_avx512") and not m.get("mkl_enable_instructions"):
+        # ATen's switch leaves torch's MKL products on the CPU's best: AVX-512 (and AMX) on an Intel CPU
+        lines.append("note: torch's kernels run as AVX2 but its MKL products pick their own ISA (AVX-512 on an "
+                     "Intel CPU); for an AVX2-only machine's torch also set MKL_ENABLE_INSTRUCTIONS=AVX2")
     lines.append("FLOP: forward 4·B·H·Tq·Tk·D (causal: half); forward+backward 3.5x forward")
     return lines
 

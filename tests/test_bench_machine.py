@@ -90,3 +90,21 @@ def test_numba_target_follows_numbas_own_settings(monkeypatch, name, features, e
     monkeypatch.setattr(config, "CPU_NAME", name)
     monkeypatch.setattr(config, "CPU_FEATURES", features)
     assert machine.numba_target() == expect
+
+
+@pytest.mark.parametrize("cpu_avx512, mkl, noted", [(True, None, True), (True, "AVX2", False), (False, None, False)])
+def test_header_says_when_torchs_mkl_keeps_avx512_under_the_avx2_switch(cpu_avx512, mkl, noted):
+    m = {"cpu": "Some CPU", "cores": 2, "vector": "AVX2", "numpy_simd": {"found": ["X86_V3"]},
+         "npy_disable_cpu_features": "X86_V4", "exp": "numba", "torch_capability": "AVX2",
+         "blas": {"env": {}, "library": "openblas", "version": "0.3", "kernel": "Haswell"},
+         "cpu_avx512": cpu_avx512, "mkl_enable_instructions": mkl}
+    lines = header({"threads": 2, "repeats": 5, "quick": False, "note": None, "torch": "2.13.0", "machine": m})
+    assert any("MKL_ENABLE_INSTRUCTIONS=AVX2" in x for x in lines) == noted
+
+
+def test_describe_reads_the_cpu_and_mkl_switch(monkeypatch):
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+    d = machine.describe(with_torch=False)
+    assert d["mkl_enable_instructions"] == "AVX2"
+    with open("/proc/cpuinfo") as f:
+        assert d["cpu_avx512"] == ("avx512f" in f.read().split())
