@@ -20,7 +20,7 @@ FLOP convention (as in ``attention.py``): forward ``4·B·H·T²·D``, halved wh
 forward+backward 3.5 times the forward.
 
 ``bound`` (where the fast extra runs): torch time ÷ the time of qkv's same call with the row
-kernel's element-wise passes made no-ops (:func:`products_only`): its products, transposed
+kernel's element-wise passes left out (:func:`products_only`): its products, transposed
 copies, Python and thread hand-offs alone, as ``--suite main``'s bound is its products alone.
 It is the most torch ÷ qkv could be if the exponential, the sums and the masks cost nothing.
 """
@@ -48,32 +48,34 @@ def flops(shape, causal: bool, pass_: str) -> float:
 
 
 class _Free:
-    """The row kernel's passes (:mod:`qkv.kernels.rows_compiled`) as no-ops."""
+    """:mod:`qkv.kernels.rows_fused` with its row passes left out (``passes=False``)."""
 
-    @staticmethod
-    def softmax_rows(*args):
-        return None
+    def __init__(self, real):
+        self.real, self.SGEMM, self.ILP64 = real, real.SGEMM, real.ILP64
 
-    @staticmethod
-    def softmax_grad_rows(*args):
-        return None
+    def forward(self, *args):
+        return self.real.forward(*args[:-1], False)
+
+    def backward(self, *args):
+        return self.real.backward(*args[:-1], False)
 
 
 def products_only(fn):
     """``fn`` (a runner of ``method="auto"``) run with the row kernel's element-wise passes
-    free, or None without the fast extra (the NumPy row kernel has no such switch). The
+    left out, or None without the fast extra (the NumPy row kernel has no such switch). The
     results are garbage; only the time counts."""
-    from qkv import jit
-    if jit.load(jit.ROWS) is None:
+    from qkv.kernels import rows
+    if rows._fused() is None:
         return None
+    from qkv import jit
 
     def run():
-        real = jit._loaded[jit.ROWS]
-        jit._loaded[jit.ROWS] = _Free
+        real = jit._loaded[jit.ROWS_FUSED]
+        jit._loaded[jit.ROWS_FUSED] = _Free(real)
         try:
             return fn()
         finally:
-            jit._loaded[jit.ROWS] = real
+            jit._loaded[jit.ROWS_FUSED] = real
     return run
 
 

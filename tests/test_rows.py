@@ -5,13 +5,13 @@ import numpy as np
 import pytest
 
 import qkv
-from qkv import api, jit
+from qkv import api
 from qkv.kernels import rows
 from qkv.threads import kernel_threads
 
 from row_cases import MASKS, check, differential_cases, hf_gqa_layout_case, inputs
 
-pytestmark = pytest.mark.skipif(jit.load(jit.ROWS) is None,
+pytestmark = pytest.mark.skipif(rows._fused() is None,
                                 reason="the row kernel needs the fast extra (numba) and QKV_JIT != 0")
 
 
@@ -70,24 +70,22 @@ def test_the_same_bits_for_any_thread_count():
             np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("per", [None, 3, 5])  # heads a unit: the default, or units that straddle items of 4
-def test_strided_heads_read_in_place_give_the_copies_bits(per, monkeypatch):
+def test_strided_heads_read_in_place_give_the_copies_bits(monkeypatch):
     """q, k, v as a layer makes them, (B, H, T, D) views of one (B, T, 3, H, D) projection,
-    and dout as (B, T, H, D) transposed: read in place (4-D products over whole items, a unit
-    that straddles items cut in pieces); the same bits as contiguous copies, for any units
-    and thread count, and within the budget."""
+    and dout as (B, T, H, D) transposed: handed to BLAS in place (each head's row stride its
+    leading dimension, no copy); the same bits as contiguous copies, on one thread and two,
+    and within the budget."""
     rng = np.random.default_rng(3)
     b, t, h, d = 5, 40, 4, 16
     x = rng.standard_normal((b, t, 3, h, d)).astype(np.float32)
     q, k, v = (x[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
     dout = rng.standard_normal((b, t, h, d)).astype(np.float32).transpose(0, 2, 1, 3)
-    assert rows._Heads(q, h).x.ndim == 4 and np.shares_memory(rows._Heads(q, h).x, x)  # no copy
-    if per:
-        blocks = rows.row_blocks(api.prepare(q, k, v, causal=True).spec)
-        monkeypatch.setattr(rows, "UNIT_ENTRIES", per * max((r1 - r0) * (k1 - k0) for r0, r1, k0, k1, _, _ in blocks))
-        monkeypatch.setattr(rows, "SERIAL_WORK", 0)
-        seen = []
-        monkeypatch.setattr(rows, "_pieces", lambda a, b, inner, f=rows._pieces: seen.append((a, b)) or f(a, b, inner))
+    for y in (q, k, v):
+        y4, inner = rows._heads4(y)
+        assert inner == h and np.shares_memory(y4, x)          # no copy
+    bad = x[:, :, 0, :, ::2].transpose(0, 2, 1, 3)            # a column stride BLAS cannot take: copied
+    assert not np.shares_memory(rows._heads4(bad)[0], x)
+    monkeypatch.setattr(rows, "SERIAL_WORK", 0)
     copies = [np.ascontiguousarray(a) for a in (q, k, v, dout)]
     for threads in (1, 2):
         with kernel_threads(threads):
@@ -97,19 +95,8 @@ def test_strided_heads_read_in_place_give_the_copies_bits(per, monkeypatch):
                 res += [out, lse, *qkv.attention_backward(dd, qq, kk, vv, out, lse, causal=True)]
         for a, c in zip(got, want):
             np.testing.assert_array_equal(a, c)
-    if per:
-        assert (0, per) in seen and any(len(rows._pieces(a, b, h)) > 1 for a, b in seen)
     assert _check(q, k, v, dout, causal=True) == []
-
-
-def test_pieces_never_straddle_an_item_partly():
-    for inner in (1, 3, 4):
-        for a in range(13):
-            for b in range(a + 1, 14):
-                pieces = rows._pieces(a, b, inner)
-                assert [p for piece in pieces for p in range(*piece)] == list(range(a, b))
-                for x, y in pieces:
-                    assert x // inner == (y - 1) // inner or (x % inner == 0 and y % inner == 0)
+    assert _check(bad, bad, bad, dout[..., ::2], causal=True) == []
 
 
 @pytest.mark.parametrize("seed", range(40))

@@ -97,6 +97,44 @@ def test_the_same_bits_for_any_thread_count_and_strided_heads():
     assert _check(q, k, v, dout, causal=True) == []
 
 
+@pytest.mark.parametrize("per", [3, 5])  # heads a unit: units that straddle items of 4
+def test_units_that_straddle_items_give_the_same_bits(per, monkeypatch):
+    """Heads read in place as (B/inner, inner, T, D) stacks (a layer's views of one
+    (B, T, 3, H, D) projection): a unit that straddles items is cut in pieces, each a view, and
+    the bits are those of one unit a thread."""
+    rng = np.random.default_rng(3)
+    b, t, h, d = 5, 40, 4, 16
+    x = rng.standard_normal((b, t, 3, h, d)).astype(np.float32)
+    q, k, v = (x[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+    dout = rng.standard_normal((b, t, h, d)).astype(np.float32).transpose(0, 2, 1, 3)
+    assert rows._Heads(q, h).x.ndim == 4 and np.shares_memory(rows._Heads(q, h).x, x)  # no copy
+    monkeypatch.setattr(rows, "SERIAL_WORK", 0)
+    runs = []
+    for unit in (None, per):
+        if unit:
+            blocks = rows.row_blocks(api.prepare(q, k, v, causal=True).spec, rows_numpy.BACKWARD_ROWS)
+            monkeypatch.setattr(rows_numpy, "UNIT_ENTRIES", unit * max((r1 - r0) * (k1 - k0)
+                                                                        for r0, r1, k0, k1, _, _ in blocks))
+            seen = []
+            monkeypatch.setattr(rows, "_pieces", lambda a, b, inner, f=rows._pieces: seen.append((a, b)) or f(a, b, inner))
+        with kernel_threads(2):
+            out, lse = qkv.attention(q, k, v, causal=True, return_lse=True)
+            runs.append((out, lse) + qkv.attention_backward(dout, q, k, v, out, lse, causal=True))
+    assert (0, per) in seen and any(len(rows._pieces(a, b, h)) > 1 for a, b in seen)
+    for a, c in zip(*runs):
+        np.testing.assert_array_equal(a, c)
+
+
+def test_pieces_never_straddle_an_item_partly():
+    for inner in (1, 3, 4):
+        for a in range(13):
+            for b in range(a + 1, 14):
+                pieces = rows._pieces(a, b, inner)
+                assert [p for piece in pieces for p in range(*piece)] == list(range(a, b))
+                for x, y in pieces:
+                    assert x // inner == (y - 1) // inner or (x % inner == 0 and y % inner == 0)
+
+
 def test_hugging_faces_gqa_layout_read_in_place_gives_the_copies_bits():
     hf_gqa_layout_case(api.ROWS_NUMPY, 5)
     q, k, v, _ = hf_gqa_layout(5)

@@ -1,4 +1,5 @@
 """The row kernels' per-thread scratch buffers (qkv.kernels.workspace)."""
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -23,13 +24,19 @@ def test_a_name_is_one_buffer_a_thread_grown_when_too_small():
     assert workspace.take("test-a", (3,), np.float64).dtype == np.float64
 
 
-def test_a_call_leaves_no_buffer_behind():
+def test_a_call_leaves_no_buffer_behind(monkeypatch):
     """Each thread lets go of its buffers at the end of its share of a call: a training step's
-    peak memory does not carry them."""
+    peak memory does not carry them. (The NumPy row kernel's: the compiled one's scratch lives
+    inside its compiled loop.)"""
+    monkeypatch.setattr("qkv.api.AUTO_ROWS_NUMPY_MIN", 0)
+    monkeypatch.setattr("qkv.kernels.rows.applies", lambda *a: False)
     rng = np.random.default_rng(2)
     q, k, v = (rng.standard_normal((2, 4, 64, 16)).astype(np.float32) for _ in range(3))
     workspace.take("test-c", (8,))
-    qkv.attention(q, k, v, causal=True)
+    out, lse = qkv.attention(q, k, v, causal=True, return_lse=True)
+    assert getattr(workspace._local, "bufs", {}) == {}
+    workspace.take("test-d", (8,))
+    qkv.attention_backward(out, q, k, v, out, lse, causal=True)
     assert getattr(workspace._local, "bufs", {}) == {}
 
 
@@ -75,5 +82,7 @@ def test_import_leaves_malloc_alone_until_a_kernel_runs():
 
     code = ("import numpy as np, qkv; from qkv.kernels import workspace as w; a = bool(w._primed); "
             "x = np.ones((2, 4, 64, 16), np.float32); qkv.attention(x, x, x); print(a, bool(w._primed))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    env = dict(os.environ, QKV_JIT="0")   # the NumPy row kernel: the one with workspace buffers
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=env).stdout.split()
     assert out == ["False", "True"]

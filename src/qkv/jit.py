@@ -4,7 +4,9 @@ Each part keeps its numba code beside it, in a module that imports numba and is 
 from here: :func:`flash` gives :mod:`qkv.kernels.flash.compiled` (the score tiles'
 exponential, the decoding rows' products), :func:`encoder` gives :mod:`qkv.models.compiled`
 (the encoder's bias + GELU and residual + LayerNorm); :data:`ROWS` names
-:mod:`qkv.kernels.rows_compiled` (short sequences' attention, a query row a pass). Every pass there is a module-level
+:mod:`qkv.kernels.rows_compiled` (short sequences' attention, a query row a pass) and
+:data:`ROWS_FUSED` :mod:`qkv.kernels.rows_fused` (those passes and the products, a call's every head in one
+parallel loop). Every pass there is a module-level
 ``njit`` with ``cache=True``: compiled once per machine into numba's on-disk cache
 (``__pycache__`` beside the module), loaded from it by later processes. Both give None
 where numba is not installed or ``QKV_JIT=0`` is set in the environment; callers then keep
@@ -21,6 +23,7 @@ from types import ModuleType
 FLASH = "qkv.kernels.flash.compiled"
 ENCODER = "qkv.models.compiled"
 ROWS = "qkv.kernels.rows_compiled"
+ROWS_FUSED = "qkv.kernels.rows_fused"   # the row kernel's whole call, one parallel loop over heads
 
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}

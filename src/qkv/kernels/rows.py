@@ -1,15 +1,23 @@
-"""Sequences of up to 1024 keys with the fast extra: stacked products, one compiled pass a row.
+"""Sequences of up to 1024 keys with the fast extra: a call's every head in one compiled loop.
 
 At the shapes people train and serve (nanoGPT's CPU recipe: B=12, H=4, T=64, D=32; GPT-2 at
 T=1024) a head's scores fit a core's cache, and what NumPy spends is its passes over them:
-scale, mask, max, subtract, exp, sum, divide, each a temporary. Here a work unit of heads
-runs the products as stacked ``np.matmul`` calls (BLAS, one matrix per head) and everything
-between them as one compiled pass a query row (:mod:`qkv.kernels.rows_compiled`, numba):
-scores to log2 units (softcapped where asked), ``2^x`` and its sum, the division, the
-dropout mask; the backward recomputes each row's probabilities from its own scores. Rows
-that a causal or windowed mask keeps from most keys go in blocks of :data:`BLOCK_ROWS`
-(32 up to :data:`SHORT_ROWS` query rows) that take only the keys they may see (a causal T
-of 64 and up: a quarter to half of the products skipped).
+scale, mask, max, subtract, exp, sum, divide, each a temporary. Here each head runs its
+products through BLAS and everything between them as one compiled pass a query row
+(:mod:`qkv.kernels.rows_compiled`): scores to log2 units (softcapped where asked), ``2^x``
+and its sum, the division, the dropout mask; the backward recomputes each row's
+probabilities from its own scores. Rows that a causal or windowed mask keeps from most keys
+go in blocks of :data:`BLOCK_ROWS` (32 up to :data:`SHORT_ROWS` query rows) that take only
+the keys they may see (a causal T of 64 and up: a quarter to half of the products skipped).
+
+The heads of a call are one parallel loop of :mod:`qkv.kernels.rows_fused` (numba's
+``prange``; BLAS's ``sgemm`` called from inside it, held to one thread), with no Python
+between a head's products and passes and no Python thread hand-off: at nanoGPT's CPU recipe
+the forward went from 376 to 175 µs on two threads (AVX-512). Heads handed in as strided
+views (a layer's q, k, v cut out of one ``(B, T, 3, H, D)`` projection, Hugging Face's
+``(B, T, H, D)`` transposed) go to BLAS in place, each head's row stride its leading
+dimension (:func:`_heads4`). The work-unit machinery below (:func:`_run`, :class:`_Heads`)
+drives :mod:`.rows_numpy`, the same kernel without the fast extra.
 
 It takes what :func:`applies` says: float32, no weights, a mask that is the same for every
 head and gives each row one contiguous run of keys (causal, window, chunk, any alignment;
@@ -17,9 +25,8 @@ not a user mask, bias, ALiBi or lengths), softcap and dropout (:mod:`qkv.score_o
 ``method="auto"`` chooses it where the fast extra is present (:func:`qkv.api._kernel`).
 
 Bits: every head is computed alone, in an order fixed by the problem, so the thread count
-and the work units never change a bit. They are not :mod:`.reference`'s bits (another
-exponential, another order of sums): the kernel is tested against it within float32's
-error budget.
+never changes a bit. They are not :mod:`.reference`'s bits (another exponential, another
+order of sums): the kernel is tested against it within float32's error budget.
 """
 from __future__ import annotations
 
@@ -46,7 +53,7 @@ COPY_T_KEYS = 128        # keys up to which the products run against a transpose
 
 def applies(spec: MaskSpec, dtype) -> bool:
     """True when the compiled pass can run this problem (see the module docstring)."""
-    return stackable(spec, dtype) and jit.load(jit.ROWS) is not None
+    return stackable(spec, dtype) and _fused() is not None
 
 
 def stackable(spec: MaskSpec, dtype) -> bool:
@@ -275,69 +282,82 @@ def _inner(spec: MaskSpec, *arrays: np.ndarray) -> int:
     return spec.lead[-1]
 
 
+def _fused():
+    """:mod:`qkv.kernels.rows_fused`, or None (no numba, ``QKV_JIT=0``, or no BLAS ``sgemm`` found for it)."""
+    mod = jit.load(jit.ROWS_FUSED)
+    return mod if mod is not None and mod.SGEMM else None
+
+
+def _heads4(x: np.ndarray) -> tuple[np.ndarray, int]:
+    """``x (*L, T, D)`` as ``(N/inner, inner, T, D)`` and ``inner`` (``L[-1]``), a view where its
+    strides allow, for :mod:`.rows_fused`: BLAS reads each head with its row stride as leading
+    dimension, so a head's rows need unit column stride and must not overlap (else a copy)."""
+    t, d = x.shape[-2:]
+    if not (x.strides[-1] == 4 and x.flags.aligned and (t == 1 or (x.strides[-2] >= 4 * d and x.strides[-2] % 4 == 0))):
+        x = np.ascontiguousarray(x)
+    if x.ndim == 2:
+        return x[None, None], 1
+    if x.ndim == 3:
+        return x[None], x.shape[0]
+    return (x if x.ndim == 4 else x.reshape((-1,) + x.shape[-3:])), x.shape[-3]
+
+
+@functools.lru_cache(maxsize=64)
+def _packed(tq: int, tk: int, *rules):
+    """:func:`row_blocks` as :mod:`.rows_fused` takes them: ``(r0, r1, k0, k1)`` int64 ``(nb, 4)``
+    and every row's ``lo``, ``hi`` relative to its block's ``k0``, int64 ``(Tq,)``."""
+    cut = _row_blocks(tq, tk, None, *rules)
+    blocks = np.array([b[:4] for b in cut], np.int64).reshape(-1, 4)
+    lo, hi = np.concatenate([b[4] for b in cut]), np.concatenate([b[5] for b in cut])
+    return blocks, np.ascontiguousarray(lo, np.int64), np.ascontiguousarray(hi, np.int64)
+
+
+def _call(kernel, n: int, tq: int, tk: int, num_threads: int | None, *args) -> None:
+    """``kernel(*args)`` on numba's threads (one below :data:`SERIAL_WORK` score entries), BLAS
+    held to one thread (a head's product split over BLAS's threads rounds differently)."""
+    import numba
+
+    nt = 1 if n * tq * tk < SERIAL_WORK else (num_threads or threads.get_num_threads())
+    before = numba.get_num_threads()
+    numba.set_num_threads(max(1, min(nt, numba.config.NUMBA_NUM_THREADS)))
+    threads.hold_blas()
+    try:
+        kernel(*args)
+    finally:
+        threads.release_blas()
+        numba.set_num_threads(before)
+
+
 def forward(q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_weights: bool = False,
-            num_threads: int | None = None):
-    """As :func:`reference.forward` (no weights): ``(out (*L,Tq,Dv), lse (*L,Tq), None)``."""
-    mod = jit.load(jit.ROWS)
-    inner = _inner(spec, q, k, v)
-    qh, kh, vh = _Heads(q, inner), _Heads(k, inner, group), _Heads(v, inner, group)  # (N,Tq,D), (N/G,Tk,D), ...
-    n, tq, tk = qh.shape[0], spec.tq, spec.tk
+            num_threads: int | None = None, passes: bool = True):
+    """As :func:`reference.forward` (no weights): ``(out (*L,Tq,Dv), lse (*L,Tq), None)``.
+    ``passes=False``: the products alone (garbage results; the bench's bound)."""
+    (q4, qi), (k4, ki), (v4, _) = _heads4(q), _heads4(k), _heads4(v)
+    n, tq, tk = math.prod(spec.lead), spec.tq, spec.tk
     out = np.empty((n, tq, v.shape[-1]), np.float32)
     lse = np.empty((n, tq), np.float32)
-    blocks = row_blocks(spec)
-    mods = _Mods(spec, n)
-
-    def job(a, b):
-        qq, kt, vv = qh.take(a, b), _keys_t(kh.take(a, b), tk), vh.take(a, b)
-        for r0, r1, k0, k1, lo, hi in blocks:
-            # (n,R,D) @ (n,D,K) -> (n,R,K): the keys [k0, k1) these rows may see
-            s = workspace.matmul(qq[..., r0:r1, :], kt[..., k0:k1], "s")
-            mod.softmax_rows(_flat(s), lo, hi, scale, lse[a:b, r0:r1], *mods.args(a, b, r0, r1, k0))  # s -> P
-            np.matmul(s, vv[..., k0:k1, :], out=_like(out[a:b, r0:r1], s))  # (n,R,K) @ (n,K,Dv) -> (n,R,Dv)
-
-    _run(job, n, tq, tk, group, num_threads, blocks, inner, max(q.shape[-1], v.shape[-1]))
+    blocks, lo, hi = _packed(tq, tk, *spec.band, spec.chunk, spec.shift(None), spec.k_start)
+    m = _Mods(spec, n)
+    mod = _fused()
+    _call(mod.forward, n, tq, tk, num_threads, (mod.SGEMM, int(mod.ILP64)), q4, k4, v4, qi, ki, group, out, lse, blocks, lo, hi,
+          float(scale), m.cap, m.klo, m.khi, m.k_start, m.thresh, m.zscale, m.drop, passes)
     return out.reshape(spec.lead + out.shape[-2:]), lse.reshape(spec.lead + (tq,)), None
 
 
 def backward(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int = 1, dlse=None,
-             num_threads: int | None = None):
+             num_threads: int | None = None, passes: bool = True):
     """As :func:`reference.backward`: ``(dq (*L,Tq,D), dk (*Lk,Tk,D), dv (*Lk,Tk,Dv))``. ``out``
     and ``lse`` are not read: each row's softmax is recomputed from its own scores."""
-    mod = jit.load(jit.ROWS)
-    inner = _inner(spec, q, k, v, dout)
-    qh, doh, kh, vh = _Heads(q, inner), _Heads(dout, inner), _Heads(k, inner, group), _Heads(v, inner, group)
-    n, tq, tk = qh.shape[0], spec.tq, spec.tk
-    dl = np.zeros((1, 1), np.float32) if dlse is None else np.ascontiguousarray(dlse.reshape(n, tq))
-    dq = np.empty(qh.shape, np.float32)
-    dk, dv = np.empty(kh.shape, np.float32), np.empty(vh.shape, np.float32)
-    blocks = row_blocks(spec)
-    mods = _Mods(spec, n)
-    whole = len(blocks) == 1 and blocks[0][2:4] == (0, tk)  # one block over every key: its products are dK, dV
-
-    def job(a, b):
-        qq, dd, kk, vv = qh.take(a, b), doh.take(a, b), kh.take(a, b), vh.take(a, b)
-        ktt, vtt = _keys_t(kk, tk), _keys_t(vv, tk, "vt")
-        gk = gv = None
-        if not whole:
-            gk, gv = workspace.zeros("gk", (b - a,) + dk.shape[1:]), workspace.zeros("gv", (b - a,) + dv.shape[1:])
-        for r0, r1, k0, k1, lo, hi in blocks:
-            qb, dob = qq[..., r0:r1, :], dd[..., r0:r1, :]
-            p = workspace.matmul(qb, ktt[..., k0:k1], "s")   # raw products q Kᵀ (n,R,K)
-            ds = workspace.matmul(dob, vtt[..., k0:k1], "ds")  # dP = dO Vᵀ (n,R,K)
-            mod.softmax_grad_rows(_flat(p), _flat(ds), lo, hi, scale, dl if dlse is None else dl[a:b, r0:r1],
-                                  dlse is not None, *mods.args(a, b, r0, r1, k0))  # p -> P ∘ Z, ds -> dS
-            np.matmul(ds, kk[..., k0:k1, :], out=_like(dq[a:b, r0:r1], ds))  # (n,R,K) @ (n,K,D) -> (n,R,D)
-            pk = _flat(workspace.matmul(np.swapaxes(ds, -1, -2), qb, "pk"))   # (n,K,R) @ (n,R,D) -> (n,K,D)
-            pv = _flat(workspace.matmul(np.swapaxes(p, -1, -2), dob, "pv"))   # (n,K,R) @ (n,R,Dv) -> (n,K,Dv)
-            if whole:
-                gk, gv = pk, pv
-            else:
-                gk[:, k0:k1] += pk
-                gv[:, k0:k1] += pv
-        if group > 1:                                      # the G query heads of each kv head add up
-            gk = gk.reshape((-1, group) + gk.shape[-2:]).sum(axis=1)
-            gv = gv.reshape((-1, group) + gv.shape[-2:]).sum(axis=1)
-        dk[a // group:b // group], dv[a // group:b // group] = gk, gv
-
-    _run(job, n, tq, tk, group, num_threads, blocks, inner, max(q.shape[-1], v.shape[-1]))
+    (do4, _), (q4, qi), (k4, ki), (v4, _) = _heads4(dout), _heads4(q), _heads4(k), _heads4(v)
+    n, tq, tk = math.prod(spec.lead), spec.tq, spec.tk
+    dl = np.zeros((1, 1), np.float32) if dlse is None else np.ascontiguousarray(dlse.reshape(n, tq), np.float32)
+    dq = np.empty((n, tq, q.shape[-1]), np.float32)
+    nk = n // group
+    dk, dv = np.empty((nk, tk, k.shape[-1]), np.float32), np.empty((nk, tk, v.shape[-1]), np.float32)
+    blocks, lo, hi = _packed(tq, tk, *spec.band, spec.chunk, spec.shift(None), spec.k_start)
+    m = _Mods(spec, n)
+    mod = _fused()
+    _call(mod.backward, n, tq, tk, num_threads, (mod.SGEMM, int(mod.ILP64)), do4, q4, k4, v4, qi, ki, group, dq, dk, dv, blocks,
+          lo, hi, float(scale), dl, dlse is not None, m.cap, m.klo, m.khi, m.k_start, m.thresh, m.zscale, m.drop,
+          passes)
     return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)

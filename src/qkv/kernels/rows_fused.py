@@ -1,0 +1,284 @@
+"""The row kernel's whole call compiled (numba): one parallel loop over heads, BLAS inside.
+
+Load it through ``qkv.jit.load(qkv.jit.ROWS_FUSED)`` only. :mod:`qkv.kernels.rows` hands
+:func:`forward` and :func:`backward` every head of a call at once; each head runs its blocks
+of rows in turn, ``S = Q Kᵀ`` (BLAS ``sgemm``), the row pass of :mod:`.rows_compiled` (``S``
+to ``P``, or ``P`` and ``dP`` to ``dS``), then ``P V`` (or ``dS K``, ``dSᵀ Q``, ``Pᵀ dO``), with
+no Python between them.
+
+Why: at training's and serving's short sequences a call is a fraction of a millisecond, and
+the same work driven from Python threads spent it on hand-offs. Measured at B=12 H=4 T=64
+D=32 (forward, float32, 2 threads, AVX-512): the units on two Python threads 376 µs (the
+hand-off to a pool thread and back, and the GIL between the unit's NumPy calls, cost what
+the second thread saved: 268 µs on one thread against 263), one compiled loop over heads
+142 µs. numba's ``prange`` runs on its threading layer's workers (OpenMP's or TBB's), which
+wait for the next loop spinning a moment before they sleep, as torch's do.
+
+The products are BLAS's ``sgemm``, called through its address (SciPy's ``cython_blas``, the
+same BLAS numba's own ``np.dot`` uses) with the leading dimension of each operand, so a
+head cut out of a wider array (Hugging Face's ``(B, T, H, D)`` seen as ``(B, H, T, D)``, a
+layer's ``(B, T, 3, H, D)`` projection) is read in place; the caller holds BLAS to one
+thread (a product split over threads rounds otherwise). Every head is computed alone in an
+order fixed by the problem, so the thread count never changes a bit.
+
+Row-major products as column-major BLAS: ``C = op(A) op(B)`` (``m × n``, row-major) is the
+column-major ``Cᵀ = op(B)ᵀ op(A)ᵀ``, i.e. ``sgemm(tb, ta, n, m, k, B, ldb, A, lda, C, ldc)``.
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from .flash.compiled import FASTMATH, wide_vectors
+from .rows_compiled import LOG2E, NEG_INF, _backward_rows, _forward_rows, _zero
+
+
+def _find_sgemm() -> tuple[int, bool]:
+    """``(address, ilp64)`` of a Fortran ``sgemm``: NumPy's own BLAS where its build exports one
+    with 64-bit integers (NumPy's wheels: ``scipy_sgemm_64_``), else SciPy's ``cython_blas``
+    (32-bit integers; the one numba's ``np.dot`` calls); ``(0, False)`` where neither is found.
+    NumPy's OpenBLAS 0.3.31 ran training's small products 5-20 % faster than SciPy's 0.3.30 as
+    Haswell (48 heads of 64 x 32 x 64: 152 against 183 µs, one thread), level with AVX-512."""
+    import ctypes
+    import os
+
+    from ..threads import _controller
+    for lib in _controller().lib_controllers:
+        if lib.user_api != "blas":
+            continue
+        try:
+            dll = ctypes.CDLL(lib.filepath, mode=getattr(os, "RTLD_NOLOAD", 0) | ctypes.RTLD_LOCAL)
+        except OSError:
+            continue
+        for name in ("scipy_sgemm_64_", "sgemm_64_", "sgemm64_"):
+            if hasattr(dll, name):
+                return ctypes.cast(getattr(dll, name), ctypes.c_void_p).value, True
+    try:
+        from numba.extending import get_cython_function_address
+        return get_cython_function_address("scipy.linalg.cython_blas", "sgemm"), False
+    except ImportError:
+        return 0, False
+
+
+SGEMM, ILP64 = _find_sgemm()
+f32 = np.float32
+_IN = types.Array(types.float32, 4, "A", readonly=True)   # (N/inner, inner, T, D), any strides, read only:
+# one compiled signature for every layout (a writable or C-contiguous array converts to it)
+_I, _B, _F32, _U32 = types.int64, types.boolean, types.float32, types.uint32
+_C2, _C3 = types.float32[:, ::1], types.float32[:, :, ::1]
+_BLOCKS, _RUNS, _KEYS = types.int64[:, ::1], types.int64[::1], types.uint32[:, ::1]
+FWD_SIG = types.void(types.UniTuple(_I, 2), _IN, _IN, _IN, _I, _I, _I, _C3, _C2, _BLOCKS, _RUNS, _RUNS,
+                     types.float64, types.float64, _KEYS, _KEYS, _I, _U32, _F32, _B, _B)
+BWD_SIG = types.void(types.UniTuple(_I, 2), _IN, _IN, _IN, _IN, _I, _I, _I, _C3, _C3, _C3, _BLOCKS, _RUNS, _RUNS,
+                     types.float64, _C2, _B, types.float64, _KEYS, _KEYS, _I, _U32, _F32, _B, _B)
+N_, T_ = 78, 84  # 'N' and 'T': BLAS's transpose flags
+COPY_T_KEYS = 128  # keys up to which ``q Kᵀ`` and ``dO Vᵀ`` run against a transposed copy (qkv.kernels.rows.COPY_T_KEYS)
+
+
+def _sgemm_call(bits: int):
+    """An intrinsic calling the Fortran ``sgemm`` at address ``addr`` with ``bits``-bit integers,
+    every scalar passed by pointer (its ABI); ``a``, ``b``, ``c`` arrays whose first element is
+    the matrix's."""
+    @intrinsic
+    def call(typingctx, addr, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
+        return types.void(addr, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc), codegen
+
+    def codegen(context, builder, sig, args):
+        i8, ii, fl = ir.IntType(8), ir.IntType(bits), ir.FloatType()
+        ity = types.int64 if bits == 64 else types.int32
+        ptrs = []
+        for val, ty, arg in zip(args[1:], sig.args[1:], ("c", "c", "i", "i", "i", "f", "a", "i", "a", "i", "f", "a", "i")):
+            if arg == "a":
+                ptrs.append(builder.bitcast(context.make_array(ty)(context, builder, val).data, fl.as_pointer()))
+                continue
+            llty, nbty = {"c": (i8, types.int8), "i": (ii, ity), "f": (fl, types.float32)}[arg]
+            slot = cgutils.alloca_once(builder, llty)
+            builder.store(context.cast(builder, val, ty, nbty), slot)
+            ptrs.append(slot)
+        fnty = ir.FunctionType(ir.VoidType(), [p.type for p in ptrs])
+        builder.call(builder.inttoptr(args[0], fnty.as_pointer()), ptrs)
+        return context.get_dummy_value()
+    return call
+
+
+_sgemm32, _sgemm64 = _sgemm_call(32), _sgemm_call(64)
+
+
+@numba.njit(inline="always")
+def _ld(x):
+    """The leading dimension of a row-major 2-D float32 view (its row stride in elements)."""
+    return max(x.strides[0] // 4, x.shape[1], 1)
+
+
+@numba.njit(inline="always")
+def _gemm(addr, ta, tb, m, n, k, a, b, beta, c):
+    """Row-major ``c (m, n) = op(a) op(b) (+ c where beta = 1)``; ``op(a)`` is ``m × k``. ``addr``
+    ``(address, ilp64)``: the sgemm and its integer width (:func:`_find_sgemm`)."""
+    if addr[1]:
+        _sgemm64(addr[0], tb, ta, n, m, k, f32(1.0), b, _ld(b), a, _ld(a), f32(beta), c, _ld(c))
+    else:
+        _sgemm32(addr[0], tb, ta, n, m, k, f32(1.0), b, _ld(b), a, _ld(a), f32(beta), c, _ld(c))
+
+
+@numba.njit(inline="always")
+def _transposed(x, t):
+    """``t (D, T) = xᵀ`` for ``x (T, D)``."""
+    for j in range(x.shape[0]):
+        for d in range(x.shape[1]):
+            t[d, j] = x[j, d]
+    return t
+
+
+@numba.njit(inline="always")
+def _key_side(addr, a, kh, kt, r0, r1, k0, k1, s):
+    """``s = a[r0:r1] kh[k0:k1]ᵀ``: against ``kt = khᵀ`` where one was made (short rows: see
+    :data:`qkv.kernels.rows.COPY_T_KEYS`), else against ``kh`` transposed by BLAS."""
+    if kt.shape[1] == kh.shape[0]:
+        _gemm(addr, N_, N_, r1 - r0, k1 - k0, a.shape[1], a[r0:r1], kt[:, k0:k1], 0, s)
+    else:
+        _gemm(addr, N_, T_, r1 - r0, k1 - k0, a.shape[1], a[r0:r1], kh[k0:k1], 0, s)
+
+
+@numba.njit(inline="always")
+def _head(x4, h, inner):
+    """Head ``h`` of ``x4 (N/inner, inner, T, D)``: a ``(T, D)`` view."""
+    return x4[h // inner, h % inner]
+
+
+@numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _pass_fwd(s, lo, hi, c, cap_in, cap_out, lse, klo, khi, col0, thresh, zscale, capped, drop):
+    """:func:`.rows_compiled._forward_rows` with its two flags as constants (each case its own loops)."""
+    if capped and drop:
+        _forward_rows(s, lo, hi, c, cap_in, cap_out, lse, klo, khi, col0, thresh, zscale, True, True)
+    elif capped:
+        _forward_rows(s, lo, hi, c, cap_in, cap_out, lse, klo, khi, col0, thresh, zscale, True, False)
+    elif drop:
+        _forward_rows(s, lo, hi, c, cap_in, cap_out, lse, klo, khi, col0, thresh, zscale, False, True)
+    else:
+        _forward_rows(s, lo, hi, c, cap_in, cap_out, lse, klo, khi, col0, thresh, zscale, False, False)
+
+
+@numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _pass_bwd(p, ds, lo, hi, c, cap_in, cap_out, sc, dl, use_dlse, klo, khi, col0, thresh, zscale, capped, drop):
+    """:func:`.rows_compiled._backward_rows` with its two flags as constants."""
+    if capped and drop:
+        _backward_rows(p, ds, lo, hi, c, cap_in, cap_out, sc, dl, use_dlse, klo, khi, col0, thresh, zscale, True, True)
+    elif capped:
+        _backward_rows(p, ds, lo, hi, c, cap_in, cap_out, sc, dl, use_dlse, klo, khi, col0, thresh, zscale, True, False)
+    elif drop:
+        _backward_rows(p, ds, lo, hi, c, cap_in, cap_out, sc, dl, use_dlse, klo, khi, col0, thresh, zscale, False, True)
+    else:
+        _backward_rows(p, ds, lo, hi, c, cap_in, cap_out, sc, dl, use_dlse, klo, khi, col0, thresh, zscale, False,
+                       False)
+
+
+@numba.njit(inline="always")
+def _width(blocks):
+    """The most score entries of one block: its scratch size."""
+    width = 1
+    for b in range(blocks.shape[0]):
+        width = max(width, (blocks[b, 1] - blocks[b, 0]) * (blocks[b, 3] - blocks[b, 2]))
+    return width
+
+
+@numba.njit(inline="always")
+def _maybe_t(x, copy_t):
+    """``xᵀ`` as a contiguous copy where ``copy_t``, else an empty ``(1, 0)`` array (BLAS transposes)."""
+    if copy_t:
+        return _transposed(x, np.empty((x.shape[1], x.shape[0]), f32))
+    return np.empty((1, 0), f32)
+
+
+@numba.njit(nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")
+def _forward_head(addr, h, q4, k4, v4, qi, ki, group, out, lse, blocks, lo, hi, scale, cap, klo, khi, k_start,
+                  thresh, zscale, drop, passes):
+    """Head ``h``'s blocks of rows in turn: ``S = Q Kᵀ``, the row pass (``S`` to ``P``), ``P V``."""
+    wide_vectors()
+    c, capped = f32(scale * LOG2E), cap > 0
+    cap_in = f32(scale / cap) if capped else f32(0.0)
+    cap_out = f32(cap * LOG2E)
+    qh, g = _head(q4, h, qi), h // group
+    kh, vh = _head(k4, g, ki), _head(v4, g, ki)
+    kt = _maybe_t(kh, kh.shape[0] <= COPY_T_KEYS)
+    buf = np.empty(_width(blocks), f32)
+    o = out[h]
+    for b in range(blocks.shape[0]):
+        r0, r1, k0, k1 = blocks[b, 0], blocks[b, 1], blocks[b, 2], blocks[b, 3]
+        if k1 <= k0:                                       # rows that see no key: 0, lse -inf
+            for i in range(r0, r1):
+                _zero(o[i])
+                lse[h, i] = NEG_INF
+            continue
+        s = buf[:(r1 - r0) * (k1 - k0)].reshape((1, r1 - r0, k1 - k0))
+        _key_side(addr, qh, kh, kt, r0, r1, k0, k1, s[0])                     # Q Kᵀ (R,K)
+        if passes:
+            kl, kh_ = (klo[h:h + 1, r0:r1], khi[h:h + 1, r0:r1]) if drop else (klo, khi)
+            _pass_fwd(s, lo[r0:r1], hi[r0:r1], c, cap_in, cap_out, lse[h:h + 1, r0:r1], kl, kh_, k_start + k0,
+                      thresh, zscale, capped, drop)                            # S -> P (∘ Z)
+        _gemm(addr, N_, N_, r1 - r0, o.shape[1], k1 - k0, s[0], vh[k0:k1], 0, o[r0:r1])  # P V (R,Dv)
+
+
+@numba.njit(FWD_SIG, parallel=True, nogil=True, cache=True)
+def forward(addr, q4, k4, v4, qi, ki, group, out, lse, blocks, lo, hi, scale, cap, klo, khi, k_start,
+            thresh, zscale, drop, passes):
+    """``out (N, Tq, Dv)``, ``lse (N, Tq)`` of heads ``q4 (N/qi, qi, Tq, D)`` against kv heads
+    ``k4, v4 (Nk/ki, ki, Tk, D|Dv)`` (query head h reads kv head ``h // group``). ``blocks``
+    int64 ``(nb, 4)``: rows ``r0:r1`` take keys ``k0:k1``; ``lo``/``hi`` ``(Tq,)`` each row's run
+    relative to its block's ``k0``. The rest as :func:`.rows_compiled.softmax_rows`;
+    ``passes=False`` leaves the row pass out (the bench's products-only bound)."""
+    for h in numba.prange(out.shape[0]):
+        _forward_head(addr, h, q4, k4, v4, qi, ki, group, out, lse, blocks, lo, hi, scale, cap, klo, khi, k_start,
+                      thresh, zscale, drop, passes)
+
+
+@numba.njit(nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")
+def _backward_group(addr, g, do4, q4, k4, v4, qi, ki, group, dq, dk, dv, blocks, lo, hi, scale, dlse, use_dlse,
+                    cap, klo, khi, k_start, thresh, zscale, drop, passes):
+    """The ``group`` query heads of kv head ``g`` in turn: dq of each, dk and dv summed in that order."""
+    wide_vectors()
+    c, sc, capped = f32(scale * LOG2E), f32(scale), cap > 0
+    cap_in = f32(scale / cap) if capped else f32(0.0)
+    cap_out = f32(cap * LOG2E)
+    kh, vh = _head(k4, g, ki), _head(v4, g, ki)
+    kt, vt = _maybe_t(kh, kh.shape[0] <= COPY_T_KEYS), _maybe_t(vh, vh.shape[0] <= COPY_T_KEYS)
+    width = _width(blocks)
+    pbuf, dbuf = np.empty(width, f32), np.empty(width, f32)
+    gk, gv = dk[g], dv[g]
+    for i in range(gk.shape[0]):
+        _zero(gk[i])
+        _zero(gv[i])
+    for h in range(g * group, (g + 1) * group):
+        qh, doh, gq = _head(q4, h, qi), _head(do4, h, qi), dq[h]
+        for b in range(blocks.shape[0]):
+            r0, r1, k0, k1 = blocks[b, 0], blocks[b, 1], blocks[b, 2], blocks[b, 3]
+            if k1 <= k0:                                   # rows that see no key: no gradient
+                for i in range(r0, r1):
+                    _zero(gq[i])
+                continue
+            n_r, n_k = r1 - r0, k1 - k0
+            p = pbuf[:n_r * n_k].reshape((1, n_r, n_k))
+            ds = dbuf[:n_r * n_k].reshape((1, n_r, n_k))
+            _key_side(addr, qh, kh, kt, r0, r1, k0, k1, p[0])       # Q Kᵀ
+            _key_side(addr, doh, vh, vt, r0, r1, k0, k1, ds[0])     # dP = dO Vᵀ
+            if passes:
+                kl, kh_ = (klo[h:h + 1, r0:r1], khi[h:h + 1, r0:r1]) if drop else (klo, khi)
+                dl = dlse[h:h + 1, r0:r1] if use_dlse else dlse
+                _pass_bwd(p, ds, lo[r0:r1], hi[r0:r1], c, cap_in, cap_out, sc, dl, use_dlse, kl, kh_, k_start + k0,
+                          thresh, zscale, capped, drop)                # -> P ∘ Z, dS
+            _gemm(addr, N_, N_, n_r, gq.shape[1], n_k, ds[0], kh[k0:k1], 0, gq[r0:r1])      # dQ = dS K
+            _gemm(addr, T_, N_, n_k, gk.shape[1], n_r, ds[0], qh[r0:r1], 1, gk[k0:k1])      # dK += dSᵀ Q
+            _gemm(addr, T_, N_, n_k, gv.shape[1], n_r, p[0], doh[r0:r1], 1, gv[k0:k1])      # dV += Pᵀ dO
+
+
+@numba.njit(BWD_SIG, parallel=True, nogil=True, cache=True)
+def backward(addr, do4, q4, k4, v4, qi, ki, group, dq, dk, dv, blocks, lo, hi, scale, dlse, use_dlse, cap,
+             klo, khi, k_start, thresh, zscale, drop, passes):
+    """``dq (N, Tq, D)``, ``dk (Nk, Tk, D)``, ``dv (Nk, Tk, Dv)`` (every kv head's query heads
+    summed, in order), arguments as :func:`forward`; ``dlse (N, Tq)`` read where ``use_dlse``."""
+    for g in numba.prange(dk.shape[0]):
+        _backward_group(addr, g, do4, q4, k4, v4, qi, ki, group, dq, dk, dv, blocks, lo, hi, scale, dlse, use_dlse,
+                        cap, klo, khi, k_start, thresh, zscale, drop, passes)
