@@ -51,7 +51,10 @@ class _Free:
     """:mod:`qkv.kernels.rows_fused` with its row passes left out (``passes=False``)."""
 
     def __init__(self, real):
-        self.real, self.SGEMM, self.ILP64 = real, real.SGEMM, real.ILP64
+        self.real = real
+
+    def __getattr__(self, name):      # SGEMM, ILP64, CONCURRENT: the real module's
+        return getattr(self.real, name)
 
     def forward(self, *args):
         return self.real.forward(*args[:-1], False)

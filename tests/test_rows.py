@@ -159,3 +159,33 @@ def test_dropout_draws_the_tiled_kernels_mask():
 
 def test_hugging_faces_gqa_layout_read_in_place_gives_the_copies_bits():
     hf_gqa_layout_case(api.ROWS, 8)
+
+
+@pytest.mark.parametrize("concurrent", [True, False])
+def test_calls_from_several_python_threads_at_once(concurrent, monkeypatch):
+    """Python threads calling at the same time (an encoder's batches, a server's requests) get
+    what one call alone gives; where numba's threading layer takes no concurrent callers
+    (``workqueue``) the calls run one at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setattr(rows._fused(), "CONCURRENT", concurrent)
+    monkeypatch.setattr(rows, "SERIAL_WORK", 0)
+    problems = [inputs((3, 4, 70, 16), (3, 2, 70, 16), seed=s) for s in range(6)]
+
+    def run(p):
+        q, k, v, dout = p
+        out, lse = qkv.attention(q, k, v, gqa=True, causal=True, return_lse=True)
+        return (out, lse) + qkv.attention_backward(dout, q, k, v, out, lse, gqa=True, causal=True)
+
+    alone = [run(p) for p in problems]
+    with ThreadPoolExecutor(3) as pool:
+        together = list(pool.map(run, problems * 3))
+    for i, got in enumerate(together):
+        for a, b in zip(got, alone[i % len(problems)]):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_blas_found_and_threading_layer_known():
+    mod = rows._fused()
+    assert mod.SGEMM != 0 and mod.LAYER in ("omp", "tbb", "workqueue")
+    assert mod.CONCURRENT == (mod.LAYER != "workqueue")

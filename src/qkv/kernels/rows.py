@@ -30,8 +30,10 @@ order of sums): the kernel is tested against it within float32's error budget.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import threading
 
 import numpy as np
 
@@ -312,9 +314,13 @@ def _packed(tq: int, tk: int, *rules):
     return blocks, np.ascontiguousarray(lo, np.int64), np.ascontiguousarray(hi, np.int64)
 
 
+_ONE_AT_A_TIME = threading.Lock()   # where numba's threading layer takes no concurrent callers
+
+
 def _call(kernel, n: int, tq: int, tk: int, num_threads: int | None, *args) -> None:
     """``kernel(*args)`` on numba's threads (one below :data:`SERIAL_WORK` score entries), BLAS
-    held to one thread (a head's product split over BLAS's threads rounds differently)."""
+    held to one thread (a head's product split over BLAS's threads rounds differently); one
+    call at a time where numba's threading layer cannot take more (:data:`.rows_fused.CONCURRENT`)."""
     import numba
 
     nt = 1 if n * tq * tk < SERIAL_WORK else (num_threads or threads.get_num_threads())
@@ -322,7 +328,8 @@ def _call(kernel, n: int, tq: int, tk: int, num_threads: int | None, *args) -> N
     numba.set_num_threads(max(1, min(nt, numba.config.NUMBA_NUM_THREADS)))
     threads.hold_blas()
     try:
-        kernel(*args)
+        with contextlib.nullcontext() if _fused().CONCURRENT else _ONE_AT_A_TIME:
+            kernel(*args)
     finally:
         threads.release_blas()
         numba.set_num_threads(before)

@@ -65,6 +65,19 @@ def _find_sgemm() -> tuple[int, bool]:
 
 
 SGEMM, ILP64 = _find_sgemm()
+
+
+def _threading_layer() -> str:
+    """numba's threading layer, started now: ``"omp"`` or ``"tbb"`` take concurrent callers
+    from several Python threads; ``"workqueue"`` (neither OpenMP nor TBB found) aborts the
+    process on them, so :mod:`qkv.kernels.rows` then runs one call at a time (:data:`CONCURRENT`)."""
+    from numba.np.ufunc.parallel import _launch_threads
+    _launch_threads()
+    return numba.threading_layer()
+
+
+LAYER = _threading_layer()
+CONCURRENT = LAYER in ("omp", "tbb")
 f32 = np.float32
 _IN = types.Array(types.float32, 4, "A", readonly=True)   # (N/inner, inner, T, D), any strides, read only:
 # one compiled signature for every layout (a writable or C-contiguous array converts to it)
