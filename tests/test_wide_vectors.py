@@ -18,8 +18,11 @@ if not jit.enabled():
     pytest.skip("QKV_JIT=0: the compiled passes are off", allow_module_level=True)
 
 compiled = pytest.importorskip("qkv.kernels.flash.compiled")
-MODULES = ("qkv.kernels.flash.compiled", "qkv.kernels.rows_compiled", "qkv.nn.fused", "qkv.models.compiled")
-SCALAR = {("qkv.kernels.rows_compiled", "_max")}   # a scalar loop over the rare rows: nothing to widen
+MODULES = ("qkv.kernels.flash.compiled", "qkv.kernels.rows_compiled", "qkv.kernels.rows_fused", "qkv.nn.fused",
+           "qkv.models.compiled")
+SCALAR = {("qkv.kernels.rows_compiled", "_max"),     # a scalar loop over the rare rows: nothing to widen
+          ("qkv.kernels.rows_fused", "forward"),     # parallel loops over heads: each head's compiled
+          ("qkv.kernels.rows_fused", "backward")}    # function (_forward_head, _backward_group) asks
 
 
 def _host_has_avx512() -> bool:

@@ -295,7 +295,8 @@ def _heads4(x: np.ndarray) -> tuple[np.ndarray, int]:
     strides allow, for :mod:`.rows_fused`: BLAS reads each head with its row stride as leading
     dimension, so a head's rows need unit column stride and must not overlap (else a copy)."""
     t, d = x.shape[-2:]
-    if not (x.strides[-1] == 4 and x.flags.aligned and (t == 1 or (x.strides[-2] >= 4 * d and x.strides[-2] % 4 == 0))):
+    rows_ok = t == 1 or (x.strides[-2] >= 4 * d and x.strides[-2] % 4 == 0)
+    if not (x.strides[-1] == 4 and x.flags.aligned and rows_ok):
         x = np.ascontiguousarray(x)
     if x.ndim == 2:
         return x[None, None], 1
@@ -346,8 +347,8 @@ def forward(q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_weight
     blocks, lo, hi = _packed(tq, tk, *spec.band, spec.chunk, spec.shift(None), spec.k_start)
     m = _Mods(spec, n)
     mod = _fused()
-    _call(mod.forward, n, tq, tk, num_threads, (mod.SGEMM, int(mod.ILP64)), q4, k4, v4, qi, ki, group, out, lse, blocks, lo, hi,
-          float(scale), m.cap, m.klo, m.khi, m.k_start, m.thresh, m.zscale, m.drop, passes)
+    _call(mod.forward, n, tq, tk, num_threads, (mod.SGEMM, int(mod.ILP64)), q4, k4, v4, qi, ki, group, out, lse,
+          blocks, lo, hi, float(scale), m.cap, m.klo, m.khi, m.k_start, m.thresh, m.zscale, m.drop, passes)
     return out.reshape(spec.lead + out.shape[-2:]), lse.reshape(spec.lead + (tq,)), None
 
 
@@ -364,7 +365,7 @@ def backward(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int =
     blocks, lo, hi = _packed(tq, tk, *spec.band, spec.chunk, spec.shift(None), spec.k_start)
     m = _Mods(spec, n)
     mod = _fused()
-    _call(mod.backward, n, tq, tk, num_threads, (mod.SGEMM, int(mod.ILP64)), do4, q4, k4, v4, qi, ki, group, dq, dk, dv, blocks,
-          lo, hi, float(scale), dl, dlse is not None, m.cap, m.klo, m.khi, m.k_start, m.thresh, m.zscale, m.drop,
-          passes)
+    _call(mod.backward, n, tq, tk, num_threads, (mod.SGEMM, int(mod.ILP64)), do4, q4, k4, v4, qi, ki, group,
+          dq, dk, dv, blocks, lo, hi, float(scale), dl, dlse is not None, m.cap, m.klo, m.khi, m.k_start, m.thresh,
+          m.zscale, m.drop, passes)
     return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)

@@ -1,13 +1,14 @@
 """numba passes of the row kernel (:mod:`qkv.kernels.rows`); load it through ``qkv.jit.load(qkv.jit.ROWS)`` only.
 
 Two passes over a stack of score rows ``(n, Tq, Tk)`` float32, each one loop over memory
-where NumPy takes five or six with a temporary each. Row ``i`` may see the keys
+where NumPy takes five or six with a temporary each, inlined into :mod:`.rows_fused`'s loop
+over heads. Row ``i`` may see the keys
 ``[lo[i], hi[i])`` (one contiguous run: causal, window, chunk, any alignment); every other
 entry is written 0. The exponential is :func:`~qkv.kernels.flash.compiled.pow2` of scores
 carried in log2 units (``s · scale · log2 e``), inlined so that LLVM vectorises it.
 
-- :func:`softmax_rows`: raw products ``q·k`` in, probabilities ``P`` out, and ``lse``.
-- :func:`softmax_grad_rows`: raw products and ``dP = dO Vᵀ`` in; ``P`` recomputed from the
+- :func:`forward_pass`: raw products ``q·k`` in, probabilities ``P`` out, and ``lse``.
+- :func:`backward_pass`: raw products and ``dP = dO Vᵀ`` in; ``P`` recomputed from the
   row's own max and sum (self-normalised: it never reads the saved lse) and
   ``dS = scale · P ∘ (dP − Σ_j P_ij dP_ij + dlse_i)`` out, in place of ``dP``.
 
@@ -24,7 +25,7 @@ import math
 import numba
 import numpy as np
 
-from .flash.compiled import _TSPLIT, FASTMATH, abs_max, keep_bits, pow2, tanh_any, wide_vectors
+from .flash.compiled import _TSPLIT, FASTMATH, abs_max, keep_bits, pow2, tanh_any
 
 f32 = np.float32
 u32 = np.uint32
@@ -139,18 +140,15 @@ def _forward_rows(s, lo, hi, c, cap_in, cap_out, lse, klo, khi, col0, thresh, zs
                     x[j] *= zz[j]
 
 
-@numba.njit(nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")
-def softmax_rows(s, lo, hi, scale, lse, cap, klo, khi, col0, thresh, zscale, drop):
+@numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def forward_pass(s, lo, hi, c, cap_in, cap_out, lse, klo, khi, col0, thresh, zscale, capped, drop):
     """s (n, Tq, Tk) raw products -> P (times the keep-mask Z where ``drop``) in place;
-    lse (n, Tq) = log Σ_j exp(s'_ij), s' = scale · s (softcapped where ``cap > 0``).
-    ``klo``/``khi`` (n, Tq) uint32: the rows' dropout keys; ``col0``: the first key's column."""
-    wide_vectors()
-    c = f32(scale * LOG2E)
-    cap_in = f32(scale / cap) if cap > 0 else f32(0.0)
-    cap_out = f32(cap * LOG2E)
-    if cap > 0 and drop:
+    lse (n, Tq) = ln Σ_j 2^(c·s_ij) (``c = scale·log2 e``; softcapped, ``cap_out·tanh(cap_in·s)``,
+    where ``capped``). ``klo``/``khi`` (n, Tq) uint32: the rows' dropout keys; ``col0``: the first
+    key's column. Each of the four cases its own loops (the flags constants of the inlined body)."""
+    if capped and drop:
         _forward_rows(s, lo, hi, c, cap_in, cap_out, lse, klo, khi, col0, thresh, zscale, True, True)
-    elif cap > 0:
+    elif capped:
         _forward_rows(s, lo, hi, c, cap_in, cap_out, lse, klo, khi, col0, thresh, zscale, True, False)
     elif drop:
         _forward_rows(s, lo, hi, c, cap_in, cap_out, lse, klo, khi, col0, thresh, zscale, False, True)
@@ -200,24 +198,17 @@ def _backward_rows(s, dp, lo, hi, c, cap_in, cap_out, sc, dlse, use_dlse, klo, k
                     p[j] *= zz[j]
 
 
-@numba.njit(nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")
-def softmax_grad_rows(s, dp, lo, hi, scale, dlse, use_dlse, cap, klo, khi, col0, thresh, zscale, drop):
-    """s (n, Tq, Tk) raw products -> P ∘ Z in place (for dV); dp (n, Tq, Tk) = dO Vᵀ -> dS
-    (times scale, and the softcap's slope) in place. Arguments as :func:`softmax_rows`."""
-    wide_vectors()
-    c = f32(scale * LOG2E)
-    cap_in = f32(scale / cap) if cap > 0 else f32(0.0)
-    cap_out = f32(cap * LOG2E)
-    sc = f32(scale)
-    if cap > 0 and drop:
-        _backward_rows(s, dp, lo, hi, c, cap_in, cap_out, sc, dlse, use_dlse, klo, khi, col0, thresh, zscale,
-                       True, True)
-    elif cap > 0:
-        _backward_rows(s, dp, lo, hi, c, cap_in, cap_out, sc, dlse, use_dlse, klo, khi, col0, thresh, zscale,
-                       True, False)
+@numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def backward_pass(p, ds, lo, hi, c, cap_in, cap_out, sc, dl, use_dlse, klo, khi, col0, thresh, zscale, capped, drop):
+    """p (n, Tq, Tk) raw products -> P ∘ Z in place (for dV); ds (n, Tq, Tk) = dO Vᵀ -> dS
+    (times ``sc``, the scale, and the softcap's slope) in place; ``dl`` (n, Tq) read where
+    ``use_dlse``. Arguments as :func:`forward_pass`."""
+    if capped and drop:
+        _backward_rows(p, ds, lo, hi, c, cap_in, cap_out, sc, dl, use_dlse, klo, khi, col0, thresh, zscale, True, True)
+    elif capped:
+        _backward_rows(p, ds, lo, hi, c, cap_in, cap_out, sc, dl, use_dlse, klo, khi, col0, thresh, zscale, True, False)
     elif drop:
-        _backward_rows(s, dp, lo, hi, c, cap_in, cap_out, sc, dlse, use_dlse, klo, khi, col0, thresh, zscale,
-                       False, True)
+        _backward_rows(p, ds, lo, hi, c, cap_in, cap_out, sc, dl, use_dlse, klo, khi, col0, thresh, zscale, False, True)
     else:
-        _backward_rows(s, dp, lo, hi, c, cap_in, cap_out, sc, dlse, use_dlse, klo, khi, col0, thresh, zscale,
-                       False, False)
+        _backward_rows(p, ds, lo, hi, c, cap_in, cap_out, sc, dl, use_dlse, klo, khi, col0, thresh, zscale, False,
+                       False)

@@ -34,7 +34,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .flash.compiled import FASTMATH, wide_vectors
-from .rows_compiled import LOG2E, NEG_INF, _backward_rows, _forward_rows, _zero
+from .rows_compiled import LOG2E, NEG_INF, _zero, backward_pass, forward_pass
 
 
 def _find_sgemm() -> tuple[int, bool]:
@@ -89,7 +89,7 @@ FWD_SIG = types.void(types.UniTuple(_I, 2), _IN, _IN, _IN, _I, _I, _I, _C3, _C2,
 BWD_SIG = types.void(types.UniTuple(_I, 2), _IN, _IN, _IN, _IN, _I, _I, _I, _C3, _C3, _C3, _BLOCKS, _RUNS, _RUNS,
                      types.float64, _C2, _B, types.float64, _KEYS, _KEYS, _I, _U32, _F32, _B, _B)
 N_, T_ = 78, 84  # 'N' and 'T': BLAS's transpose flags
-COPY_T_KEYS = 128  # keys up to which ``q Kᵀ`` and ``dO Vᵀ`` run against a transposed copy (qkv.kernels.rows.COPY_T_KEYS)
+COPY_T_KEYS = 128  # keys up to which q Kᵀ and dO Vᵀ run against a transposed copy (as qkv.kernels.rows.COPY_T_KEYS)
 
 
 def _sgemm_call(bits: int):
@@ -104,7 +104,8 @@ def _sgemm_call(bits: int):
         i8, ii, fl = ir.IntType(8), ir.IntType(bits), ir.FloatType()
         ity = types.int64 if bits == 64 else types.int32
         ptrs = []
-        for val, ty, arg in zip(args[1:], sig.args[1:], ("c", "c", "i", "i", "i", "f", "a", "i", "a", "i", "f", "a", "i")):
+        kinds = ("c", "c", "i", "i", "i", "f", "a", "i", "a", "i", "f", "a", "i")   # char, int, float, array
+        for val, ty, arg in zip(args[1:], sig.args[1:], kinds):
             if arg == "a":
                 ptrs.append(builder.bitcast(context.make_array(ty)(context, builder, val).data, fl.as_pointer()))
                 continue
@@ -162,33 +163,6 @@ def _head(x4, h, inner):
     return x4[h // inner, h % inner]
 
 
-@numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _pass_fwd(s, lo, hi, c, cap_in, cap_out, lse, klo, khi, col0, thresh, zscale, capped, drop):
-    """:func:`.rows_compiled._forward_rows` with its two flags as constants (each case its own loops)."""
-    if capped and drop:
-        _forward_rows(s, lo, hi, c, cap_in, cap_out, lse, klo, khi, col0, thresh, zscale, True, True)
-    elif capped:
-        _forward_rows(s, lo, hi, c, cap_in, cap_out, lse, klo, khi, col0, thresh, zscale, True, False)
-    elif drop:
-        _forward_rows(s, lo, hi, c, cap_in, cap_out, lse, klo, khi, col0, thresh, zscale, False, True)
-    else:
-        _forward_rows(s, lo, hi, c, cap_in, cap_out, lse, klo, khi, col0, thresh, zscale, False, False)
-
-
-@numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _pass_bwd(p, ds, lo, hi, c, cap_in, cap_out, sc, dl, use_dlse, klo, khi, col0, thresh, zscale, capped, drop):
-    """:func:`.rows_compiled._backward_rows` with its two flags as constants."""
-    if capped and drop:
-        _backward_rows(p, ds, lo, hi, c, cap_in, cap_out, sc, dl, use_dlse, klo, khi, col0, thresh, zscale, True, True)
-    elif capped:
-        _backward_rows(p, ds, lo, hi, c, cap_in, cap_out, sc, dl, use_dlse, klo, khi, col0, thresh, zscale, True, False)
-    elif drop:
-        _backward_rows(p, ds, lo, hi, c, cap_in, cap_out, sc, dl, use_dlse, klo, khi, col0, thresh, zscale, False, True)
-    else:
-        _backward_rows(p, ds, lo, hi, c, cap_in, cap_out, sc, dl, use_dlse, klo, khi, col0, thresh, zscale, False,
-                       False)
-
-
 @numba.njit(inline="always")
 def _width(blocks):
     """The most score entries of one block: its scratch size."""
@@ -230,7 +204,7 @@ def _forward_head(addr, h, q4, k4, v4, qi, ki, group, out, lse, blocks, lo, hi, 
         _key_side(addr, qh, kh, kt, r0, r1, k0, k1, s[0])                     # Q Kᵀ (R,K)
         if passes:
             kl, kh_ = (klo[h:h + 1, r0:r1], khi[h:h + 1, r0:r1]) if drop else (klo, khi)
-            _pass_fwd(s, lo[r0:r1], hi[r0:r1], c, cap_in, cap_out, lse[h:h + 1, r0:r1], kl, kh_, k_start + k0,
+            forward_pass(s, lo[r0:r1], hi[r0:r1], c, cap_in, cap_out, lse[h:h + 1, r0:r1], kl, kh_, k_start + k0,
                       thresh, zscale, capped, drop)                            # S -> P (∘ Z)
         _gemm(addr, N_, N_, r1 - r0, o.shape[1], k1 - k0, s[0], vh[k0:k1], 0, o[r0:r1])  # P V (R,Dv)
 
@@ -241,7 +215,7 @@ def forward(addr, q4, k4, v4, qi, ki, group, out, lse, blocks, lo, hi, scale, ca
     """``out (N, Tq, Dv)``, ``lse (N, Tq)`` of heads ``q4 (N/qi, qi, Tq, D)`` against kv heads
     ``k4, v4 (Nk/ki, ki, Tk, D|Dv)`` (query head h reads kv head ``h // group``). ``blocks``
     int64 ``(nb, 4)``: rows ``r0:r1`` take keys ``k0:k1``; ``lo``/``hi`` ``(Tq,)`` each row's run
-    relative to its block's ``k0``. The rest as :func:`.rows_compiled.softmax_rows`;
+    relative to its block's ``k0``. The rest as :func:`.rows_compiled.forward_pass`;
     ``passes=False`` leaves the row pass out (the bench's products-only bound)."""
     for h in numba.prange(out.shape[0]):
         _forward_head(addr, h, q4, k4, v4, qi, ki, group, out, lse, blocks, lo, hi, scale, cap, klo, khi, k_start,
@@ -280,7 +254,7 @@ def _backward_group(addr, g, do4, q4, k4, v4, qi, ki, group, dq, dk, dv, blocks,
             if passes:
                 kl, kh_ = (klo[h:h + 1, r0:r1], khi[h:h + 1, r0:r1]) if drop else (klo, khi)
                 dl = dlse[h:h + 1, r0:r1] if use_dlse else dlse
-                _pass_bwd(p, ds, lo[r0:r1], hi[r0:r1], c, cap_in, cap_out, sc, dl, use_dlse, kl, kh_, k_start + k0,
+                backward_pass(p, ds, lo[r0:r1], hi[r0:r1], c, cap_in, cap_out, sc, dl, use_dlse, kl, kh_, k_start + k0,
                           thresh, zscale, capped, drop)                # -> P ∘ Z, dS
             _gemm(addr, N_, N_, n_r, gq.shape[1], n_k, ds[0], kh[k0:k1], 0, gq[r0:r1])      # dQ = dS K
             _gemm(addr, T_, N_, n_k, gk.shape[1], n_r, ds[0], qh[r0:r1], 1, gk[k0:k1])      # dK += dSᵀ Q
