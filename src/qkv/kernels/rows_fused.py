@@ -11,11 +11,11 @@ the same work driven from Python threads spent it on hand-offs. Measured at B=12
 D=32 (forward, float32, 2 threads, AVX-512): the units on two Python threads 376 µs (the
 hand-off to a pool thread and back, and the GIL between the unit's NumPy calls, cost what
 the second thread saved: 268 µs on one thread against 263), one compiled loop over heads
-142 µs. numba's ``prange`` runs on its threading layer's workers (OpenMP's or TBB's), which
+175 µs. numba's ``prange`` runs on its threading layer's workers (OpenMP's or TBB's), which
 wait for the next loop spinning a moment before they sleep, as torch's do.
 
-The products are BLAS's ``sgemm``, called through its address (SciPy's ``cython_blas``, the
-same BLAS numba's own ``np.dot`` uses) with the leading dimension of each operand, so a
+The products are BLAS's ``sgemm``, called through its address (:func:`_find_sgemm`: NumPy's
+own OpenBLAS, else SciPy's ``cython_blas``) with the leading dimension of each operand, so a
 head cut out of a wider array (Hugging Face's ``(B, T, H, D)`` seen as ``(B, H, T, D)``, a
 layer's ``(B, T, 3, H, D)`` projection) is read in place; the caller holds BLAS to one
 thread (a product split over threads rounds otherwise). Every head is computed alone in an
@@ -205,7 +205,7 @@ def _forward_head(addr, h, q4, k4, v4, qi, ki, group, out, lse, blocks, lo, hi, 
         if passes:
             kl, kh_ = (klo[h:h + 1, r0:r1], khi[h:h + 1, r0:r1]) if drop else (klo, khi)
             forward_pass(s, lo[r0:r1], hi[r0:r1], c, cap_in, cap_out, lse[h:h + 1, r0:r1], kl, kh_, k_start + k0,
-                      thresh, zscale, capped, drop)                            # S -> P (∘ Z)
+                         thresh, zscale, capped, drop)                         # S -> P (∘ Z)
         _gemm(addr, N_, N_, r1 - r0, o.shape[1], k1 - k0, s[0], vh[k0:k1], 0, o[r0:r1])  # P V (R,Dv)
 
 
@@ -254,8 +254,8 @@ def _backward_group(addr, g, do4, q4, k4, v4, qi, ki, group, dq, dk, dv, blocks,
             if passes:
                 kl, kh_ = (klo[h:h + 1, r0:r1], khi[h:h + 1, r0:r1]) if drop else (klo, khi)
                 dl = dlse[h:h + 1, r0:r1] if use_dlse else dlse
-                backward_pass(p, ds, lo[r0:r1], hi[r0:r1], c, cap_in, cap_out, sc, dl, use_dlse, kl, kh_, k_start + k0,
-                          thresh, zscale, capped, drop)                # -> P ∘ Z, dS
+                backward_pass(p, ds, lo[r0:r1], hi[r0:r1], c, cap_in, cap_out, sc, dl, use_dlse, kl, kh_,
+                              k_start + k0, thresh, zscale, capped, drop)      # -> P ∘ Z, dS
             _gemm(addr, N_, N_, n_r, gq.shape[1], n_k, ds[0], kh[k0:k1], 0, gq[r0:r1])      # dQ = dS K
             _gemm(addr, T_, N_, n_k, gk.shape[1], n_r, ds[0], qh[r0:r1], 1, gk[k0:k1])      # dK += dSᵀ Q
             _gemm(addr, T_, N_, n_k, gv.shape[1], n_r, p[0], doh[r0:r1], 1, gv[k0:k1])      # dV += Pᵀ dO
