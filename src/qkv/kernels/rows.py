@@ -82,11 +82,6 @@ class _Mods:
         self.zscale = np.float32(1.0 / (1.0 - spec.dropout_p))
         self.k_start = spec.k_start
 
-    def args(self, a: int, b: int, r0: int, r1: int, k0: int) -> tuple:
-        """``(cap, klo, khi, col0, thresh, zscale, drop)`` for heads a:b, rows r0:r1, keys from k0."""
-        klo, khi = (self.klo, self.khi) if not self.drop else (self.klo[a:b, r0:r1], self.khi[a:b, r0:r1])
-        return self.cap, klo, khi, self.k_start + k0, self.thresh, self.zscale, self.drop
-
 
 def key_runs(spec: MaskSpec) -> tuple[np.ndarray, np.ndarray]:
     """``(lo, hi)`` int64 ``(Tq,)``: row i may see keys ``lo[i] <= j < hi[i]`` (``lo == hi``:
@@ -305,10 +300,14 @@ def _heads4(x: np.ndarray) -> tuple[np.ndarray, int]:
     return (x if x.ndim == 4 else x.reshape((-1,) + x.shape[-3:])), x.shape[-3]
 
 
+def _packed_blocks(spec: MaskSpec) -> tuple:
+    """:func:`row_blocks` as :mod:`.rows_fused` takes them: ``(r0, r1, k0, k1)`` int64 ``(nb, 4)``
+    and every row's ``lo``, ``hi`` relative to its block's ``k0``, int64 ``(Tq,)``; kept per rules."""
+    return _packed(spec.tq, spec.tk, *spec.band, spec.chunk, spec.shift(None), spec.k_start)
+
+
 @functools.lru_cache(maxsize=64)
 def _packed(tq: int, tk: int, *rules):
-    """:func:`row_blocks` as :mod:`.rows_fused` takes them: ``(r0, r1, k0, k1)`` int64 ``(nb, 4)``
-    and every row's ``lo``, ``hi`` relative to its block's ``k0``, int64 ``(Tq,)``."""
     cut = _row_blocks(tq, tk, None, *rules)
     blocks = np.array([b[:4] for b in cut], np.int64).reshape(-1, 4)
     lo, hi = np.concatenate([b[4] for b in cut]), np.concatenate([b[5] for b in cut])
@@ -344,7 +343,7 @@ def forward(q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_weight
     n, tq, tk = math.prod(spec.lead), spec.tq, spec.tk
     out = np.empty((n, tq, v.shape[-1]), np.float32)
     lse = np.empty((n, tq), np.float32)
-    blocks, lo, hi = _packed(tq, tk, *spec.band, spec.chunk, spec.shift(None), spec.k_start)
+    blocks, lo, hi = _packed_blocks(spec)
     m = _Mods(spec, n)
     mod = _fused()
     _call(mod.forward, n, tq, tk, num_threads, (mod.SGEMM, int(mod.ILP64)), q4, k4, v4, qi, ki, group, out, lse,
@@ -362,7 +361,7 @@ def backward(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int =
     dq = np.empty((n, tq, q.shape[-1]), np.float32)
     nk = n // group
     dk, dv = np.empty((nk, tk, k.shape[-1]), np.float32), np.empty((nk, tk, v.shape[-1]), np.float32)
-    blocks, lo, hi = _packed(tq, tk, *spec.band, spec.chunk, spec.shift(None), spec.k_start)
+    blocks, lo, hi = _packed_blocks(spec)
     m = _Mods(spec, n)
     mod = _fused()
     _call(mod.backward, n, tq, tk, num_threads, (mod.SGEMM, int(mod.ILP64)), do4, q4, k4, v4, qi, ki, group,
