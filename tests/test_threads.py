@@ -26,6 +26,30 @@ def test_set_num_threads_round_trips_and_refuses_nonsense():
         qkv.set_num_threads(before)
 
 
+def test_a_pools_only_limit_leaves_compiled_kernels_threads_alone():
+    """kernel_threads(n, pools_only=True) caps the kernels on Python threads (the smaller of it
+    and the setting stands) and not get_num_threads(compiled=True); it ends with its block."""
+    before = qkv.get_num_threads()
+    try:
+        qkv.set_num_threads(4)
+        with threads.kernel_threads(1, pools_only=True):
+            assert (threads.get_num_threads(), threads.get_num_threads(compiled=True)) == (1, 4)
+            with threads.kernel_threads(3):
+                assert (threads.get_num_threads(), threads.get_num_threads(compiled=True)) == (1, 3)
+        with threads.kernel_threads(6, pools_only=True):
+            assert threads.get_num_threads() == 4
+        with threads.one_thread_if(True, pools_only=True):
+            assert (threads.get_num_threads(), threads.get_num_threads(compiled=True)) == (1, 4)
+        with threads.one_thread_if(True):
+            assert (threads.get_num_threads(), threads.get_num_threads(compiled=True)) == (1, 1)
+        assert (threads.get_num_threads(), threads.get_num_threads(compiled=True)) == (4, 4)
+        with pytest.raises(qkv.ShapeError, match="num_threads must be an int >= 1"):
+            with threads.kernel_threads(0, pools_only=True):
+                pass
+    finally:
+        qkv.set_num_threads(before)
+
+
 def test_blas_hold_is_counted_and_restored():
     before = blas_threads()
     with threads.blas_one_thread():

@@ -222,21 +222,28 @@ def test_alignment_options_equal_qkv_on_arrays(case):
 
 
 @pytest.mark.parametrize("torch_threads, t, want", [(2, 64, 1), (2, 4096, None), (1, 64, None)])
-def test_kernels_stay_on_the_calling_thread_while_torchs_threads_spin(monkeypatch, torch_threads, t, want):
+def test_pooled_kernels_stay_on_the_calling_thread_while_torchs_threads_spin(monkeypatch, torch_threads, t, want):
     """Below ops.TORCH_SERIAL_WORK entries, with torch on more than one thread, the forward,
-    backward and weights kernels run with one kernel thread (torch's OpenMP workers spin on
-    after its operators and hold the other cores); past it, or with torch on one thread, the
-    caller's setting stands (None here: the process default)."""
+    backward and weights kernels that run on Python threads get one (torch's OpenMP workers
+    spin on after its operators and hold the other cores); past it, or with torch on one
+    thread, the caller's setting stands (None here: the process default). The compiled row
+    kernel's threads (numba's) are never limited by it."""
     from qkv import threads
 
     seen = []
-    real_fwd, real_bwd = ops.np_attention, ops.np_attention_backward
-    monkeypatch.setattr(ops, "np_attention", lambda *a, **kw: seen.append(threads._here.get()) or real_fwd(*a, **kw))
-    monkeypatch.setattr(ops, "np_attention_backward",
-                        lambda *a, **kw: seen.append(threads._here.get()) or real_bwd(*a, **kw))
+
+    def spy(real):
+        def call(*a, **kw):
+            seen.append((threads._pooled.get(), threads.get_num_threads(), threads.get_num_threads(compiled=True)))
+            return real(*a, **kw)
+        return call
+
+    monkeypatch.setattr(ops, "np_attention", spy(ops.np_attention))
+    monkeypatch.setattr(ops, "np_attention_backward", spy(ops.np_attention_backward))
     monkeypatch.setattr(ops, "TORCH_SERIAL_WORK", 2 * 4 * 64 * 64)
-    before = torch.get_num_threads()
+    before, qkv_before = torch.get_num_threads(), qkv.get_num_threads()
     torch.set_num_threads(torch_threads)
+    qkv.set_num_threads(3)
     try:
         q, k, v = (torch.randn(1, 2, t, 8, requires_grad=True) for _ in range(3))
         out = qt.attention(q, k, v, causal=True)
@@ -244,4 +251,6 @@ def test_kernels_stay_on_the_calling_thread_while_torchs_threads_spin(monkeypatc
         qt.attention(q.detach(), k.detach(), v.detach(), return_weights=True)
     finally:
         torch.set_num_threads(before)
-    assert len(seen) >= 3 and set(seen) == {want}, seen   # forward, backward, weights (and its out)
+        qkv.set_num_threads(qkv_before)
+    pooled = 3 if want is None else want
+    assert len(seen) >= 3 and set(seen) == {(want, pooled, 3)}, seen   # forward, backward, weights (and its out)

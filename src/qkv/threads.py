@@ -35,6 +35,7 @@ _lock = threading.Lock()
 _state = {"threads": None, "pool": None, "pool_size": 0}
 _blas = {"users": 0, "limiter": None, "ctl": None, "pools": None}
 _here = contextvars.ContextVar("qkv_kernel_threads", default=None)  # kernel_threads(n) in force
+_pooled = contextvars.ContextVar("qkv_pool_threads", default=None)   # kernel_threads(n, pools_only=True)
 
 
 def _check(n) -> int | None:
@@ -49,31 +50,37 @@ def set_num_threads(n: int | None) -> None:
     _state["threads"] = _check(n)
 
 
-def get_num_threads() -> int:
-    """Threads the tiled kernels called from here use now."""
-    return _here.get() or _state["threads"] or os.cpu_count() or 1
+def get_num_threads(compiled: bool = False) -> int:
+    """Threads the tiled kernels called from here use now. ``compiled=True``: for a kernel whose
+    threads are numba's own (:mod:`qkv.kernels.rows_fused`), which a ``pools_only`` limit
+    leaves alone."""
+    n = _here.get() or _state["threads"] or os.cpu_count() or 1
+    pooled = None if compiled else _pooled.get()
+    return n if pooled is None else min(n, pooled)
 
 
 @contextmanager
-def kernel_threads(n: int):
+def kernel_threads(n: int, pools_only: bool = False):
     """``with kernel_threads(n):`` the tiled kernels called inside the block, from this thread
     (this context), use ``n`` threads; other threads keep the process-wide default.
 
     For code that brings its own parallelism (the encoder runs one batch a thread) without
-    touching what other callers of :func:`qkv.attention` get.
+    touching what other callers of :func:`qkv.attention` get. ``pools_only=True`` limits the
+    kernels that run on Python threads (qkv's pool) and not those on numba's threads.
     """
-    token = _here.set(_check(n))
+    var = _pooled if pools_only else _here
+    token = var.set(_check(n))
     try:
         yield
     finally:
-        _here.reset(token)
+        var.reset(token)
 
 
-def one_thread_if(serial: bool):
-    """``kernel_threads(1)`` where ``serial``, else a context that changes nothing: for callers
-    that know a kernel thread would find its core taken (a layer right after BLAS's threads,
-    torch's OpenMP workers spinning on)."""
-    return kernel_threads(1) if serial else contextlib.nullcontext()
+def one_thread_if(serial: bool, pools_only: bool = False):
+    """``kernel_threads(1, pools_only)`` where ``serial``, else a context that changes nothing:
+    for callers that know a kernel thread would find its core taken (a layer right after
+    BLAS's threads, torch's OpenMP workers spinning on)."""
+    return kernel_threads(1, pools_only) if serial else contextlib.nullcontext()
 
 
 def pool(n: int) -> ThreadPoolExecutor:

@@ -323,7 +323,7 @@ def _call(kernel, n: int, tq: int, tk: int, num_threads: int | None, *args) -> N
     call at a time where numba's threading layer cannot take more (:data:`.rows_fused.CONCURRENT`)."""
     import numba
 
-    nt = 1 if n * tq * tk < SERIAL_WORK else (num_threads or threads.get_num_threads())
+    nt = 1 if n * tq * tk < SERIAL_WORK else (num_threads or threads.get_num_threads(compiled=True))
     before = numba.get_num_threads()
     numba.set_num_threads(max(1, min(nt, numba.config.NUMBA_NUM_THREADS)))
     threads.hold_blas()

@@ -50,19 +50,27 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
 
 # --- kernels: NumPy views in, qkv, tensors out ----------------------------------------------
 
-# Up to this many score entries (B·H·Tq·Tk) qkv's kernels run on the calling thread while torch
-# uses more than one thread. torch's OpenMP workers spin on after each of torch's operators
-# (libgomp's wait policy) and hold the cores a kernel thread of qkv's would take: inside a
-# Hugging Face model (width 128, B=4, 2 threads) qkv ÷ sdpa went from 1.10-1.21 threaded to
-# 1.07-1.10 on the calling thread at T = 256, 0.94-1.00 from 0.96-1.04 at T = 512, 1.04-1.06
-# from 1.02-1.18 at T = 1024 (16·2^20 entries). Past it the kernel threads are worth it.
+# Up to this many score entries (B·H·Tq·Tk) qkv's kernels that run on Python threads (the
+# tiled kernels, the row kernel without numba) stay on the calling thread while torch uses more
+# than one thread. torch's OpenMP workers spin on after each of torch's operators (libgomp's
+# wait policy) and hold the cores a kernel thread of qkv's would take: inside a Hugging Face
+# model (width 128, B=4, 2 threads) qkv ÷ sdpa went from 1.10-1.21 threaded to 1.07-1.10 on the
+# calling thread at T = 256, 0.94-1.00 from 0.96-1.04 at T = 512, 1.04-1.06 from 1.02-1.18 at
+# T = 1024 (16·2^20 entries). Past it the kernel threads are worth it.
+#
+# The compiled row kernel (numba's own threads, one parallel loop a call) keeps its threads:
+# on a Zen 5, `qkv bench --suite hf` models at T = 256 / 512 / 1024, qkv ÷ sdpa over the four
+# rows, two runs, went from 0.97-1.10 / 0.89-1.00 / 0.91-1.02 on the calling thread to
+# 0.90-1.00 / 0.79-0.87 / 0.72-0.82 threaded (AVX-512), and as AVX2 from 1.00-1.15 /
+# 0.99-1.09 / 1.02-1.12 to 0.94-1.02 / 0.79-0.90 / 0.79-0.96.
 TORCH_SERIAL_WORK = 1 << 24
 
 
 def _threads(q, k):
-    """``kernel_threads(1)`` for a problem of at most :data:`TORCH_SERIAL_WORK` entries while
-    torch's own threads are up; else the caller's setting."""
-    return one_thread_if(torch.get_num_threads() > 1 and math.prod(q.shape[:-1]) * k.shape[-2] <= TORCH_SERIAL_WORK)
+    """``kernel_threads(1, pools_only=True)`` for a problem of at most :data:`TORCH_SERIAL_WORK`
+    entries while torch's own threads are up; else the caller's setting."""
+    return one_thread_if(torch.get_num_threads() > 1 and math.prod(q.shape[:-1]) * k.shape[-2] <= TORCH_SERIAL_WORK,
+                         pools_only=True)
 
 
 def fwd_kernel(q, k, v, *args):
