@@ -75,10 +75,11 @@ def test_the_differential_cases_it_takes():
     assert taken >= 20
 
 
-def test_the_same_bits_for_any_thread_count_and_strided_heads():
+def test_the_same_bits_for_any_thread_count_and_strided_heads(monkeypatch):
     """Threads 1, 2, 3 and heads read in place (a layer's (B, H, T, D) views of one
     (B, T, 3, H, D) projection, dout as (B, T, H, D) transposed) or as contiguous copies:
     the same bits."""
+    monkeypatch.setattr(rows_numpy, "FORWARD_SERIAL_WORK", 0)   # the forward on threads too
     rng = np.random.default_rng(3)
     b, t, h, d = 6, 97, 4, 24
     x = rng.standard_normal((b, t, 3, h, d)).astype(np.float32)
@@ -109,6 +110,7 @@ def test_units_that_straddle_items_give_the_same_bits(per, monkeypatch):
     dout = rng.standard_normal((b, t, h, d)).astype(np.float32).transpose(0, 2, 1, 3)
     assert rows._Heads(q, h).x.ndim == 4 and np.shares_memory(rows._Heads(q, h).x, x)  # no copy
     monkeypatch.setattr(rows, "SERIAL_WORK", 0)
+    monkeypatch.setattr(rows_numpy, "FORWARD_SERIAL_WORK", 0)
     runs = []
     for unit in (None, per):
         if unit:
@@ -189,3 +191,24 @@ def test_chosen_only_where_it_applies(monkeypatch):
         assert api._kernel("auto", api.prepare(q, k, v, **opts), False) is not api.ROWS_NUMPY, opts
     qa, ka, va, _ = inputs((1, 2, 1100, 16), (1, 2, 1100, 16))                            # past 1024²: the tiles
     assert api._kernel("auto", api.prepare(qa, ka, va), False) is not api.ROWS_NUMPY
+
+
+@pytest.mark.parametrize("causal, t, threaded", [(True, 64, False), (False, 64, True), (True, 256, True)])
+def test_a_forward_of_small_passes_stays_on_the_calling_thread(monkeypatch, causal, t, threaded):
+    """A forward whose blocks average under FORWARD_SERIAL_WORK entries (all heads) runs with
+    one thread; the backward of the same problem, and a forward of bigger blocks, keep the
+    caller's threads."""
+    seen = []
+    monkeypatch.setattr(rows_numpy, "_run", lambda job, n, tq, tk, group, nt, *a, f=rows_numpy._run:
+                        seen.append(nt) or f(job, n, tq, tk, group, nt, *a))
+    monkeypatch.setattr(rows, "applies", lambda *a: False)          # the NumPy-only kernel
+    monkeypatch.setattr(api, "AUTO_ROWS_NUMPY_MIN", 0)
+    rng = np.random.default_rng(0)
+    q, k, v, d = (rng.standard_normal((12, 4, t, 32)).astype(np.float32) for _ in range(4))
+    with kernel_threads(2):
+        out, lse = qkv.attention(q, k, v, causal=causal, return_lse=True)
+        qkv.attention_backward(d, q, k, v, out, lse, causal=causal)
+    blocks = rows.row_blocks(api.prepare(q, k, v, causal=causal).spec)
+    average = 48 * sum((r1 - r0) * (k1 - k0) for r0, r1, k0, k1, _, _ in blocks) / len(blocks)
+    assert (average >= rows_numpy.FORWARD_SERIAL_WORK) == threaded
+    assert seen == [None if threaded else 1, None], seen

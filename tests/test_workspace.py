@@ -58,6 +58,7 @@ def test_results_never_share_a_buffer_and_a_second_call_leaves_the_first_intact(
     buffer) leaves it as it was."""
     monkeypatch.setattr(rows_numpy, "UNIT_ENTRIES", 1 << 12)   # several units a thread
     monkeypatch.setattr("qkv.kernels.rows.SERIAL_WORK", 0)
+    monkeypatch.setattr(rows_numpy, "FORWARD_SERIAL_WORK", 0)
     monkeypatch.setattr("qkv.api.AUTO_ROWS_NUMPY_MIN", 0)
     monkeypatch.setattr("qkv.kernels.rows.applies", lambda *a: False)   # the NumPy-only kernel
     calls = []

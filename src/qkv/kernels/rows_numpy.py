@@ -53,6 +53,15 @@ UNIT_ENTRIES = 1 << 18
 # (causal backward, 2 threads, AVX-512, ms; blocks of 64 / 128 / one block): (1, 8, 256, 16)
 # 1.05 / 0.87 / 0.82, (4, 16, 512, 128) 52.8 / 48.6 / 62.0, (8, 12, 1024, 64) 154 / 144 / 231.
 BACKWARD_ROWS = 128
+# A forward whose blocks average fewer score entries than this (all heads together: the size
+# of one of its NumPy passes) runs on the calling thread: with many small passes the second
+# Python thread's wake-ups and GIL hand-offs cost more than its core gives. Measured (forward,
+# 1 thread ÷ 2 threads time, alternating, AVX-512 Zen 5; entries a block): causal (12,4,64,32)
+# 73,728: 0.58, (2,8,128,32) 40,960: 0.78, (4,8,128,32) 81,920: 0.78, (1,8,256,16) 81,920:
+# 0.84, (1,4,256,64) 40,960: 0.92, (4,4,64,32) full 65,536: 0.98; against (1,8,512,16) causal
+# 147,456: 1.10, (32,4,64,32) causal 196,608: 1.13, (2,8,128,32) full 262,144: 1.05. The
+# backward takes twice the passes a block and gained from two threads at every shape tried.
+FORWARD_SERIAL_WORK = 1 << 17
 TINY, HUGE = np.float32(2.0 ** -60), np.float32(2.0 ** 64)  # a row's Σ exp without its max, to stay exact
 # (and E V, undivided, far from float32's overflow)
 
@@ -98,6 +107,8 @@ def forward(q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_weight
     lse = np.empty((n, tq), np.float32)
     blocks, masks = rows.row_blocks(spec), hidden(spec)
     sc = np.float32(scale)
+    if n * sum((r1 - r0) * (k1 - k0) for r0, r1, k0, k1, _, _ in blocks) < FORWARD_SERIAL_WORK * len(blocks):
+        num_threads = 1
 
     def job(a, b):
         qq = _scaled(qh.take(a, b), sc)                       # scaled once: T·D, not T·T
