@@ -254,3 +254,36 @@ def test_pooled_kernels_stay_on_the_calling_thread_while_torchs_threads_spin(mon
         qkv.set_num_threads(qkv_before)
     pooled = 3 if want is None else want
     assert len(seen) >= 3 and set(seen) == {(want, pooled, 3)}, seen   # forward, backward, weights (and its out)
+
+
+def test_the_compiled_row_kernel_keeps_its_threads_inside_torch(monkeypatch):
+    """With torch on two threads, a problem under ops.TORCH_SERIAL_WORK still runs the compiled
+    row kernel on numba's threads (two here), forward and backward; the bits are those of one
+    thread."""
+    from qkv.kernels import rows
+    if rows._fused() is None:
+        pytest.skip("the compiled row kernel needs the fast extra (numba)")
+    import numba
+
+    seen = []
+    real = numba.set_num_threads
+    monkeypatch.setattr(numba, "set_num_threads", lambda n: seen.append(n) or real(n))
+    before, qkv_before = torch.get_num_threads(), qkv.get_num_threads()
+    torch.set_num_threads(2)
+    qkv.set_num_threads(2)
+    try:
+        q, k, v = (torch.randn(4, 4, 128, 16, requires_grad=True) for _ in range(3))   # 2^18 entries
+        assert rows.SERIAL_WORK <= 4 * 4 * 128 * 128 <= ops.TORCH_SERIAL_WORK
+        out = qt.attention(q, k, v, causal=True)
+        out.backward(torch.ones_like(out))
+        threaded = (out.detach().clone(), q.grad.clone())
+        seen_threaded = list(seen)
+        q.grad = None
+        with qkv.threads.kernel_threads(1):
+            out1 = qt.attention(q, k, v, causal=True)
+            out1.backward(torch.ones_like(out1))
+    finally:
+        torch.set_num_threads(before)
+        qkv.set_num_threads(qkv_before)
+    assert seen_threaded[0::2] == [min(2, numba.config.NUMBA_NUM_THREADS)] * 2, seen_threaded   # forward, backward
+    assert torch.equal(threaded[0], out1.detach()) and torch.equal(threaded[1], q.grad)
