@@ -20,6 +20,28 @@ def inputs(shape_q, shape_kv, scale=1.0, seed=0):
     return q, k, v, dout
 
 
+def one_hot_row(magnitude: float):
+    """One query row whose scores are ``[-0.86, 0.8, 0.86, 0.1, 0.16, -0.05, 1.0] · magnitude``
+    on seven keys (``q = s``, ``k = sqrt(D) · I``, ``v = I``, D = 8): past ~1e3 the weights are
+    one-hot on the last key, ``out = v[6]`` and ``lse = magnitude`` (issue 34's reproduction)."""
+    d = 8
+    s = np.array([-0.86, 0.8, 0.86, 0.1, 0.16, -0.05, 1.0], np.float32) * np.float32(magnitude)
+    q = np.zeros((1, 1, 1, d), np.float32)
+    q[0, 0, 0, :7] = s
+    k = (np.eye(7, d) * np.sqrt(d)).astype(np.float32)[None, None]
+    v = np.eye(7, d, dtype=np.float32)[None, None]
+    dout = np.arange(1, d + 1, dtype=np.float32).reshape(1, 1, 1, d)
+    return q, k, v, dout
+
+
+def large_scores(std: float, seed: int = 0):
+    """q, k of std ``sqrt(std)``: scores of std ``std`` (D = 16, the default scale); v and dout N(0, 1)."""
+    rng = np.random.default_rng(seed)
+    q, k = ((rng.standard_normal((2, 3, 37, 16)) * np.sqrt(std)).astype(np.float32) for _ in range(2))
+    v, dout = (rng.standard_normal((2, 3, 37, 16)).astype(np.float32) for _ in range(2))
+    return q, k, v, dout
+
+
 def check(kernel, q, k, v, dout, dlse=None, **opts) -> list:
     """Every result of attention + attention_backward (method="auto", which must choose
     ``kernel``) against the oracle, within the float32 budget: the failures, if any."""

@@ -11,7 +11,8 @@ from qkv import api
 from qkv.kernels import rows, rows_numpy
 from qkv.threads import kernel_threads
 
-from row_cases import MASKS, check, differential_cases, hf_gqa_layout, hf_gqa_layout_case, inputs
+from row_cases import (MASKS, check, differential_cases, hf_gqa_layout, hf_gqa_layout_case, inputs, large_scores,
+                       one_hot_row)
 
 
 @pytest.fixture(autouse=True)
@@ -52,6 +53,33 @@ def test_trained_model_magnitudes_and_the_blocks_done_again(std, monkeypatch):
         assert _check(q, k, v, dout, **opts) == []
         if std > 2 or not opts:         # big scores are done again; unit scores at the default scale never
             assert any(again) == (std > 2), (opts, again)
+
+
+@pytest.mark.parametrize("magnitude", [2e9, 4e9, 1e20, 1e30])
+def test_large_finite_scores_and_an_lse_an_ulp_off(magnitude):
+    """Issue 34: the backward's ``exp(S - lse)`` overflowed (NaN) where lse lay an ulp below the
+    block's own max score and vanished (gradients 0) an ulp above: at 4e9 an ulp is 256. Every
+    lse within two ulps of the forward's gives the same one-hot gradients."""
+    q, k, v, dout = one_hot_row(magnitude)
+    out, lse = qkv.attention(q, k, v, return_lse=True)
+    np.testing.assert_array_equal(out[0, 0, 0], v[0, 0, 6])
+    assert _check(q, k, v, dout) == []
+    want = qkv.attention_backward(dout, q, k, v, out, lse, method="flash")
+    for steps in (-2, -1, 1, 2):
+        off = lse.copy()
+        for _ in range(abs(steps)):
+            off = np.nextafter(off, np.float32(np.inf * steps))
+        got = qkv.attention_backward(dout, q, k, v, out, off)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("std", [3e4, 1e6, 1e8, 1e15, 1e30])
+def test_large_random_scores_within_the_float32_budget(std):
+    q, k, v, dout = large_scores(std)
+    dlse = np.random.default_rng(2).standard_normal(q.shape[:-1]).astype(np.float32)
+    for opts in (dict(), dict(causal=True), dict(window=(5, 3))):
+        assert _check(q, k, v, dout, dlse=dlse, **opts) == []
 
 
 def test_rows_that_see_nothing_and_a_nan():

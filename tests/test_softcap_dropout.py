@@ -218,7 +218,7 @@ def test_tiles_within_the_cap_take_tanhs_first_branch_with_the_same_bits(top):
     got, g = st.copy(), np.empty_like(st)
     comp.softcap_tile(got, g, cap, True)
     np.testing.assert_array_equal(got, want)
-    x = st[5].copy()                                        # a row of the row kernel, log2 units
+    x = st[5].copy()                                        # a row of the row kernel
     slope = np.empty_like(x)
-    rows_compiled._capped_log2(x, inv, cap, slope, True)
+    rows_compiled._capped(x, inv, cap, slope, True)
     np.testing.assert_array_equal(x, want[5])

@@ -5,7 +5,7 @@ where NumPy takes five or six with a temporary each, inlined into :mod:`.rows_fu
 over heads. Row ``i`` may see the keys
 ``[lo[i], hi[i])`` (one contiguous run: causal, window, chunk, any alignment); every other
 entry is written 0. The exponential is :func:`~qkv.kernels.flash.compiled.pow2` of scores
-carried in log2 units (``s · scale · log2 e``), inlined so that LLVM vectorises it.
+taken to log2 units (``s · scale · log2 e``) inside its loop, inlined so that LLVM vectorises it.
 
 - :func:`forward_pass`: raw products ``q·k`` in, probabilities ``P`` out, and ``lse``.
 - :func:`backward_pass`: raw products and ``dP = dO Vᵀ`` in; ``P`` recomputed from the
@@ -31,6 +31,7 @@ f32 = np.float32
 u32 = np.uint32
 LOG2E = 1.0 / math.log(2.0)
 LN2 = f32(math.log(2.0))
+LOG2E32 = f32(LOG2E)
 NEG_INF = f32(-np.inf)
 TINY, HUGE = f32(2.0 ** -60), f32(2.0 ** 100)   # a row's Σ 2^x without its max, to stay exact
 
@@ -66,10 +67,10 @@ def _max(x, c):
 
 
 @numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _capped_log2(x, cap_in, cap_out, slope, want_slope):
-    """Raw products to softcapped scores in log2 units in place, ``cap_out·tanh(cap_in·x)``
-    (``cap_in = scale / cap``, ``cap_out = cap·log2 e``), and ``slope = 1 - tanh²`` where
-    wanted (a constant of each caller). Uncapped rows are scaled inside the exponential's loop."""
+def _capped(x, cap_in, cap_out, slope, want_slope):
+    """Raw products to softcapped scores in place, ``cap_out·tanh(cap_in·x)`` (``cap_in =
+    scale / cap``, ``cap_out = cap``), and ``slope = 1 - tanh²`` where wanted (a constant of
+    each caller). Uncapped rows are scaled inside the exponential's loop."""
     if abs_max(x) * abs(cap_in) < _TSPLIT:        # the row never reaches tanh's second branch (flash.compiled.all_small)
         _capped_loop(x, cap_in, cap_out, slope, want_slope, True)
     else:
@@ -86,14 +87,20 @@ def _capped_loop(x, cap_in, cap_out, slope, want_slope, small):
 
 
 @numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _probabilities(row, j0, j1, c, e):
-    """row[j0:j1] (scores in log2 units once multiplied by ``c``) = their softmax (base 2),
-    0 elsewhere; returns log2 Σ_j 2^(c·row[j]). ``e`` is a scratch row of at least j1 - j0 entries.
+def _probabilities(row, j0, j1, a, c, e):
+    """row[j0:j1] (raw products: the scores are ``a·row[j]``, ``c = a·log2 e`` rounded once) =
+    their softmax, 0 elsewhere; returns the lse, ln Σ_j exp(a·row[j]). ``e`` is a scratch row
+    of at least j1 - j0 entries.
 
-    Most rows take two vector passes and no max: while the sum of ``2^x`` lies in
+    Most rows take two vector passes and no max: while the sum of ``2^(c·x)`` lies in
     ``[2^-60, 2^100]`` every term is exact to float32's rounding (none overflows, none that
     matters underflows: pow2 is relatively accurate over its whole range). Other rows
-    (large scores, a NaN) subtract the row's max first, as the reference does.
+    (large scores, a NaN) subtract the row's max first, as the reference does, from the
+    scores stored first (:func:`_scaled_max`): the max entry's difference is then exactly 0
+    and its term exactly 1, so the sum is at least 1 whatever the magnitude. (Subtracting the
+    max of ``c·x`` inside the exponential's loop instead let LLVM contract ``c·x - m`` into one
+    fused multiply-add, which skips the product's rounding: at scores of 4e9 the max entry's
+    term came out 2^-256 = 0, the sum 0, the row NaN.)
     (Loops over slices from 0: an index numba knows is not negative keeps LLVM's vector loops.)"""
     _zero(row[:j0])
     _zero(row[j1:])
@@ -101,12 +108,33 @@ def _probabilities(row, j0, j1, c, e):
     m = f32(0.0)
     l = _exp2_sum(x, c, m, e)
     if not (l >= TINY and l <= HUGE):
-        m = _max(x, c)
-        l = _exp2_sum(x, c, m, e)
+        m = _scaled_max(x, a)
+        l = _exp2_below(x, m, e)
     inv = f32(1.0) / l
     for j in range(x.shape[0]):
         x[j] = e[j] * inv
-    return m + np.log2(l)
+    return m + np.log2(l) * LN2
+
+
+@numba.njit(inline="always", fastmath=FASTMATH)
+def _scaled_max(x, a):
+    """x = a·x in place (the scores, in natural units: finite wherever float32 holds them);
+    returns their max, NaN if any is."""
+    for j in range(x.shape[0]):
+        x[j] *= a
+    return _max(x, f32(1.0))
+
+
+@numba.njit(inline="always", fastmath=FASTMATH)
+def _exp2_below(x, m, e):
+    """e[:n] = exp(x - m) = 2^((x - m)·log2 e) of stored scores ``x`` and their max ``m``;
+    returns the sum, at least 1 (the max's term: ``x - m = 0``)."""
+    l = f32(0.0)
+    for j in range(x.shape[0]):
+        t = pow2((x[j] - m) * LOG2E32)
+        e[j] = t
+        l += t
+    return l
 
 
 @numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
@@ -117,7 +145,7 @@ def _keep(z, klo, khi, col0, thresh, zscale):
 
 
 @numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _forward_rows(s, lo, hi, c, cap_in, cap_out, lse, klo, khi, col0, thresh, zscale, capped, drop):
+def _forward_rows(s, lo, hi, c, sc, cap_in, cap_out, lse, klo, khi, col0, thresh, zscale, capped, drop):
     n, tq, tk = s.shape
     e = np.empty(tk, f32)
     z = np.empty(tk, f32)
@@ -131,8 +159,8 @@ def _forward_rows(s, lo, hi, c, cap_in, cap_out, lse, klo, khi, col0, thresh, zs
                 continue
             x = row[j0:j1]
             if capped:
-                _capped_log2(x, cap_in, cap_out, e, False)
-            lse[h, i] = _probabilities(row, j0, j1, f32(1.0) if capped else c, e) * LN2
+                _capped(x, cap_in, cap_out, e, False)
+            lse[h, i] = _probabilities(row, j0, j1, f32(1.0) if capped else sc, LOG2E32 if capped else c, e)
             if drop:                         # P ∘ Z; lse stays the undropped one
                 zz = z[:j1 - j0]
                 _keep(zz, klo[h, i], khi[h, i], u32(col0 + j0), thresh, zscale)
@@ -141,19 +169,19 @@ def _forward_rows(s, lo, hi, c, cap_in, cap_out, lse, klo, khi, col0, thresh, zs
 
 
 @numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def forward_pass(s, lo, hi, c, cap_in, cap_out, lse, klo, khi, col0, thresh, zscale, capped, drop):
+def forward_pass(s, lo, hi, c, sc, cap_in, cap_out, lse, klo, khi, col0, thresh, zscale, capped, drop):
     """s (n, Tq, Tk) raw products -> P (times the keep-mask Z where ``drop``) in place;
-    lse (n, Tq) = ln Σ_j 2^(c·s_ij) (``c = scale·log2 e``; softcapped, ``cap_out·tanh(cap_in·s)``,
-    where ``capped``). ``klo``/``khi`` (n, Tq) uint32: the rows' dropout keys; ``col0``: the first
+    lse (n, Tq) = ln Σ_j exp(sc·s_ij) = ln Σ_j 2^(c·s_ij) (``sc`` the scale, ``c = scale·log2 e``;
+    softcapped, ``cap_out·tanh(cap_in·s)``, where ``capped``). ``klo``/``khi`` (n, Tq) uint32: the rows' dropout keys; ``col0``: the first
     key's column. Each of the four cases its own loops (the flags constants of the inlined body)."""
     if capped and drop:
-        _forward_rows(s, lo, hi, c, cap_in, cap_out, lse, klo, khi, col0, thresh, zscale, True, True)
+        _forward_rows(s, lo, hi, c, sc, cap_in, cap_out, lse, klo, khi, col0, thresh, zscale, True, True)
     elif capped:
-        _forward_rows(s, lo, hi, c, cap_in, cap_out, lse, klo, khi, col0, thresh, zscale, True, False)
+        _forward_rows(s, lo, hi, c, sc, cap_in, cap_out, lse, klo, khi, col0, thresh, zscale, True, False)
     elif drop:
-        _forward_rows(s, lo, hi, c, cap_in, cap_out, lse, klo, khi, col0, thresh, zscale, False, True)
+        _forward_rows(s, lo, hi, c, sc, cap_in, cap_out, lse, klo, khi, col0, thresh, zscale, False, True)
     else:
-        _forward_rows(s, lo, hi, c, cap_in, cap_out, lse, klo, khi, col0, thresh, zscale, False, False)
+        _forward_rows(s, lo, hi, c, sc, cap_in, cap_out, lse, klo, khi, col0, thresh, zscale, False, False)
 
 
 @numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
@@ -174,8 +202,8 @@ def _backward_rows(s, dp, lo, hi, c, cap_in, cap_out, sc, dlse, use_dlse, klo, k
             p, gs = row[j0:j1], g[j0:j1]
             sl = slope[:j1 - j0]
             if capped:
-                _capped_log2(p, cap_in, cap_out, sl, True)
-            _probabilities(row, j0, j1, f32(1.0) if capped else c, e)
+                _capped(p, cap_in, cap_out, sl, True)
+            _probabilities(row, j0, j1, f32(1.0) if capped else sc, LOG2E32 if capped else c, e)
             zz = z[:j1 - j0]
             if drop:                         # ∂L/∂P = Z ∘ dO Vᵀ
                 _keep(zz, klo[h, i], khi[h, i], u32(col0 + j0), thresh, zscale)

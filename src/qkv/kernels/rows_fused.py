@@ -185,9 +185,9 @@ def _forward_head(addr, h, q4, k4, v4, qi, ki, group, out, lse, blocks, lo, hi, 
                   thresh, zscale, drop, passes):
     """Head ``h``'s blocks of rows in turn: ``S = Q Kᵀ``, the row pass (``S`` to ``P``), ``P V``."""
     wide_vectors()
-    c, capped = f32(scale * LOG2E), cap > 0
+    c, sc, capped = f32(scale * LOG2E), f32(scale), cap > 0
     cap_in = f32(scale / cap) if capped else f32(0.0)
-    cap_out = f32(cap * LOG2E)
+    cap_out = f32(cap)
     qh, g = _head(q4, h, qi), h // group
     kh, vh = _head(k4, g, ki), _head(v4, g, ki)
     kt = _maybe_t(kh, kh.shape[0] <= COPY_T_KEYS)
@@ -204,7 +204,7 @@ def _forward_head(addr, h, q4, k4, v4, qi, ki, group, out, lse, blocks, lo, hi, 
         _key_side(addr, qh, kh, kt, r0, r1, k0, k1, s[0])                     # Q Kᵀ (R,K)
         if passes:
             kl, kh_ = (klo[h:h + 1, r0:r1], khi[h:h + 1, r0:r1]) if drop else (klo, khi)
-            forward_pass(s, lo[r0:r1], hi[r0:r1], c, cap_in, cap_out, lse[h:h + 1, r0:r1], kl, kh_, k_start + k0,
+            forward_pass(s, lo[r0:r1], hi[r0:r1], c, sc, cap_in, cap_out, lse[h:h + 1, r0:r1], kl, kh_, k_start + k0,
                          thresh, zscale, capped, drop)                         # S -> P (∘ Z)
         _gemm(addr, N_, N_, r1 - r0, o.shape[1], k1 - k0, s[0], vh[k0:k1], 0, o[r0:r1])  # P V (R,Dv)
 
@@ -229,7 +229,7 @@ def _backward_group(addr, g, do4, q4, k4, v4, qi, ki, group, dq, dk, dv, blocks,
     wide_vectors()
     c, sc, capped = f32(scale * LOG2E), f32(scale), cap > 0
     cap_in = f32(scale / cap) if capped else f32(0.0)
-    cap_out = f32(cap * LOG2E)
+    cap_out = f32(cap)
     kh, vh = _head(k4, g, ki), _head(v4, g, ki)
     kt, vt = _maybe_t(kh, kh.shape[0] <= COPY_T_KEYS), _maybe_t(vh, vh.shape[0] <= COPY_T_KEYS)
     width = _width(blocks)

@@ -14,7 +14,9 @@ subtract, exp, sum, divide) and the backward nine, this kernel takes, per block 
   first, as the reference does.
 - backward: ``exp(S - lse)`` with the forward's lse and its row sum ``c`` (lse is rounded
   to float32: at scores of a few hundred its last bit moves every P of the row by 2^-17, so
-  the rows are normalised again, by ``1/c`` on the ``T × D`` operands and results), then
+  the rows are normalised again, by ``1/c`` on the ``T × D`` operands and results; a row
+  whose ``c`` leaves ``[2^-60, 2^64]``, an lse an ulp off at scores past ~1e9, takes its own
+  max instead: :func:`_weights`), then
   ``dS = P ∘ (dP − Δ)``, with ``Δ_i = dO_i · O_i`` (a ``T × D`` product, not a ``T × T``
   pass), the scale on the ``T × D`` results, the row sums a product with a column of ones.
   (Tried: the subtractions carried by the products as one column more, ``[scale·q, -lse]
@@ -156,6 +158,39 @@ def _block(qq, kt, vv, blk, hid, o, total, shift=None):
     np.matmul(e, _ones(e.shape[-1]), out=total[..., r0:r1, :])  # the row sums: see _ones
 
 
+def _scores(qb, kt, hid, name: str):
+    """Scaled scores ``qb kt`` (…,R,K) in the thread's buffer ``name``, -inf where ``hid``."""
+    s = workspace.matmul(qb, kt, name)
+    if hid is not None:
+        c0, c1, h = hid
+        np.copyto(s[..., c0:c1], -np.inf, where=h)
+    return s
+
+
+def _weights(qb, kt, hid, lse):
+    """``(E, c)``: ``E = exp(S - lse)`` (…,R,K) from the forward's ``lse`` (…,R,1) and its row
+    sums ``c`` (…,R,1), 1 up to lse's float32 rounding. A row whose ``c`` leaves ``[2^-60, 2^64]``
+    takes its own max instead of lse (the forward's softmax; ``1/c`` normalises either): at
+    scores past ~1e9 an lse one ulp (256 at 4e9) off the scores this block's product gives (the
+    forward's blocks are other shapes, or another kernel made the lse) made ``exp(S - lse)``
+    overflow (NaN gradients) or vanish (gradients 0)."""
+    e = _scores(qb, kt, hid, "s")
+    e -= lse
+    with np.errstate(over="ignore"):
+        np.exp(e, out=e)
+    c = np.matmul(e, _ones(e.shape[-1]))
+    ok = (c >= TINY) & (c <= HUGE)
+    if not ok.all():                                   # rare: see above; a row that sees nothing stays 0
+        s = _scores(qb, kt, hid, "s2")
+        m = s.max(axis=-1, initial=-np.inf, keepdims=True)
+        m[m == -np.inf] = 0
+        s -= m
+        np.exp(s, out=s)
+        np.copyto(e, s, where=~ok)
+        c = np.matmul(e, _ones(e.shape[-1]))
+    return e, c
+
+
 def _scaled(x: np.ndarray, sc: np.float32) -> np.ndarray:
     """``x · sc`` in the thread's buffer ``q``."""
     return np.multiply(x, sc, out=workspace.take("q", x.shape))
@@ -199,13 +234,7 @@ def backward(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int =
             gk, gv = workspace.zeros("gk", (b - a,) + dk.shape[1:]), workspace.zeros("gv", (b - a,) + dv.shape[1:])
         for (r0, r1, k0, k1, _, _), hid in zip(blocks, masks):
             qb, dob = qq[..., r0:r1, :], dd[..., r0:r1, :]
-            p = workspace.matmul(qb, ktt[..., k0:k1], "s")    # scaled scores (…,R,K)
-            if hid is not None:
-                c0, c1, h = hid
-                np.copyto(p[..., c0:c1], -np.inf, where=h)
-            p -= la[..., r0:r1, None]
-            np.exp(p, out=p)                                  # P · c_i
-            c = np.matmul(p, _ones(p.shape[-1]))              # c_i = 1 to lse's float32 rounding
+            p, c = _weights(qb, ktt[..., k0:k1], hid, la[..., r0:r1, None])   # P · c_i, c_i
             inv = np.divide(1, c, out=np.zeros_like(c), where=c > 0)
             ds = workspace.matmul(dob, vtt[..., k0:k1], "ds")  # dP = dO Vᵀ
             ds -= delta[..., r0:r1, None]
