@@ -180,3 +180,89 @@ def attempt(case, what: str, fn, fails: list, where: str = ""):
     if warned:
         fails.append(f"{what}{where}: RuntimeWarning: {warned[0].message}")
     return res, True
+
+
+# ----------------------------------------------------------------------------- every kernel
+KERNEL_MASKS = (dict(), dict(causal=True), dict(causal="bottom_right"), dict(window=(3, 2)), dict(window=(4, 0)),
+                dict(causal=True, chunk=5), dict(softcap=30.0), dict(dropout_p=0.3, dropout_seed=11))
+
+
+def every_kernel(spec, dtype) -> dict:
+    """``{name: kernel}`` of every kernel that runs a problem of ``spec`` in compute ``dtype``:
+    the registered ones (``method=``) and ``method="auto"``'s own choices (the stacked dense
+    kernel, the row kernel with the fast extra, its NumPy form), where each applies."""
+    from qkv import api, kernels
+    from qkv.kernels import rows, rows_numpy, stacked
+
+    found = {name: kernels.lookup(name) for name in kernels.names()}
+    if stacked.applies(spec):
+        found["stacked"] = api.STACKED
+    if rows.applies(spec, dtype):
+        found["rows"] = api.ROWS
+    if rows_numpy.applies(spec, dtype):
+        found["rows-numpy"] = api.ROWS_NUMPY
+    return found
+
+
+def run_kernel(kern, prob, dout, dlse):
+    """``(out, lse, dq, dk, dv)`` of one kernel on a prepared problem (``qkv.api.prepare``),
+    through the kernel interface (:mod:`qkv.kernels.reference`), in the compute dtype."""
+    out, lse, _ = kern.forward(prob.q, prob.k, prob.v, prob.spec, prob.scale, prob.group)
+    dt = prob.q.dtype
+    extra = {} if dlse is None else {"dlse": dlse.astype(dt)}
+    grads = kern.backward(dout.astype(dt), prob.q, prob.k, prob.v, out, lse, prob.spec, prob.scale, prob.group,
+                          **extra)
+    return (out, lse) + tuple(grads)
+
+
+def judge_kernels(q, k, v, dout, dlse=None, **opts) -> list:
+    """Every kernel that takes the problem (:func:`every_kernel`), forward and backward (with
+    ``dlse``), against the float64 oracle on the same float32 inputs, within the float32
+    budget (the plain float32 dense error): the failures, each naming its kernel."""
+    from qkv import api
+
+    want = oracle.solve(q, k, v, dout, dlse=dlse, **opts)
+    base = plain(oracle.solve(q, k, v, dout, dlse=dlse, dtype=np.float32, **opts), np.float32)
+    prob = api.prepare(q, k, v, **opts)
+    fails: list = []
+    for name, kern in every_kernel(prob.spec, prob.q.dtype).items():
+        case = type("case", (), {"refusable": ""})
+        res, ok = attempt(case, f"kernel {name!r}", lambda: run_kernel(kern, prob, dout, dlse), fails)
+        if not ok:
+            continue
+        for what, got in zip(("out", "lse", "dq", "dk", "dv"), res):
+            fails.append(judge(f"{name} {what}", got, getattr(want, what), want.size[what], getattr(base, what),
+                               np.float32))
+    return [f for f in fails if f]
+
+
+def extreme_problem(seed: int, index: int) -> tuple:
+    """``(q, k, v, dout, dlse, opts, description)``: float32 scores of std 1e3 to 1e30 (every
+    fifth problem the one-hot row of issue 34 at 1e3 to 1e30, exact), MHA or GQA, one of
+    :data:`KERNEL_MASKS`; from ``np.random.default_rng([seed, index, 34])``."""
+    rng = np.random.default_rng([seed, index, 34])
+    mag = float(10 ** rng.uniform(3, 30))
+    opts = dict(KERNEL_MASKS[int(rng.integers(len(KERNEL_MASKS)))])
+    if index % 5 == 0:
+        d = 8
+        s = np.array([-0.86, 0.8, 0.86, 0.1, 0.16, -0.05, 1.0], np.float32) * np.float32(mag)
+        q = np.zeros((1, 1, 1, d), np.float32)
+        q[0, 0, 0, :7] = s
+        k = (np.eye(7, d) * np.sqrt(d)).astype(np.float32)[None, None]
+        v = np.eye(7, d, dtype=np.float32)[None, None]
+        opts = {}
+        what = f"one-hot row at {mag:.3g}"
+    else:
+        b, hkv, g = int(rng.integers(1, 3)), int(rng.integers(1, 3)), int(rng.choice([1, 2]))
+        tq, tk, d = int(rng.choice([1, 7, 33])), int(rng.choice([5, 17, 40])), int(rng.choice([4, 16]))
+        if opts.get("causal") is True or "chunk" in opts:
+            tk = tq = max(tq, 2)
+        if g > 1:
+            opts["gqa"] = True
+        q = (rng.standard_normal((b, hkv * g, tq, d)) * np.sqrt(mag)).astype(np.float32)
+        k = (rng.standard_normal((b, hkv, tk, d)) * np.sqrt(mag)).astype(np.float32)
+        v = rng.standard_normal((b, hkv, tk, d)).astype(np.float32)
+        what = f"scores of std {mag:.3g}"
+    dout = rng.standard_normal(q.shape[:-1] + (v.shape[-1],)).astype(np.float32)
+    dlse = rng.standard_normal(q.shape[:-1]).astype(np.float32) if rng.random() < 0.5 else None
+    return q, k, v, dout, dlse, opts, f"{what}, q{q.shape} k{k.shape} {opts} dlse={dlse is not None}"

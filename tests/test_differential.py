@@ -1,7 +1,8 @@
 """One differential harness for every entry point: seeded problems (tests/problems.py)
 against the float64 oracle written from the README's definitions (tests/oracle.py).
 
-Entry points: ``qkv.attention`` (methods "reference" and "flash"; out with lse and weights,
+Entry points: every kernel through the kernel interface at float32 scores up to 1e30
+(``differential.judge_kernels``), ``qkv.attention`` (methods "reference" and "flash"; out with lse and weights,
 and out alone), ``qkv.attention_backward`` (both methods), ``qkv.torch.attention`` (forward,
 and autograd through out and lse), ``qkv.nn.MultiHeadAttention`` (self and cross, GQA/MQA,
 RoPE, ALiBi, biases, lengths) and ``qkv.nn.SelfAttention``, and under ``mpiexec -n 2`` and
@@ -25,7 +26,7 @@ import pytest
 
 import qkv
 import oracle
-from differential import attempt, build_mha, judge, judge_layer, judge_mha, plain
+from differential import attempt, build_mha, extreme_problem, judge, judge_kernels, judge_layer, judge_mha, plain
 from problems import cases
 from helpers import mpiexec
 
@@ -266,3 +267,42 @@ def test_the_draw_reaches_what_it_promises():
                                "-1e38", "empty row", "NaN padding", "mask", "bias", "causal", "align", "window",
                                "chunk", "kv_lengths", "q_lengths", "alibi", "extreme") if not seen.get(key)]
     assert not missing, (missing, seen)
+
+
+# ----------------------------------------------------------------------------- every kernel, extreme scores
+def test_every_kernel_at_extreme_magnitudes(differential_counts):
+    """Issue 34: every kernel (reference, flash, stacked, the row kernel and its NumPy form,
+    each where it applies) at float32 scores of std 1e3 to 1e30, forward and backward, lse and
+    dlse, masks, softcap, dropout: the float64 oracle's answer within the float32 budget, never
+    a NaN. (The row kernel gave NaN rows from ~1e9 on.) ``differential.extreme_problem(seed,
+    index)`` rebuilds a case."""
+    n = LONG or 60
+    bad = []
+    for i in range(n):
+        q, k, v, dout, dlse, opts, what = extreme_problem(SEED, i)
+        fails = judge_kernels(q, k, v, dout, dlse, **opts)
+        if fails:
+            bad.append(f"- extreme_problem({SEED}, {i}): {what}\n      " + "\n      ".join(fails))
+    differential_counts["extreme"] = n
+    if bad:
+        pytest.fail(f"{len(bad)} of {n} extreme-magnitude problems fail:\n" + "\n".join(bad[:SHOWN]), pytrace=False)
+
+
+@pytest.mark.parametrize("method", ["auto", "reference", "flash"])
+def test_float16_inputs_at_large_scores(method):
+    """float16 q, k up to ~3e4 (scores to ~1e9, computed in float32) through qkv.attention and
+    attention_backward: the oracle's answer within the budget, never a NaN."""
+    rng = np.random.default_rng(34)
+    for std in (1e2, 3e3, 3e4):
+        q, k = ((rng.standard_normal((2, 2, 40, 16)) * std).clip(-6e4, 6e4).astype(np.float16) for _ in range(2))
+        v, dout = (rng.standard_normal((2, 2, 40, 16)).astype(np.float16) for _ in range(2))
+        for opts in (dict(), dict(causal=True)):
+            want = oracle.solve(q, k, v, dout, **opts)
+            base = plain(oracle.solve(q, k, v, dout, dtype=np.float32, **opts), np.float16)
+            out, lse = qkv.attention(q, k, v, return_lse=True, method=method, **opts)
+            grads = qkv.attention_backward(dout, q, k, v, out, lse, method=method, **opts)
+            fails = [judge("out", out, want.out, want.size["out"], base.out, np.float16),
+                     judge("lse", lse, want.lse, want.size["lse"], base.lse, np.float32)]
+            fails += [judge(n, g, getattr(want, n), want.size[n], getattr(base, n), np.float16)
+                      for n, g in zip(("dq", "dk", "dv"), grads)]
+            assert [f for f in fails if f] == [], (std, opts)
