@@ -266,3 +266,98 @@ def extreme_problem(seed: int, index: int) -> tuple:
     dout = rng.standard_normal(q.shape[:-1] + (v.shape[-1],)).astype(np.float32)
     dlse = rng.standard_normal(q.shape[:-1]).astype(np.float32) if rng.random() < 0.5 else None
     return q, k, v, dout, dlse, opts, f"{what}, q{q.shape} k{k.shape} {opts} dlse={dlse is not None}"
+
+
+# ----------------------------------------------------------------------------- hidden keys
+HIDING = (dict(causal=True), dict(causal="bottom_right"), dict(window=(2, 1)), dict(window=(3, 0)),
+          dict(causal=True, chunk=4), dict(chunk=5, align="bottom_right"), dict(mask="random"),
+          dict(bias="-inf"), dict(causal=True, softcap=20.0), dict(causal=True, dropout_p=0.3, dropout_seed=3))
+
+
+def hidden_key_problem(seed: int, index: int) -> tuple:
+    """``(q, k, v, dout, dlse, opts, (array, b, h, j, d, value), description)``: a float32 problem
+    whose ``k`` or ``v`` holds a NaN or an inf at one entry ``[b, h, j, d]`` of a key ``j``
+    that some rows may not see (a :data:`HIDING` rule) and others may; from
+    ``np.random.default_rng([seed, index, 4])``."""
+    rng = np.random.default_rng([seed, index, 4])
+    b, hkv, g = int(rng.integers(1, 3)), int(rng.integers(1, 3)), int(rng.choice([1, 2]))
+    tq = tk = int(rng.choice([9, 17, 40, 70]))
+    d = int(rng.choice([4, 16]))
+    opts = dict(HIDING[index % len(HIDING)])
+    lead = (b, hkv * g)
+    if opts.get("mask") == "random":
+        opts["mask"] = rng.random(lead + (tq, tk)) < 0.6
+    if opts.get("bias") == "-inf":
+        opts["bias"] = np.where(rng.random(lead + (tq, tk)) < 0.3, -np.inf, rng.standard_normal(lead + (tq, tk)))
+    if g > 1:
+        opts["gqa"] = True
+    q = rng.standard_normal(lead + (tq, d)).astype(np.float32)
+    k, v = (rng.standard_normal((b, hkv, tk, d)).astype(np.float32) for _ in range(2))
+    dout = rng.standard_normal(lead + (tq, d)).astype(np.float32)
+    dlse = rng.standard_normal(lead + (tq,)).astype(np.float32) if rng.random() < 0.5 else None
+    seen = _seen(opts, lead, tq, tk)
+    jb, jh = int(rng.integers(b)), int(rng.integers(hkv))
+    heads = seen[jb, jh * g:(jh + 1) * g]                                  # (G, Tq, Tk)
+    partly = [j for j in range(tk) if heads[..., j].any() and not heads[..., j].all()]
+    j = int(rng.choice(partly)) if partly else int(rng.integers(tk))
+    poison = ("k" if index % 2 else "v", jb, jh, j, int(rng.integers(d)), [np.nan, np.inf, -np.inf][index % 3])
+    (k if poison[0] == "k" else v)[poison[1:5]] = poison[5]
+    shown = {n: (x if not isinstance(x, np.ndarray) else f"<{x.dtype.name} {x.shape}>") for n, x in opts.items()}
+    return q, k, v, dout, dlse, opts, poison, f"{poison[0]}{list(poison[1:5])} = {poison[5]}, q{q.shape} {shown}"
+
+
+def _seen(opts, lead, tq, tk) -> np.ndarray:
+    """``(*lead, Tq, Tk)``: which keys each row may see (the oracle's rules; a -inf bias hides)."""
+    rules = {n: opts[n] for n in ("causal", "align", "window", "chunk", "mask") if n in opts}
+    seen = oracle.allowed(lead, tq, tk, **rules)
+    if "bias" in opts:
+        seen &= np.broadcast_to(opts["bias"] != -np.inf, seen.shape)
+    return seen
+
+
+def judge_hidden(q, k, v, dout, dlse, opts, poison) -> list:
+    """Every kernel on a problem with one non-finite entry of k or v (:func:`hidden_key_problem`):
+    non-finite exactly where a row that may see the entry puts it (``out[i, d]`` for a bad
+    ``v[j, d]``; the row's out and lse for a bad ``k_j``; then dq of such rows, dk of the keys
+    they see, dv of the keys a bad-k row sees), and elsewhere the oracle's answer on the
+    problem with that entry 0 (the key is hidden from every other row), within the float32 budget."""
+    from qkv import api
+
+    which, b, h, j, d, _ = poison
+    clean_k, clean_v = k.copy(), v.copy()
+    (clean_k if which == "k" else clean_v)[b, h, j, d] = 0
+    want = oracle.solve(q, clean_k, clean_v, dout, dlse=dlse, **opts)
+    base = plain(oracle.solve(q, clean_k, clean_v, dout, dlse=dlse, dtype=np.float32, **opts), np.float32)
+    lead, tq, tk = q.shape[:-2], q.shape[-2], k.shape[-2]
+    g = q.shape[1] // k.shape[1]
+    seen = _seen(opts, lead, tq, tk)
+    rows = np.zeros(lead + (tq,), bool)
+    rows[b, h * g:(h + 1) * g] = seen[b, h * g:(h + 1) * g, :, j]        # the rows that see the bad entry
+    keys = (seen & rows[..., None]).reshape(lead[0], k.shape[1], g, tq, tk).any(axis=(2, 3))   # the keys they see
+    bad = {"out": np.zeros(want.out.shape, bool), "lse": np.zeros(want.lse.shape, bool),
+           "dq": np.broadcast_to(rows[..., None], want.dq.shape), "dk": np.broadcast_to(keys[..., None], want.dk.shape),
+           "dv": np.zeros(want.dv.shape, bool)}
+    if which == "v":
+        bad["out"][..., d] = rows
+    else:
+        bad["out"][...] = rows[..., None]
+        bad["lse"] = rows
+        bad["dv"] = bad["dk"]
+    prob = api.prepare(q, k, v, **opts)
+    fails: list = []
+    for name, kern in every_kernel(prob.spec, prob.q.dtype).items():
+        case = type("case", (), {"refusable": ""})
+        res, ok = attempt(case, f"kernel {name!r}", lambda: run_kernel(kern, prob, dout, dlse), fails)
+        if not ok:
+            continue
+        for what, got in zip(("out", "lse", "dq", "dk", "dv"), res):
+            w, nf = getattr(want, what), bad[what]
+            if not np.array_equal(~np.isfinite(got), nf):
+                wrong = np.argwhere(~np.isfinite(got) != nf)
+                fails.append(f"{name} {what}: non-finite at {int((~np.isfinite(got)).sum())} entries, expected "
+                             f"{int(nf.sum())} (those a row that sees the entry puts it); first wrong at "
+                             f"{tuple(int(i) for i in wrong[0])}")
+                continue
+            fails.append(judge(f"{name} {what}", np.where(nf, w.astype(got.dtype), got), w, want.size[what], getattr(base, what),
+                               np.float32))
+    return [f for f in fails if f]

@@ -26,7 +26,8 @@ import pytest
 
 import qkv
 import oracle
-from differential import attempt, build_mha, extreme_problem, judge, judge_kernels, judge_layer, judge_mha, plain
+from differential import (attempt, build_mha, extreme_problem, hidden_key_problem, judge, judge_hidden, judge_kernels,
+                          judge_layer, judge_mha, plain)
 from problems import cases
 from helpers import mpiexec
 
@@ -306,3 +307,21 @@ def test_float16_inputs_at_large_scores(method):
             fails += [judge(n, g, getattr(want, n), want.size[n], getattr(base, n), np.float16)
                       for n, g in zip(("dq", "dk", "dv"), grads)]
             assert [f for f in fails if f] == [], (std, opts)
+
+
+# ----------------------------------------------------------------------------- every kernel, hidden keys
+def test_a_hidden_key_never_reaches_a_row_on_any_kernel(differential_counts):
+    """Issue 34: a NaN or inf in k or v at a key that some rows may not see (causal, window,
+    chunk, mask, a -inf bias; softcap and dropout beside) reaches only the rows that may see
+    it, on every kernel, forward and backward: elsewhere the oracle's answer with that entry
+    0. ``differential.hidden_key_problem(seed, index)`` rebuilds a case."""
+    n = LONG or 40
+    bad = []
+    for i in range(n):
+        q, k, v, dout, dlse, opts, poison, what = hidden_key_problem(SEED, i)
+        fails = judge_hidden(q, k, v, dout, dlse, opts, poison)
+        if fails:
+            bad.append(f"- hidden_key_problem({SEED}, {i}): {what}\n      " + "\n      ".join(fails))
+    differential_counts["hidden keys"] = n
+    if bad:
+        pytest.fail(f"{len(bad)} of {n} hidden-key problems fail:\n" + "\n".join(bad[:SHOWN]), pytrace=False)

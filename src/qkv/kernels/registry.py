@@ -9,10 +9,12 @@ registered ones. A new kernel is one :func:`register` call beside its module::
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
 from ..errors import OptionError
+from . import hidden_keys
 
 
 @dataclass(frozen=True)
@@ -21,7 +23,8 @@ class Kernel:
 
     ``forward(q, k, v, spec, scale, group, return_weights=False) -> (out, lse, weights)`` and
     ``backward(dout, q, k, v, out, lse, spec, scale, group, dlse=None) -> (dq, dk, dv)`` on
-    checked arrays in the compute dtype, looked up on ``impl`` at each call;
+    checked arrays in the compute dtype, looked up on ``impl`` at each call and guarded by
+    :mod:`.hidden_keys` (a NaN or inf in k or v at a key a row may not see never reaches it);
     ``makes_weights``: its forward can return the weights; ``dense``: it holds
     ``(..., Tq, Tk)`` arrays (memory T² per head).
     """
@@ -34,11 +37,11 @@ class Kernel:
 
     @property
     def forward(self) -> Callable:
-        return self.impl.forward
+        return functools.partial(hidden_keys.forward, self.impl)
 
     @property
     def backward(self) -> Callable:
-        return self.impl.backward
+        return functools.partial(hidden_keys.backward, self.impl)
 
 
 _KERNELS: dict[str, Kernel] = {}
