@@ -245,3 +245,48 @@ def test_gpt2_trains_with_attention_dropout_on_qkv():
     ids, mask = batch("gpt2")
     with torch.no_grad():
         assert model(input_ids=ids, attention_mask=mask).logits.isfinite().all()
+
+
+# encoder-decoder families whose attention adds a learned relative-position bias (T5's buckets)
+SEQ2SEQ = dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+               relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
+               decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+BIASED = {
+    "t5": ("T5Config", "T5ForConditionalGeneration", {}),
+    "mt5": ("MT5Config", "MT5ForConditionalGeneration", {}),
+    "umt5": ("UMT5Config", "UMT5ForConditionalGeneration", {}),  # a bias in every layer
+    "longt5": ("LongT5Config", "LongT5ForConditionalGeneration", {}),
+    "switch": ("SwitchTransformersConfig", "SwitchTransformersForConditionalGeneration",
+               dict(num_experts=2, expert_capacity=64, num_sparse_encoder_layers=1, num_sparse_decoder_layers=1,
+                    router_jitter_noise=0.0)),  # the router's noise would draw differently in the two models
+}
+
+
+@pytest.mark.parametrize("name", BIASED)
+def test_learned_bias_families_train_on_qkv_with_eagers_loss_and_gradients(name, float64_eager):
+    """T5 & co. add a learned relative-position bias to the scores: in training mode (float64)
+    qkv gives eager's loss and every gradient, the bias's embedding included."""
+    config_name, model_name, extra = BIASED[name]
+    if not hasattr(transformers, model_name):
+        pytest.skip(f"transformers {transformers.__version__} has no {model_name}")
+    config = getattr(transformers, config_name)(**SEQ2SEQ, **extra)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    eager = getattr(transformers, model_name)(config).double().train()
+    ours = copy.deepcopy(eager)
+    ours.set_attn_implementation(NAME)
+    ids = torch.randint(2, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, 6:] = 0
+    labels = torch.randint(2, VOCAB, (2, 5), generator=torch.Generator().manual_seed(2))
+    losses, grads = [], []
+    for model in (eager, ours):
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        losses.append(loss.item())
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert abs(losses[0] - losses[1]) <= 1e-10
+    assert grads[0].keys() == grads[1].keys()
+    assert max((grads[1][n] - g).abs().max().item() for n, g in grads[0].items()) <= 1e-10
+    learned = [n for n in grads[1] if "relative_attention_bias" in n]
+    assert learned and all(grads[1][n].abs().max() > 1e-6 for n in learned)

@@ -27,7 +27,7 @@ def _plain_call(q, k, v, args: tuple) -> bool:
     it: no gradient wanted, plain tensors, nothing tracing, compiling, transforming, profiling
     or intercepting calls. Then the kernel runs directly, without the dispatcher's ~0.2 ms a
     call (measured inside a Llama forward); everywhere else the operator runs."""
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v) + args):
         return False
     C = torch._C
     return (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
@@ -52,8 +52,10 @@ def attention(q, k, v, *, return_lse=False, return_weights=False, **options):
     ``dropout_seed`` the seed is drawn from torch's generator (``torch.manual_seed`` repeats
     a run); the backward draws the same keep-mask from it. A query row that may attend to nothing gets output 0
     and gradient 0, never NaN. Gradients flow to ``q``, ``k`` and ``v`` (and through
-    ``lse`` when it is returned); ``bias`` and ``alibi`` are constants, and the weights
-    carry no gradient.
+    ``lse`` when it is returned), and to ``bias`` where it requires one (a learned bias,
+    T5's relative positions: ``dS`` summed over its broadcast axes, as
+    :func:`qkv.attention_backward` with ``return_dbias=True``); ``alibi`` is a constant, and
+    the weights carry no gradient.
 
     Contiguous (or simply strided) float16/32/64 tensors reach qkv's kernels as NumPy views
     without a copy and the results come back without one. Where no gradient is wanted and

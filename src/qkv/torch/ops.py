@@ -1,10 +1,11 @@
 """qkv's attention as PyTorch operators, with autograd, fake kernels and torch.compile.
 
-Three operators in the ``qkv`` namespace (``<options>`` is the typed list of
+Four operators in the ``qkv`` namespace (``<options>`` is the typed list of
 :mod:`qkv.torch.options`, one or two arguments per keyword of :func:`qkv.attention`)::
 
     qkv::attention_fwd(q, k, v, <options>, bool return_lse) -> (out, lse)
     qkv::attention_bwd(dout, q, k, v, out, lse, dlse?, <options>) -> (dq, dk, dv)
+    qkv::attention_bwd_bias(dout, q, k, v, out, lse, dlse?, <options>) -> (dq, dk, dv, dbias)
     qkv::attention_weights(q, k, v, <options>) -> weights
 
 Each is a ``torch.library.custom_op`` whose kernel hands NumPy views of the tensors to
@@ -13,7 +14,9 @@ float16/32/64 tensors; bfloat16 becomes float32) and wraps what comes back witho
 Each has a fake kernel (``register_fake``: shapes and dtypes only), so ``torch.compile``
 and ``torch.export`` trace through it as one node. ``register_autograd`` makes the
 forward differentiable in q, k and v by calling the backward operator, which is what
-PyTorch's documentation asks for instead of an ``autograd.Function`` around opaque code.
+PyTorch's documentation asks for instead of an ``autograd.Function`` around opaque code; where
+the bias requires a gradient (T5's learned relative positions) the backward is
+``attention_bwd_bias``, :func:`qkv.attention_backward` with ``return_dbias=True``.
 
 **The gradient of lse.** With ``return_lse=True`` the caller may use ``lse`` in the loss.
 Since ``∂lse_i/∂s_ij = P_ij``, a gradient ``dlse_i`` adds ``P_ij · dlse_i`` to the
@@ -36,12 +39,17 @@ from . import options as opt
 
 FWD = "qkv::attention_fwd"
 BWD = "qkv::attention_bwd"
+BWD_BIAS = "qkv::attention_bwd_bias"
 WEIGHTS = "qkv::attention_weights"
 
 FWD_SCHEMA = f"(Tensor q, Tensor k, Tensor v, {opt.SCHEMA_ARGS}, bool return_lse) -> (Tensor, Tensor)"
 BWD_SCHEMA = (f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, {opt.SCHEMA_ARGS}) "
               "-> (Tensor, Tensor, Tensor)")
+BWD_BIAS_SCHEMA = BWD_SCHEMA.replace("-> (Tensor, Tensor, Tensor)", "-> (Tensor, Tensor, Tensor, Tensor)")
 WEIGHTS_SCHEMA = f"(Tensor q, Tensor k, Tensor v, {opt.SCHEMA_ARGS}) -> Tensor"
+
+
+BIAS = opt.position("bias")  # the bias tensor's index among the option arguments
 
 
 def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -81,13 +89,23 @@ def fwd_kernel(q, k, v, *args):
     return opt.from_numpy(out, q.dtype), opt.from_numpy(lse, _lse_dtype(q.dtype))
 
 
-def _bwd_kernel(dout, q, k, v, out, lse, dlse, *args):
+def _grads(dout, q, k, v, out, lse, dlse, args: tuple, return_dbias: bool) -> tuple:
+    """:func:`qkv.attention_backward` on the tensors: ``(dq, dk, dv)`` (and ``dbias``) as tensors."""
     kwargs = opt.decode(args)
     arrays = [opt.to_numpy(t) for t in (dout, q, k, v, out, lse)]
     dlse = None if dlse is None else opt.to_numpy(dlse.to(lse.dtype))
     with _threads(q, k):
-        dq, dk, dv = np_attention_backward(*arrays, dlse=dlse, **kwargs)
-    return opt.from_numpy(dq, q.dtype), opt.from_numpy(dk, k.dtype), opt.from_numpy(dv, v.dtype)
+        grads = np_attention_backward(*arrays, dlse=dlse, return_dbias=return_dbias, **kwargs)
+    dtypes = (q.dtype, k.dtype, v.dtype) + ((args[BIAS].dtype,) if return_dbias else ())
+    return tuple(opt.from_numpy(g, dtype) for g, dtype in zip(grads, dtypes))
+
+
+def _bwd_kernel(dout, q, k, v, out, lse, dlse, *args):
+    return _grads(dout, q, k, v, out, lse, dlse, args, False)
+
+
+def _bwd_bias_kernel(dout, q, k, v, out, lse, dlse, *args):
+    return _grads(dout, q, k, v, out, lse, dlse, args, True)
 
 
 def _weights_kernel(q, k, v, *args):
@@ -99,6 +117,7 @@ def _weights_kernel(q, k, v, *args):
 
 fwd = torch.library.custom_op(FWD, fwd_kernel, mutates_args=(), schema=FWD_SCHEMA)
 bwd = torch.library.custom_op(BWD, _bwd_kernel, mutates_args=(), schema=BWD_SCHEMA)
+bwd_bias = torch.library.custom_op(BWD_BIAS, _bwd_bias_kernel, mutates_args=(), schema=BWD_BIAS_SCHEMA)
 weights = torch.library.custom_op(WEIGHTS, _weights_kernel, mutates_args=(), schema=WEIGHTS_SCHEMA)
 
 
@@ -130,6 +149,12 @@ def _bwd_fake(dout, q, k, v, out, lse, dlse, *args):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
+@bwd_bias.register_fake
+def _bwd_bias_fake(dout, q, k, v, out, lse, dlse, *args):
+    bias = args[BIAS]
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), bias.new_empty(bias.shape)
+
+
 @weights.register_fake
 def _weights_fake(q, k, v, *args):
     lead = out_lead(q, k, opt.option(args, "gqa"))
@@ -141,6 +166,7 @@ def _weights_fake(q, k, v, *args):
 def _setup_context(ctx, inputs, output):
     q, k, v, *args = inputs
     options, ctx.return_lse = tuple(args[:-1]), bool(args[-1])
+    ctx.bias_grad = ctx.needs_input_grad[3 + BIAS]
     ctx.slots = tuple(i for i, a in enumerate(options) if isinstance(a, torch.Tensor))
     ctx.options = tuple(None if isinstance(a, torch.Tensor) else a for a in options)
     out, lse = output
@@ -154,8 +180,13 @@ def _backward(ctx, dout, dlse):
         options[i] = t
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv = bwd(dout, q, k, v, out, lse, dlse if ctx.return_lse else None, *options)
-    return (dq, dk, dv) + (None,) * (len(options) + 1)
+    dlse = dlse if ctx.return_lse else None
+    grads = [None] * (len(options) + 1)   # each option argument's, and return_lse's
+    if ctx.bias_grad:
+        dq, dk, dv, grads[BIAS] = bwd_bias(dout, q, k, v, out, lse, dlse, *options)
+    else:
+        dq, dk, dv = bwd(dout, q, k, v, out, lse, dlse, *options)
+    return (dq, dk, dv, *grads)
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)

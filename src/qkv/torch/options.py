@@ -8,7 +8,7 @@ keyword of :func:`qkv.attention` becomes one or more explicitly typed schema arg
 keyword         schema arguments                         encoded as
 ==============  =======================================  ===================================
 mask            ``Tensor? mask``                         bool tensor, True = may attend
-bias            ``Tensor? bias``                         float tensor (no gradient)
+bias            ``Tensor? bias``                         float tensor (its gradient, where it requires one)
 kv_lengths      ``Tensor? kv_lengths``                   int tensor ``(B,)``
 alibi           ``Tensor? alibi``                        float slopes ``(Hq,)`` or ``(B, Hq)`` (no gradient)
 q_lengths       ``Tensor? q_lengths``                    int tensor ``(B,)``
@@ -241,6 +241,14 @@ def tensors(args: tuple) -> list:
     return out
 
 
+def position(name: str) -> int:
+    """The index of an option's first argument among the operator's option arguments."""
+    for opt, i in _SLOTS:
+        if opt.name == name:
+            return i
+    raise KeyError(name)
+
+
 def option(args: tuple, name: str):
     """The decoded value of one option from the operator's option arguments (no tensors)."""
     i = 0
@@ -271,9 +279,9 @@ def _as_tensor(name: str, value):
         except (TypeError, ValueError, RuntimeError) as err:
             raise ShapeError(f"{name} must be a tensor or an array; got {type(value).__name__} ({err})") from None
     check_cpu(name, value)
-    if value.requires_grad and name in ("bias", "alibi"):
-        raise ShapeError(f"{name} must not require grad: qkv.torch.attention differentiates q, k and v "
-                         f"only; pass {name}.detach()")
+    if value.requires_grad and name == "alibi":
+        raise ShapeError("alibi must not require grad: qkv.torch.attention differentiates q, k, v and bias "
+                         "only; pass alibi.detach()")
     return value
 
 
