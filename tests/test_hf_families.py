@@ -290,3 +290,30 @@ def test_learned_bias_families_train_on_qkv_with_eagers_loss_and_gradients(name,
     assert max((grads[1][n] - g).abs().max().item() for n, g in grads[0].items()) <= 1e-10
     learned = [n for n in grads[1] if "relative_attention_bias" in n]
     assert learned and all(grads[1][n].abs().max() > 1e-6 for n in learned)
+
+
+def _llama_step(impl):
+    """One training forward and backward of a tiny Llama under CPU bfloat16 autocast: the loss,
+    the logits' dtype and the gradients (RoPE leaves q, k in float32 and v in bfloat16)."""
+    config = transformers.LlamaConfig(**DECODER)
+    config._attn_implementation = impl
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).train()
+    ids, _ = batch("qwen2")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return out.loss.item(), out.logits.dtype, {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_llama_trains_under_cpu_autocast_as_sdpa_does():
+    """Autocast casts SDPA's q, k, v to bfloat16 (its lower-precision list); qkv takes what
+    autocast leaves (float32 q, k and a bfloat16 v) the same way: a bfloat16 output, float32
+    gradients, the loss and gradients of sdpa within bfloat16's rounding."""
+    loss, dtype, grads = _llama_step(NAME)
+    want_loss, want_dtype, want = _llama_step("sdpa")
+    assert dtype == want_dtype == torch.bfloat16
+    assert abs(loss - want_loss) <= 1e-3 * abs(want_loss)
+    for n, g in want.items():
+        assert grads[n].dtype == g.dtype == torch.float32 and torch.isfinite(grads[n]).all()
+        assert (grads[n] - g).abs().max() <= 0.05 * g.abs().max(), n

@@ -327,3 +327,19 @@ def test_a_learned_bias_in_low_precision_gets_its_own_dtype_and_compiles():
     got = torch.autograd.grad(compiled(q, bias), (q, bias))
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpu_autocast_casts_q_k_v_as_it_casts_sdpas(dtype):
+    q, k = rand(1, 2, 5, 8, dtype=torch.float32), rand(1, 2, 5, 8, dtype=torch.float32)
+    v = rand(1, 2, 5, 8, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=dtype):
+        out = qt.attention(q, k, v, causal=True)
+        want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert out.dtype == want.dtype == dtype
+    torch.testing.assert_close(out, qt.attention(q.to(dtype), k.to(dtype), v.to(dtype), causal=True))
+    grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+    assert [g.dtype for g in grads] == [torch.float32, torch.float32, torch.bfloat16]
+    q64, k64, v64 = (x.detach().double() for x in (q, k, v))
+    with torch.autocast("cpu", dtype=dtype):  # float64 is not cast by autocast, nor here
+        assert qt.attention(q64, k64, v64).dtype == torch.float64

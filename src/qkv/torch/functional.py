@@ -37,6 +37,17 @@ def _plain_call(q, k, v, args: tuple) -> bool:
             and C._functorch.peek_interpreter_stack() is None and not torch.autograd._profiler_enabled())
 
 
+def autocast_inputs(q, k, v) -> tuple:
+    """q, k and v as CPU autocast would hand them to SDPA, which is on its list of operators
+    that run in the lower precision: each floating tensor but float64 cast to autocast's dtype
+    (bfloat16 or float16) where ``torch.autocast("cpu")`` is on, as they came otherwise."""
+    if not torch.is_autocast_enabled("cpu"):
+        return q, k, v
+    dtype = torch.get_autocast_dtype("cpu")
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+                 else t for t in (q, k, v))
+
+
 def draw_seed() -> int:
     """A dropout seed from torch's default generator (so ``torch.manual_seed`` repeats it)."""
     return int(torch.randint(-2 ** 63, 2 ** 63 - 1, (), dtype=torch.int64))
@@ -62,7 +73,10 @@ def attention(q, k, v, *, return_lse=False, return_weights=False, **options):
     nothing traces, compiles or records the call, the operator's kernel is called directly
     (the same kernel: the same bits, less per-call cost). float16 computes in float32 (as
     in qkv), bfloat16 is converted to float32 at the boundary (NumPy has no bfloat16) and
-    the results are cast back; float64 computes in float64.
+    the results are cast back; float64 computes in float64. Under ``torch.autocast("cpu")``
+    q, k and v are first cast to autocast's dtype as SDPA's are (float64 excepted: RoPE
+    models hand over float32 q, k and a bfloat16 v), so the output has that dtype and each
+    gradient its input's own.
 
     Args:
         q: ``(..., Hq, Tq, D)``. k: ``(..., Hkv, Tk, D)``. v: ``(..., Hkv, Tk, Dv)``; CPU
@@ -88,6 +102,7 @@ def attention(q, k, v, *, return_lse=False, return_weights=False, **options):
     (3, 2)
     """
     try:
+        q, k, v = autocast_inputs(q, k, v)
         _check_qkv(q, k, v)
         for name, flag in (("return_lse", return_lse), ("return_weights", return_weights)):
             if not isinstance(flag, bool):
