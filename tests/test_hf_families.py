@@ -317,3 +317,29 @@ def test_llama_trains_under_cpu_autocast_as_sdpa_does():
     for n, g in want.items():
         assert grads[n].dtype == g.dtype == torch.float32 and torch.isfinite(grads[n]).all()
         assert (grads[n] - g).abs().max() <= 0.05 * g.abs().max(), n
+
+
+def test_gpt2_trains_with_attention_dropout_under_fullgraph_compile():
+    """Attention dropout without a seed in a compiled training step (fullgraph=True): qkv draws
+    the seed inside the graph, so the same torch.manual_seed gives eager's loss and gradients."""
+    model = family("gpt2", NAME, attn_pdrop=0.1, resid_pdrop=0.0, embd_pdrop=0.0).train()
+    ids, mask = batch("gpt2")
+
+    def step(fn):
+        model.zero_grad()
+        torch.manual_seed(7)
+        out = fn(input_ids=ids, attention_mask=mask).logits  # the loss outside (HF's logs a warning in it)
+        loss = torch.nn.functional.cross_entropy(out[mask.bool()], ids[mask.bool()])
+        loss.backward()
+        return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    torch._dynamo.reset()
+    loss, grads = step(torch.compile(model, fullgraph=True, backend="aot_eager"))
+    want, want_grads = step(model)
+    assert abs(loss - want) <= 1e-6 * abs(want)
+    assert all(torch.allclose(grads[n], g, rtol=1e-5, atol=1e-6) for n, g in want_grads.items())
+    torch.manual_seed(8)
+    with torch.no_grad():
+        other = torch.nn.functional.cross_entropy(model(input_ids=ids, attention_mask=mask).logits[mask.bool()],
+                                                  ids[mask.bool()]).item()
+    assert abs(other - want) > 1e-6  # another seed, another mask: the dropout bites

@@ -93,7 +93,7 @@ def test_opcheck_both_operators():
     q_view = rand(2, 4, 8, 5, dtype=torch.float32).transpose(-1, -2)  # non-contiguous, requires grad
     empty = options.encode(dict(gqa=True, kv_lengths=torch.zeros(0, dtype=torch.int64)))
     with torch.no_grad():
-        out, lse = ops.fwd(q, k, v, *args, True)
+        out, lse, _ = ops.fwd(q, k, v, *args, True)
     dout = torch.randn_like(out).transpose(-1, -2).contiguous().transpose(-1, -2)  # a strided dout
     calls = [
         (ops.fwd, (q, k, v, *args, True)),
@@ -343,3 +343,29 @@ def test_cpu_autocast_casts_q_k_v_as_it_casts_sdpas(dtype):
     q64, k64, v64 = (x.detach().double() for x in (q, k, v))
     with torch.autocast("cpu", dtype=dtype):  # float64 is not cast by autocast, nor here
         assert qt.attention(q64, k64, v64).dtype == torch.float64
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_compiled_fullgraph_dropout_without_a_seed_draws_eagers_mask(backend):
+    """With dropout_p and no dropout_seed the seed is drawn inside the graph (qkv::draw_seed):
+    fullgraph=True traces it, and one torch.manual_seed gives the same output and gradients
+    compiled and eager (inductor's own random numbers would not); each call draws anew."""
+    q, k, v = (rand(1, 2, 6, 4, dtype=torch.float32, seed=i) for i in range(3))
+
+    def loss(q, k, v):
+        return (qt.attention(q, k, v, causal=True, dropout_p=0.5) ** 2).sum()
+
+    def run(fn, seed):
+        torch.manual_seed(seed)
+        value = fn(q, k, v)
+        return [value.detach()] + list(torch.autograd.grad(value, (q, k, v)))
+
+    torch._dynamo.reset()
+    compiled = torch.compile(loss, fullgraph=True, backend=backend)
+    eager, comp = run(loss, 1), run(compiled, 1)
+    for a, b in zip(eager, comp):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(run(compiled, 2)[0], comp[0])  # another seed, another mask
+    torch.manual_seed(1)
+    first, second = compiled(q, k, v), compiled(q, k, v)
+    assert not torch.equal(first, second)  # two calls, two draws

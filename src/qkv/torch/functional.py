@@ -48,11 +48,6 @@ def autocast_inputs(q, k, v) -> tuple:
                  else t for t in (q, k, v))
 
 
-def draw_seed() -> int:
-    """A dropout seed from torch's default generator (so ``torch.manual_seed`` repeats it)."""
-    return int(torch.randint(-2 ** 63, 2 ** 63 - 1, (), dtype=torch.int64))
-
-
 def attention(q, k, v, *, return_lse=False, return_weights=False, **options):
     """:func:`qkv.attention` on CPU tensors in SDPA's layout, with autograd and ``torch.compile``.
 
@@ -107,17 +102,16 @@ def attention(q, k, v, *, return_lse=False, return_weights=False, **options):
         for name, flag in (("return_lse", return_lse), ("return_weights", return_weights)):
             if not isinstance(flag, bool):
                 raise ShapeError(f"{name} must be True or False; got {flag!r}")
-        if options.get("dropout_p") and options.get("dropout_seed") is None:
-            options["dropout_seed"] = draw_seed()  # torch.manual_seed makes a run repeat
         args = opt.encode(options)
         if _plain_call(q, k, v, args):
-            out, lse = ops.fwd_kernel(q, k, v, *args, return_lse)
-        else:
-            out, lse = ops.fwd(q, k, v, *args, return_lse)
+            out, lse, seed = ops.fwd_kernel(q, k, v, *args, return_lse)
+        else:  # without dropout_seed the forward draws one: torch.manual_seed repeats it, compiled or not
+            out, lse, seed = ops.fwd(q, k, v, *args, return_lse)
         result = [out]
         if return_lse:
             result.append(lse)
         if return_weights:
+            args = args[:ops.SEED] + (seed,) + args[ops.SEED + 1:]  # the forward's mask
             result.append(ops.weights(q.detach(), k.detach(), v.detach(), *args))
     except ShapeError as err:
         raise ShapeError(str(err)) from None  # the caller's line, not our internals
