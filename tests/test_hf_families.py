@@ -343,3 +343,21 @@ def test_gpt2_trains_with_attention_dropout_under_fullgraph_compile():
         other = torch.nn.functional.cross_entropy(model(input_ids=ids, attention_mask=mask).logits[mask.bool()],
                                                   ids[mask.bool()]).item()
     assert abs(other - want) > 1e-6  # another seed, another mask: the dropout bites
+
+
+@pytest.mark.parametrize("name", ["qwen2", "mistral", "roberta"])
+def test_output_attentions_returns_eagers_weights(name, twins):
+    """output_attentions=True: each layer's weights (B, Hq, Tq, Tk), as eager returns them (sdpa
+    warns and returns none); they carry no gradient, and a training call says so."""
+    eager, ours = twins(name)
+    ids, mask = batch(name)
+    with torch.no_grad():
+        want = eager(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+        got = ours(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    assert len(got) == len(want) == 2
+    real = mask.bool()[:, None, :, None]  # eager's weights of padding query rows are arbitrary
+    for a, b in zip(got, want):
+        assert a.shape == b.shape
+        assert (a - b).masked_fill(~real, 0).abs().max().item() <= 1e-5
+    with pytest.warns(UserWarning, match="without a gradient"):
+        ours(input_ids=ids, attention_mask=mask, output_attentions=True)
