@@ -213,7 +213,7 @@ def prepare_call(q, k, v, *, method="auto", return_weights=False, **options) -> 
 
 
 def attention(q, k, v, **options):
-    """Scaled dot-product attention ``softmax(scale · q kᵀ + bias) v`` with masks.
+    """Scaled dot-product attention ``softmax(scale · q kᵀ + bias) v`` with masks, soft-capping and dropout.
 
     Each query row ``i`` takes a weighted average of the value rows; the weights are a
     softmax over the keys it may attend to. Layout ``(..., T, D)``: with 4-D arrays
@@ -272,10 +272,17 @@ def attention(q, k, v, **options):
         q_lengths: int ``(B,)``; query rows ``i >= q_lengths[b]`` are padding: never read,
             output 0, lse ``-inf``, gradient 0.
         alibi: float slopes ``(Hq,)`` or ``(B, Hq)``: head h adds ``-slope * |i' - j|``.
+        softcap: ``c > 0`` (None or 0: off): the scaled product ``x = scale · q kᵀ`` becomes
+            ``c · tanh(x / c)`` before bias, ALiBi and the masks (Gemma 2, flash-attn).
+        dropout_p: ``0 <= p < 1``: after the softmax the weights become ``P ∘ keep / (1 - p)``
+            (inverted dropout, as SDPA's); lse stays the undropped one.
+        dropout_seed: int, needed when ``dropout_p > 0``: ``keep`` is a function of (seed,
+            batch, head, row, column) (:mod:`qkv.score_ops`), so the backward, every kernel
+            and every thread count draw the same mask from it.
         scale: multiplies ``q kᵀ``; default ``1/sqrt(D)``.
         gqa: grouped-query heads, see above.
         return_lse: also return ``lse (..., Hq, Tq)``, ``log Σ_j exp(s_ij)`` over allowed keys.
-        return_weights: also return the weights ``(..., Hq, Tq, Tk)``.
+        return_weights: also return the weights ``(..., Hq, Tq, Tk)`` (after dropout).
         method: ``"reference"`` (dense, exact), ``"flash"`` (tiled), ``"auto"``.
 
     Returns:
