@@ -64,8 +64,8 @@ def both(q, k, v, dout, opts, method, tiles=None):
         grads = qkv.attention_backward(dout, q, k, v, out, lse, method=method, **opts)
         return out, lse, grads
     prob, kern = api.prepare(q, k, v, **opts), tiled(tiles)
-    out, lse = api._forward(prob, kern, return_lse=True, return_weights=False)
-    return out, lse, api._backward(prob, kern, api._saved(prob, dout, out, lse))
+    out, lse = api.Prepared(prob, kern).forward(return_lse=True)
+    return out, lse, api.Prepared(prob, kern).backward(dout, out, lse)
 
 
 def err(x, ref):

@@ -45,7 +45,7 @@ def large_scores(std: float, seed: int = 0):
 def check(kernel, q, k, v, dout, dlse=None, **opts) -> list:
     """Every result of attention + attention_backward (method="auto", which must choose
     ``kernel``) against the oracle, within the float32 budget: the failures, if any."""
-    assert api._kernel("auto", api.prepare(q, k, v, **opts), False) is kernel
+    assert api.choose_kernel("auto", api.prepare(q, k, v, **opts), False) is kernel
     want = oracle.solve(q, k, v, dout, dlse=dlse, **opts)
     base = plain(oracle.solve(q, k, v, dout, dlse=dlse, dtype=np.float32, **opts), np.float32)
     out, lse = qkv.attention(q, k, v, return_lse=True, **opts)
@@ -71,7 +71,7 @@ def differential_cases(kernel) -> tuple[int, list]:
             prob = api.prepare(a["q"], a["k"], a["v"], **opts)
         except qkv.ShapeError:
             continue
-        if api._kernel("auto", prob, False) is not kernel:
+        if api.choose_kernel("auto", prob, False) is not kernel:
             continue
         taken += 1
         fails += [f"{case}: {f}" for f in check(kernel, a["q"], a["k"], a["v"], a["dout"], **opts)]

@@ -114,8 +114,8 @@ def case(seed):
 def run(q, k, v, dout, opts, kern):
     """Public-API semantics (checks, dispatch, sum-back) with the given kernel."""
     prob = api.prepare(q, k, v, gqa=q.shape[1] != k.shape[1], **opts)
-    out, lse = api._forward(prob, kern, return_lse=True, return_weights=False)
-    return dict(zip(RESULTS, (out, lse) + api._backward(prob, kern, api._saved(prob, dout, out, lse))))
+    out, lse = api.Prepared(prob, kern).forward(return_lse=True)
+    return dict(zip(RESULTS, (out, lse) + api.Prepared(prob, kern).backward(dout, out, lse)))
 
 
 def _err(x, want) -> float:

@@ -245,3 +245,119 @@ def test_gpt2_trains_with_attention_dropout_on_qkv():
     ids, mask = batch("gpt2")
     with torch.no_grad():
         assert model(input_ids=ids, attention_mask=mask).logits.isfinite().all()
+
+
+# encoder-decoder families whose attention adds a learned relative-position bias (T5's buckets)
+SEQ2SEQ = dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+               relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
+               decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+BIASED = {
+    "t5": ("T5Config", "T5ForConditionalGeneration", {}),
+    "mt5": ("MT5Config", "MT5ForConditionalGeneration", {}),
+    "umt5": ("UMT5Config", "UMT5ForConditionalGeneration", {}),  # a bias in every layer
+    "longt5": ("LongT5Config", "LongT5ForConditionalGeneration", {}),
+    "switch": ("SwitchTransformersConfig", "SwitchTransformersForConditionalGeneration",
+               dict(num_experts=2, expert_capacity=64, num_sparse_encoder_layers=1, num_sparse_decoder_layers=1,
+                    router_jitter_noise=0.0)),  # the router's noise would draw differently in the two models
+}
+
+
+@pytest.mark.parametrize("name", BIASED)
+def test_learned_bias_families_train_on_qkv_with_eagers_loss_and_gradients(name, float64_eager):
+    """T5 & co. add a learned relative-position bias to the scores: in training mode (float64)
+    qkv gives eager's loss and every gradient, the bias's embedding included."""
+    config_name, model_name, extra = BIASED[name]
+    if not hasattr(transformers, model_name):
+        pytest.skip(f"transformers {transformers.__version__} has no {model_name}")
+    config = getattr(transformers, config_name)(**SEQ2SEQ, **extra)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    eager = getattr(transformers, model_name)(config).double().train()
+    ours = copy.deepcopy(eager)
+    ours.set_attn_implementation(NAME)
+    ids = torch.randint(2, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, 6:] = 0
+    labels = torch.randint(2, VOCAB, (2, 5), generator=torch.Generator().manual_seed(2))
+    losses, grads = [], []
+    for model in (eager, ours):
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        losses.append(loss.item())
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert abs(losses[0] - losses[1]) <= 1e-10
+    assert grads[0].keys() == grads[1].keys()
+    assert max((grads[1][n] - g).abs().max().item() for n, g in grads[0].items()) <= 1e-10
+    learned = [n for n in grads[1] if "relative_attention_bias" in n]
+    assert learned and all(grads[1][n].abs().max() > 1e-6 for n in learned)
+
+
+def _llama_step(impl):
+    """One training forward and backward of a tiny Llama under CPU bfloat16 autocast: the loss,
+    the logits' dtype and the gradients (RoPE leaves q, k in float32 and v in bfloat16)."""
+    config = transformers.LlamaConfig(**DECODER)
+    config._attn_implementation = impl
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).train()
+    ids, _ = batch("qwen2")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return out.loss.item(), out.logits.dtype, {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_llama_trains_under_cpu_autocast_as_sdpa_does():
+    """Autocast casts SDPA's q, k, v to bfloat16 (its lower-precision list); qkv takes what
+    autocast leaves (float32 q, k and a bfloat16 v) the same way: a bfloat16 output, float32
+    gradients, the loss and gradients of sdpa within bfloat16's rounding."""
+    loss, dtype, grads = _llama_step(NAME)
+    want_loss, want_dtype, want = _llama_step("sdpa")
+    assert dtype == want_dtype == torch.bfloat16
+    assert abs(loss - want_loss) <= 1e-3 * abs(want_loss)
+    for n, g in want.items():
+        assert grads[n].dtype == g.dtype == torch.float32 and torch.isfinite(grads[n]).all()
+        assert (grads[n] - g).abs().max() <= 0.05 * g.abs().max(), n
+
+
+def test_gpt2_trains_with_attention_dropout_under_fullgraph_compile():
+    """Attention dropout without a seed in a compiled training step (fullgraph=True): qkv draws
+    the seed inside the graph, so the same torch.manual_seed gives eager's loss and gradients."""
+    model = family("gpt2", NAME, attn_pdrop=0.1, resid_pdrop=0.0, embd_pdrop=0.0).train()
+    ids, mask = batch("gpt2")
+
+    def step(fn):
+        model.zero_grad()
+        torch.manual_seed(7)
+        out = fn(input_ids=ids, attention_mask=mask).logits  # the loss outside (HF's logs a warning in it)
+        loss = torch.nn.functional.cross_entropy(out[mask.bool()], ids[mask.bool()])
+        loss.backward()
+        return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    torch._dynamo.reset()
+    loss, grads = step(torch.compile(model, fullgraph=True, backend="aot_eager"))
+    want, want_grads = step(model)
+    assert abs(loss - want) <= 1e-6 * abs(want)
+    assert all(torch.allclose(grads[n], g, rtol=1e-5, atol=1e-6) for n, g in want_grads.items())
+    torch.manual_seed(8)
+    with torch.no_grad():
+        other = torch.nn.functional.cross_entropy(model(input_ids=ids, attention_mask=mask).logits[mask.bool()],
+                                                  ids[mask.bool()]).item()
+    assert abs(other - want) > 1e-6  # another seed, another mask: the dropout bites
+
+
+@pytest.mark.parametrize("name", ["qwen2", "mistral", "roberta"])
+def test_output_attentions_returns_eagers_weights(name, twins):
+    """output_attentions=True: each layer's weights (B, Hq, Tq, Tk), as eager returns them (sdpa
+    warns and returns none); they carry no gradient, and a training call says so."""
+    eager, ours = twins(name)
+    ids, mask = batch(name)
+    with torch.no_grad():
+        want = eager(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+        got = ours(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    assert len(got) == len(want) == 2
+    real = mask.bool()[:, None, :, None]  # eager's weights of padding query rows are arbitrary
+    for a, b in zip(got, want):
+        assert a.shape == b.shape
+        assert (a - b).masked_fill(~real, 0).abs().max().item() <= 1e-5
+    with pytest.warns(UserWarning, match="without a gradient"):
+        ours(input_ids=ids, attention_mask=mask, output_attentions=True)

@@ -174,9 +174,9 @@ def test_a_layers_small_attention_stays_on_the_calling_thread(monkeypatch, t, wa
     from qkv.nn import attention_layer
 
     seen = []
-    real_fwd, real_bwd = api._forward, api._backward
-    monkeypatch.setattr(api, "_forward", lambda *a: seen.append(threads._here.get()) or real_fwd(*a))
-    monkeypatch.setattr(api, "_backward", lambda *a: seen.append(threads._here.get()) or real_bwd(*a))
+    real_fwd, real_bwd = api.Prepared.forward, api.Prepared.backward
+    monkeypatch.setattr(api.Prepared, "forward", lambda *a, **kw: seen.append(threads._here.get()) or real_fwd(*a, **kw))
+    monkeypatch.setattr(api.Prepared, "backward", lambda *a, **kw: seen.append(threads._here.get()) or real_bwd(*a, **kw))
     monkeypatch.setattr(attention_layer, "LAYER_SERIAL_WORK", 2 * 2 * 100 * 100)
     layer = nn.MultiHeadAttention(16, 2, causal=True, rng=rng(9))
     x = rng(10).standard_normal((2, t, 16)).astype(np.float32)

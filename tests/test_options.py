@@ -105,3 +105,17 @@ def test_bind_fills_defaults_and_names_unknown_keywords():
     with pytest.raises(qkv.OptionError, match=r"attention got an unknown keyword argument is_causal= "
                                               r"\(qkv's name: causal=True"):
         opts.bind("attention", {"is_causal": True}, opts.names(*ALL))
+
+
+def test_every_option_and_keyword_is_documented_in_the_docstrings():
+    """qkv.attention's Args name every option of the table; attention_backward's its own
+    keywords (softcap, dropout_p and dropout_seed had been left out)."""
+    import re
+
+    from qkv import api
+
+    def args(fn):  # the names before the colon of each "Args:" entry
+        return {name for line in re.findall(r"^ {8}([\w, .]+):", fn.__doc__, re.M) for name in line.split(", ")}
+
+    assert set(api.FORWARD) <= args(qkv.attention), set(api.FORWARD) - args(qkv.attention)
+    assert {"dlse", "return_dbias"} <= args(qkv.attention_backward)

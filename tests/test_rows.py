@@ -144,16 +144,16 @@ def test_key_runs_are_the_masks_rows(seed):
 
 def test_chosen_only_where_it_applies():
     q, k, v, _ = inputs((4, 4, 64, 16), (4, 4, 64, 16))
-    assert api._kernel("auto", api.prepare(q, k, v, causal=True), False) is api.ROWS
-    assert api._kernel("auto", api.prepare(q, k, v), True) is not api.ROWS          # weights
+    assert api.choose_kernel("auto", api.prepare(q, k, v, causal=True), False) is api.ROWS
+    assert api.choose_kernel("auto", api.prepare(q, k, v), True) is not api.ROWS          # weights
     q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
-    assert api._kernel("auto", api.prepare(q64, k64, v64), False) is not api.ROWS   # float64
+    assert api.choose_kernel("auto", api.prepare(q64, k64, v64), False) is not api.ROWS   # float64
     for opts in (dict(kv_lengths=np.arange(4) * 10 + 5), dict(bias=np.zeros((64, 64), np.float32)),
                  dict(mask=np.tri(64, dtype=bool)), dict(alibi=np.ones(4, np.float32))):
-        assert api._kernel("auto", api.prepare(q, k, v, **opts), False) is not api.ROWS, opts
+        assert api.choose_kernel("auto", api.prepare(q, k, v, **opts), False) is not api.ROWS, opts
     qa, ka, va, _ = inputs((1, 2, 1100, 16), (1, 2, 1100, 16))                     # past 1024²: the tiles
-    assert api._kernel("auto", api.prepare(qa, ka, va), False) is not api.ROWS
-    assert api._kernel("reference", api.prepare(q, k, v), False) is not api.ROWS    # a method named: that one
+    assert api.choose_kernel("auto", api.prepare(qa, ka, va), False) is not api.ROWS
+    assert api.choose_kernel("reference", api.prepare(q, k, v), False) is not api.ROWS    # a method named: that one
 
 
 @pytest.mark.parametrize("opts", [dict(softcap=50.0, causal=True), dict(softcap=5.0), dict(dropout_p=0.1, dropout_seed=3),

@@ -205,20 +205,20 @@ def test_view_decides_from_the_strides_as_numpy_does():
 def test_chosen_only_where_it_applies(monkeypatch):
     monkeypatch.setattr(api, "AUTO_ROWS_NUMPY_MIN", 2 ** 14)
     q, k, v, _ = inputs((1, 4, 64, 16), (1, 4, 64, 16))                                 # 2^14 entries
-    assert api._kernel("auto", api.prepare(q, k, v, causal=True), False) is api.ROWS_NUMPY
+    assert api.choose_kernel("auto", api.prepare(q, k, v, causal=True), False) is api.ROWS_NUMPY
     small = api.prepare(q[:, :3], k[:, :3], v[:, :3], causal=True)                        # 3 · 2^12: the reference
-    assert api._kernel("auto", small, False) is not api.ROWS_NUMPY
+    assert api.choose_kernel("auto", small, False) is not api.ROWS_NUMPY
     q, k, v, _ = inputs((4, 4, 64, 16), (4, 4, 64, 16))
-    assert api._kernel("auto", api.prepare(q, k, v, causal=True), False) is api.ROWS_NUMPY
-    assert api._kernel("auto", api.prepare(q, k, v), True) is not api.ROWS_NUMPY           # weights
+    assert api.choose_kernel("auto", api.prepare(q, k, v, causal=True), False) is api.ROWS_NUMPY
+    assert api.choose_kernel("auto", api.prepare(q, k, v), True) is not api.ROWS_NUMPY           # weights
     q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
-    assert api._kernel("auto", api.prepare(q64, k64, v64), False) is not api.ROWS_NUMPY    # float64: the reference's bits
+    assert api.choose_kernel("auto", api.prepare(q64, k64, v64), False) is not api.ROWS_NUMPY    # float64: the reference's bits
     for opts in (dict(kv_lengths=np.arange(4) * 10 + 5), dict(bias=np.zeros((64, 64), np.float32)),
                  dict(mask=np.tri(64, dtype=bool)), dict(alibi=np.ones(4, np.float32)), dict(softcap=30.0),
                  dict(dropout_p=0.1, dropout_seed=1)):
-        assert api._kernel("auto", api.prepare(q, k, v, **opts), False) is not api.ROWS_NUMPY, opts
+        assert api.choose_kernel("auto", api.prepare(q, k, v, **opts), False) is not api.ROWS_NUMPY, opts
     qa, ka, va, _ = inputs((1, 2, 1100, 16), (1, 2, 1100, 16))                            # past 1024²: the tiles
-    assert api._kernel("auto", api.prepare(qa, ka, va), False) is not api.ROWS_NUMPY
+    assert api.choose_kernel("auto", api.prepare(qa, ka, va), False) is not api.ROWS_NUMPY
 
 
 @pytest.mark.parametrize("causal, t, threaded", [(True, 64, False), (False, 64, True), (True, 256, True)])

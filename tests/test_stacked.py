@@ -29,8 +29,8 @@ def _inputs(shape_q, shape_kv, dtype=np.float32, seed=0):
 @pytest.mark.parametrize("gqa", [False, True])
 def test_auto_stacks_short_sequences_with_the_references_bits(options, gqa, monkeypatch):
     chosen = []
-    real = api._kernel
-    monkeypatch.setattr(api, "_kernel", lambda *a: chosen.append(real(*a)) or chosen[-1])
+    real = api.choose_kernel
+    monkeypatch.setattr(api, "choose_kernel", lambda *a: chosen.append(real(*a)) or chosen[-1])
     q, k, v, dout = _inputs((8, 8, 97, 24), (8, 4 if gqa else 8, 83, 24))  # 8 units over the threads
     ref = qkv.attention(q, k, v, gqa=gqa, return_lse=True, method="reference", **options)
     ref_grads = qkv.attention_backward(dout, q, k, v, *ref, gqa=gqa, method="reference", **options)
@@ -54,7 +54,7 @@ def test_units_cover_the_stack_in_whole_kv_groups():
 def test_per_head_masks_and_lengths_are_not_stacked():
     q, k, v, _ = _inputs((16, 4, 64, 16), (16, 4, 64, 16))  # 2^18 score entries: auto's stacking size
     prob = api.prepare(q, k, v, kv_lengths=np.arange(16) * 4)
-    assert not stacked.applies(prob.spec) and api._kernel("auto", prob, False) is not api.STACKED
-    assert api._kernel("auto", api.prepare(q, k, v, causal=True), False) is api.STACKED
-    assert api._kernel("auto", api.prepare(q, k, v), True) is not api.STACKED  # weights: the dense path
-    assert api._kernel("auto", api.prepare(q[:8], k[:8], v[:8]), False) is api.kernels.lookup("reference")  # small: all heads at once
+    assert not stacked.applies(prob.spec) and api.choose_kernel("auto", prob, False) is not api.STACKED
+    assert api.choose_kernel("auto", api.prepare(q, k, v, causal=True), False) is api.STACKED
+    assert api.choose_kernel("auto", api.prepare(q, k, v), True) is not api.STACKED  # weights: the dense path
+    assert api.choose_kernel("auto", api.prepare(q[:8], k[:8], v[:8]), False) is api.kernels.lookup("reference")  # small: all heads at once

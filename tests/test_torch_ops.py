@@ -93,7 +93,7 @@ def test_opcheck_both_operators():
     q_view = rand(2, 4, 8, 5, dtype=torch.float32).transpose(-1, -2)  # non-contiguous, requires grad
     empty = options.encode(dict(gqa=True, kv_lengths=torch.zeros(0, dtype=torch.int64)))
     with torch.no_grad():
-        out, lse = ops.fwd(q, k, v, *args, True)
+        out, lse, _ = ops.fwd(q, k, v, *args, True)
     dout = torch.randn_like(out).transpose(-1, -2).contiguous().transpose(-1, -2)  # a strided dout
     calls = [
         (ops.fwd, (q, k, v, *args, True)),
@@ -105,6 +105,8 @@ def test_opcheck_both_operators():
         (ops.bwd, (torch.zeros(0, 4, 5, 3), torch.zeros(0, 4, 5, 8), torch.zeros(0, 2, 7, 8), torch.zeros(0, 2, 7, 3),
                    torch.zeros(0, 4, 5, 3), torch.zeros(0, 4, 5), None, *empty)),
         (ops.weights, (q.detach(), k.detach(), v.detach(), *args)),
+        (ops.bwd_bias, (dout, q.detach(), k.detach(), v.detach(), out, lse, None,
+                        *options.encode(dict(bias=torch.randn(4, 1, 7), causal=True, gqa=True)))),
     ]
     for op, call in calls:
         result = torch.library.opcheck(op, call)
@@ -198,7 +200,7 @@ def test_every_option_of_qkv_attention_is_forwarded():
     (dict(gqa=1), "gqa must be True or False"),
     (dict(method="fast"), "method must be .auto. or a registered kernel"),
     (dict(flavour=1), "unknown keyword argument flavour="),
-    (dict(bias=torch.zeros(3, 3, requires_grad=True)), "bias must not require grad"),
+    (dict(alibi=torch.ones(2, requires_grad=True)), "alibi must not require grad"),
     (dict(k=torch.zeros(1, 2, 3, 5)), "k must have the feature size D of q"),
     (dict(kv_lengths=torch.tensor([9])), "kv_lengths must lie in"),
 ])
@@ -287,3 +289,83 @@ def test_the_compiled_row_kernel_keeps_its_threads_inside_torch(monkeypatch):
         qkv.set_num_threads(qkv_before)
     assert seen_threaded[0::2] == [min(2, numba.config.NUMBA_NUM_THREADS)] * 2, seen_threaded   # forward, backward
     assert torch.equal(threaded[0], out1.detach()) and torch.equal(threaded[1], q.grad)
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 5, 7), (1, 4, 5, 7), (5, 7), (4, 1, 7)], ids=str)
+@pytest.mark.parametrize("method", ["reference", "flash", "auto"])
+def test_a_bias_that_requires_grad_gets_eagers_gradient(shape, method):
+    """A learned bias (T5's relative positions): its gradient is dS summed over its broadcast
+    axes, equal to autograd through eager attention, on every kernel; gradcheck holds."""
+    q, k, v = rand(2, 4, 5, 3), rand(2, 2, 7, 3), rand(2, 2, 7, 2)
+    bias = rand(*shape, seed=3)
+    opts = dict(gqa=True, causal="bottom_right", softcap=2.0, method=method)
+    out = qt.attention(q, k, v, bias=bias, **opts)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(4), dtype=DT)
+    ours = torch.autograd.grad((out * w).sum(), (q, k, v, bias))
+    kx, vx = (x.repeat_interleave(2, dim=1) for x in (k, v))
+    s = 2.0 * torch.tanh(q @ kx.transpose(-1, -2) / 3 ** 0.5 / 2.0) + bias
+    s = s.masked_fill(~torch.ones(5, 7, dtype=torch.bool).tril(2), float("-inf"))
+    theirs = torch.autograd.grad(((torch.softmax(s, -1) @ vx) * w).sum(), (q, k, v, bias))
+    for a, b in zip(ours, theirs):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        assert (a - b).abs().max().item() <= 1e-12
+    if method == "auto":
+        assert torch.autograd.gradcheck(lambda q, bias: qt.attention(q, k, v, bias=bias, **opts), (q, bias))
+
+
+def test_a_learned_bias_in_low_precision_gets_its_own_dtype_and_compiles():
+    q, k, v = (rand(1, 2, 6, 8, dtype=torch.float32) for _ in range(3))
+    for dtype in (torch.bfloat16, torch.float32):
+        bias = rand(2, 6, 6, dtype=dtype, seed=5)
+        qt.attention(q, k, v, bias=bias, causal=True).sum().backward()
+        assert bias.grad.dtype == dtype and bias.grad.abs().max() > 0
+    bias = rand(2, 6, 6, dtype=torch.float32, seed=5)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, b: qt.attention(q, k, v, bias=b, causal=True).sum(), fullgraph=True,
+                             backend="aot_eager")
+    want = torch.autograd.grad(qt.attention(q, k, v, bias=bias, causal=True).sum(), (q, bias))
+    got = torch.autograd.grad(compiled(q, bias), (q, bias))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpu_autocast_casts_q_k_v_as_it_casts_sdpas(dtype):
+    q, k = rand(1, 2, 5, 8, dtype=torch.float32), rand(1, 2, 5, 8, dtype=torch.float32)
+    v = rand(1, 2, 5, 8, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=dtype):
+        out = qt.attention(q, k, v, causal=True)
+        want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert out.dtype == want.dtype == dtype
+    torch.testing.assert_close(out, qt.attention(q.to(dtype), k.to(dtype), v.to(dtype), causal=True))
+    grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+    assert [g.dtype for g in grads] == [torch.float32, torch.float32, torch.bfloat16]
+    q64, k64, v64 = (x.detach().double() for x in (q, k, v))
+    with torch.autocast("cpu", dtype=dtype):  # float64 is not cast by autocast, nor here
+        assert qt.attention(q64, k64, v64).dtype == torch.float64
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_compiled_fullgraph_dropout_without_a_seed_draws_eagers_mask(backend):
+    """With dropout_p and no dropout_seed the seed is drawn inside the graph (qkv::draw_seed):
+    fullgraph=True traces it, and one torch.manual_seed gives the same output and gradients
+    compiled and eager (inductor's own random numbers would not); each call draws anew."""
+    q, k, v = (rand(1, 2, 6, 4, dtype=torch.float32, seed=i) for i in range(3))
+
+    def loss(q, k, v):
+        return (qt.attention(q, k, v, causal=True, dropout_p=0.5) ** 2).sum()
+
+    def run(fn, seed):
+        torch.manual_seed(seed)
+        value = fn(q, k, v)
+        return [value.detach()] + list(torch.autograd.grad(value, (q, k, v)))
+
+    torch._dynamo.reset()
+    compiled = torch.compile(loss, fullgraph=True, backend=backend)
+    eager, comp = run(loss, 1), run(compiled, 1)
+    for a, b in zip(eager, comp):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(run(compiled, 2)[0], comp[0])  # another seed, another mask
+    torch.manual_seed(1)
+    first, second = compiled(q, k, v), compiled(q, k, v)
+    assert not torch.equal(first, second)  # two calls, two draws

@@ -1,4 +1,10 @@
-"""The public ``attention`` and ``attention_backward``: every check, then dispatch to a kernel."""
+"""The public ``attention`` and ``attention_backward``: every check, then dispatch to a kernel.
+
+Both are one :class:`Prepared` call: :func:`prepare_call` checks q, k, v and the options once
+(:func:`qkv.problem.prepare`) and chooses the kernel (:func:`choose_kernel`); its ``forward``
+and ``backward`` run it. A caller that runs the forward and the backward of one problem (the
+layers of :mod:`qkv.nn`) keeps the prepared call between them instead of checking twice.
+"""
 from __future__ import annotations
 
 import math
@@ -7,111 +13,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import kernels
-from .kernels import reference, rows, rows_numpy, stacked
+from .kernels import bias_grad, reference, rows, rows_numpy, stacked
 from .kernels.registry import Kernel
 from . import options as opts
-from .errors import OptionError, ShapeError, as_float_array, broadcast_or_raise, expect_ndim, fmt_shape
-from .masks import MaskSpec, build_spec
+from .errors import ShapeError, as_float_array, fmt_shape
+from .problem import Problem, prepare, sum_to  # noqa: F401  (qkv.api.prepare, sum_to: the ring's too)
 
 METHODS = ("auto",) + kernels.names()   # at import; kernels.names() is the registry now
-
-
-@dataclass
-class Problem:
-    """One checked attention call: arrays in the compute dtype, broadcast to their leading shapes."""
-
-    q: np.ndarray        # (*L, Tq, D)
-    k: np.ndarray        # (*Lk, Tk, D)
-    v: np.ndarray        # (*Lk, Tk, Dv)
-    spec: MaskSpec
-    scale: float
-    group: int           # query heads per kv head (1 without gqa)
-    in_dtype: np.dtype   # q's dtype: the output's
-    shapes: tuple        # the caller's q, k, v shapes, to sum gradients back onto
-
-
-def _compute_dtype(dtype: np.dtype) -> np.dtype:
-    """float16 and float32 compute in float32, float64 in float64."""
-    return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
-
-
-def prepare(q, k, v, *, scale=None, gqa=False, **options) -> Problem:
-    """The checked :class:`Problem` of q, k, v, scale, gqa and the mask ``options`` (those of
-    :func:`qkv.masks.build_spec`): what every entry point (the ring, linear attention, the
-    adapters) starts from."""
-    q, k, v = as_float_array("q", q), as_float_array("k", k), as_float_array("v", v)
-    for name, x in (("k", k), ("v", v)):
-        if x.dtype != q.dtype:
-            raise ShapeError(f"{name} must have q's dtype {q.dtype}; got {x.dtype}")
-    layout = "(..., Hq, Tq, D)" if gqa else "(..., Tq, D)"
-    expect_ndim("q", q, 3 if gqa else 2, layout)
-    expect_ndim("k", k, 3 if gqa else 2, layout.replace("Hq", "Hkv").replace("Tq", "Tk"))
-    expect_ndim("v", v, 3 if gqa else 2, layout.replace("Hq", "Hkv").replace("Tq", "Tk").replace("D)", "Dv)"))
-    tq, d = q.shape[-2:]
-    tk = k.shape[-2]
-    if k.shape[-1] != d:
-        raise ShapeError(
-            f"k must have the feature size D of q: shape (..., Tk, D) = (..., {tk}, {d}); "
-            f"got {fmt_shape(k.shape)}"
-        )
-    if v.shape[:-1] != k.shape[:-1]:
-        raise ShapeError(
-            f"v must have shape (..., Tk, Dv) with k's leading axes and Tk = {fmt_shape(k.shape[:-1])} + (Dv,); "
-            f"got {fmt_shape(v.shape)}"
-        )
-    if tq == 0 or tk == 0 or d == 0 or v.shape[-1] == 0:
-        raise ShapeError(
-            f"q, k and v must have Tq, Tk, D and Dv >= 1; got q {fmt_shape(q.shape)}, "
-            f"k {fmt_shape(k.shape)}, v {fmt_shape(v.shape)} (use kv_lengths=0 for an empty key set)"
-        )
-    opts.parse_flag("gqa", gqa)
-
-    if gqa:
-        hq, hkv = q.shape[-3], k.shape[-3]
-        if hkv == 0 or hq % hkv != 0:
-            raise ShapeError(
-                f"with gqa=True the query heads Hq must be a multiple of the kv heads Hkv >= 1; "
-                f"got Hq = {hq} (q {fmt_shape(q.shape)}) and Hkv = {hkv} (k {fmt_shape(k.shape)})"
-            )
-        batch = broadcast_or_raise("the batch axes of q and k (before the head axis)",
-                                   {"q": q.shape[:-3], "k": k.shape[:-3]})
-        lead, lead_kv, group = batch + (hq,), batch + (hkv,), hq // hkv
-    else:
-        try:
-            lead = q.shape[:-2]
-            if k.shape[:-2] != lead:
-                lead = tuple(np.broadcast_shapes(lead, k.shape[:-2]))
-        except ValueError:
-            hint = ""
-            if q.ndim >= 3 and k.ndim >= 3 and q.shape[-3] % k.shape[-3] == 0:
-                hint = " (for grouped-query heads pass gqa=True)"
-            raise ShapeError(
-                f"the leading axes of q (..., Tq, D) and k (..., Tk, D) must broadcast; "
-                f"got q {fmt_shape(q.shape)} and k {fmt_shape(k.shape)}{hint}"
-            ) from None
-        lead_kv, group = lead, 1
-
-    scale = opts.parse_scale(scale)
-    if scale is None:
-        scale = 1.0 / math.sqrt(d)
-
-    in_dtype, cdt = q.dtype, _compute_dtype(q.dtype)
-    if abs(scale) > float(np.finfo(cdt).max):
-        raise OptionError(f"scale must fit the compute dtype {cdt} (|scale| <= {np.finfo(cdt).max:.4g}); "
-                         f"got {scale!r}")
-    spec = build_spec(lead, tq, tk, dtype=cdt, **options)
-    shapes = (q.shape, k.shape, v.shape)
-    q = _as(q, cdt, lead + (tq, d))
-    k = _as(k, cdt, lead_kv + (tk, d))
-    v = _as(v, cdt, lead_kv + (tk, v.shape[-1]))
-    return Problem(q, k, v, spec, float(scale), group, in_dtype, shapes)
-
-
-def _as(x: np.ndarray, dtype: np.dtype, shape: tuple) -> np.ndarray:
-    """``x`` in ``dtype``, broadcast to ``shape`` (a read-only view); ``x`` itself when it is both."""
-    if x.dtype != dtype:
-        x = x.astype(dtype)
-    return x if x.shape == shape else np.broadcast_to(x, shape)
 
 
 # method="auto" takes the tiled kernel from this many score entries of all heads together
@@ -161,9 +69,10 @@ AUTO_ROWS_MAX = 1024 * 1024
 AUTO_ROWS_NUMPY_MIN = 2 ** 14
 
 
-def _kernel(method: str, prob: Problem, need_weights: bool):
+def choose_kernel(method: str, prob: Problem, need_weights: bool = False):
     """The registered kernel (:mod:`qkv.kernels.registry`) that runs this problem (for
-    ``method="auto"`` possibly the stacked dense kernel, which gives the reference's bits)."""
+    ``method="auto"`` possibly the stacked dense kernel, which gives the reference's bits, or
+    a row kernel); with ``need_weights`` one whose forward returns the weights too."""
     spec = prob.spec
     entries = math.prod(spec.lead) * spec.tq * spec.tk
     if method == "auto":
@@ -212,28 +121,99 @@ def _dense_fits(entries: int, dtype, why: str) -> None:
             f"(O(T·D) memory), or look at fewer rows at a time")
 
 
-def sum_to(x: np.ndarray, shape: tuple) -> np.ndarray:
-    """Sum a gradient over the axes that broadcasting added or stretched, back to ``shape``."""
-    extra = x.ndim - len(shape)
-    if extra:
-        x = x.sum(axis=tuple(range(extra)))
-    stretched = tuple(i for i, n in enumerate(shape) if n == 1 and x.shape[i] != 1)
-    if stretched:
-        x = x.sum(axis=stretched, keepdims=True)
-    return x
-
-
-def _check_flags(**flags) -> None:
-    for name, value in flags.items():
-        opts.parse_flag(name, value)
-
-
 FORWARD = opts.names("mask", "problem", "output", "kernel")   # qkv.attention's options, in order
 BACKWARD = opts.names("mask", "problem", "kernel")            # qkv.attention_backward's
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """A checked attention call: the :class:`~qkv.problem.Problem` and the kernel chosen for it.
+
+    ``forward`` and ``backward`` are :func:`attention` and :func:`attention_backward` without
+    the checks of q, k, v and the options, which :func:`prepare_call` made once. The layers of
+    :mod:`qkv.nn` keep one from a forward to its backward (in nanoGPT's training step the
+    checks were 90 µs of 1.5 ms an attention backward).
+    """
+
+    problem: Problem
+    kernel: object   # the kernel interface of qkv.kernels.registry.Kernel
+
+    def forward(self, return_lse: bool = False, return_weights: bool = False):
+        """``out``, then ``lse`` and ``weights`` as asked, as :func:`attention` returns them."""
+        prob = self.problem
+        out, lse, weights = self.kernel.forward(prob.q, prob.k, prob.v, prob.spec, prob.scale, prob.group,
+                                                return_weights=return_weights)
+        result = [out.astype(prob.in_dtype, copy=False)]
+        if return_lse:
+            result.append(lse)
+        if return_weights:
+            result.append(weights.astype(prob.in_dtype, copy=False))
+        return result[0] if len(result) == 1 else tuple(result)
+
+    def backward(self, dout, out, lse, dlse=None, return_dbias: bool = False):
+        """``(dq, dk, dv)`` (and ``dbias``), as :func:`attention_backward` returns them; ``dout``,
+        ``out``, ``lse`` and ``dlse`` are checked against the problem's shapes."""
+        prob = self.problem
+        try:
+            opts.parse_flag("return_dbias", return_dbias)
+            if return_dbias and prob.spec.bias is None:
+                raise ShapeError("return_dbias=True needs the bias= the forward was given; got no bias")
+            saved = self._saved(dout, out, lse, dlse)
+        except ShapeError as err:
+            raise type(err)(str(err)) from None
+        extra = {} if saved["dlse"] is None else {"dlse": saved["dlse"]}
+        args = (saved["dout"], prob.q, prob.k, prob.v, saved["out"], saved["lse"], prob.spec, prob.scale, prob.group)
+        dq, dk, dv = self.kernel.backward(*args, **extra)
+        q_shape, k_shape, v_shape = prob.shapes
+        grads = (sum_to(dq, q_shape).astype(prob.in_dtype, copy=False),
+                 sum_to(dk, k_shape).astype(prob.in_dtype, copy=False),
+                 sum_to(dv, v_shape).astype(prob.in_dtype, copy=False))
+        if not return_dbias:
+            return grads
+        return grads + (bias_grad.backward(*args, **extra).astype(prob.spec.bias.dtype, copy=False),)
+
+    def _saved(self, dout, out, lse, dlse) -> dict:
+        """``dout``, ``out``, ``lse`` (and ``dlse``) checked against the problem, in the compute dtype."""
+        prob = self.problem
+        out_shape = prob.spec.lead + (prob.spec.tq, prob.v.shape[-1])
+        names = "(..., Hq, Tq, Dv)"
+        arrays = {"dlse": None}
+        for name, x, shape, nm in (("dout", dout, out_shape, names), ("out", out, out_shape, names),
+                                   ("lse", lse, out_shape[:-1], "(..., Hq, Tq)"),
+                                   ("dlse", dlse, out_shape[:-1], "(..., Hq, Tq)")):
+            if x is None and name == "dlse":
+                continue
+            x = as_float_array(name, x)
+            if x.shape != shape:
+                raise ShapeError(f"{name} must have shape {nm} = {fmt_shape(shape)}; got {fmt_shape(x.shape)}")
+            arrays[name] = x.astype(prob.q.dtype, copy=False)
+        return arrays
+
+
+def prepare_call(q, k, v, *, method="auto", return_weights=False, **options) -> Prepared:
+    """The :class:`Prepared` call of :func:`attention` with these arrays and options (those of
+    the problem, ``method``, and ``return_weights``, which may choose another kernel): every
+    check made, nothing computed.
+
+    >>> import numpy as np, qkv.api
+    >>> x = np.eye(3)
+    >>> call = qkv.api.prepare_call(x, x, x, causal=True)
+    >>> out, lse = call.forward(return_lse=True)
+    >>> dout = np.ones_like(out)
+    >>> grads = call.backward(dout, out, lse)            # (dq, dk, dv), as qkv.attention_backward's
+    >>> all(np.array_equal(a, b) for a, b in zip(grads, qkv.attention_backward(dout, x, x, x, out, lse, causal=True)))
+    True
+    """
+    try:
+        opts.parse_flag("return_weights", return_weights)
+        prob = prepare(q, k, v, **options)
+        return Prepared(prob, choose_kernel(method, prob, return_weights))
+    except ShapeError as err:
+        raise type(err)(str(err)) from None  # the caller's line, not our internals
+
+
 def attention(q, k, v, **options):
-    """Scaled dot-product attention ``softmax(scale · q kᵀ + bias) v`` with masks.
+    """Scaled dot-product attention ``softmax(scale · q kᵀ + bias) v`` with masks, soft-capping and dropout.
 
     Each query row ``i`` takes a weighted average of the value rows; the weights are a
     softmax over the keys it may attend to. Layout ``(..., T, D)``: with 4-D arrays
@@ -292,10 +272,17 @@ def attention(q, k, v, **options):
         q_lengths: int ``(B,)``; query rows ``i >= q_lengths[b]`` are padding: never read,
             output 0, lse ``-inf``, gradient 0.
         alibi: float slopes ``(Hq,)`` or ``(B, Hq)``: head h adds ``-slope * |i' - j|``.
+        softcap: ``c > 0`` (None or 0: off): the scaled product ``x = scale · q kᵀ`` becomes
+            ``c · tanh(x / c)`` before bias, ALiBi and the masks (Gemma 2, flash-attn).
+        dropout_p: ``0 <= p < 1``: after the softmax the weights become ``P ∘ keep / (1 - p)``
+            (inverted dropout, as SDPA's); lse stays the undropped one.
+        dropout_seed: int, needed when ``dropout_p > 0``: ``keep`` is a function of (seed,
+            batch, head, row, column) (:mod:`qkv.score_ops`), so the backward, every kernel
+            and every thread count draw the same mask from it.
         scale: multiplies ``q kᵀ``; default ``1/sqrt(D)``.
         gqa: grouped-query heads, see above.
         return_lse: also return ``lse (..., Hq, Tq)``, ``log Σ_j exp(s_ij)`` over allowed keys.
-        return_weights: also return the weights ``(..., Hq, Tq, Tk)``.
+        return_weights: also return the weights ``(..., Hq, Tq, Tk)`` (after dropout).
         method: ``"reference"`` (dense, exact), ``"flash"`` (tiled), ``"auto"``.
 
     Returns:
@@ -314,31 +301,20 @@ def attention(q, k, v, **options):
     """
     try:
         o = opts.bind("attention", options, FORWARD)  # torch's is_causal=, attn_mask=, ...: qkv's names
-        _check_flags(return_lse=o["return_lse"], return_weights=o["return_weights"])
-        prob = prepare(q, k, v, **{name: o[name] for name in opts.PROBLEM})
-        kern = _kernel(o["method"], prob, o["return_weights"])
+        opts.parse_flag("return_lse", o["return_lse"])
+        call = prepare_call(q, k, v, method=o["method"], return_weights=o["return_weights"],
+                            **{name: o[name] for name in opts.PROBLEM})
     except ShapeError as err:
         raise type(err)(str(err)) from None  # the caller's line, not our internals
-    return _forward(prob, kern, o["return_lse"], o["return_weights"])
+    return call.forward(o["return_lse"], o["return_weights"])
 
 
 attention.__signature__ = opts.signature(("q", "k", "v"), FORWARD)
 
 
-def _forward(prob: Problem, kern, return_lse: bool, return_weights: bool):
-    """Run ``kern.forward`` (anything with the kernel interface) on a checked problem."""
-    out, lse, weights = kern.forward(prob.q, prob.k, prob.v, prob.spec, prob.scale, prob.group,
-                                     return_weights=return_weights)
-    result = [out.astype(prob.in_dtype, copy=False)]
-    if return_lse:
-        result.append(lse)
-    if return_weights:
-        result.append(weights.astype(prob.in_dtype, copy=False))
-    return result[0] if len(result) == 1 else tuple(result)
-
-
-def attention_backward(dout, q, k, v, out, lse, *, dlse=None, **options):
-    """Gradients ``(dq, dk, dv)`` of ``attention`` given ``dout = ∂L/∂out``.
+def attention_backward(dout, q, k, v, out, lse, *, dlse=None, return_dbias=False, **options):
+    """Gradients ``(dq, dk, dv)`` of ``attention`` given ``dout = ∂L/∂out``; with
+    ``return_dbias=True`` also the bias's, ``(dq, dk, dv, dbias)``.
 
     ``out`` and ``lse`` are what ``attention(..., return_lse=True)`` returned for the same
     q, k, v and options (recomputing P from lse is how the tiled backward avoids storing
@@ -349,52 +325,39 @@ def attention_backward(dout, q, k, v, out, lse, *, dlse=None, **options):
     With ``dlse = ∂L/∂lse`` (a loss that uses the returned lse too; ``∂lse_i/∂s_ij = P_ij``)
     the score gradient is ``dS = P ∘ (dP - delta + dlse)``.
 
+    **The bias's gradient** (a learned bias: T5's relative positions) is ``dS`` itself, the
+    gradient of the scores ``S = softcap(scale·q·kᵀ) + bias`` (the bias is added after the
+    softcap, so its slope does not apply; with dropout ``dP = Z ∘ (dO Vᵀ)`` as for dq),
+    summed over the axes along which the bias was broadcast: ``dbias`` has the bias's shape
+    and dtype, 0 where a query may not attend. It is computed beside any kernel from the
+    saved out and lse, one ``(Tq, Tk)`` block of one batch item and head at a time
+    (:mod:`qkv.kernels.bias_grad`): memory of the bias and one block.
+
     Args:
         dout: ``(..., Hq, Tq, Dv)``, the shape of ``out``.
-        q, k, v, mask, ..., method: exactly as passed to :func:`attention`.
+        q, k, v, mask, bias, ..., method: exactly as passed to :func:`attention`.
         out: ``(..., Hq, Tq, Dv)``. lse: ``(..., Hq, Tq)``.
         dlse: ``(..., Hq, Tq)`` or None (0).
+        return_dbias: also return ``dbias`` (needs ``bias=``).
 
     Returns:
-        ``(dq, dk, dv)`` with the shapes and dtypes of ``(q, k, v)``.
+        ``(dq, dk, dv)`` with the shapes and dtypes of ``(q, k, v)``, then ``dbias`` if asked.
+
+    >>> import numpy as np, qkv
+    >>> x, bias = np.eye(2), np.zeros((2, 2))
+    >>> out, lse = qkv.attention(x, x, x, bias=bias, return_lse=True)
+    >>> dout = np.array([[1., 0.], [0., 0.]])          # the loss: out[0, 0] = P[0, 0]
+    >>> qkv.attention_backward(dout, x, x, x, out, lse, bias=bias, return_dbias=True)[3].round(3)
+    array([[ 0.221, -0.221],
+           [ 0.   ,  0.   ]])
     """
     try:
         o = opts.bind("attention_backward", options, BACKWARD)
-        prob = prepare(q, k, v, **{name: o[name] for name in opts.PROBLEM})
-        kern = _kernel(o["method"], prob, False)
-        saved = _saved(prob, dout, out, lse, dlse)
+        call = prepare_call(q, k, v, method=o["method"], **{name: o[name] for name in opts.PROBLEM})
     except ShapeError as err:
         raise type(err)(str(err)) from None
-    return _backward(prob, kern, saved)
+    return call.backward(dout, out, lse, dlse, return_dbias)
 
 
 attention_backward.__signature__ = opts.signature(("dout", "q", "k", "v", "out", "lse"), BACKWARD,
-                                                  before=(("dlse", None),))
-
-
-def _saved(prob: Problem, dout, out, lse, dlse=None) -> dict:
-    """``dout``, ``out``, ``lse`` (and ``dlse``) checked against the problem, in the compute dtype."""
-    out_shape = prob.spec.lead + (prob.spec.tq, prob.v.shape[-1])
-    names = "(..., Hq, Tq, Dv)"
-    arrays = {"dlse": None}
-    for name, x, shape, nm in (("dout", dout, out_shape, names), ("out", out, out_shape, names),
-                               ("lse", lse, out_shape[:-1], "(..., Hq, Tq)"),
-                               ("dlse", dlse, out_shape[:-1], "(..., Hq, Tq)")):
-        if x is None and name == "dlse":
-            continue
-        x = as_float_array(name, x)
-        if x.shape != shape:
-            raise ShapeError(f"{name} must have shape {nm} = {fmt_shape(shape)}; got {fmt_shape(x.shape)}")
-        arrays[name] = x.astype(prob.q.dtype, copy=False)
-    return arrays
-
-
-def _backward(prob: Problem, kern, saved: dict):
-    """Run ``kern.backward`` on a checked problem; gradients summed back to the callers' shapes."""
-    extra = {} if saved["dlse"] is None else {"dlse": saved["dlse"]}
-    dq, dk, dv = kern.backward(saved["dout"], prob.q, prob.k, prob.v, saved["out"], saved["lse"],
-                               prob.spec, prob.scale, prob.group, **extra)
-    q_shape, k_shape, v_shape = prob.shapes
-    return (sum_to(dq, q_shape).astype(prob.in_dtype, copy=False),
-            sum_to(dk, k_shape).astype(prob.in_dtype, copy=False),
-            sum_to(dv, v_shape).astype(prob.in_dtype, copy=False))
+                                                  before=(("dlse", None), ("return_dbias", False)))

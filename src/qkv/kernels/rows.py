@@ -22,7 +22,7 @@ drives :mod:`.rows_numpy`, the same kernel without the fast extra.
 It takes what :func:`applies` says: float32, no weights, a mask that is the same for every
 head and gives each row one contiguous run of keys (causal, window, chunk, any alignment;
 not a user mask, bias, ALiBi or lengths), softcap and dropout (:mod:`qkv.score_ops`).
-``method="auto"`` chooses it where the fast extra is present (:func:`qkv.api._kernel`).
+``method="auto"`` chooses it where the fast extra is present (:func:`qkv.api.choose_kernel`).
 
 Bits: every head is computed alone, in an order fixed by the problem, so the thread count
 never changes a bit. They are not :mod:`.reference`'s bits (another exponential, another

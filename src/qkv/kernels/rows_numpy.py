@@ -28,7 +28,7 @@ live in the thread's :mod:`.workspace`.
 
 Float32, plain scores (no softcap or dropout: those go to the stacked, dense or tiled
 kernels) and the masks :mod:`.rows` takes. ``method="auto"`` chooses it without the fast extra
-(:func:`qkv.api._kernel`). Every head is computed alone, so the thread count never changes a
+(:func:`qkv.api.choose_kernel`). Every head is computed alone, so the thread count never changes a
 bit; the bits are not :mod:`.reference`'s (another order of operations), and the kernel is
 tested against it within float32's error budget.
 """

@@ -21,8 +21,7 @@ import math
 
 import numpy as np
 
-from .. import api
-from ..api import attention, attention_backward
+from ..api import attention, attention_backward, prepare_call
 from ..errors import ShapeError, as_float_array, fmt_shape, positive_int
 from ..options import parse_dropout, parse_softcap
 from .base import Layer, check_input, linear_grad, merge_heads, split_heads
@@ -31,7 +30,7 @@ from .layers import Linear
 from ..threads import one_thread_if
 
 FUSE_ROWS = 256  # B*T from which self-attention's three projections run as one product
-PREPARED = "_prepared"  # the key of a forward's checked problem and kernel in its options (see _attend)
+PREPARED = "_prepared"  # the key of a forward's prepared call (qkv.api.Prepared) in its options (see _attend)
 # A layer's attention of fewer score entries (B·H·Tq·Tk) than this runs on the calling thread.
 # Right after the layer's projections OpenBLAS's threads spin on and hold the second core, so
 # a kernel thread started then costs more than it saves (nanoGPT's CPU recipe, (12, 4, 64,
@@ -152,19 +151,15 @@ class AttentionLayer(Layer):
     def _attend(self, q, k, v, opts: dict, return_weights: bool, *, lse: bool = True):
         """``(out, lse or None, weights or None)`` of :func:`qkv.attention` with ``opts``.
 
-        A call that keeps lse for its backward keeps the checked problem and its kernel too
-        (in ``opts``, under :data:`PREPARED`): :meth:`_attend_backward` runs the kernel's
-        backward on them without checking again the layer's own q, k, v and options (in
+        A call that keeps lse for its backward keeps its prepared call too (a
+        :class:`qkv.api.Prepared`, in ``opts`` under :data:`PREPARED`): :meth:`_attend_backward`
+        runs its backward without checking again the layer's own q, k, v and options (in
         nanoGPT's training step that was 90 µs of 1.5 ms an attention backward)."""
         if lse and not return_weights:
-            try:
-                prob = api.prepare(q, k, v, **{n: x for n, x in opts.items() if n != "method"})
-                kern = api._kernel(opts.get("method", "auto"), prob, False)
-            except ShapeError as err:
-                raise type(err)(str(err)) from None
-            with _threads(prob):
-                out, lse_ = api._forward(prob, kern, True, False)
-            opts[PREPARED] = (prob, kern)
+            call = prepare_call(q, k, v, **opts)
+            with _threads(call.problem):
+                out, lse_ = call.forward(return_lse=True)
+            opts[PREPARED] = call
             return out, lse_, None
         res = attention(q, k, v, return_lse=lse, return_weights=return_weights, **opts)
         res = list(res) if isinstance(res, tuple) else [res]  # out, then lse and weights as asked
@@ -231,12 +226,10 @@ class AttentionLayer(Layer):
     def _attend_backward(dout, q, k, v, out, lse, opts: dict):
         """``(dq, dk, dv)`` of :func:`qkv.attention_backward` with the forward's ``opts`` (on
         the forward's checked problem where :meth:`_attend` kept it)."""
-        if PREPARED in opts:
-            prob, kern = opts[PREPARED]
-            if prob.q is q and dout.shape == out.shape:   # the forward's own arrays
-                saved = dict(dout=dout.astype(prob.q.dtype, copy=False), out=out, lse=lse, dlse=None)
-                with _threads(prob):
-                    return api._backward(prob, kern, saved)
+        call = opts.get(PREPARED)
+        if call is not None and call.problem.q is q and dout.shape == out.shape:   # the forward's own arrays
+            with _threads(call.problem):
+                return call.backward(dout, out, lse)
         return attention_backward(dout, q, k, v, out, lse, **{n: x for n, x in opts.items() if n != PREPARED})
 
 

@@ -27,7 +27,7 @@ def _plain_call(q, k, v, args: tuple) -> bool:
     it: no gradient wanted, plain tensors, nothing tracing, compiling, transforming, profiling
     or intercepting calls. Then the kernel runs directly, without the dispatcher's ~0.2 ms a
     call (measured inside a Llama forward); everywhere else the operator runs."""
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v) + args):
         return False
     C = torch._C
     return (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
@@ -37,9 +37,15 @@ def _plain_call(q, k, v, args: tuple) -> bool:
             and C._functorch.peek_interpreter_stack() is None and not torch.autograd._profiler_enabled())
 
 
-def draw_seed() -> int:
-    """A dropout seed from torch's default generator (so ``torch.manual_seed`` repeats it)."""
-    return int(torch.randint(-2 ** 63, 2 ** 63 - 1, (), dtype=torch.int64))
+def autocast_inputs(q, k, v) -> tuple:
+    """q, k and v as CPU autocast would hand them to SDPA, which is on its list of operators
+    that run in the lower precision: each floating tensor but float64 cast to autocast's dtype
+    (bfloat16 or float16) where ``torch.autocast("cpu")`` is on, as they came otherwise."""
+    if not torch.is_autocast_enabled("cpu"):
+        return q, k, v
+    dtype = torch.get_autocast_dtype("cpu")
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+                 else t for t in (q, k, v))
 
 
 def attention(q, k, v, *, return_lse=False, return_weights=False, **options):
@@ -52,15 +58,20 @@ def attention(q, k, v, *, return_lse=False, return_weights=False, **options):
     ``dropout_seed`` the seed is drawn from torch's generator (``torch.manual_seed`` repeats
     a run); the backward draws the same keep-mask from it. A query row that may attend to nothing gets output 0
     and gradient 0, never NaN. Gradients flow to ``q``, ``k`` and ``v`` (and through
-    ``lse`` when it is returned); ``bias`` and ``alibi`` are constants, and the weights
-    carry no gradient.
+    ``lse`` when it is returned), and to ``bias`` where it requires one (a learned bias,
+    T5's relative positions: ``dS`` summed over its broadcast axes, as
+    :func:`qkv.attention_backward` with ``return_dbias=True``); ``alibi`` is a constant, and
+    the weights carry no gradient.
 
     Contiguous (or simply strided) float16/32/64 tensors reach qkv's kernels as NumPy views
     without a copy and the results come back without one. Where no gradient is wanted and
     nothing traces, compiles or records the call, the operator's kernel is called directly
     (the same kernel: the same bits, less per-call cost). float16 computes in float32 (as
     in qkv), bfloat16 is converted to float32 at the boundary (NumPy has no bfloat16) and
-    the results are cast back; float64 computes in float64.
+    the results are cast back; float64 computes in float64. Under ``torch.autocast("cpu")``
+    q, k and v are first cast to autocast's dtype as SDPA's are (float64 excepted: RoPE
+    models hand over float32 q, k and a bfloat16 v), so the output has that dtype and each
+    gradient its input's own.
 
     Args:
         q: ``(..., Hq, Tq, D)``. k: ``(..., Hkv, Tk, D)``. v: ``(..., Hkv, Tk, Dv)``; CPU
@@ -86,21 +97,21 @@ def attention(q, k, v, *, return_lse=False, return_weights=False, **options):
     (3, 2)
     """
     try:
+        q, k, v = autocast_inputs(q, k, v)
         _check_qkv(q, k, v)
         for name, flag in (("return_lse", return_lse), ("return_weights", return_weights)):
             if not isinstance(flag, bool):
                 raise ShapeError(f"{name} must be True or False; got {flag!r}")
-        if options.get("dropout_p") and options.get("dropout_seed") is None:
-            options["dropout_seed"] = draw_seed()  # torch.manual_seed makes a run repeat
         args = opt.encode(options)
         if _plain_call(q, k, v, args):
-            out, lse = ops.fwd_kernel(q, k, v, *args, return_lse)
-        else:
-            out, lse = ops.fwd(q, k, v, *args, return_lse)
+            out, lse, seed = ops.fwd_kernel(q, k, v, *args, return_lse)
+        else:  # without dropout_seed the forward draws one: torch.manual_seed repeats it, compiled or not
+            out, lse, seed = ops.fwd(q, k, v, *args, return_lse)
         result = [out]
         if return_lse:
             result.append(lse)
         if return_weights:
+            args = args[:ops.SEED] + (seed,) + args[ops.SEED + 1:]  # the forward's mask
             result.append(ops.weights(q.detach(), k.detach(), v.detach(), *args))
     except ShapeError as err:
         raise ShapeError(str(err)) from None  # the caller's line, not our internals

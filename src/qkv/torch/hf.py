@@ -25,10 +25,20 @@ A model whose attention layers do not call the ``AttentionInterface`` (Falcon, B
 cannot run on qkv: building it with ``attn_implementation="qkv"``, or switching it with
 ``set_attn_implementation``, raises a ``ValueError`` naming qkv and the model.
 
-Logit soft-capping (``softcap``, Gemma 2) and attention dropout (in training mode, with a seed
-from torch's generator) are qkv options; attention sinks (``s_aux``) are not: they raise.
+Logit soft-capping (``softcap``, Gemma 2), attention dropout (in training mode, with a seed
+from torch's generator) and a learned relative-position bias (T5's ``position_bias``, which
+gets its gradient) are qkv options; attention sinks (``s_aux``) are not: they raise.
+
+``output_attentions=True`` returns each layer's weights as eager attention does (``sdpa``
+and flash-attention warn and return none; qkv can make them): ``(B, Hq, Tq, Tk)`` after
+dropout, from the forward's own mask, at the cost of a dense array per layer. They carry no
+gradient: where one is being recorded, a warning says so once.
 """
 from __future__ import annotations
+
+import warnings
+
+import torch
 
 from ..errors import ShapeError
 from ..extras import require
@@ -44,7 +54,8 @@ def hf_attention(module, query, key, value, attention_mask, dropout: float = 0.0
                  is_causal=None, position_bias=None, **kwargs):
     """The attention function registered as ``"qkv"``: transformers' call, qkv's kernel.
 
-    ``query (B, Hq, Tq, D)``, ``key``/``value (B, Hkv, Tk, D)``; returns ``(out (B, Tq, Hq, D), None)``.
+    ``query (B, Hq, Tq, D)``, ``key``/``value (B, Hkv, Tk, D)``; returns ``(out (B, Tq, Hq, D), None)``,
+    or ``(out, weights (B, Hq, Tq, Tk))`` with ``output_attentions=True``.
     """
     if kwargs.get("s_aux") is not None:
         raise ShapeError("s_aux (attention sinks) is not a qkv option; use attn_implementation='eager' for this model")
@@ -57,8 +68,15 @@ def hf_attention(module, query, key, value, attention_mask, dropout: float = 0.0
                                       layer_is_causal))
     if position_bias is not None:
         options["bias"] = position_bias if "bias" not in options else options["bias"] + position_bias
-    out = attention(query, key, value, **options)  # (B, Hq, Tq, D)
-    return out.transpose(1, 2).contiguous(), None  # (B, Tq, Hq, D)
+    if not kwargs.get("output_attentions"):
+        out = attention(query, key, value, **options)  # (B, Hq, Tq, D)
+        return out.transpose(1, 2).contiguous(), None  # (B, Tq, Hq, D)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        warnings.warn("attn_implementation='qkv' returns the attention weights of output_attentions=True "
+                      "without a gradient: a loss on them does not reach the model (use 'eager' for that)",
+                      stacklevel=2)
+    out, weights = attention(query, key, value, return_weights=True, **options)  # the forward's dropout mask
+    return out.transpose(1, 2).contiguous(), weights
 
 
 # --- models that cannot use the interface ----------------------------------------------------

@@ -8,7 +8,7 @@ keyword of :func:`qkv.attention` becomes one or more explicitly typed schema arg
 keyword         schema arguments                         encoded as
 ==============  =======================================  ===================================
 mask            ``Tensor? mask``                         bool tensor, True = may attend
-bias            ``Tensor? bias``                         float tensor (no gradient)
+bias            ``Tensor? bias``                         float tensor (its gradient, where it requires one)
 kv_lengths      ``Tensor? kv_lengths``                   int tensor ``(B,)``
 alibi           ``Tensor? alibi``                        float slopes ``(Hq,)`` or ``(B, Hq)`` (no gradient)
 q_lengths       ``Tensor? q_lengths``                    int tensor ``(B,)``
@@ -18,8 +18,9 @@ chunk           ``int? chunk``                           keys per chunk
 window          ``int? window_left, int? window_right``  the parsed ``(left, right)``
 softcap         ``float? softcap``                       ``None`` = off
 dropout_p       ``float? dropout_p``                     ``0.0`` = off
-dropout_seed    ``int? dropout_seed``                    the seed mod 2**64 as an int64 (qkv.torch draws
-                                                         one from torch's generator where None)
+dropout_seed    ``Tensor? dropout_seed``                 the seed mod 2**64 as a 0-d int64 tensor (where None
+                                                         the forward operator draws one from torch's generator
+                                                         and returns it: inside a graph)
 scale           ``float? scale``                         ``None`` = ``1/sqrt(D)``
 gqa             ``bool gqa``
 method          ``str method``
@@ -27,7 +28,10 @@ method          ``str method``
 
 Each row of :data:`OPTIONS` says this for one keyword, and the rows are made from qkv's one
 table of options (:data:`qkv.options.OPTIONS`) by the kind of value each holds: an array is a
-``Tensor?``, an int ``int?`` and so on, causal and window as above. A new option of
+``Tensor?``, an int ``int?`` and so on, causal, window and the dropout seed as above. The seed
+is a tensor so that the one the forward operator draws inside a compiled graph reaches the
+backward without becoming a Python int there (a data-dependent value, which
+``fullgraph=True`` refuses). A new option of
 :func:`qkv.attention` is a row there and needs nothing here.
 """
 from __future__ import annotations
@@ -113,19 +117,30 @@ def _check_dropout_p(value):
     return parse_dropout(value, 0)[0]
 
 
-def _check_seed(value):
-    """An int seed as the schema's int64: qkv takes it mod 2**64, so ``n`` and ``n - 2**64`` agree."""
+def seed_value(value) -> int:
+    """An int seed as the schema's int64 (0 for None): qkv takes it mod 2**64, so ``n`` and
+    ``n - 2**64`` agree."""
     if value is None:
-        return None
+        return 0
     parse_dropout(0.5, value)  # refuses anything but an int, naming dropout_seed
     value = int(value) % 2 ** 64
     return value - 2 ** 64 if value >= 2 ** 63 else value
 
 
+def _encode_seed(value) -> tuple:
+    """An int seed as a 0-d int64 tensor (a tensor, the forward operator's drawn seed, as it is)."""
+    if value is None or isinstance(value, torch.Tensor) and value.dtype == torch.int64 and value.dim() == 0:
+        return (value,)
+    return (torch.tensor(seed_value(value), dtype=torch.int64),)
+
+
+def _decode_seed(args):
+    return None if args[0] is None else int(args[0])
+
+
 # the checks a scalar gets before it enters the schema (any other option: qkv's own, inside)
 _CHECKS = {"align": _check_align, "chunk": parse_chunk, "scale": _check_scale, "gqa": _check_bool("gqa"),
-           "method": _check_method, "softcap": parse_softcap, "dropout_p": _check_dropout_p,
-           "dropout_seed": _check_seed}
+           "method": _check_method, "softcap": parse_softcap, "dropout_p": _check_dropout_p}
 _SCALAR = {"int": "int?", "float": "float?", "str": "str?", "bool": "bool"}
 
 
@@ -137,6 +152,8 @@ def _row(o) -> Option:
         return Option("causal", ("str causal",), _encode_causal, _decode_causal)
     if o.value == "window":
         return Option("window", ("int? window_left", "int? window_right"), _encode_window, _decode_window)
+    if o.name == "dropout_seed":
+        return Option("dropout_seed", ("Tensor? dropout_seed",), _encode_seed, _decode_seed, is_tensor=True)
     kind = _SCALAR[o.value]
     if kind == "str?" and o.default is not None:
         kind = "str"
@@ -224,7 +241,7 @@ def decode(args: tuple) -> dict:
         _decoded[key] = scalars
     out = dict(scalars)
     for opt, i in _TENSOR_SLOTS:
-        out[opt.name] = None if args[i] is None else to_numpy(args[i])
+        out[opt.name] = opt.decode((args[i],))
     return out
 
 
@@ -239,6 +256,14 @@ def tensors(args: tuple) -> list:
             out.append(args[i])
         i += len(opt.args)
     return out
+
+
+def position(name: str) -> int:
+    """The index of an option's first argument among the operator's option arguments."""
+    for opt, i in _SLOTS:
+        if opt.name == name:
+            return i
+    raise KeyError(name)
 
 
 def option(args: tuple, name: str):
@@ -271,9 +296,9 @@ def _as_tensor(name: str, value):
         except (TypeError, ValueError, RuntimeError) as err:
             raise ShapeError(f"{name} must be a tensor or an array; got {type(value).__name__} ({err})") from None
     check_cpu(name, value)
-    if value.requires_grad and name in ("bias", "alibi"):
-        raise ShapeError(f"{name} must not require grad: qkv.torch.attention differentiates q, k and v "
-                         f"only; pass {name}.detach()")
+    if value.requires_grad and name == "alibi":
+        raise ShapeError("alibi must not require grad: qkv.torch.attention differentiates q, k, v and bias "
+                         "only; pass alibi.detach()")
     return value
 
 
