@@ -204,10 +204,13 @@ def every_kernel(spec, dtype) -> dict:
     return found
 
 
-def run_kernel(kern, prob, dout, dlse):
+def run_kernel(kern, prob, dout, dlse, saved=None):
     """``(out, lse, dq, dk, dv)`` of one kernel on a prepared problem (``qkv.api.prepare``),
-    through the kernel interface (:mod:`qkv.kernels.reference`), in the compute dtype."""
+    through the kernel interface (:mod:`qkv.kernels.reference`), in the compute dtype; the
+    backward from ``saved = (out, lse)`` where given (another kernel's forward)."""
     out, lse, _ = kern.forward(prob.q, prob.k, prob.v, prob.spec, prob.scale, prob.group)
+    if saved is not None:
+        out, lse = saved
     dt = prob.q.dtype
     extra = {} if dlse is None else {"dlse": dlse.astype(dt)}
     grads = kern.backward(dout.astype(dt), prob.q, prob.k, prob.v, out, lse, prob.spec, prob.scale, prob.group,
@@ -215,19 +218,25 @@ def run_kernel(kern, prob, dout, dlse):
     return (out, lse) + tuple(grads)
 
 
-def judge_kernels(q, k, v, dout, dlse=None, **opts) -> list:
+def judge_kernels(q, k, v, dout, dlse=None, lse_from=None, **opts) -> list:
     """Every kernel that takes the problem (:func:`every_kernel`), forward and backward (with
     ``dlse``), against the float64 oracle on the same float32 inputs, within the float32
-    budget (the plain float32 dense error): the failures, each naming its kernel."""
+    budget (the plain float32 dense error): the failures, each naming its kernel. With
+    ``lse_from`` (a kernel's name) every backward starts from that kernel's out and lse
+    (what ``method="auto"`` does where the forward asked for weights and the backward not)."""
     from qkv import api
 
     want = oracle.solve(q, k, v, dout, dlse=dlse, **opts)
     base = plain(oracle.solve(q, k, v, dout, dlse=dlse, dtype=np.float32, **opts), np.float32)
     prob = api.prepare(q, k, v, **opts)
+    found = every_kernel(prob.spec, prob.q.dtype)
+    saved = None
+    if lse_from is not None:
+        saved = found[lse_from].forward(prob.q, prob.k, prob.v, prob.spec, prob.scale, prob.group)[:2]
     fails: list = []
-    for name, kern in every_kernel(prob.spec, prob.q.dtype).items():
+    for name, kern in found.items():
         case = type("case", (), {"refusable": ""})
-        res, ok = attempt(case, f"kernel {name!r}", lambda: run_kernel(kern, prob, dout, dlse), fails)
+        res, ok = attempt(case, f"kernel {name!r}", lambda: run_kernel(kern, prob, dout, dlse, saved), fails)
         if not ok:
             continue
         for what, got in zip(("out", "lse", "dq", "dk", "dv"), res):
