@@ -274,14 +274,18 @@ def test_the_draw_reaches_what_it_promises():
 def test_every_kernel_at_extreme_magnitudes(differential_counts):
     """Issue 34: every kernel (reference, flash, stacked, the row kernel and its NumPy form,
     each where it applies) at float32 scores of std 1e3 to 1e30, forward and backward, lse and
-    dlse, masks, softcap, dropout: the float64 oracle's answer within the float32 budget, never
-    a NaN. (The row kernel gave NaN rows from ~1e9 on.) ``differential.extreme_problem(seed,
+    dlse, masks, softcap, dropout, each backward also from the reference's and the tiled
+    kernel's out and lse: the float64 oracle's answer within the float32 budget, never a NaN.
+    (The row kernel gave NaN rows from ~1e9 on; the backwards that read lse, NaN or 0 from
+    an lse one ulp off.) ``differential.extreme_problem(seed,
     index)`` rebuilds a case."""
     n = LONG or 60
     bad = []
     for i in range(n):
         q, k, v, dout, dlse, opts, what = extreme_problem(SEED, i)
         fails = judge_kernels(q, k, v, dout, dlse, **opts)
+        for other in ("reference", "flash"):            # another kernel's lse: an ulp is 256 at 4e9
+            fails += [f"(from {other}'s lse) {f}" for f in judge_kernels(q, k, v, dout, dlse, lse_from=other, **opts)]
         if fails:
             bad.append(f"- extreme_problem({SEED}, {i}): {what}\n      " + "\n      ".join(fails))
     differential_counts["extreme"] = n

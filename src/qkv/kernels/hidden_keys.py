@@ -21,8 +21,11 @@ with those entries 0, and the rows that may see one get what the arithmetic give
 
 Padding past ``kv_lengths`` is hidden the same way (the kernels also zero it themselves).
 
-Cost where k and v are finite (the fast path): their max and min, once in the forward and
-once in the backward (:func:`_finite`).
+Cost where nothing is wrong (the fast path): one BLAS pass over k and v together before the
+forward and again before the backward (:func:`_surely_finite`: 14.5 µs at (12, 4, 64, 32)
+float32, about 2 % of that causal shape's forward + backward). (Checking the forward's out
+instead, half the bytes, misses a bad entry of k whose score is -inf: a row that sees it
+must get NaN as on the careful path, not a weight of 0.)
 """
 from __future__ import annotations
 
@@ -35,14 +38,26 @@ ROWS_AT_ONCE = 256   # query rows whose visibility is made at a time (a (…, ro
 
 def _finite(x: np.ndarray) -> bool:
     """True when every entry of ``x`` is finite: its max and min are (a NaN makes both NaN), no
-    temporary the size of ``x``. Measured at (12, 4, 64, 32) float32: 10 µs, where
-    ``np.isfinite(x).all()`` took 9.4 and ``np.sum`` 17-44 (its pairwise loop)."""
+    temporary the size of ``x`` (12 µs at (12, 4, 64, 32) float32, two passes)."""
     return bool(np.isfinite(x.max()) and np.isfinite(x.min())) if x.size else True
+
+
+def _surely_finite(x: np.ndarray, y: np.ndarray | None = None) -> bool:
+    """True where ``Σ x²`` (or ``Σ x ∘ y``, ``y`` of x's shape) is finite: then every entry of
+    both is (a NaN or inf entry makes its term, ``inf · 0`` included, and so the sum NaN or
+    inf). One BLAS pass, 6.5 µs at (12, 4, 64, 32) float32. False says nothing more (a sum
+    of finite terms may overflow): ask :func:`_finite`."""
+    y = x if y is None else y
+    if x.size == 0:
+        return True
+    if not (x.flags.c_contiguous and y.flags.c_contiguous and x.shape == y.shape):
+        return _finite(x) and _finite(y)
+    return bool(np.isfinite(np.vdot(x.reshape(-1), y.reshape(-1))))
 
 
 def forward(impl, q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_weights: bool = False, **kw):
     """``impl.forward`` (the kernel interface of :mod:`.reference`) with hidden keys kept out."""
-    if _finite(k) and _finite(v):
+    if _surely_finite(k, v) or (_finite(k) and _finite(v)):
         return impl.forward(q, k, v, spec, scale, group, return_weights, **kw)
     bad = _Poison(q, k, v, spec, scale, group)
     out, lse, weights = impl.forward(q, bad.k, bad.v, spec, scale, group, return_weights, **kw)
@@ -51,7 +66,7 @@ def forward(impl, q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_
 
 def backward(impl, dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int = 1, dlse=None, **kw):
     """``impl.backward`` with hidden keys kept out (module docstring)."""
-    if _finite(k) and _finite(v):
+    if _surely_finite(k, v) or (_finite(k) and _finite(v)):
         return impl.backward(dout, q, k, v, out, lse, spec, scale, group, dlse=dlse, **kw)
     bad = _Poison(q, k, v, spec, scale, group)
     out_c, lse_c, _ = impl.forward(q, bad.k, bad.v, spec, scale, group)   # finite P and Δ on the copies

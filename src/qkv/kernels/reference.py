@@ -12,7 +12,9 @@ Forward, for one (batch, head) and scores in the compute dtype::
 Backward, from dO = ∂L/∂O (the softmax Jacobian applied row by row), with P recomputed as
 ``exp(S - lse)`` and divided by its row sums: they are 1 up to the rounding of the saved
 lse, which is all that is left when a score is ``finfo.min`` (a Hugging Face mask) and
-``log Σ`` vanishes beside it (lse = max score, and P would sum to the number of keys)::
+``log Σ`` vanishes beside it (lse = max score, and P would sum to the number of keys); a
+row whose sum leaves ``[2^-60, 2^60]`` (an lse an ulp off scores of 1e9 and more) takes
+its own max instead (:func:`lse_off`)::
 
     dV    = (P ∘ Z)ᵀ dO
     dP    = Z ∘ (dO Vᵀ)
@@ -72,6 +74,25 @@ def _scores(q, k, spec: MaskSpec, scale: float, slope: bool = False):
     return (s, grad) if slope else s
 
 
+TINY, HUGE = 2.0 ** -60, 2.0 ** 60
+
+
+def lse_off(total: np.ndarray, lse: np.ndarray) -> np.ndarray:
+    """The rows (True) whose ``total = Σ_j exp(S_ij - lse_i)`` leaves ``[2^-60, 2^60]``: an
+    lse an ulp or more off these scores, at magnitudes where an ulp is large (256 at 4e9: the
+    forward ran another kernel, or its products rounded otherwise), made ``exp(S - lse)``
+    overflow (NaN) or vanish (gradient 0). A row that sees nothing (lse ``-inf``) is not off."""
+    return ~((total >= TINY) & (total <= HUGE)) & (lse != -np.inf)
+
+
+def own_max(s: np.ndarray) -> tuple:
+    """``(exp(S - m), Σ_j exp(S_ij - m_i))`` with each row's own max ``m`` (0 for a row that
+    sees nothing): the forward's softmax, for the rows :func:`lse_off` finds."""
+    m = np.max(s, axis=-1, keepdims=True)
+    e = np.exp(s - np.where(m == -np.inf, 0, m))
+    return e, e.sum(axis=-1, keepdims=True)
+
+
 def forward(q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_weights: bool = False):
     """Exact attention. Returns ``(out (*L,Tq,Dv), lse (*L,Tq), weights (*L,Tq,Tk) or None)``."""
     k = _hide_padding(_expand_groups(k, group), spec.kv_lengths)
@@ -101,8 +122,13 @@ def backward(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int =
     out = _hide_padding(out, spec.q_lengths)
     s, slope = _scores(q, kx, spec, scale, slope=True)
     lse_safe = np.where(lse == -np.inf, 0, lse)[..., None]
-    p = np.exp(s - lse_safe)  # P = exp(S - lse); rows that see nothing are exp(-inf) = 0
+    with np.errstate(over="ignore"):  # a row past 2^60 is done again below
+        p = np.exp(s - lse_safe)  # P = exp(S - lse); rows that see nothing are exp(-inf) = 0
     total = p.sum(axis=-1, keepdims=True)
+    redo = lse_off(total, lse[..., None])
+    if redo.any():
+        e, t = own_max(s)
+        p, total = np.where(redo, e, p), np.where(redo, t, total)
     p /= np.where(total > 0, total, 1)  # rows sum to 1 even where lse could not hold log Σ (see above)
     z = score_ops.keep(spec, dtype=p.dtype) if spec.dropout_p else None
     pz = p if z is None else p * z  # the dropped weights the output was made of

@@ -130,8 +130,14 @@ def _backward_unit(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group:
     kx, vx = reference._expand_groups(k, group), reference._expand_groups(v, group)
     p = _masked_scores(q, kx, spec, scale)
     p -= np.where(lse == -np.inf, 0, lse)[..., None]
-    np.exp(p, out=p)                         # P = exp(S - lse)
+    with np.errstate(over="ignore"):         # a row past 2^60 is done again below
+        np.exp(p, out=p)                     # P = exp(S - lse)
     total = p.sum(axis=-1, keepdims=True)
+    redo = reference.lse_off(total, lse[..., None])
+    if redo.any():                           # rare: an lse an ulp off scores of 1e9 and more
+        e, t = reference.own_max(_masked_scores(q, kx, spec, scale))
+        np.copyto(p, e, where=redo)
+        total = np.where(redo, t, total)
     p /= np.where(total > 0, total, 1)
     dv = np.matmul(np.swapaxes(p, -1, -2), dout)   # (n,Tk,Tq) @ (n,Tq,Dv) -> (n,Tk,Dv)
     ds = np.matmul(dout, np.swapaxes(vx, -1, -2))  # dP: (n,Tq,Dv) @ (n,Dv,Tk) -> (n,Tq,Tk)
