@@ -117,3 +117,25 @@ def test_return_dbias_without_a_bias_or_not_a_bool_is_a_clear_error():
         qkv.attention_backward(dout, q, k, v, out, lse, gqa=True, return_dbias=True)
     with pytest.raises(qkv.OptionError, match="return_dbias must be True or False; got 1"):
         qkv.attention_backward(dout, q, k, v, out, lse, gqa=True, bias=bias, return_dbias=1)
+
+
+def test_a_prepared_call_runs_forward_and_backward_as_the_two_functions():
+    """qkv.api.prepare_call: the checks once, then the same results as qkv.attention and
+    qkv.attention_backward (a call prepared for the weights too has a backward)."""
+    from qkv import api
+
+    q, k, v, bias, dout, dlse = _inputs((1, H, TQ, TK), seed=5)
+    opts = dict(bias=bias, gqa=True, causal=True, method="flash")
+    for weights in (False, True):
+        call = api.prepare_call(q, k, v, return_weights=weights, **opts)
+        got = call.forward(return_lse=True, return_weights=weights)
+        want = qkv.attention(q, k, v, return_lse=True, return_weights=weights, **opts)
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(a, b)
+        grads = call.backward(dout, *got[:2], dlse=dlse, return_dbias=True)
+        for a, b in zip(grads, qkv.attention_backward(dout, q, k, v, *want[:2], dlse=dlse, return_dbias=True, **opts)):
+            np.testing.assert_array_equal(a, b)
+    with pytest.raises(qkv.ShapeError, match=r"dout must have shape \(\.\.\., Hq, Tq, Dv\)"):
+        call.backward(dout[:, :1], *got[:2])
+    with pytest.raises(qkv.OptionError, match="unknown keyword argument flavour"):
+        api.prepare_call(q, k, v, gqa=True, flavour=1)

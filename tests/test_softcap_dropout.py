@@ -205,7 +205,7 @@ def test_tiles_within_the_cap_take_tanhs_first_branch_with_the_same_bits(top):
     if comp is None or jit.load(jit.ROWS) is None:
         pytest.skip("the compiled passes need the fast extra (numba) and QKV_JIT != 0")
     from qkv.kernels import rows_compiled
-    from qkv.kernels.flash.compiled import _TSPLIT, all_small, tanh32
+    from qkv.kernels.flash.compiled import TSPLIT, all_small, tanh32
 
     cap = np.float32(50.0)
     rng = np.random.default_rng(0)
@@ -214,7 +214,7 @@ def test_tiles_within_the_cap_take_tanhs_first_branch_with_the_same_bits(top):
     inv = np.float32(1) / cap
     want = np.array([[cap * tanh32(v * inv) for v in row] for row in st], np.float32)  # tanh32 alone, per entry
     if not np.isnan(top):  # with a NaN either branch gives NaN there (and the same elsewhere)
-        assert all_small(st, inv) == bool(top < _TSPLIT)
+        assert all_small(st, inv) == bool(top < TSPLIT)
     got, g = st.copy(), np.empty_like(st)
     comp.softcap_tile(got, g, cap, True)
     np.testing.assert_array_equal(got, want)

@@ -35,10 +35,11 @@ ROWS_NUMPY = Kernel("rows-numpy", rows_numpy, makes_weights=False, dense=False, 
 
 
 class _WeightsBeside:
-    """A kernel without weights for out/lse, the dense path for the weights (forward only)."""
+    """A kernel without weights for out/lse (and the backward), the dense path for the weights."""
 
     def __init__(self, kern):
         self.kern = kern
+        self.backward = kern.backward
 
     def forward(self, q, k, v, spec, scale, group=1, return_weights=False):
         out, lse, _ = self.kern.forward(q, k, v, spec, scale, group)
@@ -206,7 +207,7 @@ def prepare_call(q, k, v, *, method="auto", return_weights=False, **options) -> 
     """
     try:
         opts.parse_flag("return_weights", return_weights)
-        prob = prepare(q, k, v, **options)
+        prob = prepare(q, k, v, **opts.bind("prepare_call", options, opts.PROBLEM))
         return Prepared(prob, choose_kernel(method, prob, return_weights))
     except ShapeError as err:
         raise type(err)(str(err)) from None  # the caller's line, not our internals

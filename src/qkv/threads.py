@@ -105,6 +105,12 @@ def _controller():
     return cached() if cached is not None else threadpoolctl.ThreadpoolController()
 
 
+def blas_libraries() -> list[str]:
+    """The file paths of the BLAS libraries loaded in this process (threadpoolctl's view): where
+    a kernel that calls a BLAS function directly (:mod:`qkv.kernels.rows_fused`) looks for it."""
+    return [lib.filepath for lib in _controller().lib_controllers if lib.user_api == "blas"]
+
+
 def _drop_claim() -> None:
     """Forget which thread threadpoolctl (>= 3.8) lets set OpenBLAS's pool size, if any."""
     import threadpoolctl

@@ -25,7 +25,7 @@ import math
 import numba
 import numpy as np
 
-from .flash.compiled import _TSPLIT, FASTMATH, abs_max, keep_bits, pow2, tanh_any
+from .flash.compiled import TSPLIT, FASTMATH, abs_max, keep_bits, pow2, tanh_any
 
 f32 = np.float32
 u32 = np.uint32
@@ -71,7 +71,7 @@ def _capped(x, cap_in, cap_out, slope, want_slope):
     """Raw products to softcapped scores in place, ``cap_out·tanh(cap_in·x)`` (``cap_in =
     scale / cap``, ``cap_out = cap``), and ``slope = 1 - tanh²`` where wanted (a constant of
     each caller). Uncapped rows are scaled inside the exponential's loop."""
-    if abs_max(x) * abs(cap_in) < _TSPLIT:        # the row never reaches tanh's second branch (flash.compiled.all_small)
+    if abs_max(x) * abs(cap_in) < TSPLIT:        # the row never reaches tanh's second branch (flash.compiled.all_small)
         _capped_loop(x, cap_in, cap_out, slope, want_slope, True)
     else:
         _capped_loop(x, cap_in, cap_out, slope, want_slope, False)

@@ -46,12 +46,10 @@ def _find_sgemm() -> tuple[int, bool]:
     import ctypes
     import os
 
-    from ..threads import _controller
-    for lib in _controller().lib_controllers:
-        if lib.user_api != "blas":
-            continue
+    from ..threads import blas_libraries
+    for path in blas_libraries():
         try:
-            dll = ctypes.CDLL(lib.filepath, mode=getattr(os, "RTLD_NOLOAD", 0) | ctypes.RTLD_LOCAL)
+            dll = ctypes.CDLL(path, mode=getattr(os, "RTLD_NOLOAD", 0) | ctypes.RTLD_LOCAL)
         except OSError:
             continue
         for name in ("scipy_sgemm_64_", "sgemm_64_", "sgemm64_"):

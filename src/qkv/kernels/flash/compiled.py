@@ -131,12 +131,13 @@ def thin_values(p, vv, acc):          # acc (R, Dv) += p (R, w) @ vv (w, Dv): V 
 # 40x slower). NaN stays NaN.
 _T0, _T1, _T2, _T3, _T4 = (f32(c) for c in (-0.3333328664302826, 0.13331513106822968, -0.05374465882778168,
                                             0.020653124898672104, -0.0057189627550542355))
-_TWO_LOG2E, _TSPLIT = f32(2.0 * 1.4426950408889634), f32(0.625)
+# TSPLIT: tanh32 takes its first branch below it (public: the row kernel's softcap pass tests it too)
+_TWO_LOG2E, TSPLIT = f32(2.0 * 1.4426950408889634), f32(0.625)
 u32 = np.uint32
 
 
 @numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def tanh_small(y):                     # tanh32's first branch alone: |y| < _TSPLIT (or NaN)
+def tanh_small(y):                     # tanh32's first branch alone: |y| < TSPLIT (or NaN)
     z = y * y
     return y + y * z * ((((_T4 * z + _T3) * z + _T2) * z + _T1) * z + _T0)
 
@@ -146,11 +147,11 @@ def tanh32(y):
     a = abs(y)
     big = f32(1.0) - f32(2.0) / (pow2(_TWO_LOG2E * a) + f32(1.0))
     big = big if y >= f32(0.0) else -big
-    return tanh_small(y) if a < _TSPLIT else big
+    return tanh_small(y) if a < TSPLIT else big
 
 
 @numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def tanh_any(y, small):                # tanh32, or its first branch where the caller knows |y| < _TSPLIT
+def tanh_any(y, small):                # tanh32, or its first branch where the caller knows |y| < TSPLIT
     return tanh_small(y) if small else tanh32(y)
 
 
@@ -169,12 +170,12 @@ def abs_max(x):
 
 @numba.njit(inline="always", fastmath=FASTMATH)
 def all_small(x, inv):
-    """Whether every ``|x·inv| < _TSPLIT`` of a contiguous tile ``x (w, R)`` (inv > 0): the
+    """Whether every ``|x·inv| < TSPLIT`` of a contiguous tile ``x (w, R)`` (inv > 0): the
     largest ``|x|`` times ``inv`` is, and rounding keeps the order, so tanh32 would take its
     first branch on every entry. Most softcapped tiles are such (Gemma 2's cap of 50 against
     scores within ±31): they skip the exponential branch, the same bits for a third of the
     work. A NaN makes it False (tanh32 then gives NaN there, as the first branch would)."""
-    return abs_max(x.ravel()) * inv < _TSPLIT
+    return abs_max(x.ravel()) * inv < TSPLIT
 
 
 @numba.njit(inline="always")
