@@ -171,8 +171,8 @@ class CtrlC:
             print("\nstopping after this step and saving (Ctrl-C again to abort)", file=sys.stderr)
 
     @contextmanager
-    def saving(self):
-        last = self.presses > 0  # the run is stopping: this save is its last, let it finish the rest
+    def saving(self, last: bool = False):
+        last = last or self.presses > 0  # the run is ending: this save is its last, let it finish the rest
         self.depth += 1
         try:
             yield
@@ -255,7 +255,7 @@ def _train(args, out: Path, run_, dataset, comm=None) -> int:
                                    progress=lambda step, loss, val, rate: update(
                                        loss=loss, val=val if val is not None else "—", **{"tok/s": f"{rate:,.0f}"}))
             if rank == 0:
-                with ctrl_c.saving():
+                with ctrl_c.saving(last=True):
                     _report(run_, out, status, start)
         except Diverged as err:
             if rank == 0:
