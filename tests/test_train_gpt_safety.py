@@ -148,6 +148,8 @@ def test_the_optimizers_refuse_what_they_cannot_train():
         AdamW(full).step(float("nan"))
     with pytest.raises(ShapeError, match="dtype must be one of float32, float64"):
         TrainConfig(dtype="float16").resolved()
+    with pytest.raises(ShapeError, match="dtype must be float16, float32 or float64"):
+        GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=8, dtype="bfloat16")
 
 
 # --- what --resume reads -------------------------------------------------------------------------
@@ -165,6 +167,12 @@ def _damage_config(out):
     (out / "config.json").write_text(json.dumps(meta))
 
 
+def _infinite_lr(out):
+    meta = json.loads((out / "config.json").read_text())
+    meta["extra"]["train"]["config"]["lr"] = float("inf")  # JSON's Infinity
+    (out / "config.json").write_text(json.dumps(meta))
+
+
 def _damage_log(out):
     (out / "log.json").write_text('{"evals": [')
 
@@ -177,6 +185,7 @@ def _truncate_optim(out):
 @pytest.mark.parametrize("damage, said", [
     (_damage_config, "config.json: the model's config disagrees with the run's training config: dtype 'float64' "
                      "(the training config makes 'float32')"),
+    (_infinite_lr, "config.json: bad training state under extra.train: lr must be a finite number"),
     (_damage_log, "log.json"),
     (_truncate_optim, "optim.safetensors (damaged or truncated?)"),
 ])
