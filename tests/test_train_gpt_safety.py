@@ -51,6 +51,7 @@ def _qkv(*args, env=None, **kw) -> subprocess.Popen:
 
 # --- a diverging run ---------------------------------------------------------------------------
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # diverging: NumPy warns of its overflows
 def test_a_diverging_run_stops_and_keeps_its_last_good_checkpoint(corpus_file, tmp_path, capsys):
     """lr 100 with a checkpoint every step: the run ends with status 1 and a message naming the
     step, what went non-finite and the cure, and what the folder keeps is a run that loads,
