@@ -53,6 +53,9 @@ def main(argv=None) -> int:
     except (ShapeError, MissingExtra, UsageError) as err:
         print(f"qkv {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the shell's status for SIGINT, and no traceback
+        print(f"\nqkv {args.command}: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # `qkv demo | head`: the reader left; not an error of ours
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush cannot fail again

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import numbers
+import os
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -13,10 +15,15 @@ class UsageError(Exception):
 
 
 def out_folder(path, option: str = "--out") -> Path:
-    """Make ``path`` a folder (parents too) before any work is done, or raise UsageError naming ``option``."""
+    """Make ``path`` a folder (parents too) that qkv can write into, before any work is done, or
+    raise UsageError naming ``option``. Writing is tried (a file made and removed): permission
+    bits do not tell, a read-only file system or an ACL can refuse what they allow."""
     folder = Path(path)
     try:
         folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".qkv-write-test-", dir=folder)
+        os.close(fd)
+        os.remove(probe)
     except OSError as err:
         raise UsageError(f"{option} must be a folder qkv can write to; {str(folder)!r}: {err.strerror}") from None
     return folder

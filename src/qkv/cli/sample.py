@@ -30,8 +30,8 @@ def run(args) -> int:
 
     if args.tokens < 0:
         raise UsageError(f"--tokens must be >= 0; got {args.tokens}")
-    if not args.temperature > 0:
-        raise UsageError(f"--temperature must be > 0; got {args.temperature}")
+    if not 0 < args.temperature < float("inf"):
+        raise UsageError(f"--temperature must be a finite number > 0; got {args.temperature}")
     if args.top_k < 0:
         raise UsageError(f"--top-k must be >= 0; got {args.top_k}")
     if not (Path(args.dir) / "config.json").is_file():

@@ -28,8 +28,9 @@ characters.
 --out (default out-gpt) gets model.safetensors, config.json (model, vocabulary, training
 state), optim.safetensors (AdamW's state), log.json (each evaluation's step, train and val
 loss; every step's batch loss) and loss.png, saved at every evaluation. Ctrl-C stops after
-the current step and saves; --resume continues a run where it stopped, with the same losses
-as a run that never stopped. Then: qkv sample DIR.
+the current step, saves and exits 130 (again: aborts, never in the middle of a save); --resume
+continues a run where it stopped, with the same losses as a run that never stopped. A run whose
+loss or gradients stop being finite stops before saving (exit 1): lower --lr. Then: qkv sample DIR.
 
 Under MPI, every rank of `mpiexec -n W qkv train gpt ...` trains together (--parallel data,
 the default there: each rank takes batch-size/W rows of every batch; --parallel context: each
@@ -55,6 +56,8 @@ OPTIONS = [
     ("--eval-interval", "eval_interval", int, "steps between evaluations (and checkpoints)"),
     ("--eval-iters", "eval_iters", int, "batches of each split per evaluation"),
 ]
+# TrainConfig field -> the flag a user typed, so errors name what the user can change.
+FLAGS = {name: flag for flag, name, _, _ in OPTIONS}
 # What --resume may change: the rest is the run's model, optimizer or data stream.
 RESUMABLE = {"steps", "eval_interval", "eval_iters", "lr_decay_steps"}
 SHAKESPEARE = "shakespeare"
@@ -106,9 +109,9 @@ def _new_run(args, out: Path):
 
     if (out / "config.json").exists():
         raise UsageError(f"{out} already holds a run: continue it with --resume, or choose another --out")
+    cfg = replace(TrainConfig(), **_given(args)).resolved(FLAGS)  # before reading (or fetching) the text
     source = str(Path(args.data).resolve()) if args.data else SHAKESPEARE
     text = _read_text(source)
-    cfg = replace(TrainConfig(), **_given(args))
     dataset = CharDataset(text)
     return new_run(cfg, dataset, source, text), dataset
 
@@ -129,7 +132,7 @@ def _resumed_run(args, out: Path):
         said = ", ".join(f"--{k.replace('_', '-')} {v} (the run has {getattr(run.cfg, k)})" for k, v in fixed.items())
         raise UsageError(f"--resume cannot change the run's model, optimizer or data stream: {said}")
     run.cfg = replace(run.cfg, **{k: v for k, v in given.items() if k in RESUMABLE})
-    run.cfg.check()
+    run.cfg.check(FLAGS)
     if run.cfg.steps < run.step:
         raise UsageError(f"--steps {run.cfg.steps}: the run in {out} is already at step {run.step}")
     source = str(Path(args.data).resolve()) if args.data else run.data["source"]
@@ -143,32 +146,65 @@ def _resumed_run(args, out: Path):
     return run, dataset
 
 
-@contextmanager
-def _stop_on_ctrl_c():
-    """Yields ``stop()``: True once Ctrl-C was pressed (a second Ctrl-C interrupts at once)."""
-    pressed = []
-    if sys.platform == "win32" or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        yield lambda: False  # not the main thread's default handler: leave it alone
-        return
+class CtrlC:
+    """Ctrl-C while training: the first stops the run after the current step (``pressed()``
+    says so) and saves it; a second aborts at once (KeyboardInterrupt), keeping the last
+    checkpoint. While ``with ctrl_c.saving():`` writes files, Ctrl-C waits for them to be
+    complete: a checkpoint or a plot is written whole or not at all, never in part. Twice
+    during a save of a running run aborts once that save is complete; during the save of a
+    stopping run (the last one) it changes nothing."""
 
-    def handler(signum, frame):
-        if pressed:
+    def __init__(self):
+        self.presses, self.depth, self.abort = 0, 0, False
+
+    def pressed(self) -> bool:
+        return self.presses > 0
+
+    def handler(self, signum, frame):
+        self.presses += 1
+        if self.depth:
+            self.abort = self.presses > 1
+            print("\nsaving: Ctrl-C takes effect once the files are complete", file=sys.stderr)
+        elif self.presses > 1:
             raise KeyboardInterrupt
-        pressed.append(True)
-        print("\nstopping after this step and saving (Ctrl-C again to abort)", file=sys.stderr)
-    signal.signal(signal.SIGINT, handler)
-    try:
-        yield lambda: bool(pressed)
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        else:
+            print("\nstopping after this step and saving (Ctrl-C again to abort)", file=sys.stderr)
+
+    @contextmanager
+    def saving(self, last: bool = False):
+        last = last or self.presses > 0  # the run is ending: this save is its last, let it finish the rest
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+        if self.abort and not last and not self.depth:
+            raise KeyboardInterrupt
+
+    @classmethod
+    @contextmanager
+    def installed(cls):
+        """A CtrlC handling SIGINT meanwhile (where the main thread's default handler is in place;
+        elsewhere one that never fires)."""
+        ctrl_c = cls()
+        if sys.platform == "win32" or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+            yield ctrl_c  # not the main thread's default handler: leave it alone
+            return
+        signal.signal(signal.SIGINT, ctrl_c.handler)
+        try:
+            yield ctrl_c
+        finally:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def run(args) -> int:
     require("safetensors", "models")
-    out = out_folder(args.out)
+    out = Path(args.out)
     mode = args.parallel or ("data" if mpiexec_ranks() > 1 else None)
     if mode is None:
-        return _train(args, out, *(_resumed_run if args.resume else _new_run)(args, out))
+        run_, dataset = (_resumed_run if args.resume else _new_run)(args, out)
+        out_folder(out)  # made (and tried) only once the run is checked: a refused run leaves nothing
+        return _train(args, out, run_, dataset)
     require("mpi4py", "mpi")
     with abort_on_error(True):
         return _train_parallel(args, out, mode)
@@ -186,34 +222,72 @@ def _train_parallel(args, out: Path, mode: str) -> int:
     comm = MPI.COMM_WORLD
 
     given = [(k, v) for k, v in sorted(vars(args).items()) if not callable(v)]
-    run_, dataset = agree(comm, "qkv train gpt", lambda: (_resumed_run if args.resume else _new_run)(args, out),
-                          {"arguments": given})
+
+    def make():
+        made = (_resumed_run if args.resume else _new_run)(args, out)
+        if comm.Get_rank() == 0:
+            out_folder(out)  # rank 0 writes; a refusal there stops every rank before the first step
+        return made
+    run_, dataset = agree(comm, "qkv train gpt", make, {"arguments": given})
     return _train(args, out, parallelize(run_, mode, comm=comm), dataset, comm)
 
 
 def _train(args, out: Path, run_, dataset, comm=None) -> int:
-    """Train ``run_``; with ``comm`` every rank calls this and rank 0 alone prints and writes."""
-    from ..models.runfiles import save_run
-    from ..models.training import train
+    """Train ``run_``; with ``comm`` every rank calls this and rank 0 alone prints and writes.
+    Returns the exit status: 0 done, 130 stopped or aborted by Ctrl-C, 1 diverged."""
+    from ..models.training import Diverged, train
 
     rank = 0 if comm is None else comm.Get_rank()
     cfg, start = run_.cfg, run_.step
+    saved = [start if args.resume else None]  # the step of the checkpoint in --out
     if rank == 0:
         print(f"{'resuming at step ' + str(start) + ' of' if args.resume else 'training'} {cfg.steps} steps: "
               f"{_describe(run_, dataset, comm)}", flush=True)
-    checkpoint = (lambda r: save_run(r, out)) if rank == 0 else None
-    with _stop_on_ctrl_c() as pressed:
-        stop = pressed if comm is None else _agreed(comm, pressed)
-        if args.no_progress or rank:
-            status = train(run_, dataset, checkpoint=checkpoint, stop=stop)
-        else:
-            with progress_bar("gpt", cfg.steps, "loss", "val", "tok/s", remaining=True, completed=start) as update:
-                status = train(run_, dataset, checkpoint=checkpoint, stop=stop,
-                               progress=lambda step, loss, val, rate: update(
-                                   loss=loss, val=val if val is not None else "—", **{"tok/s": f"{rate:,.0f}"}))
-    if rank == 0:
-        _report(run_, out, status, start)
-    return 0
+    with CtrlC.installed() as ctrl_c:
+        checkpoint = (lambda r: _save(r, out, ctrl_c, saved)) if rank == 0 else None
+        stop = ctrl_c.pressed if comm is None else _agreed(comm, ctrl_c.pressed)
+        try:
+            if args.no_progress or rank:
+                status = train(run_, dataset, checkpoint=checkpoint, stop=stop)
+            else:
+                with progress_bar("gpt", cfg.steps, "loss", "val", "tok/s", remaining=True, completed=start) as update:
+                    status = train(run_, dataset, checkpoint=checkpoint, stop=stop,
+                                   progress=lambda step, loss, val, rate: update(
+                                       loss=loss, val=val if val is not None else "—", **{"tok/s": f"{rate:,.0f}"}))
+            if rank == 0:
+                with ctrl_c.saving(last=True):
+                    _report(run_, out, status, start)
+        except Diverged as err:
+            if rank == 0:
+                print(f"qkv train gpt: error: {err}.\n{_kept(out, saved[0])}; start a new run (another --out) "
+                      f"with a lower --lr", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            if rank == 0:
+                again = f" (continue it with: qkv train gpt --out {out} --resume)" if saved[0] is not None else ""
+                print(f"\naborted at step {run_.step} of {cfg.steps}. {_kept(out, saved[0])}{again}",
+                      file=sys.stderr)
+            return 130
+    return 130 if status == "stopped" else 0
+
+
+def _save(run_, out: Path, ctrl_c: CtrlC, saved: list) -> None:
+    """The checkpoint: the run's files written whole (a Ctrl-C waits), or the folder as it was."""
+    from ..models.runfiles import save_run
+
+    with ctrl_c.saving():
+        try:
+            save_run(run_, out)
+        except OSError as err:
+            raise UsageError(f"cannot save step {run_.step} into --out {str(out)!r}: {err}. "
+                             f"{_kept(out, saved[0])}") from None
+        saved[0] = run_.step
+
+
+def _kept(out: Path, step) -> str:
+    if step is None:
+        return f"Nothing was saved to {out}"
+    return f"{out} keeps the checkpoint of step {step}"
 
 
 def _agreed(comm, pressed):

@@ -58,8 +58,9 @@ class GPTConfig:
     ``"gelu_tanh"`` (GPT-2's), ``"gelu"`` or ``"swiglu"``. ``n_inner``: MLP width (None =
     ``4 n_embd``). ``dropout``: nanoGPT's, in ``train()`` mode only: on the embeddings'
     sum, on each block's two branches, and on the attention weights (qkv's ``dropout_p``,
-    its keep-mask seeded per call from the model's generator). ``dtype``: float32, or
-    float64 for checks. ``seed``: the initial weights and the dropout masks.
+    its keep-mask seeded per call from the model's generator). ``dtype``: float32, float64
+    for checks, or float16 for inference only (:class:`qkv.nn.AdamW` refuses to train it:
+    train in float32 and cast). ``seed``: the initial weights and the dropout masks.
     """
 
     vocab_size: int

@@ -30,6 +30,7 @@ import numpy as np
 from ..errors import ShapeError
 from ..extras import require
 from .chardata import CharTokenizer
+from .checkpoint import CheckpointError, read_json
 from .training import Run, TrainConfig, make_optimizer
 
 FILES = ("model.safetensors", "config.json", "optim.safetensors", "log.json")
@@ -73,15 +74,23 @@ def save_state(state, path) -> None:
 
 
 def load_state(path):
-    """What :func:`save_state` wrote, arrays and NumPy scalars with their dtypes."""
+    """What :func:`save_state` wrote, arrays and NumPy scalars with their dtypes; a file that is
+    not one (truncated, damaged, another kind) is a CheckpointError naming it."""
     st = require("safetensors", "models")
     require("safetensors.numpy", "models")
-    with st.safe_open(str(path), framework="numpy") as f:
-        meta = f.metadata() or {}
-        arrays = {k: f.get_tensor(k) for k in f.keys()}
-    if "qkv_state" not in meta:
-        raise ShapeError(f"{path} was not written by qkv's save_state (no qkv_state metadata)")
-    return _unflatten(json.loads(meta["qkv_state"]), arrays)
+    try:
+        with st.safe_open(str(path), framework="numpy") as f:
+            meta = f.metadata() or {}
+            arrays = {k: f.get_tensor(k) for k in f.keys()}
+        skeleton = json.loads(meta["qkv_state"]) if "qkv_state" in meta else None
+    except Exception as err:  # safetensors raises its own error types; json a ValueError
+        raise CheckpointError(f"cannot read {path} (damaged or truncated?): {type(err).__name__}: {err}") from None
+    if skeleton is None:
+        raise CheckpointError(f"{path} was not written by qkv's save_state (no qkv_state metadata)")
+    try:
+        return _unflatten(skeleton, arrays)
+    except (KeyError, TypeError) as err:
+        raise CheckpointError(f"{path}: its qkv_state metadata does not match its tensors ({err!r})") from None
 
 
 def save_run(run: Run, folder) -> None:
@@ -101,34 +110,63 @@ def save_run(run: Run, folder) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _restore(rng: np.random.Generator, state: dict, what: str) -> None:
+def _restore(rng: np.random.Generator, state, what: str, where) -> None:
     kind = type(rng.bit_generator).__name__
-    if state.get("bit_generator") != kind:
-        raise ShapeError(f"the saved {what} is a {state.get('bit_generator')} Generator; this one is a {kind}")
-    rng.bit_generator.state = state
+    saved = state.get("bit_generator") if isinstance(state, dict) else None
+    if saved != kind:
+        raise CheckpointError(f"{where}: the saved {what} must be a {kind} Generator's state; got {saved!r}")
+    try:
+        rng.bit_generator.state = state
+    except (TypeError, ValueError, KeyError) as err:
+        raise CheckpointError(f"{where}: the saved {what}'s state is damaged: {err}") from None
 
 
 def load_run(folder) -> Run:
-    """The run saved in ``folder``, ready for :func:`qkv.models.training.train` to continue."""
+    """The run saved in ``folder``, ready for :func:`qkv.models.training.train` to continue.
+
+    Every file is checked against the others before anything is trusted: a damaged or
+    truncated file, a config.json whose model (dtype included) is not the one its training
+    config makes, or files from different saves are a CheckpointError naming the file."""
     from . import load_gpt
+    from .training import gpt_config
 
     folder = Path(folder)
     missing = [n for n in FILES if not (folder / n).is_file()]
     if missing:
-        raise ShapeError(f"{folder} is not a complete training run: {', '.join(missing)} missing")
+        raise CheckpointError(f"{folder} is not a complete training run: {', '.join(missing)} missing")
     model, extra = load_gpt(folder)
-    if not isinstance(extra, dict) or "train" not in extra:
-        raise ShapeError(f"{folder} holds a GPT but not a run of qkv train gpt (its config has no training state)")
+    where = folder / "config.json"
+    if not isinstance(extra, dict) or not isinstance(extra.get("train"), dict):
+        raise CheckpointError(f"{folder} holds a GPT but not a run of qkv train gpt (its config has no training state)")
     train = extra["train"]
-    cfg = TrainConfig.from_dict(train["config"])
+    try:
+        cfg = TrainConfig.from_dict(train["config"]).resolved()
+        tokenizer = CharTokenizer.from_dict(extra.get("tokenizer"))
+        step, seconds, data = int(train["step"]), float(train["seconds"]), dict(train["data"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(f"{where}: bad training state under extra.train: {err}") from None
+    made = gpt_config(cfg, tokenizer.vocab_size)
+    differ = [f"{k} {v!r} (the training config makes {made.to_dict()[k]!r})"
+              for k, v in model.config.to_dict().items() if v != made.to_dict()[k]]
+    if differ:
+        raise CheckpointError(f"{where}: the model's config disagrees with the run's training config: "
+                              f"{', '.join(differ)}; was config.json edited?")
     opt = make_optimizer(model, cfg)
-    opt.load_state_dict(load_state(folder / "optim.safetensors"))
+    try:
+        opt.load_state_dict(load_state(folder / "optim.safetensors"))
+    except CheckpointError:
+        raise
+    except ShapeError as err:
+        raise CheckpointError(f"{folder / 'optim.safetensors'}: {err}") from None
     rng = np.random.default_rng()
-    _restore(rng, train["rng"], "data stream")
-    _restore(model.rng, train["model_rng"], "model's Generator")  # in place: the dropout layers share it
-    log = json.loads((folder / "log.json").read_text())
-    if len(log["losses"]) != train["step"]:
-        raise ShapeError(f"{folder}/log.json has {len(log['losses'])} step losses, the checkpoint is at step "
-                         f"{train['step']}: the files come from different saves")
-    return Run(cfg, model, opt, rng, CharTokenizer.from_dict(extra["tokenizer"]), train["data"],
-               step=train["step"], seconds=train["seconds"], log=log)
+    _restore(rng, train.get("rng"), "data stream", where)
+    _restore(model.rng, train.get("model_rng"), "model's Generator", where)  # in place: the dropout layers share it
+    log = read_json(folder / "log.json")
+    if not (isinstance(log.get("losses"), list) and isinstance(log.get("evals"), list)):
+        raise CheckpointError(f"{folder / 'log.json'} must hold {{\"evals\": [...], \"losses\": [...]}}; "
+                              f"got the keys {sorted(log)}")
+    for what, n in (("log.json has", len(log["losses"])), ("optim.safetensors is at", opt.t)):
+        if n != step:
+            raise CheckpointError(f"{folder}: {what} {n} steps, config.json {step}: the files come from "
+                                  f"different saves")
+    return Run(cfg, model, opt, rng, tokenizer, data, step=step, seconds=seconds, log=log)

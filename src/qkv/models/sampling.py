@@ -39,14 +39,22 @@ def _prompts(idx) -> tuple[list[np.ndarray], str]:
 
 def sample(logits: np.ndarray, temperature: float, top_k: int | None, rng: np.random.Generator) -> np.ndarray:
     """One token per row of ``logits (B, V)``: the argmax for ``temperature == 0``, else a draw
-    from ``softmax(logits / temperature)`` over the ``top_k`` largest (all when None)."""
+    from ``softmax(logits / temperature)`` over the ``top_k`` largest (all when None).
+
+    The scores are shifted by their maximum before the division, ``z = (logits - max) / temperature``
+    (the softmax is the same), so a tiny temperature drives every score but the largest to
+    ``-inf`` and the draw to the argmax, as the limit says, instead of overflowing to
+    ``inf - inf = NaN``."""
     if temperature == 0 or top_k == 1:
         return np.argmax(logits, axis=-1)
-    z = logits.astype(np.float64) / temperature
+    z = logits.astype(np.float64)
+    z -= z.max(axis=-1, keepdims=True)                              # <= 0, the largest 0
+    with np.errstate(over="ignore"):
+        z /= temperature                                            # -inf where it overflows: weight 0
     if top_k is not None and top_k < z.shape[-1]:
         kth = np.partition(z, -top_k, axis=-1)[:, -top_k][:, None]  # (B, 1): the k-th largest
         z = np.where(z < kth, -np.inf, z)
-    p = np.exp(z - z.max(axis=-1, keepdims=True))
+    p = np.exp(z)
     cdf = np.cumsum(p, axis=-1)                                     # (B, V), unnormalised
     u = rng.random(len(z))[:, None] * cdf[:, -1:]
     return np.minimum((cdf <= u).sum(axis=-1), z.shape[-1] - 1)     # inverse CDF
@@ -89,8 +97,8 @@ def generate(model, idx, max_new_tokens: int, *, temperature: float = 1.0, top_k
     """
     seqs, form = _prompts(idx)
     max_new_tokens = positive_int("max_new_tokens", max_new_tokens, 0)
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
-        raise ShapeError(f"temperature must be a number >= 0; got {temperature!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature < np.inf:
+        raise ShapeError(f"temperature must be a finite number >= 0; got {temperature!r}")
     if top_k is not None:
         top_k = positive_int("top_k", top_k)
     for n, s in enumerate(seqs):

@@ -29,8 +29,11 @@ evaluating never moves the training stream.
 from __future__ import annotations
 
 import hashlib
+import math
+import os
 import time
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 
 import numpy as np
 
@@ -65,31 +68,47 @@ class TrainConfig:
     seed: int = 0
     dtype: str = "float32"
 
-    def resolved(self) -> "TrainConfig":
-        """A copy with ``min_lr`` and ``lr_decay_steps`` filled in, checked."""
+    def resolved(self, names=None) -> "TrainConfig":
+        """A copy with ``min_lr`` and ``lr_decay_steps`` filled in, checked (see :meth:`check`)."""
         cfg = TrainConfig(**asdict(self))
+        cfg.check(names)  # before filling in: a bad --steps is named, not the lr_decay_steps it makes
         cfg.min_lr = cfg.lr / 10 if cfg.min_lr is None else cfg.min_lr
         cfg.lr_decay_steps = cfg.steps if cfg.lr_decay_steps is None else cfg.lr_decay_steps
-        cfg.check()
+        cfg.check(names)
         return cfg
 
-    def check(self) -> None:
-        for name in ("block_size", "batch_size", "n_layer", "n_head", "n_embd", "eval_interval", "eval_iters"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ShapeError(f"{name} must be an int >= 1; got {getattr(self, name)!r}")
-        for name in ("steps", "warmup", "seed"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
-                raise ShapeError(f"{name} must be an int >= 0; got {getattr(self, name)!r}")
+    def check(self, names=None) -> None:
+        """A ShapeError for a value no run can train with: counts below their minimum, a rate or
+        hyper-parameter that is not a finite number in its range (``lr = inf`` would make every
+        weight NaN at the first step). ``names`` maps a field to the name shown for it (the
+        command line shows its flags: ``--n-embd`` for ``n_embd``); unnamed fields show as is."""
+        show = (lambda f: f) if names is None else (lambda f: names.get(f, f))
+        for name, low in (("block_size", 1), ("batch_size", 1), ("n_layer", 1), ("n_head", 1), ("n_embd", 1),
+                          ("eval_interval", 1), ("eval_iters", 1), ("steps", 1), ("warmup", 0), ("seed", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ShapeError(f"{show(name)} must be an int >= {low}; got {value!r}")
         if self.n_embd % self.n_head:
-            raise ShapeError(f"n_embd must be a multiple of n_head; got n_embd = {self.n_embd}, n_head = {self.n_head}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ShapeError(f"dropout must lie in [0, 1); got {self.dropout}")
-        if not self.lr > 0 or (self.min_lr is not None and not 0 <= self.min_lr <= self.lr):
-            raise ShapeError(f"lr must be > 0 and min_lr in [0, lr]; got lr = {self.lr}, min_lr = {self.min_lr}")
-        if self.lr_decay_steps is not None and self.lr_decay_steps < 1:
-            raise ShapeError(f"lr_decay_steps must be >= 1; got {self.lr_decay_steps}")
+            raise ShapeError(f"{show('n_embd')} must be a multiple of {show('n_head')}; "
+                             f"got {show('n_embd')} {self.n_embd}, {show('n_head')} {self.n_head}")
+        for name, low, high, closed in (("lr", 0.0, math.inf, False), ("dropout", 0.0, 1.0, True),
+                                        ("weight_decay", 0.0, math.inf, True), ("beta1", 0.0, 1.0, True),
+                                        ("beta2", 0.0, 1.0, True), ("grad_clip", 0.0, math.inf, False)):
+            value = getattr(self, name)
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if not ok or not (low <= value if closed else low < value) or not value < high:
+                where = f"{'[' if closed else '('}{low:g}, {high:g})"
+                raise ShapeError(f"{show(name)} must be a finite number in {where}; got {value!r}")
+        if self.min_lr is not None and (isinstance(self.min_lr, bool) or not isinstance(self.min_lr, (int, float))
+                                        or not 0 <= self.min_lr <= self.lr):
+            raise ShapeError(f"{show('min_lr')} must be a number in [0, {show('lr')}] = [0, {self.lr:g}]; "
+                             f"got {self.min_lr!r}")
+        if self.lr_decay_steps is not None and (isinstance(self.lr_decay_steps, bool)
+                                                or not isinstance(self.lr_decay_steps, int) or self.lr_decay_steps < 1):
+            raise ShapeError(f"{show('lr_decay_steps')} must be an int >= 1; got {self.lr_decay_steps!r}")
         if self.dtype not in DTYPES:
-            raise ShapeError(f"dtype must be one of {tuple(DTYPES)}; got {self.dtype!r}")
+            raise ShapeError(f"{show('dtype')} must be one of {', '.join(DTYPES)} (training keeps its weights and "
+                             f"AdamW's moments in it; float16 cannot hold AdamW's eps = 1e-8); got {self.dtype!r}")
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
@@ -187,15 +206,49 @@ def evaluate(model, dataset: CharDataset, cfg: TrainConfig) -> dict:
         model.train()
 
 
+class Diverged(RuntimeError):
+    """The run's numbers stopped being finite: a batch loss, the gradients, an evaluation or the
+    weights. ``step`` is the update that failed (1-based, as the log counts) and ``what`` says
+    which number; the run is left unsaved there, so the folder keeps its last good checkpoint."""
+
+    def __init__(self, step: int, what: str, cfg: TrainConfig):
+        self.step, self.what = step, what
+        super().__init__(f"the run diverged at step {step}: {what}. A lower learning rate (this run's peak: "
+                         f"lr = {cfg.lr:g}) or more warm-up steps (warmup = {cfg.warmup}) usually keeps it finite")
+
+
 def train_step(run: Run, x: np.ndarray, y: np.ndarray) -> float:
-    """One update from the batch ``x, y (B, T)``; returns the batch's loss (before the update)."""
+    """One update from the batch ``x, y (B, T)``; returns the batch's loss (before the update).
+
+    A non-finite loss or gradient raises :class:`Diverged` before the update: the weights and
+    AdamW's moments are those of the step before."""
     lr = lr_at(run.step, run.cfg)
     loss = float(run.model.loss(x, y))
+    if not math.isfinite(loss):
+        raise Diverged(run.step + 1, f"the batch loss is {loss}", run.cfg)
     run.model.backward()
+    norm = run.opt.grad_norm()
+    if not math.isfinite(norm):
+        bad = [name for name, g in run.model.grads.items() if not np.isfinite(g).all()]
+        raise Diverged(run.step + 1, f"the gradients are not finite ({', '.join(bad[:3])}"
+                       f"{f' and {len(bad) - 3} more' if len(bad) > 3 else ''}; the batch loss was {loss:.4g})",
+                       run.cfg)
     run.opt.step(lr)
     run.step += 1
     run.log["losses"].append(loss)
     return loss
+
+
+def check_finite(run: Run) -> None:
+    """Raise :class:`Diverged` unless the run's weights and its latest evaluation are finite:
+    asked before every checkpoint, so a saved run is always one that can continue."""
+    bad = [name for name, p in run.model.params.items() if not np.isfinite(p).all()]
+    if bad:
+        raise Diverged(run.step, f"the weights are not finite after the update ({', '.join(bad[:3])})", run.cfg)
+    last = run.log["evals"][-1] if run.log["evals"] else None
+    if last is not None and not (math.isfinite(last["train_loss"]) and math.isfinite(last["val_loss"])):
+        raise Diverged(run.step, f"the evaluation's losses are train {last['train_loss']}, val {last['val_loss']}",
+                       run.cfg)
 
 
 def _log_eval(run: Run, dataset: CharDataset) -> dict:
@@ -214,7 +267,11 @@ def train(run: Run, dataset: CharDataset, *, checkpoint=None, progress=None, sto
     and calls ``checkpoint(run)`` after each of those evaluations (the CLI saves the run
     there). ``progress(step, loss, val_loss, tokens_per_s)`` follows every step (``val_loss``:
     the latest evaluation's, None before one). ``stop()`` is asked after every step; when it
-    says True the run is checkpointed at that step and ``"stopped"`` is returned."""
+    says True the run is checkpointed at that step and ``"stopped"`` is returned.
+
+    A run whose loss, gradients, evaluation or weights stop being finite raises
+    :class:`Diverged` before anything of it is checkpointed: the last checkpoint stays the
+    last good one."""
     cfg = run.cfg
     check_data(cfg, dataset)
     progress = progress or (lambda *a: None)
@@ -237,9 +294,11 @@ def train(run: Run, dataset: CharDataset, *, checkpoint=None, progress=None, sto
         progress(run.step, loss, val, rate)
         if stop is not None and stop() and run.step < cfg.steps:
             if checkpoint:
+                check_finite(run)
                 checkpoint(run)
             return "stopped"
         if evaluated and checkpoint:
+            check_finite(run)
             checkpoint(run)
     return "done"
 
@@ -262,4 +321,7 @@ def plot_log(log: dict, path, title: str = "qkv train gpt") -> None:
     ax.set_ylabel("cross-entropy (nats per character)")
     ax.set_title(title)
     ax.legend()
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}")  # drawn beside, then moved: the old picture or the new one, never half
+    fig.savefig(tmp, dpi=120, bbox_inches="tight")
+    os.replace(tmp, path)

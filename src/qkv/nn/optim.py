@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 
 import numpy as np
@@ -45,6 +46,34 @@ def cross_entropy(logits, targets) -> tuple[float, np.ndarray]:
     return loss, (d / t.size).reshape(logits.shape).astype(logits.dtype, copy=False)
 
 
+TRAINABLE = (np.float32, np.float64)  # the parameter dtypes the optimizers update
+
+
+def check_trainable(layers, who: str) -> None:
+    """A ShapeError unless every parameter of ``layers`` is float32 or float64. The optimizers
+    keep their moments in each parameter's dtype, and float16 cannot: ``eps = 1e-8`` is 0
+    there, ``v`` underflows, and one step turns most weights to NaN. Mixed precision (float32
+    master weights beside float16 ones) is not what these optimizers do: train in float32 and
+    cast the trained weights for float16 inference."""
+    for n, layer in enumerate(layers):
+        for name, p in layer.params.items():
+            if p.dtype not in TRAINABLE:
+                where = name if len(layers) == 1 else f"layers[{n}].{name}"
+                raise ShapeError(f"{who} updates float32 or float64 parameters; {where} is {p.dtype} (its moments "
+                                 f"and eps = 1e-8 would underflow to 0 and the step make NaN): train in float32 "
+                                 f"and cast the trained weights for {p.dtype} inference")
+
+
+def check_rate(name: str, value, low: float = 0.0, high: float = math.inf, *, closed: bool = True) -> float:
+    """``value`` as a float, or a ShapeError unless it is a finite number in ``[low, high)``
+    (``(low, high)`` with ``closed=False``)."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or not (low <= value if closed else low < value) or not value < high:
+        raise ShapeError(f"{name} must be a finite number in {'[' if closed else '('}{low:g}, {high:g}); "
+                         f"got {value!r}")
+    return float(value)
+
+
 class Adam:
     """Adam (Kingma & Ba, 2015) over the ``params``/``grads`` of a list of layers.
 
@@ -61,6 +90,7 @@ class Adam:
                 raise ShapeError(f"layers must be qkv.nn layers (objects with params and grads dicts, as the "
                                  f"optimizer updates layer.params from layer.grads); layers[{n}] is "
                                  f"{type(layer).__name__}")
+        check_trainable(self.layers, "Adam")
         self.lr, self.b1, self.b2, self.eps = lr, betas[0], betas[1], eps
         self.weight_decay, self.clip = weight_decay, clip
         self.t = 0
@@ -119,10 +149,12 @@ class AdamW:
             if not all(isinstance(getattr(layer, name, None), Mapping) for name in ("params", "grads")):
                 raise ShapeError(f"layers must be qkv.nn layers or models (with params and grads dicts); "
                                  f"layers[{n}] is {type(layer).__name__}")
-        if clip is not None and not clip > 0:
-            raise ShapeError(f"clip must be a number > 0 or None; got {clip!r}")
-        self.lr, self.b1, self.b2, self.eps = float(lr), float(betas[0]), float(betas[1]), float(eps)
-        self.weight_decay, self.clip = float(weight_decay), clip
+        check_trainable(self.layers, "AdamW")
+        if clip is not None:
+            clip = check_rate("clip (or None)", clip, closed=False)
+        self.lr, self.eps = check_rate("lr", lr), check_rate("eps", eps, closed=False)
+        self.b1, self.b2 = check_rate("betas[0]", betas[0], high=1.0), check_rate("betas[1]", betas[1], high=1.0)
+        self.weight_decay, self.clip = check_rate("weight_decay", weight_decay), clip
         self.t = 0
         self.keys, self.slots = [], []  # one slot per array: (layer, name, m, v, decays)
         for i, layer in enumerate(self.layers):
@@ -140,7 +172,7 @@ class AdamW:
     def step(self, lr: float | None = None) -> float:
         """One update from the layers' current ``grads`` (clipped first when ``clip`` is set;
         the grads are left unchanged). Returns the global gradient norm before clipping."""
-        lr = self.lr if lr is None else float(lr)
+        lr = self.lr if lr is None else check_rate("lr", lr)
         norm = self.grad_norm()
         coef = 1.0 if self.clip is None else min(1.0, self.clip / (norm + 1e-6))
         self.t += 1
@@ -193,9 +225,9 @@ class AdamW:
         for key, (_, _, m, v, _) in zip(self.keys, self.slots):
             for slot, array in (("m", m), ("v", v)):
                 new = np.asarray(state[f"{slot}/{key}"])
-                if new.shape != array.shape:
-                    raise ShapeError(f"{slot}/{key} must have shape {fmt_shape(array.shape)}; "
-                                     f"got {fmt_shape(new.shape)}")
+                if new.shape != array.shape or new.dtype != array.dtype:  # a cast would change the run's bits
+                    raise ShapeError(f"{slot}/{key} must be {array.dtype} of shape {fmt_shape(array.shape)} "
+                                     f"(its parameter's); got {new.dtype} {fmt_shape(new.shape)}")
                 array[...] = new
         self.t = int(np.asarray(state["step"]))
 
