@@ -374,6 +374,6 @@ def judge_hidden(q, k, v, dout, dlse, opts, poison) -> list:
                              f"{int(nf.sum())} (those a row that sees the entry puts it); first wrong at "
                              f"{tuple(int(i) for i in wrong[0])}")
                 continue
-            fails.append(judge(f"{name} {what}", np.where(nf, w.astype(got.dtype), got), w, want.size[what], getattr(base, what),
-                               np.float32))
+            fails.append(judge(f"{name} {what}", np.where(nf, w.astype(got.dtype), got), w, want.size[what],
+                               getattr(base, what), np.float32))
     return [f for f in fails if f]

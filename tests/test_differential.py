@@ -2,7 +2,8 @@
 against the float64 oracle written from the README's definitions (tests/oracle.py).
 
 Entry points: every kernel through the kernel interface at float32 scores up to 1e30
-(``differential.judge_kernels``), ``qkv.attention`` (methods "reference" and "flash"; out with lse and weights,
+(``differential.judge_kernels``) and with a NaN or inf in k or v at a key some rows may not
+see (``differential.judge_hidden``), ``qkv.attention`` (methods "reference" and "flash"; out with lse and weights,
 and out alone), ``qkv.attention_backward`` (both methods), ``qkv.torch.attention`` (forward,
 and autograd through out and lse), ``qkv.nn.MultiHeadAttention`` (self and cross, GQA/MQA,
 RoPE, ALiBi, biases, lengths) and ``qkv.nn.SelfAttention``, and under ``mpiexec -n 2`` and

@@ -172,8 +172,9 @@ def _forward_rows(s, lo, hi, c, sc, cap_in, cap_out, lse, klo, khi, col0, thresh
 def forward_pass(s, lo, hi, c, sc, cap_in, cap_out, lse, klo, khi, col0, thresh, zscale, capped, drop):
     """s (n, Tq, Tk) raw products -> P (times the keep-mask Z where ``drop``) in place;
     lse (n, Tq) = ln Σ_j exp(sc·s_ij) = ln Σ_j 2^(c·s_ij) (``sc`` the scale, ``c = scale·log2 e``;
-    softcapped, ``cap_out·tanh(cap_in·s)``, where ``capped``). ``klo``/``khi`` (n, Tq) uint32: the rows' dropout keys; ``col0``: the first
-    key's column. Each of the four cases its own loops (the flags constants of the inlined body)."""
+    softcapped, ``cap_out·tanh(cap_in·s)``, where ``capped``). ``klo``/``khi`` (n, Tq) uint32:
+    the rows' dropout keys; ``col0``: the first key's column. Each of the four cases its own
+    loops (the flags constants of the inlined body)."""
     if capped and drop:
         _forward_rows(s, lo, hi, c, sc, cap_in, cap_out, lse, klo, khi, col0, thresh, zscale, True, True)
     elif capped:
