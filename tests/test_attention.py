@@ -260,3 +260,24 @@ def test_return_weights_are_the_softmax_of_the_scores():
     np.testing.assert_allclose(w.sum(-1), 1.0)
     s = q @ np.swapaxes(k, -1, -2) / 2.0
     np.testing.assert_allclose(lse[..., 0], qkv.logsumexp(s[..., 0, :3]), rtol=1e-12)
+
+
+@pytest.mark.parametrize("method", ["auto", "flash", "reference"])
+def test_weights_beside_a_kernel_keep_hidden_keys_out(method):
+    # the weights that method="auto"/"flash" take from the dense path beside their kernel go
+    # through the same guard: a NaN in k and v at a key a -inf bias hides from every row but
+    # the last reaches the last row only, in the output and in the weights
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 2, 6, 4)).astype(np.float32) for _ in range(3))
+    k[0, 0, 5, 1] = np.nan
+    v[0, 0, 5, 2] = np.nan
+    bias = np.zeros((6, 6), np.float32)
+    bias[:5, 5] = -np.inf
+    out, w = qkv.attention(q, k, v, bias=bias, return_weights=True, method=method)
+    bad = np.zeros((1, 2, 6), bool)
+    bad[0, 0, 5] = True
+    assert np.array_equal(np.isnan(out).any(axis=-1), bad)
+    assert np.array_equal(np.isnan(w).any(axis=-1), bad)
+    ref = qkv.attention(q.astype(np.float64), np.nan_to_num(k, nan=0.0).astype(np.float64), v.astype(np.float64),
+                        bias=bias, return_weights=True, method="reference")[1]
+    assert np.allclose(w[~bad], ref[~bad], atol=1e-6)

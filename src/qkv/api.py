@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import kernels
-from .kernels import bias_grad, reference, rows, rows_numpy, stacked
+from .kernels import bias_grad, rows, rows_numpy, stacked
 from .kernels.registry import Kernel
 from . import options as opts
 from .errors import ShapeError, as_float_array, fmt_shape
@@ -45,7 +45,7 @@ class _WeightsBeside:
         out, lse, _ = self.kern.forward(q, k, v, spec, scale, group)
         weights = None
         if return_weights:
-            weights = reference.forward(q, k, v, spec, scale, group, return_weights=True)[2]
+            weights = kernels.lookup("reference").forward(q, k, v, spec, scale, group, return_weights=True)[2]
         return out, lse, weights
 
 
