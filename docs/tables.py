@@ -58,8 +58,8 @@ def load(name: str, bench: Path = BENCH) -> dict:
     return record
 
 
-def render(record: dict) -> str:
-    """The Markdown of one record: its command and when, the bench's header lines (machine
+def render(record: dict, name: str | None = None) -> str:
+    """The Markdown of one record (``bench/NAME.json``, linked when ``name`` is given): its command and when, the bench's header lines (machine
     included) in a text block, then each table under its title, its notes in a text block."""
     from qkv_benchmarks import report
 
@@ -70,7 +70,8 @@ def render(record: dict) -> str:
                 f"{record['machine']['cores']} cores")
         if max(load_avg["before"], load_avg["after"]) > 0.5 * record["machine"]["cores"]:
             busy += ": a loaded machine, so the times say little about this CPU's speed"
-    lines = [f"`{record['command']}` (recorded {record['recorded']}{busy}):", "",
+    source = f"; the record: [{name}.json](bench/{name}.json)" if name else ""
+    lines = [f"`{record['command']}` (recorded {record['recorded']}{busy}{source}):", "",
              "```text", *report.header(record), *report.footer(record), "```", ""]
     for table in report.tables(record):
         lines += [f"**{table.title}**", "", table.markdown(), ""]
@@ -101,7 +102,7 @@ def regenerate(text: str, bench: Path = BENCH, docs: Path = DOCS) -> str:
         if m.group("kind") == "experiment":
             body = render_experiment(m.group("name"), m.group("command"), docs)
         else:
-            body = render(load(m.group("name"), bench))
+            body = render(load(m.group("name"), bench), m.group("name"))
         return m.group(1) + body + m.group("end")
     return BLOCK.sub(block, text)
 
