@@ -34,3 +34,14 @@ def test_readme_links_resolve():
     assert local, "the README links to the guide pages"
     missing = [link for link in local if not (ROOT / link).exists()]
     assert not missing, f"README links to files that do not exist: {missing}"
+
+
+def test_pages_repeat_the_readme_commands_verbatim():
+    """A page that shows a set-up line (home, Install) shows one of the README's two, unchanged."""
+    commands = {body.strip() for _, body in FENCED.findall(README.read_text())[:2]}
+    shown = [(page.name, line.strip()) for page in sorted((ROOT / "docs").rglob("*.md"))
+             for _, body in FENCED.findall(page.read_text()) for line in body.splitlines()
+             if line.startswith("python3 -m venv .venv")]
+    assert shown, "the guide shows the README's commands"
+    drifted = [(page, line) for page, line in shown if line not in commands]
+    assert not drifted, f"set-up lines that differ from the README's: {drifted}"
