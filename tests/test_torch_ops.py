@@ -313,6 +313,15 @@ def test_a_bias_that_requires_grad_gets_eagers_gradient(shape, method):
         assert torch.autograd.gradcheck(lambda q, bias: qt.attention(q, k, v, bias=bias, **opts), (q, bias))
 
 
+def test_weights_beside_a_learned_bias_carry_no_gradient():
+    q, k, v = (rand(1, 2, 4, 3, seed=i) for i in range(3))
+    bias = rand(2, 4, 4, seed=3)
+    out, weights = qt.attention(q, k, v, bias=bias, return_weights=True)
+    assert not weights.requires_grad
+    out.sum().backward()
+    assert bias.grad.shape == bias.shape
+
+
 def test_a_learned_bias_in_low_precision_gets_its_own_dtype_and_compiles():
     q, k, v = (rand(1, 2, 6, 8, dtype=torch.float32) for _ in range(3))
     for dtype in (torch.bfloat16, torch.float32):

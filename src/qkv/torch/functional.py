@@ -112,6 +112,7 @@ def attention(q, k, v, *, return_lse=False, return_weights=False, **options):
             result.append(lse)
         if return_weights:
             args = args[:ops.SEED] + (seed,) + args[ops.SEED + 1:]  # the forward's mask
+            args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)  # a learned bias too
             result.append(ops.weights(q.detach(), k.detach(), v.detach(), *args))
     except ShapeError as err:
         raise ShapeError(str(err)) from None  # the caller's line, not our internals
