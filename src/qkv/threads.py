@@ -17,6 +17,15 @@ between qkv's callers, so it drops that claim around each change it makes (see
 not available to test here. Where every loaded BLAS is a pthreads OpenBLAS (NumPy's wheels)
 the hold calls its ``openblas_set_num_threads`` directly: 1.7 µs a hold and release against
 threadpoolctl's 10, a cost every kernel call pays.
+
+**What a result's bits depend on**: the inputs, the options and the thread count, never on
+earlier calls, the process or timing (``tests/test_same_bits.py`` runs every kernel in fresh
+processes after shuffled histories). The reference, the stacked kernel, both row kernels and
+the tiled kernel's forward give the same bits on every thread count of this module; the
+tiled backward one set of bits per count (each thread adds dQ in a buffer of its own). The
+dense kernels' products (the reference, the stacked kernel) run on BLAS's own threads as the
+process set them (``OPENBLAS_NUM_THREADS``), and with OpenBLAS's Haswell kernels a product
+large enough to be split rounds differently on one thread and two: that count is a knob too.
 """
 from __future__ import annotations
 

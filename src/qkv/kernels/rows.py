@@ -25,8 +25,10 @@ not a user mask, bias, ALiBi or lengths), softcap and dropout (:mod:`qkv.score_o
 ``method="auto"`` chooses it where the fast extra is present (:func:`qkv.api.choose_kernel`).
 
 Bits: every head is computed alone, in an order fixed by the problem, so the thread count
-never changes a bit. They are not :mod:`.reference`'s bits (another exponential, another
-order of sums): the kernel is tested against it within float32's error budget.
+never changes a bit, and neither does what ran before: no sum's order depends on where the
+heap put a buffer (:func:`.rows_compiled._sum`). They are not :mod:`.reference`'s bits
+(another exponential, another order of sums): the kernel is tested against it within
+float32's error budget.
 """
 from __future__ import annotations
 

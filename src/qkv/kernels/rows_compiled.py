@@ -44,12 +44,28 @@ def _zero(x):
 
 @numba.njit(inline="always", fastmath=FASTMATH)
 def _exp2_sum(x, c, m, e):
-    """e[:n] = 2^(c·x - m); returns the sum (the scaling in the same loop: one pass, not two)."""
+    """e[:n] = 2^(c·x - m) (the scaling in the same loop); returns the sum, added in a loop of
+    its own that only reads: see :func:`_sum`."""
+    n = x.shape[0]
+    for j in range(n):
+        e[j] = pow2(x[j] * c - m)
+    return _sum(e[:n])
+
+
+@numba.njit(inline="always", fastmath=FASTMATH)
+def _sum(e):
+    """Σ e[j] in the vector order LLVM gives a loop of ``e.shape[0]`` entries: a function of
+    the length alone.
+
+    Never add into a scalar in a loop that also stores to another array: LLVM then compiles
+    the loop twice, vector and scalar, and picks one at run time by how far apart the arrays
+    lie (``e - x < 256`` bytes: scalar, for fear of overlap). The two versions add in other
+    orders, so the sum's bits depended on where the heap put a scratch row: what earlier
+    calls left in a thread's arena (a head after other shapes' calls got other bits than
+    alone, a fresh numba thread's arena other bits than the main thread's)."""
     l = f32(0.0)
-    for j in range(x.shape[0]):
-        t = pow2(x[j] * c - m)
-        e[j] = t
-        l += t
+    for j in range(e.shape[0]):
+        l += e[j]
     return l
 
 
@@ -128,13 +144,12 @@ def _scaled_max(x, a):
 @numba.njit(inline="always", fastmath=FASTMATH)
 def _exp2_below(x, m, e):
     """e[:n] = exp(x - m) = 2^((x - m)·log2 e) of stored scores ``x`` and their max ``m``;
-    returns the sum, at least 1 (the max's term: ``x - m = 0``)."""
-    l = f32(0.0)
-    for j in range(x.shape[0]):
-        t = pow2((x[j] - m) * LOG2E32)
-        e[j] = t
-        l += t
-    return l
+    returns the sum, at least 1 (the max's term: ``x - m = 0``), added in a loop of its own
+    (:func:`_sum`)."""
+    n = x.shape[0]
+    for j in range(n):
+        e[j] = pow2((x[j] - m) * LOG2E32)
+    return _sum(e[:n])
 
 
 @numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")

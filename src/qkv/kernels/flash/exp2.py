@@ -2,22 +2,29 @@
 
 The tiled kernel keeps scores in base 2 and needs, per tile, ``2^(s - m)`` for a column
 offset ``m`` (``sub_exp2``) or ``2^s`` (``exp2``), in place. Three ways to compute it, one
-chosen per process at the first call (:func:`path` says which) and kept:
+chosen at the first call by a fixed rule (:func:`path` says which) and kept:
 
 - ``"numba"`` (the ``fast`` extra; ``QKV_JIT=0`` turns it off): one compiled pass that
   subtracts the offset, adds each column's sum into ``l`` (the softmax denominators) and
   evaluates ``2^x`` by :func:`qkv.kernels.flash.compiled.pow2` (a degree-6 polynomial, about
   1 ulp, exactly 0 at or below ``-127``, NaN kept). float32 only: float64 takes NumPy's path.
   Compiled once per machine (numba's on-disk cache), never on ``import qkv``.
-- ``"numpy exp2"``: ``np.exp2``, vectorised for float32 only where NumPy has AVX-512.
-- ``"numpy exp"``: ``np.exp(x · ln 2)``; on AVX2-only CPUs NumPy's float32 ``exp`` is
-  vectorised and ``exp2`` is not (0.44 against 0.22 G elements/s a core, Zen 3).
-  Between the two NumPy paths a short measurement at the first call decides.
+- ``"numpy exp2"``: ``np.exp2``, where NumPy runs it on a vector loop for float32 (its
+  AVX-512 one; :func:`numpy_exp2_vectorised`).
+- ``"numpy exp"``: ``np.exp(x · ln 2)`` everywhere else: NumPy's float32 ``exp`` has AVX2
+  and AVX-512 loops, its ``exp2`` a scalar one below AVX-512 (0.44 against 0.22 G
+  elements/s a core, Zen 3).
+
+The choice between the two NumPy paths is a rule of the machine and NumPy's build, never a
+measurement: they round differently, and a choice by timing at the first call gave some
+processes of a loaded machine the other path and other bits (3 of 12 in one trial). Measured
+on a (256, 1024) tile (Zen 4, one thread, medians of 41): with AVX-512 ``exp2`` 56 µs
+against ``exp`` 134; with NumPy's AVX-512 loops turned off
+(``NPY_DISABLE_CPU_FEATURES="X86_V4 AVX512_ICL AVX512_SPR"``) ``exp2`` 581 against 303.
 """
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Callable
@@ -68,21 +75,29 @@ def _np_exp(x):
     np.exp(x, out=x)
 
 
-def _measure_numpy() -> tuple[str, Callable]:
-    """The faster NumPy float32 exponential on a tile the kernel would use (median of 5)."""
-    x = np.random.default_rng(0).uniform(-30, 0, (256, 1024)).astype(np.float32)
-    best = None
-    for name, fn in (("numpy exp2", _np_exp2), ("numpy exp", _np_exp)):
-        times = []
-        for _ in range(5):
-            y = x.copy()
-            t = time.perf_counter()
-            fn(y)
-            times.append(time.perf_counter() - t)
-        t = sorted(times)[2]
-        if best is None or t < best[0]:
-            best = (t, name, fn)
-    return best[1], best[2]
+def numpy_exp2_vectorised() -> bool:
+    """Whether NumPy's float32 ``exp2`` runs a vector loop here: from NumPy's dispatch table
+    (``numpy.lib.introspect``, NumPy 2.1 on: a target other than the scalar baseline), else
+    from its CPU features (AVX-512 Skylake-X's set, where its vector ``exp2`` starts). A
+    property of the machine, NumPy's build and ``NPY_DISABLE_CPU_FEATURES``, so the same in
+    every process of one machine."""
+    try:
+        from numpy.lib.introspect import opt_func_info
+    except ImportError:
+        opt_func_info = None
+    if opt_func_info is not None:
+        loops = opt_func_info(func_name="^exp2$", signature="float32").get("exp2", {})
+        return any(not str(t.get("current", "baseline")).startswith("baseline") for t in loops.values())
+    try:
+        from numpy._core._multiarray_umath import __cpu_features__
+    except ImportError:                                      # NumPy 1.x
+        from numpy.core._multiarray_umath import __cpu_features__
+    return bool(__cpu_features__.get("AVX512_SKX"))
+
+
+def _numpy_path() -> tuple[str, Callable]:
+    """The NumPy float32 exponential of this machine (see the module docstring)."""
+    return ("numpy exp2", _np_exp2) if numpy_exp2_vectorised() else ("numpy exp", _np_exp)
 
 
 def _choose() -> Choice:
@@ -91,7 +106,7 @@ def _choose() -> Choice:
     with _lock:
         if not _chosen:
             compiled = _warmed()
-            name, fn = _measure_numpy()
+            name, fn = _numpy_path()
             _chosen.append(Choice("numba" if compiled is not None else name, fn, compiled))
         return _chosen[0]
 
