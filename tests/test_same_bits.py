@@ -94,7 +94,8 @@ def test_numpy_exp2_vectorised_follows_numpys_dispatch():
     assert E.numpy_exp2_vectorised() == vector
 
 
-def test_a_row_sum_does_not_depend_on_where_the_scratch_row_lies():
+@pytest.mark.parametrize("which", ["exp2_sum", "exp2_below"])
+def test_a_row_sum_does_not_depend_on_where_the_scratch_row_lies(which):
     """The compiled row pass's ``2^x`` and row sum, with the scratch row right after the
     scores (closer than LLVM's overlap check: its scalar loop) and far from them (its vector
     loop): the same bits. (The sum was added in the loop that stores the scratch row, whose
@@ -110,6 +111,13 @@ def test_a_row_sum_does_not_depend_on_where_the_scratch_row_lies():
         e = buf[n + gap:2 * n + gap]
         return rc._exp2_sum(buf[:n], c, np.float32(0.0), e), e.copy()
 
+    @numba.njit(fastmath=rc.FASTMATH)
+    def exp2_below_at(buf, n, gap, c):           # the large-score path: exp(x - max) of stored scores
+        e = buf[n + gap:2 * n + gap]
+        return rc._exp2_below(buf[:n], np.float32(buf[:n].max()), e), e.copy()
+
+    at = exp2_sum_at if which == "exp2_sum" else exp2_below_at
+
     rng = np.random.default_rng(0)
     for n in (9, 21, 40, 63):
         for trial in range(8):
@@ -118,7 +126,7 @@ def test_a_row_sum_does_not_depend_on_where_the_scratch_row_lies():
             for gap in (0, 2 * n + 64):          # 4·n bytes apart (< 256 for n < 64), and far
                 buf = np.zeros(4 * n + 128, np.float32)
                 buf[:n] = x
-                results.append(exp2_sum_at(buf, n, gap, np.float32(1.3)))
+                results.append(at(buf, n, gap, np.float32(1.3)))
             (l0, e0), (l1, e1) = results
             assert e0.tobytes() == e1.tobytes(), f"n={n}: 2^x differs with the scratch row's place"
             assert np.float32(l0).tobytes() == np.float32(l1).tobytes(), \
