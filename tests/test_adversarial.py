@@ -24,7 +24,7 @@ import pytest
 
 import oracle as definitions
 from qkv import api
-from qkv.kernels import flash
+from qkv.kernels import flash, reference
 
 LONG = os.environ.get("QKV_ADVERSARIAL", "") == "long"
 N_CASES = 2000 if LONG else 120
@@ -131,7 +131,7 @@ def test_kernels_against_the_brute_force_oracle(seed):
     eps = {name: float(np.finfo(q.dtype).eps) for name in RESULTS}
     eps["lse"] = float(np.finfo(np.float64 if q.dtype == np.float64 else np.float32).eps)  # lse: float32 for float16
     want = oracle(q, k, v, dout, opts, eps)
-    dense = run(q, k, v, dout, opts, SimpleNamespace(forward=api.reference.forward, backward=api.reference.backward))
+    dense = run(q, k, v, dout, opts, SimpleNamespace(forward=reference.forward, backward=reference.backward))
     fast = run(q, k, v, dout, opts, SimpleNamespace(forward=partial(flash.forward, tiles=tiles),
                                                      backward=partial(flash.backward, tiles=tiles)))
     budget = 2.0 if size <= 1e3 else 4.0
