@@ -252,6 +252,20 @@ def judge_kernels(q, k, v, dout, dlse=None, lse_from=None, **opts) -> list:
     return [f for f in fails if f]
 
 
+def one_hot_row(magnitude: float):
+    """One query row whose scores are ``[-0.86, 0.8, 0.86, 0.1, 0.16, -0.05, 1.0] · magnitude``
+    on seven keys (``q = s``, ``k = sqrt(D) · I``, ``v = I``, D = 8): past ~1e3 the weights are
+    one-hot on the last key, ``out = v[6]`` and ``lse = magnitude`` (issue 34's reproduction)."""
+    d = 8
+    s = np.array([-0.86, 0.8, 0.86, 0.1, 0.16, -0.05, 1.0], np.float32) * np.float32(magnitude)
+    q = np.zeros((1, 1, 1, d), np.float32)
+    q[0, 0, 0, :7] = s
+    k = (np.eye(7, d) * np.sqrt(d)).astype(np.float32)[None, None]
+    v = np.eye(7, d, dtype=np.float32)[None, None]
+    dout = np.arange(1, d + 1, dtype=np.float32).reshape(1, 1, 1, d)
+    return q, k, v, dout
+
+
 def extreme_problem(seed: int, index: int) -> tuple:
     """``(q, k, v, dout, dlse, opts, description)``: float32 scores of std 1e3 to 1e30 (every
     fifth problem the one-hot row of issue 34 at 1e3 to 1e30, exact), MHA or GQA, one of
@@ -260,12 +274,7 @@ def extreme_problem(seed: int, index: int) -> tuple:
     mag = float(10 ** rng.uniform(3, 30))
     opts = dict(KERNEL_MASKS[int(rng.integers(len(KERNEL_MASKS)))])
     if index % 5 == 0:
-        d = 8
-        s = np.array([-0.86, 0.8, 0.86, 0.1, 0.16, -0.05, 1.0], np.float32) * np.float32(mag)
-        q = np.zeros((1, 1, 1, d), np.float32)
-        q[0, 0, 0, :7] = s
-        k = (np.eye(7, d) * np.sqrt(d)).astype(np.float32)[None, None]
-        v = np.eye(7, d, dtype=np.float32)[None, None]
+        q, k, v, _ = one_hot_row(mag)
         opts = {}
         what = f"one-hot row at {mag:.3g}"
     else:

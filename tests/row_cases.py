@@ -6,7 +6,7 @@ import qkv
 from qkv import api
 
 import oracle
-from differential import judge, plain
+from differential import judge, one_hot_row, plain  # noqa: F401  (one_hot_row: the row tests' too)
 
 MASKS = [dict(), dict(causal=True), dict(causal="bottom_right"), dict(window=(5, 3)), dict(window=(None, 0)),
          dict(causal=True, chunk=7), dict(chunk=16, align="bottom_right"), dict(causal=True, window=(0, 0))]
@@ -17,20 +17,6 @@ def inputs(shape_q, shape_kv, scale=1.0, seed=0):
     q = (scale * rng.standard_normal(shape_q)).astype(np.float32)
     k, v = ((scale * rng.standard_normal(shape_kv)).astype(np.float32) for _ in range(2))
     dout = rng.standard_normal(shape_q[:-1] + (shape_kv[-1],)).astype(np.float32)
-    return q, k, v, dout
-
-
-def one_hot_row(magnitude: float):
-    """One query row whose scores are ``[-0.86, 0.8, 0.86, 0.1, 0.16, -0.05, 1.0] · magnitude``
-    on seven keys (``q = s``, ``k = sqrt(D) · I``, ``v = I``, D = 8): past ~1e3 the weights are
-    one-hot on the last key, ``out = v[6]`` and ``lse = magnitude`` (issue 34's reproduction)."""
-    d = 8
-    s = np.array([-0.86, 0.8, 0.86, 0.1, 0.16, -0.05, 1.0], np.float32) * np.float32(magnitude)
-    q = np.zeros((1, 1, 1, d), np.float32)
-    q[0, 0, 0, :7] = s
-    k = (np.eye(7, d) * np.sqrt(d)).astype(np.float32)[None, None]
-    v = np.eye(7, d, dtype=np.float32)[None, None]
-    dout = np.arange(1, d + 1, dtype=np.float32).reshape(1, 1, 1, d)
     return q, k, v, dout
 
 
