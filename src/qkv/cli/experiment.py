@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 from ..extras import require
-from .common import UsageError, out_folder, progress_bar
+from .common import UsageError, out_folder
+from .progress import check_progress, progress_bar
 
 HELP = "the texts' measurements (scale: why divide by sqrt(d_k); complexity: cost against T; recall: linear vs softmax)"
 
@@ -20,7 +21,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--out", metavar="DIR", help="write NAME.json and NAME.png here (complexity and recall: "
                                                       "default ./experiment-out)")
     parser.add_argument("--quick", action="store_true", help="complexity, recall: a short run (under a minute)")
-    parser.add_argument("--no-progress", action="store_true", help="complexity, recall: no progress bar")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="complexity, recall: no progress (a bar on a terminal, else a line every few seconds on "
+                        "stderr); needs no rich")
     parser.add_argument("--memory-limit", type=float, metavar="MIB",
                         help="complexity: stop a method before a run predicted to trace more MiB (default 6144; "
                              "--quick 1024)")
@@ -58,7 +61,7 @@ def _scale(args) -> int:
 
 
 def _with_progress(args, label: str, total: int, work):
-    """``work(progress)`` under a progress bar (unless --no-progress)."""
+    """``work(progress)`` with progress shown (unless --no-progress)."""
     if args.no_progress:
         return work(None)
     with progress_bar(label, total) as update:
@@ -91,6 +94,8 @@ def _record(args, name: str, cfg, experiment, format_table, plot) -> int:
     print its table and write ``NAME.json`` and ``NAME.png`` into --out (default ./experiment-out)."""
     require("matplotlib", "viz")
     cfg.check()
+    if not args.no_progress:
+        check_progress()
     out = out_folder(args.out or "experiment-out")
     rec = _with_progress(args, name, cfg.n_steps, lambda p: experiment(cfg, progress=p))
     print(format_table(rec))
