@@ -1,5 +1,6 @@
 """qkv experiment scale: the texts' §7 claims, measured."""
 import json
+import re
 
 import numpy as np
 import pytest
@@ -43,3 +44,29 @@ def test_out_that_is_a_file_is_a_clear_error(tmp_path, capsys):
     (tmp_path / "file").write_text("")
     assert main(["experiment", "scale", "--d-k", "2", "--out", str(tmp_path / "file")]) == 2
     assert "--out must be a folder" in capsys.readouterr().err
+
+
+def _help(capsys, *argv) -> str:
+    with pytest.raises(SystemExit) as done:
+        main([*argv, "--help"])
+    assert done.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_each_experiment_has_its_own_help_and_options(capsys):
+    """`qkv experiment NAME --help` shows NAME's options only; another's option is refused."""
+    own = {"scale": {"--d-k", "--keys", "--samples", "--seed", "--out"},
+           "complexity": {"--quick", "--seed", "--out", "--no-progress", "--memory-limit", "--threads", "--clock"},
+           "recall": {"--quick", "--seed", "--out", "--no-progress"}}
+    helps = {name: _help(capsys, "experiment", name) for name in own}
+    for name, text in helps.items():
+        assert text.startswith(f"usage: qkv experiment {name} "), text
+        shown = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", text))
+        assert shown == own[name] | {"--help"}, (name, shown ^ (own[name] | {"--help"}))
+    assert len(set(helps.values())) == 3
+    listing = _help(capsys, "experiment")
+    assert all(name in listing for name in own)
+    with pytest.raises(SystemExit) as done:
+        main(["experiment", "scale", "--memory-limit", "10"])  # complexity's option
+    assert done.value.code == 2
+    assert "unrecognized arguments: --memory-limit" in capsys.readouterr().err

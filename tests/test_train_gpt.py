@@ -296,6 +296,21 @@ def test_a_text_too_short_for_the_block_is_refused(tmp_path, capsys):
 
 # --- qkv sample ------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("umask", [0o022, 0o077], ids=["umask022", "umask077"])
+def test_every_run_file_gets_the_users_umask(corpus_file, tmp_path, umask):
+    """safetensors writes through a 0600 temporary file; every file of a run (the two
+    .safetensors included) has the mode open() gives: 0666 less the umask."""
+    out = tmp_path / "run"
+    old = os.umask(umask)
+    try:
+        assert main(["train", "gpt", "--data", str(corpus_file), "--out", str(out), "--steps", "2", *TINY]) == 0
+    finally:
+        os.umask(old)
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()}
+    assert set(FILES) <= set(modes)
+    assert modes == {name: oct(0o666 & ~umask) for name in modes}
+
+
 def test_sample_prints_text_of_the_vocabulary(trained, capsys):
     out, _ = trained
     chars = json.loads((out / "config.json").read_text())["extra"]["tokenizer"]["chars"]

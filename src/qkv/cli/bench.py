@@ -1,6 +1,7 @@
 """``qkv bench``: qkv's tiled attention against dense NumPy and PyTorch SDPA (the suite is qkv_benchmarks).
 
 This module parses, checks the output paths before minutes of measuring, shows progress
+(a bar with the time left on a terminal, a line every few seconds elsewhere: ``progress``)
 and draws the tables; the measuring, the tables' content and the plot are in
 ``qkv_benchmarks`` (``suites``, ``report``).
 
@@ -18,8 +19,9 @@ import os
 import sys
 
 from ..extras import require
-from .common import UsageError, out_file, progress_bar
+from .common import UsageError, out_file
 from .mpi import abort_on_error, mpiexec_ranks
+from .progress import check_progress, progress_bar
 
 HELP = ("qkv's tiled attention against dense NumPy and PyTorch SDPA: speed, memory, decoding; "
         "qkv.torch against SDPA; ring attention over MPI; GPT training against PyTorch")
@@ -51,7 +53,8 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    require("rich", "cli")
+    require("rich", "cli")  # the tables, and the bar on a terminal
+    check_progress(switch=None)
     for option, value in (("--repeats", args.repeats), ("--threads", args.threads), ("--steps", args.steps)):
         if value is not None and value < 1:
             raise UsageError(f"{option} must be >= 1; got {value}")
@@ -77,7 +80,7 @@ def _measure(args, plan, rank: int, report, suites) -> int:
             out_file(args.plot, "--plot", (".png", ".svg", ".pdf"))
         if args.json:
             out_file(args.json, "--json")
-        with progress_bar("qkv bench", suites.count_steps(plan), transient=True, stderr=True) as update:
+        with progress_bar("qkv bench", suites.count_steps(plan), transient=True, switch=None) as update:
             results = suites.run_suites(plan, progress=lambda advance, description=None:
                                         update(advance=advance, description=description))
     else:

@@ -5,35 +5,58 @@ from __future__ import annotations
 import json
 
 from ..extras import require
-from .common import UsageError, out_folder, progress_bar
+from .common import UsageError, out_folder
+from .progress import check_progress, progress_bar
 
 HELP = "the texts' measurements (scale: why divide by sqrt(d_k); complexity: cost against T; recall: linear vs softmax)"
+SCALE_HELP = "why attention divides by sqrt(d_k): Var(q.k) grows like d_k, softmax saturates, its gradient vanishes"
+COMPLEXITY_HELP = ("time and traced peak memory against T of dense, tiled, chunked and linear attention, "
+                   "forward and forward+backward, and one decoding step")
+RECALL_HELP = "the dictionary lookup learned by softmax and by linear attention as the pairs grow"
 
 
 def add_arguments(parser) -> None:
+    """One subparser an experiment, each with its own options (``qkv experiment NAME --help``)."""
+    sub = parser.add_subparsers(dest="name", metavar="NAME", required=True,
+                                help="scale, complexity or recall (qkv experiment NAME --help: its options)")
+    _scale_arguments(sub.add_parser("scale", help=SCALE_HELP, description=SCALE_HELP))
+    _complexity_arguments(sub.add_parser("complexity", help=COMPLEXITY_HELP, description=COMPLEXITY_HELP))
+    _recall_arguments(sub.add_parser("recall", help=RECALL_HELP, description=RECALL_HELP))
+
+
+def _scale_arguments(parser) -> None:
     from ..experiments.scale import DEFAULT_DK
 
-    parser.add_argument("name", choices=["scale", "complexity", "recall"],
-                        help="scale: why attention divides by sqrt(d_k); complexity: time and memory against T "
-                             "of dense, tiled, chunked and linear attention; recall: the dictionary lookup "
-                             "learned by softmax and by linear attention as the pairs grow")
-    parser.add_argument("--out", metavar="DIR", help="write NAME.json and NAME.png here (complexity and recall: "
-                                                      "default ./experiment-out)")
-    parser.add_argument("--quick", action="store_true", help="complexity, recall: a short run (under a minute)")
-    parser.add_argument("--no-progress", action="store_true", help="complexity, recall: no progress bar")
-    parser.add_argument("--memory-limit", type=float, metavar="MIB",
-                        help="complexity: stop a method before a run predicted to trace more MiB (default 6144; "
-                             "--quick 1024)")
-    parser.add_argument("--threads", type=int, metavar="N",
-                        help="complexity: kernel and BLAS threads while measuring (default: as configured)")
-    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                        help="complexity: wall-clock seconds (default), or this process's CPU seconds, which "
-                             "other processes on a shared machine barely change")
     parser.add_argument("--d-k", type=int, nargs="+", default=list(DEFAULT_DK), metavar="N",
-                        help=f"scale: key sizes to measure (default {' '.join(map(str, DEFAULT_DK))})")
-    parser.add_argument("--keys", type=int, default=32, help="scale: keys per softmax row (default 32)")
-    parser.add_argument("--samples", type=int, default=512, help="scale: queries per d_k (default 512)")
+                        help=f"key sizes to measure (default {' '.join(map(str, DEFAULT_DK))})")
+    parser.add_argument("--keys", type=int, default=32, help="keys per softmax row (default 32)")
+    parser.add_argument("--samples", type=int, default=512, help="queries per d_k (default 512)")
     parser.add_argument("--seed", type=int, default=0, help="seed (default 0)")
+    parser.add_argument("--out", metavar="DIR", help="also write scale.json and scale.png here (needs qkv[viz])")
+
+
+def _run_arguments(parser, name: str) -> None:
+    """What complexity and recall share: --quick, --seed, --out, --no-progress."""
+    parser.add_argument("--quick", action="store_true", help="a short run (under a minute)")
+    parser.add_argument("--seed", type=int, default=0, help="seed (default 0)")
+    parser.add_argument("--out", metavar="DIR", help=f"write {name}.json and {name}.png here (default ./experiment-out)")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress (a bar on a terminal, else a line every few seconds on stderr); needs no rich")
+
+
+def _complexity_arguments(parser) -> None:
+    _run_arguments(parser, "complexity")
+    parser.add_argument("--memory-limit", type=float, metavar="MIB",
+                        help="stop a method before a run predicted to trace more MiB (default 6144; --quick 1024)")
+    parser.add_argument("--threads", type=int, metavar="N",
+                        help="kernel and BLAS threads while measuring (default: as configured)")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="wall-clock seconds (default), or this process's CPU seconds, which other processes "
+                             "on a shared machine barely change")
+
+
+def _recall_arguments(parser) -> None:
+    _run_arguments(parser, "recall")
 
 
 def run(args) -> int:
@@ -58,7 +81,7 @@ def _scale(args) -> int:
 
 
 def _with_progress(args, label: str, total: int, work):
-    """``work(progress)`` under a progress bar (unless --no-progress)."""
+    """``work(progress)`` with progress shown (unless --no-progress)."""
     if args.no_progress:
         return work(None)
     with progress_bar(label, total) as update:
@@ -91,6 +114,8 @@ def _record(args, name: str, cfg, experiment, format_table, plot) -> int:
     print its table and write ``NAME.json`` and ``NAME.png`` into --out (default ./experiment-out)."""
     require("matplotlib", "viz")
     cfg.check()
+    if not args.no_progress:
+        check_progress()
     out = out_folder(args.out or "experiment-out")
     rec = _with_progress(args, name, cfg.n_steps, lambda p: experiment(cfg, progress=p))
     print(format_table(rec))

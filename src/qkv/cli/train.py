@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 from ..extras import require
-from .common import out_folder, progress_bar
+from .common import out_folder
+from .progress import progress_bar, check_progress
 
 HELP = ("train with qkv.nn: the texts' soft dictionary lookup (train lookup), a character-level GPT on "
         "Shakespeare or any text (train gpt)")
@@ -46,7 +47,8 @@ def _lookup_arguments(parser) -> None:
     parser.add_argument("--heads", type=int, default=d.n_heads, help=f"attention heads (default {d.n_heads})")
     parser.add_argument("--seed", type=int, default=d.seed, help=f"seed of everything random (default {d.seed})")
     parser.add_argument("--out", metavar="DIR", help="write summary.json, loss.png and attention.png here")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress (a bar on a terminal, else a line every few seconds on stderr)")
 
 
 def _run_lookup(args) -> int:
@@ -55,6 +57,8 @@ def _run_lookup(args) -> int:
     cfg = LookupConfig(n_keys=args.keys, n_values=args.values, n_pairs=args.pairs, d_model=args.d_model,
                        n_heads=args.heads, batch=args.batch, steps=args.steps, lr=args.lr, seed=args.seed)
     cfg.check()
+    if not args.no_progress:
+        check_progress()
     out = None
     if args.out:
         require("matplotlib", "viz")

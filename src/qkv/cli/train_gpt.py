@@ -11,8 +11,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..extras import require
-from .common import UsageError, out_folder, progress_bar
+from .common import UsageError, out_folder
 from .mpi import abort_on_error, mpiexec_ranks
+from .progress import progress_bar, check_progress
 
 HELP = "train a character-level GPT (nanoGPT's CPU recipe by default) on Shakespeare or any text file"
 DESCRIPTION = HELP + """.
@@ -77,7 +78,9 @@ def add_arguments(parser) -> None:
         shown = "" if default is None else f" (default {default})"
         extra = {"choices": ["float32", "float64"]} if name == "dtype" else {"metavar": "N" if kind is int else "X"}
         parser.add_argument(flag, dest=name, type=kind, default=None, help=text + shown, **extra)
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress (a bar with the time left on a terminal, else a line every few "
+                        "seconds on stderr); needs no rich")
     parser.add_argument("--parallel", choices=["data", "context"], default=None,
                         help="under mpiexec -n W: split each batch's rows (data, the default there) or each "
                         "sequence's tokens over the ranks (context: ring attention, block-size a multiple of 2W)")
@@ -199,6 +202,8 @@ class CtrlC:
 
 def run(args) -> int:
     require("safetensors", "models")
+    if not args.no_progress:
+        check_progress()  # rich, said before the text is read or fetched; --no-progress needs none
     out = Path(args.out)
     mode = args.parallel or ("data" if mpiexec_ranks() > 1 else None)
     if mode is None:
@@ -250,7 +255,7 @@ def _train(args, out: Path, run_, dataset, comm=None) -> int:
             if args.no_progress or rank:
                 status = train(run_, dataset, checkpoint=checkpoint, stop=stop)
             else:
-                with progress_bar("gpt", cfg.steps, "loss", "val", "tok/s", remaining=True, completed=start) as update:
+                with progress_bar("gpt", cfg.steps, "loss", "val", "tok/s", completed=start) as update:
                     status = train(run_, dataset, checkpoint=checkpoint, stop=stop,
                                    progress=lambda step, loss, val, rate: update(
                                        loss=loss, val=val if val is not None else "—", **{"tok/s": f"{rate:,.0f}"}))

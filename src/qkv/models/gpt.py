@@ -273,14 +273,14 @@ class GPT(Layer):
         """Write ``model.safetensors`` (every array of ``params`` under its name, the tied head
         once) and ``config.json`` (``{"format": "qkv-gpt", "config": {...}, "extra": extra}``)
         into ``directory``; :func:`qkv.models.load_gpt` reads them back."""
-        from ..extras import require
+        from .tensorfiles import write_tensors
 
         if extra is not None and not isinstance(extra, dict):
             raise ShapeError(f"extra must be a dict (JSON values) or None; got {type(extra).__name__}")
         folder = Path(directory)
         folder.mkdir(parents=True, exist_ok=True)
         tensors = {name: np.ascontiguousarray(p) for name, p in self.params.items()}
-        require("safetensors.numpy", "models").save_file(tensors, str(folder / "model.safetensors"))
+        write_tensors(tensors, folder / "model.safetensors")
         meta = {"format": SAVED_FORMAT, "config": self.config.to_dict(), "extra": extra or {}}
         (folder / "config.json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
 

@@ -31,6 +31,7 @@ from ..errors import ShapeError
 from ..extras import require
 from .chardata import CharTokenizer
 from .checkpoint import CheckpointError, read_json
+from .tensorfiles import write_tensors
 from .training import Run, TrainConfig, make_optimizer
 
 FILES = ("model.safetensors", "config.json", "optim.safetensors", "log.json")
@@ -67,10 +68,9 @@ def _unflatten(skeleton, arrays: dict):
 
 def save_state(state, path) -> None:
     """Any nest of dicts, lists, arrays and JSON scalars (an optimizer's ``state_dict()``) to safetensors."""
-    st = require("safetensors.numpy", "models")
     arrays = {}
     skeleton = _flatten(state, "state", arrays)
-    st.save_file(arrays, str(path), metadata={"qkv_state": json.dumps(skeleton)})
+    write_tensors(arrays, path, metadata={"qkv_state": json.dumps(skeleton)})
 
 
 def load_state(path):
