@@ -138,6 +138,9 @@ def tables(results: dict) -> list[Table]:
         out.append(shapes_table(results["shapes"], results["repeats"], results["threads"], smoke))
     if results.get("hf"):
         out.append(hf_table(results["hf"], results["repeats"], smoke))
+    if results.get("cold"):
+        from .cold import table
+        out.append(table(results["cold"]))
     return out
 
 
