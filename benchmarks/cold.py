@@ -52,10 +52,15 @@ def _layernorm() -> None:
 
 
 def _cli(*argv: str) -> None:
-    from qkv.cli import main
+    """``qkv ARGV`` in this process, as ``python -m qkv`` runs it."""
+    import runpy
 
-    if main(list(argv)) != 0:
-        raise SystemExit(f"qkv {' '.join(argv)} failed")
+    sys.argv = ["qkv", *argv]
+    try:
+        runpy.run_module("qkv", run_name="__main__")
+    except SystemExit as done:
+        if done.code not in (0, None):
+            raise SystemExit(f"qkv {' '.join(argv)} failed ({done.code})") from None
 
 
 def run_job(job: str, scratch: str) -> None:
@@ -126,28 +131,6 @@ def suite(quick: bool, progress) -> list[dict]:
 def steps(quick: bool) -> int:
     """How many processes :func:`measure` starts (two a job)."""
     return 2 * len(QUICK_JOBS if quick else JOBS)
-
-
-def table(rows: list[dict]):
-    """The report's table: per job, cold and warm wall and CPU seconds, what compiling cost, the kernels compiled."""
-    from .report import Table
-
-    t = Table("first call: cold (empty kernel cache, every kernel compiled) and warm (loaded), each a fresh process",
-              ["job", "cold s", "cold CPU s", "warm s", "warm CPU s", "cold - warm CPU s", "kernels compiled",
-               "compiling s", "notice cold/warm"], left=1)
-    for r in rows:
-        c, w = r["cold"], r["warm"]
-        t.rows.append([r["job"], format(c["wall_s"], ".1f"), format(c["cpu_s"], ".1f"), format(w["wall_s"], ".1f"),
-                       format(w["cpu_s"], ".1f"), format(c["cpu_s"] - w["cpu_s"], ".1f"), str(len(c["compiled"])),
-                       format(sum(c["compiled"].values()), ".1f"),
-                       f"{'yes' if c['notice'] else 'no'}/{'yes' if w['notice'] else 'no'}"])
-    t.notes.append("CPU s: user + system seconds of the child process (a shared machine inflates wall seconds, "
-                   "not these); compiling s: wall seconds inside numba's compiles, summed over the kernels")
-    slow = sorted(((s, k) for r in rows for k, s in r["cold"]["compiled"].items()), reverse=True)[:8]
-    if slow:
-        t.notes.append("slowest kernels to compile: " + ", ".join(f"{k.rsplit('.', 1)[-1]} {s:.1f} s"
-                                                                  for s, k in slow))
-    return t
 
 
 def _child(argv: list[str]) -> None:

@@ -146,3 +146,60 @@ def test_cold_suite_quick(tmp_path, capsys):
     assert row["cold"]["notice"] and not row["warm"]["notice"]
     assert list(row["cold"]["compiled"]) == ["qkv.models.compiled.add_layer_norm"] and row["warm"]["compiled"] == {}
     assert row["cold"]["cpu_s"] > 0 and row["warm"]["wall_s"] > 0
+
+
+def test_compiled_at_first_call_compiles_once_at_the_first_call():
+    """The row kernel's forward and backward are made at their first call (a forward-only job never
+    compiles the backward); threads calling at once share one compile."""
+    import threading
+
+    from numba.core import event, types
+
+    from qkv.kernels.rows_fused import compiled_at_first_call
+
+    seen = []
+
+    class Count(event.Listener):
+        def on_start(self, ev):
+            seen.append(ev.data["dispatcher"].py_func.__name__)
+
+        def on_end(self, ev):
+            pass
+
+    with event.install_listener("numba:compile", Count()):
+        @compiled_at_first_call(types.float64(types.float64), nogil=True)
+        def twice(x):
+            return 2.0 * x
+
+        assert seen == [] and twice.__name__ == "twice"            # decorated: nothing compiled yet
+        results = []
+        threads = [threading.Thread(target=lambda: results.append(twice(3.0))) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert twice(1.5) == 3.0
+    assert results == [6.0] * 4 and seen == ["twice"]              # one compile, for every caller
+
+
+@pytest.mark.slow
+def test_a_forward_compiles_the_row_kernels_forward_once_and_no_backward(tmp_path):
+    """The row kernel's per-head function gets one signature (its parallel loop's index was
+    uint64 where numba typed it int64: two compiles, 20-50 s of CPU each), and a forward-only
+    job leaves the backward uncompiled. About 25 s of CPU."""
+    import pickle
+
+    code = ("import numpy as np, qkv; q = np.ones((1, 2, 32, 16), np.float32); "
+            "qkv.attention(q, q, q, causal=True)")          # auto: the row kernel, with numba
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CACHE_DIR", "QKV_JIT")}
+    env["QKV_CACHE_DIR"] = str(tmp_path)
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    (folder,) = (tmp_path / "numba").glob("*/qkv.kernels.rows_fused")
+    index = {p.name.split("-")[0]: p for p in folder.glob("*.nbi")}
+    assert "rows_fused.forward" in index and "rows_fused._forward_head" in index
+    assert "rows_fused.backward" not in index and "rows_fused._backward_group" not in index
+    with open(index["rows_fused._forward_head"], "rb") as f:
+        pickle.load(f)                                   # numba's version
+        _, overloads = pickle.loads(f.read())
+    assert len(overloads) == 1
