@@ -138,6 +138,8 @@ def tables(results: dict) -> list[Table]:
         out.append(shapes_table(results["shapes"], results["repeats"], results["threads"], smoke))
     if results.get("hf"):
         out.append(hf_table(results["hf"], results["repeats"], smoke))
+    if results.get("cold"):
+        out.append(cold_table(results["cold"]))
     return out
 
 
@@ -300,6 +302,26 @@ def hf_table(rows: list[dict], repeats: int | None = None, smoke: str = "") -> T
                        f"{r['qkv_vs_sdpa']:.3f}", f"{r['qkv_vs_eager']:.3f}", f"{r['qkv_vs_sdpa_wall']:.3f}"])
     t.notes.append("qkv ÷ peer: the median over repeats of qkv's time ÷ the peer's in the same repeat (below 1, "
                    "qkv is faster; issue 22's target: qkv ÷ sdpa <= 1.1)")
+    return t
+
+
+def cold_table(rows: list[dict]) -> Table:
+    """The cold suite (``cold.py``): per job, cold and warm wall and CPU seconds, what compiling cost, the kernels compiled."""
+    t = Table("first call: cold (empty kernel cache, every kernel compiled) and warm (loaded), each a fresh process",
+              ["job", "cold s", "cold CPU s", "warm s", "warm CPU s", "cold - warm CPU s", "kernels compiled",
+               "compiling s", "notice cold/warm"], left=1)
+    for r in rows:
+        c, w = r["cold"], r["warm"]
+        t.rows.append([r["job"], format(c["wall_s"], ".1f"), format(c["cpu_s"], ".1f"), format(w["wall_s"], ".1f"),
+                       format(w["cpu_s"], ".1f"), format(c["cpu_s"] - w["cpu_s"], ".1f"), str(len(c["compiled"])),
+                       format(sum(c["compiled"].values()), ".1f"),
+                       f"{'yes' if c['notice'] else 'no'}/{'yes' if w['notice'] else 'no'}"])
+    t.notes.append("CPU s: user + system seconds of the child process (a shared machine inflates wall seconds, "
+                   "not these); compiling s: wall seconds inside numba's compiles, summed over the kernels")
+    slow = sorted(((s, k) for r in rows for k, s in r["cold"]["compiled"].items()), reverse=True)[:8]
+    if slow:
+        t.notes.append("slowest kernels to compile: " + ", ".join(f"{k.rsplit('.', 1)[-1]} {s:.1f} s"
+                                                                  for s, k in slow))
     return t
 
 

@@ -12,8 +12,9 @@ plain PyTorch GPT, same weights, batches and threads; see ``gpt_suite.py``; with
 qkv's side alone) and ``shapes`` (training and serving shapes, short sequences in big
 batches, qkv ``method="auto"`` against SDPA; see ``shapes_suite.py``; needs the torch extra) and
 ``train-mpi`` (qkv's GPT trained data- and context-parallel by the ranks of ``MPI.COMM_WORLD``
-against one process; see ``train_mpi.py``; needs the mpi extra, meant for ``mpiexec -n W``).
-Without a choice a run measures :data:`DEFAULT` (a quick run :data:`QUICK_DEFAULT`); torch, ring, gpt, shapes and hf run when named (or with "all"). A suite whose
+against one process; see ``train_mpi.py``; needs the mpi extra, meant for ``mpiexec -n W``) and ``cold``
+(first calls in fresh processes, the kernels compiled into an empty cache and then loaded; see ``cold.py``).
+Without a choice a run measures :data:`DEFAULT` (a quick run :data:`QUICK_DEFAULT`); torch, ring, gpt, shapes, hf and cold run when named (or with "all"). A suite whose
 extra is missing is skipped with the reason in ``results["skipped"]``.
 
 A quick plan shrinks every size so the whole run takes seconds: a smoke test that every
@@ -33,12 +34,12 @@ import importlib.util
 import os
 from dataclasses import dataclass
 
-from . import gpt_suite, hf_suite, products, shapes_suite, torch_suite, train_mpi
+from . import cold, gpt_suite, hf_suite, products, shapes_suite, torch_suite, train_mpi
 from .attention import fwd_bwd_flops, forward_flops, inputs, kv_bytes, copier, runner
 from .memory import peak_extra
 from .timing import REWARM_S, alternate, walls
 
-SUITES = ("main", "sweep", "decode", "encoder", "torch", "ring", "gpt", "shapes", "train-mpi", "hf")
+SUITES = ("main", "sweep", "decode", "encoder", "torch", "ring", "gpt", "shapes", "train-mpi", "hf", "cold")
 MPI_SUITES = ("ring", "train-mpi")  # every rank of mpiexec -n W takes part
 DEFAULT = ("main", "sweep", "decode", "encoder")  # the others run when named
 QUICK_DEFAULT = ("main", "sweep", "decode")  # a quick run leaves the encoder out unless asked
@@ -170,6 +171,8 @@ def count_steps(p: Plan) -> int:
         n += len(shapes_suite.cases(p.quick))
     if "hf" in p.suites and p.torch:
         n += len(hf_suite.cases(p.quick))
+    if "cold" in p.suites:
+        n += cold.steps(p.quick)
     return n
 
 
@@ -216,7 +219,7 @@ def run_suites(p: Plan, progress=None) -> dict | None:
                "note": SMOKE_NOTE if p.quick else None,
                "torch": torch.__version__ if p.torch else None, "machine": describe(p.torch),
                "main": [], "sweep": [], "decode": [], "encoder": [], "torch_suite": [], "ring": [], "gpt": [], "shapes": [],
-               "hf": [], "train_mpi": [], "options": [],
+               "hf": [], "train_mpi": [], "options": [], "cold": [],
                "ring_pingpong_gb_s": None, "mpi_ranks": None, "skipped": {}}
     ms = methods(p)
 
@@ -264,6 +267,8 @@ def run_suites(p: Plan, progress=None) -> dict | None:
         results["shapes"], results["skipped"]["shapes"] = _shapes_suite(p, progress)
     if "hf" in p.suites:
         results["hf"], results["skipped"]["hf"] = hf_suite.suite(p, progress, _needs("hf", "transformers is not installed"))
+    if "cold" in p.suites:
+        results["cold"] = cold.suite(p.quick, progress)
     if ring:
         results["ring"], results["ring_pingpong_gb_s"] = ring["rows"], ring["pingpong_gb_s"]
         results["mpi_ranks"] = ring["size"]

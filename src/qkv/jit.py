@@ -7,8 +7,9 @@ exponential, the decoding rows' products), :func:`encoder` gives :mod:`qkv.model
 :mod:`qkv.kernels.rows_compiled` (short sequences' attention, a query row a pass) and
 :data:`ROWS_FUSED` :mod:`qkv.kernels.rows_fused` (those passes and the products, a call's every head in one
 parallel loop). Every pass there is a module-level
-``njit`` with ``cache=True``: compiled once per machine into numba's on-disk cache
-(``__pycache__`` beside the module), loaded from it by later processes. Both give None
+``njit`` with ``cache=True``: compiled once per machine into qkv's kernel cache (a user
+cache folder keyed by qkv's version, the CPU and the kernels' source; see
+:mod:`qkv.jit_cache`), loaded from it by later processes; a compile says so on stderr. Both give None
 where numba is not installed or ``QKV_JIT=0`` is set in the environment; callers then keep
 their NumPy path.
 """
@@ -42,6 +43,9 @@ def load(name: str) -> ModuleType | None:
         return _loaded[name]
     with _lock:
         if name not in _loaded:
+            if enabled():
+                from . import jit_cache
+                jit_cache.install()   # the shared cache folder and the compile notice, before numba compiles
             _loaded[name] = importlib.import_module(name) if enabled() else None
     return _loaded[name]
 

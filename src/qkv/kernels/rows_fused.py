@@ -26,6 +26,8 @@ column-major ``Cᵀ = op(B)ᵀ op(A)ᵀ``, i.e. ``sgemm(tb, ta, n, m, k, B, ldb,
 """
 from __future__ import annotations
 
+import threading
+
 import numba
 import numpy as np
 from llvmlite import ir
@@ -86,6 +88,28 @@ FWD_SIG = types.void(types.UniTuple(_I, 2), _IN, _IN, _IN, _I, _I, _I, _C3, _C2,
                      types.float64, types.float64, _KEYS, _KEYS, _I, _U32, _F32, _B, _B)
 BWD_SIG = types.void(types.UniTuple(_I, 2), _IN, _IN, _IN, _IN, _I, _I, _I, _C3, _C3, _C3, _BLOCKS, _RUNS, _RUNS,
                      types.float64, _C2, _B, types.float64, _KEYS, _KEYS, _I, _U32, _F32, _B, _B)
+
+
+def compiled_at_first_call(sig, **options):
+    """``numba.njit(sig, **options)`` made at the decorated function's first call, not at import:
+    compiled (or loaded from the cache) for ``sig`` alone then. :func:`forward` and
+    :func:`backward` cost about 25 and 40 s of CPU to compile (docs/speed.md), so a job that
+    only runs forwards (inference, ``qkv sample``) never pays for the backward."""
+    def wrap(fn):
+        made: list = []
+        lock = threading.Lock()
+
+        def call(*args):
+            if not made:
+                with lock:
+                    if not made:
+                        made.append(numba.njit(sig, **options)(fn))
+            return made[0](*args)
+        call.__doc__, call.__name__, call.__wrapped__ = fn.__doc__, fn.__name__, fn
+        return call
+    return wrap
+
+
 N_, T_ = 78, 84  # 'N' and 'T': BLAS's transpose flags
 COPY_T_KEYS = 128  # keys up to which q Kᵀ and dO Vᵀ run against a transposed copy (as qkv.kernels.rows.COPY_T_KEYS)
 
@@ -207,7 +231,7 @@ def _forward_head(addr, h, q4, k4, v4, qi, ki, group, out, lse, blocks, lo, hi, 
         _gemm(addr, N_, N_, r1 - r0, o.shape[1], k1 - k0, s[0], vh[k0:k1], 0, o[r0:r1])  # P V (R,Dv)
 
 
-@numba.njit(FWD_SIG, parallel=True, nogil=True, cache=True)
+@compiled_at_first_call(FWD_SIG, parallel=True, nogil=True, cache=True)
 def forward(addr, q4, k4, v4, qi, ki, group, out, lse, blocks, lo, hi, scale, cap, klo, khi, k_start,
             thresh, zscale, drop, passes):
     """``out (N, Tq, Dv)``, ``lse (N, Tq)`` of heads ``q4 (N/qi, qi, Tq, D)`` against kv heads
@@ -215,9 +239,9 @@ def forward(addr, q4, k4, v4, qi, ki, group, out, lse, blocks, lo, hi, scale, ca
     int64 ``(nb, 4)``: rows ``r0:r1`` take keys ``k0:k1``; ``lo``/``hi`` ``(Tq,)`` each row's run
     relative to its block's ``k0``. The rest as :func:`.rows_compiled.forward_pass`;
     ``passes=False`` leaves the row pass out (the bench's products-only bound)."""
-    for h in numba.prange(out.shape[0]):
-        _forward_head(addr, h, q4, k4, v4, qi, ki, group, out, lse, blocks, lo, hi, scale, cap, klo, khi, k_start,
-                      thresh, zscale, drop, passes)
+    for h in numba.prange(out.shape[0]):   # h as int64: typing sees int64, the parallel loop uint64 (two compiles)
+        _forward_head(addr, np.int64(h), q4, k4, v4, qi, ki, group, out, lse, blocks, lo, hi, scale, cap, klo, khi,
+                      k_start, thresh, zscale, drop, passes)
 
 
 @numba.njit(nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")
@@ -259,11 +283,11 @@ def _backward_group(addr, g, do4, q4, k4, v4, qi, ki, group, dq, dk, dv, blocks,
             _gemm(addr, T_, N_, n_k, gv.shape[1], n_r, p[0], doh[r0:r1], 1, gv[k0:k1])      # dV += Pᵀ dO
 
 
-@numba.njit(BWD_SIG, parallel=True, nogil=True, cache=True)
+@compiled_at_first_call(BWD_SIG, parallel=True, nogil=True, cache=True)
 def backward(addr, do4, q4, k4, v4, qi, ki, group, dq, dk, dv, blocks, lo, hi, scale, dlse, use_dlse, cap,
              klo, khi, k_start, thresh, zscale, drop, passes):
     """``dq (N, Tq, D)``, ``dk (Nk, Tk, D)``, ``dv (Nk, Tk, Dv)`` (every kv head's query heads
     summed, in order), arguments as :func:`forward`; ``dlse (N, Tq)`` read where ``use_dlse``."""
-    for g in numba.prange(dk.shape[0]):
-        _backward_group(addr, g, do4, q4, k4, v4, qi, ki, group, dq, dk, dv, blocks, lo, hi, scale, dlse, use_dlse,
-                        cap, klo, khi, k_start, thresh, zscale, drop, passes)
+    for g in numba.prange(dk.shape[0]):   # g as int64, as in forward
+        _backward_group(addr, np.int64(g), do4, q4, k4, v4, qi, ki, group, dq, dk, dv, blocks, lo, hi, scale, dlse,
+                        use_dlse, cap, klo, khi, k_start, thresh, zscale, drop, passes)

@@ -22,6 +22,10 @@ import numpy as np
 from numba.core import types
 from numba.core.extending import intrinsic
 
+from ... import jit_cache
+
+jit_cache.install()  # every compiled module imports this one first: qkv's cache folder before any njit below
+
 # contraction into FMAs and vectorised reductions; no "ninf"/"nnan": NaN and inf keep their meaning
 FASTMATH = {"contract", "afn", "reassoc", "nsz", "arcp"}
 f32, i32 = np.float32, np.int32
