@@ -43,7 +43,8 @@ from pathlib import Path
 COMPILED = ("qkv.kernels.flash.compiled", "qkv.kernels.rows_compiled", "qkv.kernels.rows_fused",
             "qkv.models.compiled", "qkv.nn.fused")
 # What compiling costs, measured (docs/speed.md, "The first call: compiling the fast kernels").
-COMPILE_ABOUT = "under a second a kernel; the row kernel's forward and backward about 25 and 40 s of CPU"
+COMPILE_ABOUT = ("under a second a kernel; the row kernel's forward and backward about 10 and 13 s of CPU "
+                 "for each softcap/dropout case a job runs")
 PACKAGE = Path(__file__).resolve().parent
 
 _lock = threading.Lock()

@@ -83,6 +83,7 @@ class _Mods:
         self.thresh = np.uint32(score_ops.threshold(spec.dropout_p))
         self.zscale = np.float32(1.0 / (1.0 - spec.dropout_p))
         self.k_start = spec.k_start
+        self.case = (self.cap > 0, bool(self.drop))   # which compiled kernel: each case its own (rows_fused.CASES)
 
 
 def key_runs(spec: MaskSpec) -> tuple[np.ndarray, np.ndarray]:
@@ -348,8 +349,8 @@ def forward(q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_weight
     blocks, lo, hi = _packed_blocks(spec)
     m = _Mods(spec, n)
     mod = _fused()
-    _call(mod.forward, n, tq, tk, num_threads, (mod.SGEMM, int(mod.ILP64)), q4, k4, v4, qi, ki, group, out, lse,
-          blocks, lo, hi, float(scale), m.cap, m.klo, m.khi, m.k_start, m.thresh, m.zscale, m.drop, passes)
+    _call(mod.FORWARD[m.case], n, tq, tk, num_threads, (mod.SGEMM, int(mod.ILP64)), q4, k4, v4, qi, ki, group, out,
+          lse, blocks, lo, hi, float(scale), m.cap, m.klo, m.khi, m.k_start, m.thresh, m.zscale, passes)
     return out.reshape(spec.lead + out.shape[-2:]), lse.reshape(spec.lead + (tq,)), None
 
 
@@ -366,7 +367,7 @@ def backward(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int =
     blocks, lo, hi = _packed_blocks(spec)
     m = _Mods(spec, n)
     mod = _fused()
-    _call(mod.backward, n, tq, tk, num_threads, (mod.SGEMM, int(mod.ILP64)), do4, q4, k4, v4, qi, ki, group,
+    _call(mod.BACKWARD[m.case], n, tq, tk, num_threads, (mod.SGEMM, int(mod.ILP64)), do4, q4, k4, v4, qi, ki, group,
           dq, dk, dv, blocks, lo, hi, float(scale), dl, dlse is not None, m.cap, m.klo, m.khi, m.k_start, m.thresh,
-          m.zscale, m.drop, passes)
+          m.zscale, passes)
     return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)

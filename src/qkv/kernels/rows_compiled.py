@@ -16,7 +16,8 @@ Both take :mod:`qkv.score_ops`' softcap (``s = c·tanh(x/c)`` before the exponen
 slope ``1 - tanh²`` on dS; :func:`~qkv.kernels.flash.compiled.tanh32`, its first branch alone on a row within it) and dropout (``P ∘ Z``
 after the softmax, ``Z ∘ dO Vᵀ`` in the backward, the keep-mask drawn again from the rows'
 keys and the columns by :func:`~qkv.kernels.flash.compiled.keep_bits`). Each of the four
-cases runs its own loops (the flags are constants of the inlined body), so each vectorises.
+cases runs its own loops (the flags are constants of the kernel the pass is inlined into), so
+each vectorises, and a job compiles only the cases it calls.
 """
 from __future__ import annotations
 
@@ -160,7 +161,13 @@ def _keep(z, klo, khi, col0, thresh, zscale):
 
 
 @numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _forward_rows(s, lo, hi, c, sc, cap_in, cap_out, lse, klo, khi, col0, thresh, zscale, capped, drop):
+def forward_pass(s, lo, hi, c, sc, cap_in, cap_out, lse, klo, khi, col0, thresh, zscale, capped, drop):
+    """s (n, Tq, Tk) raw products -> P (times the keep-mask Z where ``drop``) in place;
+    lse (n, Tq) = ln Σ_j exp(sc·s_ij) = ln Σ_j 2^(c·s_ij) (``sc`` the scale, ``c = scale·log2 e``;
+    softcapped, ``cap_out·tanh(cap_in·s)``, where ``capped``). ``klo``/``khi`` (n, Tq) uint32:
+    the rows' dropout keys; ``col0``: the first key's column. ``capped`` and ``drop`` are
+    compile-time constants of the caller (:mod:`.rows_fused` compiles one kernel per case), so
+    each case is its own loops and only the case called is compiled."""
     n, tq, tk = s.shape
     e = np.empty(tk, f32)
     z = np.empty(tk, f32)
@@ -184,25 +191,11 @@ def _forward_rows(s, lo, hi, c, sc, cap_in, cap_out, lse, klo, khi, col0, thresh
 
 
 @numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def forward_pass(s, lo, hi, c, sc, cap_in, cap_out, lse, klo, khi, col0, thresh, zscale, capped, drop):
-    """s (n, Tq, Tk) raw products -> P (times the keep-mask Z where ``drop``) in place;
-    lse (n, Tq) = ln Σ_j exp(sc·s_ij) = ln Σ_j 2^(c·s_ij) (``sc`` the scale, ``c = scale·log2 e``;
-    softcapped, ``cap_out·tanh(cap_in·s)``, where ``capped``). ``klo``/``khi`` (n, Tq) uint32:
-    the rows' dropout keys; ``col0``: the first key's column. Each of the four cases its own
-    loops (the flags constants of the inlined body)."""
-    if capped and drop:
-        _forward_rows(s, lo, hi, c, sc, cap_in, cap_out, lse, klo, khi, col0, thresh, zscale, True, True)
-    elif capped:
-        _forward_rows(s, lo, hi, c, sc, cap_in, cap_out, lse, klo, khi, col0, thresh, zscale, True, False)
-    elif drop:
-        _forward_rows(s, lo, hi, c, sc, cap_in, cap_out, lse, klo, khi, col0, thresh, zscale, False, True)
-    else:
-        _forward_rows(s, lo, hi, c, sc, cap_in, cap_out, lse, klo, khi, col0, thresh, zscale, False, False)
-
-
-@numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _backward_rows(s, dp, lo, hi, c, cap_in, cap_out, sc, dlse, use_dlse, klo, khi, col0, thresh, zscale,
-                   capped, drop):
+def backward_pass(s, dp, lo, hi, c, cap_in, cap_out, sc, dlse, use_dlse, klo, khi, col0, thresh, zscale,
+                  capped, drop):
+    """s (n, Tq, Tk) raw products -> P ∘ Z in place (for dV); dp (n, Tq, Tk) = dO Vᵀ -> dS
+    (times ``sc``, the scale, and the softcap's slope) in place; ``dlse`` (n, Tq) read where
+    ``use_dlse``. Arguments as :func:`forward_pass` (``capped``, ``drop`` constants of the caller)."""
     n, tq, tk = s.shape
     e = np.empty(tk, f32)
     slope = np.empty(tk, f32)
@@ -240,19 +233,3 @@ def _backward_rows(s, dp, lo, hi, c, cap_in, cap_out, sc, dlse, use_dlse, klo, k
             if drop:                         # P ∘ Z, for dV = (P ∘ Z)ᵀ dO
                 for j in range(p.shape[0]):
                     p[j] *= zz[j]
-
-
-@numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def backward_pass(p, ds, lo, hi, c, cap_in, cap_out, sc, dl, use_dlse, klo, khi, col0, thresh, zscale, capped, drop):
-    """p (n, Tq, Tk) raw products -> P ∘ Z in place (for dV); ds (n, Tq, Tk) = dO Vᵀ -> dS
-    (times ``sc``, the scale, and the softcap's slope) in place; ``dl`` (n, Tq) read where
-    ``use_dlse``. Arguments as :func:`forward_pass`."""
-    if capped and drop:
-        _backward_rows(p, ds, lo, hi, c, cap_in, cap_out, sc, dl, use_dlse, klo, khi, col0, thresh, zscale, True, True)
-    elif capped:
-        _backward_rows(p, ds, lo, hi, c, cap_in, cap_out, sc, dl, use_dlse, klo, khi, col0, thresh, zscale, True, False)
-    elif drop:
-        _backward_rows(p, ds, lo, hi, c, cap_in, cap_out, sc, dl, use_dlse, klo, khi, col0, thresh, zscale, False, True)
-    else:
-        _backward_rows(p, ds, lo, hi, c, cap_in, cap_out, sc, dl, use_dlse, klo, khi, col0, thresh, zscale, False,
-                       False)

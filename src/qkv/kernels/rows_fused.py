@@ -85,16 +85,17 @@ _I, _B, _F32, _U32 = types.int64, types.boolean, types.float32, types.uint32
 _C2, _C3 = types.float32[:, ::1], types.float32[:, :, ::1]
 _BLOCKS, _RUNS, _KEYS = types.int64[:, ::1], types.int64[::1], types.uint32[:, ::1]
 FWD_SIG = types.void(types.UniTuple(_I, 2), _IN, _IN, _IN, _I, _I, _I, _C3, _C2, _BLOCKS, _RUNS, _RUNS,
-                     types.float64, types.float64, _KEYS, _KEYS, _I, _U32, _F32, _B, _B)
+                     types.float64, types.float64, _KEYS, _KEYS, _I, _U32, _F32, _B)
 BWD_SIG = types.void(types.UniTuple(_I, 2), _IN, _IN, _IN, _IN, _I, _I, _I, _C3, _C3, _C3, _BLOCKS, _RUNS, _RUNS,
-                     types.float64, _C2, _B, types.float64, _KEYS, _KEYS, _I, _U32, _F32, _B, _B)
+                     types.float64, _C2, _B, types.float64, _KEYS, _KEYS, _I, _U32, _F32, _B)
 
 
 def compiled_at_first_call(sig, **options):
     """``numba.njit(sig, **options)`` made at the decorated function's first call, not at import:
-    compiled (or loaded from the cache) for ``sig`` alone then. :func:`forward` and
-    :func:`backward` cost about 25 and 40 s of CPU to compile (docs/speed.md), so a job that
-    only runs forwards (inference, ``qkv sample``) never pays for the backward."""
+    compiled (or loaded from the cache) for ``sig`` alone then. The row kernel's forward and
+    backward of one case (:data:`FORWARD`, :data:`BACKWARD`) cost seconds of CPU to compile
+    (docs/speed.md), so a job pays only for the cases and directions it runs (inference and
+    ``qkv sample`` never for a backward)."""
     def wrap(fn):
         made: list = []
         lock = threading.Lock()
@@ -204,10 +205,11 @@ def _maybe_t(x, copy_t):
 
 @numba.njit(nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")
 def _forward_head(addr, h, q4, k4, v4, qi, ki, group, out, lse, blocks, lo, hi, scale, cap, klo, khi, k_start,
-                  thresh, zscale, drop, passes):
-    """Head ``h``'s blocks of rows in turn: ``S = Q Kᵀ``, the row pass (``S`` to ``P``), ``P V``."""
+                  thresh, zscale, capped, drop, passes):
+    """Head ``h``'s blocks of rows in turn: ``S = Q Kᵀ``, the row pass (``S`` to ``P``), ``P V``.
+    ``capped`` and ``drop`` are literal constants (one compile per case: :func:`forward`)."""
     wide_vectors()
-    c, sc, capped = f32(scale * LOG2E), f32(scale), cap > 0
+    c, sc = f32(scale * LOG2E), f32(scale)
     cap_in = f32(scale / cap) if capped else f32(0.0)
     cap_out = f32(cap)
     qh, g = _head(q4, h, qi), h // group
@@ -231,25 +233,35 @@ def _forward_head(addr, h, q4, k4, v4, qi, ki, group, out, lse, blocks, lo, hi, 
         _gemm(addr, N_, N_, r1 - r0, o.shape[1], k1 - k0, s[0], vh[k0:k1], 0, o[r0:r1])  # P V (R,Dv)
 
 
-@compiled_at_first_call(FWD_SIG, parallel=True, nogil=True, cache=True)
-def forward(addr, q4, k4, v4, qi, ki, group, out, lse, blocks, lo, hi, scale, cap, klo, khi, k_start,
-            thresh, zscale, drop, passes):
-    """``out (N, Tq, Dv)``, ``lse (N, Tq)`` of heads ``q4 (N/qi, qi, Tq, D)`` against kv heads
-    ``k4, v4 (Nk/ki, ki, Tk, D|Dv)`` (query head h reads kv head ``h // group``). ``blocks``
-    int64 ``(nb, 4)``: rows ``r0:r1`` take keys ``k0:k1``; ``lo``/``hi`` ``(Tq,)`` each row's run
-    relative to its block's ``k0``. The rest as :func:`.rows_compiled.forward_pass`;
-    ``passes=False`` leaves the row pass out (the bench's products-only bound)."""
-    for h in numba.prange(out.shape[0]):   # h as int64: typing sees int64, the parallel loop uint64 (two compiles)
-        _forward_head(addr, np.int64(h), q4, k4, v4, qi, ki, group, out, lse, blocks, lo, hi, scale, cap, klo, khi,
-                      k_start, thresh, zscale, drop, passes)
+def _forward_kernel(capped: bool, drop: bool):
+    """The forward kernel of one case of softcap (``capped``: ``cap > 0``) and dropout, the
+    flags closure constants: compiled at its first call with that case's row pass alone (the
+    four cases' loops in one kernel cost four times the CPU to compile; docs/speed.md)."""
+    @compiled_at_first_call(FWD_SIG, parallel=True, nogil=True, cache=True)
+    def forward(addr, q4, k4, v4, qi, ki, group, out, lse, blocks, lo, hi, scale, cap, klo, khi, k_start,
+                thresh, zscale, passes):
+        """``out (N, Tq, Dv)``, ``lse (N, Tq)`` of heads ``q4 (N/qi, qi, Tq, D)`` against kv heads
+        ``k4, v4 (Nk/ki, ki, Tk, D|Dv)`` (query head h reads kv head ``h // group``). ``blocks``
+        int64 ``(nb, 4)``: rows ``r0:r1`` take keys ``k0:k1``; ``lo``/``hi`` ``(Tq,)`` each row's run
+        relative to its block's ``k0``. The rest as :func:`.rows_compiled.forward_pass`;
+        ``passes=False`` leaves the row pass out (the bench's products-only bound)."""
+        for h in numba.prange(out.shape[0]):   # h as int64: typing sees int64, the loop uint64 (two compiles)
+            _forward_head(addr, np.int64(h), q4, k4, v4, qi, ki, group, out, lse, blocks, lo, hi, scale, cap, klo,
+                          khi, k_start, thresh, zscale, capped, drop, passes)
+    return forward
+
+
+CASES = tuple((capped, drop) for capped in (False, True) for drop in (False, True))
+FORWARD = {case: _forward_kernel(*case) for case in CASES}   # (capped, drop) -> its forward kernel
 
 
 @numba.njit(nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")
 def _backward_group(addr, g, do4, q4, k4, v4, qi, ki, group, dq, dk, dv, blocks, lo, hi, scale, dlse, use_dlse,
-                    cap, klo, khi, k_start, thresh, zscale, drop, passes):
-    """The ``group`` query heads of kv head ``g`` in turn: dq of each, dk and dv summed in that order."""
+                    cap, klo, khi, k_start, thresh, zscale, capped, drop, passes):
+    """The ``group`` query heads of kv head ``g`` in turn: dq of each, dk and dv summed in that
+    order. ``capped`` and ``drop`` literal constants, as :func:`_forward_head`'s."""
     wide_vectors()
-    c, sc, capped = f32(scale * LOG2E), f32(scale), cap > 0
+    c, sc = f32(scale * LOG2E), f32(scale)
     cap_in = f32(scale / cap) if capped else f32(0.0)
     cap_out = f32(cap)
     kh, vh = _head(k4, g, ki), _head(v4, g, ki)
@@ -283,11 +295,17 @@ def _backward_group(addr, g, do4, q4, k4, v4, qi, ki, group, dq, dk, dv, blocks,
             _gemm(addr, T_, N_, n_k, gv.shape[1], n_r, p[0], doh[r0:r1], 1, gv[k0:k1])      # dV += Pᵀ dO
 
 
-@compiled_at_first_call(BWD_SIG, parallel=True, nogil=True, cache=True)
-def backward(addr, do4, q4, k4, v4, qi, ki, group, dq, dk, dv, blocks, lo, hi, scale, dlse, use_dlse, cap,
-             klo, khi, k_start, thresh, zscale, drop, passes):
-    """``dq (N, Tq, D)``, ``dk (Nk, Tk, D)``, ``dv (Nk, Tk, Dv)`` (every kv head's query heads
-    summed, in order), arguments as :func:`forward`; ``dlse (N, Tq)`` read where ``use_dlse``."""
-    for g in numba.prange(dk.shape[0]):   # g as int64, as in forward
-        _backward_group(addr, np.int64(g), do4, q4, k4, v4, qi, ki, group, dq, dk, dv, blocks, lo, hi, scale, dlse,
-                        use_dlse, cap, klo, khi, k_start, thresh, zscale, drop, passes)
+def _backward_kernel(capped: bool, drop: bool):
+    """The backward kernel of one case, as :func:`_forward_kernel`."""
+    @compiled_at_first_call(BWD_SIG, parallel=True, nogil=True, cache=True)
+    def backward(addr, do4, q4, k4, v4, qi, ki, group, dq, dk, dv, blocks, lo, hi, scale, dlse, use_dlse, cap,
+                 klo, khi, k_start, thresh, zscale, passes):
+        """``dq (N, Tq, D)``, ``dk (Nk, Tk, D)``, ``dv (Nk, Tk, Dv)`` (every kv head's query heads
+        summed, in order), arguments as the forward's; ``dlse (N, Tq)`` read where ``use_dlse``."""
+        for g in numba.prange(dk.shape[0]):   # g as int64, as in the forward
+            _backward_group(addr, np.int64(g), do4, q4, k4, v4, qi, ki, group, dq, dk, dv, blocks, lo, hi, scale,
+                            dlse, use_dlse, cap, klo, khi, k_start, thresh, zscale, capped, drop, passes)
+    return backward
+
+
+BACKWARD = {case: _backward_kernel(*case) for case in CASES}   # (capped, drop) -> its backward kernel
