@@ -52,15 +52,17 @@ class _Free:
 
     def __init__(self, real):
         self.real = real
+        # one entry per softcap x dropout case (rows_fused.FORWARD/BACKWARD), each called with passes=False
+        self.FORWARD = {case: _without_passes(kern) for case, kern in real.FORWARD.items()}
+        self.BACKWARD = {case: _without_passes(kern) for case, kern in real.BACKWARD.items()}
 
     def __getattr__(self, name):      # SGEMM, ILP64, CONCURRENT: the real module's
         return getattr(self.real, name)
 
-    def forward(self, *args):
-        return self.real.forward(*args[:-1], False)
 
-    def backward(self, *args):
-        return self.real.backward(*args[:-1], False)
+def _without_passes(kern):
+    """``kern`` called with its last argument, ``passes``, False."""
+    return lambda *args: kern(*args[:-1], False)
 
 
 def products_only(fn):
