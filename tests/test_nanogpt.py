@@ -197,6 +197,8 @@ def test_init_from_a_saved_gpt2_starts_at_transformers_loss(gpt2_folder, tmp_pat
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["config"]["block_size"] == 16 and cfg["config"]["bias"] is True and cfg["config"]["n_layer"] == 2
     np.testing.assert_allclose(_weights(out)["transformer.wpe.weight"].shape, (16, 32))
+    assert main(["sample", str(out), "--tokens", "2"]) == 2
+    assert "no tokenizer" in capsys.readouterr().err
     assert main(args[:2] + ["--init-from", str(folder), "--data", str(data), "--out", str(tmp_path / "x"),
                             "--n-layer", "3", "--no-progress"]) == 2
     assert "decides the model's shape: --n-layer 3 (the checkpoint has 2)" in capsys.readouterr().err

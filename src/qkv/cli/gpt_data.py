@@ -30,10 +30,10 @@ def read_text(source: str) -> str:
         raise UsageError(f"--data {source!r} cannot be read as UTF-8 text: {err}") from None
 
 
-def _bpe(spec: str, near):
+def _bpe(spec: str, near, download: bool = True):
     from ..models.bpe import load_bpe
 
-    return load_bpe(spec, near=near)
+    return load_bpe(spec, near=near, download=download)
 
 
 def new_data(args, vocab_size, init_folder=None):
@@ -54,7 +54,7 @@ def new_data(args, vocab_size, init_folder=None):
             tokenizer = _bpe(spec, init_folder)
         elif vocab_size is not None and not (Path(args.data) / "meta.pkl").is_file():
             try:  # the checkpoint's tokenizer, to sample with later; the ids are GPT-2's either way
-                tokenizer = _bpe("gpt2", init_folder)
+                tokenizer = _bpe("gpt2", init_folder, download=False)
             except Exception:  # noqa: BLE001 - none to be had: train on the ids alone
                 tokenizer = NoTokenizer(vocab_size)
         dataset = bin_dataset(args.data, tokenizer)

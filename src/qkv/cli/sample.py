@@ -54,6 +54,10 @@ def _tokenizer(args, extra):
         if not isinstance(tok, NoTokenizer):
             raise UsageError(f"--tokenizer: the run in {args.dir} has its own tokenizer")
         tok = load_bpe(args.tokenizer)
+    elif isinstance(tok, NoTokenizer):
+        raise UsageError(f"the run in {args.dir} has token ids but no tokenizer (nanoGPT .bin data without meta.pkl): "
+                         f"name one to read them with --tokenizer gpt2 (or a folder with tokenizer.json, or "
+                         f"vocab.json and merges.txt)")
     return tok
 
 

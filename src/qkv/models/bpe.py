@@ -92,7 +92,7 @@ def _from_folder(folder: Path, name: str) -> BPETokenizer | None:
     return None
 
 
-def _gpt2_from_hub() -> Path | None:
+def _gpt2_from_hub(download: bool = True) -> Path | None:
     """The cached (or, where allowed, downloaded) folder of GPT-2's tokenizer files, or None."""
     from .locate import hub_cache, hub_offline
 
@@ -101,7 +101,7 @@ def _gpt2_from_hub() -> Path | None:
     except ImportError:
         return None
     for local in (True, False):
-        if not local and hub_offline():
+        if not local and (hub_offline() or not download):
             return None
         try:
             return Path(snapshot_download(GPT2_HUB_ID, cache_dir=str(hub_cache()), allow_patterns=GPT2_FILES,
@@ -111,10 +111,11 @@ def _gpt2_from_hub() -> Path | None:
     return None
 
 
-def load_bpe(spec, near=None) -> BPETokenizer:
+def load_bpe(spec, near=None, *, download: bool = True) -> BPETokenizer:
     """The BPE tokenizer ``spec`` names: ``"gpt2"`` (GPT-2's: in the folder ``near`` first, then
     the Hugging Face cache or hub), a folder holding ``tokenizer.json`` (or ``vocab.json`` and
-    ``merges.txt``), or a ``tokenizer.json`` file. Anything else is a CheckpointError that says
+    ``merges.txt``), or a ``tokenizer.json`` file (``download=False``: the cache only, never the
+    network). Anything else is a CheckpointError that says
     where it looked and how to get the files."""
     if not isinstance(spec, (str, os.PathLike)):
         raise ShapeError(f"the tokenizer must be 'gpt2' or a path; got {type(spec).__name__}")
@@ -135,7 +136,7 @@ def load_bpe(spec, near=None) -> BPETokenizer:
         found = _from_folder(Path(near), "gpt2")
         if found is not None:
             return found
-    folder = _gpt2_from_hub()
+    folder = _gpt2_from_hub(download)
     found = None if folder is None else _from_folder(folder, "gpt2")
     if found is None:
         where = f"{near}, " if near is not None else ""
