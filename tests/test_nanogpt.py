@@ -199,6 +199,8 @@ def test_init_from_a_saved_gpt2_starts_at_transformers_loss(gpt2_folder, tmp_pat
     np.testing.assert_allclose(_weights(out)["transformer.wpe.weight"].shape, (16, 32))
     assert main(["sample", str(out), "--tokens", "2"]) == 2
     assert "no tokenizer" in capsys.readouterr().err
+    assert main(["train", "gpt", "--out", str(out), "--resume", "--steps", "3", "--no-progress"]) == 0
+    assert len(_log(out)["losses"]) == 3
     assert main(args[:2] + ["--init-from", str(folder), "--data", str(data), "--out", str(tmp_path / "x"),
                             "--n-layer", "3", "--no-progress"]) == 2
     assert "decides the model's shape: --n-layer 3 (the checkpoint has 2)" in capsys.readouterr().err

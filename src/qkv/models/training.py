@@ -16,6 +16,10 @@ One step::
     model.backward()                          fills model.grads
     opt.step(lr(step))                        clip to norm 1, AdamW update
 
+With ``grad_accum = N`` the first three lines run for N micro-batches drawn one after another
+and the update takes their mean gradient: the gradient of the ``(N·B, T)`` batch of the same
+rows (nanoGPT's ``gradient_accumulation_steps``).
+
 A :class:`Run` holds everything that changes while training: the model, the optimizer's
 moments and step count, the data Generator, the step and the log. Saved by
 :func:`qkv.models.runfiles.save_run` and read back by ``load_run``, a run continues exactly where it
