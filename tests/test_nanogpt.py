@@ -153,6 +153,25 @@ def test_gpt2_tokenizer_offline_says_how_to_get_it(text_file, tmp_path, monkeypa
     assert "--tokenizer PATH" in err and not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize("flags, said", [
+    (["--log-interval", "0"], "--log-interval must be an int >= 1; got 0"),
+    (["--gradient-accumulation-steps", "0"], "--gradient-accumulation-steps must be an int >= 1; got 0"),
+    (["--grad-clip", "-1"], "--grad-clip must be a finite number in [0, inf); got -1.0"),
+    (["--beta2", "1"], "--beta2 must be a finite number in [0, 1); got 1.0"),
+])
+def test_bad_new_flags_are_refused_by_name(text_file, tmp_path, capsys, flags, said):
+    out = tmp_path / "never"
+    assert main(["train", "gpt", "--data", str(text_file), "--out", str(out), *TINY, *flags]) == 2
+    assert said in capsys.readouterr().err and not out.exists()
+
+
+def test_tokenizer_char_is_refused_where_the_ids_are_not_characters(text_file, tmp_path, capsys):
+    folder = char_bin_folder("abcdefgh" * 40, tmp_path / "d")
+    assert main(["train", "gpt", "--data", str(folder), "--tokenizer", "char", "--out", str(tmp_path / "r"),
+                 *TINY]) == 2
+    assert "holds token ids already" in capsys.readouterr().err
+
+
 # --- 2. fine-tuning ----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

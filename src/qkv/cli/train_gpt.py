@@ -218,6 +218,7 @@ class CtrlC:
 
 def run(args) -> int:
     require("safetensors", "models")
+    _log_lines(args.log_interval)  # a bad --log-interval is said before anything is read
     if not args.no_progress:
         check_progress()  # rich, said before the text is read or fetched; --no-progress needs none
     out = Path(args.out)
