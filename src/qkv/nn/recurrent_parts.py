@@ -209,10 +209,11 @@ def load_hf(layer, tensors: dict[str, np.ndarray], table: dict, where: str) -> N
     unknown = sorted(set(tensors) - set(table))
     if unknown:
         raise ShapeError(f"{where}: no place for the module's weights {unknown}")
+    absent = [f"{hf_name} (for {ours})" for hf_name, (ours, _) in table.items() if hf_name not in tensors]
+    if absent:
+        raise ShapeError(f"{where}: the module has no weight {', '.join(absent)}")
     filled = set()
     for hf_name, (ours, convert) in table.items():
-        if hf_name not in tensors:
-            raise ShapeError(f"{where}: the module has no weight {hf_name!r} (for {ours})")
         value = convert(tensors[hf_name])
         want = layer.params[ours].shape
         if value.shape != want:
