@@ -119,3 +119,49 @@ def rglru(*, hidden=16, lru_width=24, heads=3, conv=4, seed=0):
             p.copy_(t.randn(p.shape, dtype=p.dtype) / max(1.0, p.shape[-1] ** 0.5))
         m.rg_lru.recurrent_param.copy_(t.linspace(-1.0, 2.0, lru_width))
     return m, cfg
+
+
+# --- calling them: the whole sequence, and cached decoding (a prefill, then one token a call) ---
+def full(kind: str, module, x):
+    """The module's output on the whole sequence ``x`` (a tensor), no cache."""
+    t = _torch()
+    if kind == "rglru":
+        B, T = x.shape[:2]
+        return module(x, t.arange(T)[None].expand(B, T), None, use_cache=False)[0]
+    return module(x)
+
+
+def decode(kind: str, module, cfg, x: np.ndarray, prefill: int) -> np.ndarray:
+    """The module's outputs when it is given ``x[:, :prefill]`` and then one token a call, with its cache."""
+    t = _torch()
+    B, T = x.shape[:2]
+    pieces = [(0, prefill)] + [(i, i + 1) for i in range(prefill, T)]
+    outs = []
+    if kind == "rglru":
+        for a, b in pieces:
+            pos = t.arange(a, b)[None].expand(B, b - a)
+            outs.append(module(tensor(x[:, a:b]), pos, None, use_cache=True)[0])
+    else:
+        from transformers import DynamicCache
+        cache = DynamicCache(config=cfg)
+        outs = [module(tensor(x[:, a:b]), cache=cache) for a, b in pieces]
+    return numpy(t.cat(outs, 1))
+
+
+def hf_grads(layer_class, module) -> dict:
+    """transformers' parameter gradients under our names: ``from_hf`` of the module with each
+    weight swapped for its gradient (the weights are put back)."""
+    t = _torch()
+    params = list(module.parameters())
+    saved = [p.detach().clone() for p in params]
+    with t.no_grad():
+        for p in params:
+            p.copy_(p.grad)
+        try:
+            return dict(layer_class.from_hf(module, dtype=np.float64).params)
+        finally:
+            for p, w in zip(params, saved):
+                p.copy_(w)
+
+
+BUILD = {"mamba2": mamba2, "gated_delta": gated_delta, "rglru": rglru}
