@@ -116,3 +116,27 @@ def test_prefill_then_steps_equal_the_whole_sequence_and_transformers_cached_dec
     with torch.no_grad(), R.float64():
         theirs = R.decode(kind, module, config, x, prefill)
     assert R.rel(steps, theirs) < 1e-10
+
+
+def test_from_hf_refuses_what_it_cannot_place():
+    module, _ = R.mamba2()
+    with pytest.raises(nn_errors(), match="Mamba2.from_hf needs a transformers Mamba2Mixer; got Qwen3NextGated"):
+        nn.Mamba2.from_hf(R.gated_delta()[0])
+    with pytest.raises(nn_errors(), match="RGLRU.from_hf needs a transformers RecurrentGemmaRecurrentBlock"):
+        nn.RGLRU.from_hf(module)
+    module.register_parameter("extra", torch.nn.Parameter(torch.zeros(3)))
+    with pytest.raises(nn_errors(), match=r"Mamba2.from_hf: no place for the module's weights \['extra'\]"):
+        nn.Mamba2.from_hf(module)
+    gdn, _ = R.gated_delta()
+    del gdn.norm.weight
+    with pytest.raises(nn_errors(), match=r"GatedDeltaNet.from_hf: the module has no weight norm.weight"):
+        nn.GatedDeltaNet.from_hf(gdn)
+    block, _ = R.rglru()
+    block.act_fn = torch.nn.ReLU()
+    with pytest.raises(nn_errors(), match="activation must be tanh GELU"):
+        nn.RGLRU.from_hf(block)
+
+
+def nn_errors():
+    import qkv
+    return qkv.ShapeError

@@ -38,9 +38,9 @@ from .mamba2 import Mamba2
 from .mlp import MLP
 from .multihead import MultiHeadAttention
 from .norms import LayerNorm, RMSNorm
+from .optim import Adam, AdamW, cosine_lr, cross_entropy
 from .recurrent_parts import RecurrentState
 from .rglru import RGLRU
-from .optim import Adam, AdamW, cosine_lr, cross_entropy
 from .self_attention import SelfAttention
 
 __all__ = [

@@ -165,9 +165,11 @@ class GatedDeltaNet(Layer):
     @classmethod
     def from_hf(cls, module, *, dtype=np.float32) -> GatedDeltaNet:
         """The layer of a transformers ``Qwen3NextGatedDeltaNet``, weight for weight (shapes checked)."""
+        t = hf_tensors(module, "GatedDeltaNet.from_hf", "Qwen3NextGatedDeltaNet",
+                       ("hidden_size", "num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "conv_kernel_size",
+                        "activation", "norm"))
         if module.activation not in ("silu", "swish"):
             raise ShapeError(f"GatedDeltaNet.from_hf: the conv activation must be silu; got {module.activation!r}")
-        t = hf_tensors(module)
         layer = cls(module.hidden_size, module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim,
                     conv_kernel=module.conv_kernel_size, eps=module.norm.variance_epsilon, dtype=dtype)
         Hk, r, Dk, Dv = layer.n_k_heads, layer.n_v_heads // layer.n_k_heads, layer.d_k, layer.d_v

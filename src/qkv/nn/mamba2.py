@@ -32,8 +32,8 @@ from ..errors import ShapeError, positive_int
 from .activations import silu_backward, silu_forward
 from .base import Layer, check_input, linear_grad
 from .recurrent_parts import (RecurrentState, check_state, compute_dtype, conv_backward, conv_forward, conv_tail,
-                              gate_then_norm_backward, gate_then_norm_forward, grad_output, hf_tensors, load_hf, sigmoid,
-                              softplus)
+                              gate_then_norm_backward, gate_then_norm_forward, grad_output, hf_tensors, load_hf,
+                              sigmoid, softplus)
 
 
 class Mamba2(Layer):
@@ -190,7 +190,9 @@ class Mamba2(Layer):
     @classmethod
     def from_hf(cls, module, *, dtype=np.float32) -> Mamba2:
         """The layer of a transformers ``Mamba2Mixer``, weight for weight (shapes checked)."""
-        t = hf_tensors(module)
+        t = hf_tensors(module, "Mamba2.from_hf", "Mamba2Mixer",
+                       ("hidden_size", "num_heads", "head_dim", "intermediate_size", "ssm_state_size", "n_groups",
+                        "conv_kernel_size", "time_step_limit", "activation", "norm"))
         d_model = module.hidden_size
         if module.intermediate_size != module.num_heads * module.head_dim:
             raise ShapeError(f"Mamba2.from_hf: intermediate_size {module.intermediate_size} must be "

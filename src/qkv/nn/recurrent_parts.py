@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import ShapeError, as_float_array, fmt_shape, positive_int
+from ..errors import ShapeError, as_float_array, fmt_shape
 from .activations import silu_backward, silu_forward
 
 
@@ -195,8 +195,12 @@ def compute_dtype(dtype) -> np.dtype:
 
 
 # --- transformers weights ---------------------------------------------------------------------
-def hf_tensors(module) -> dict[str, np.ndarray]:
-    """Every parameter of a torch module as a float64 NumPy array, by its torch name."""
+def hf_tensors(module, where: str, kind: str, needs: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """Every parameter of a torch module as a float64 NumPy array, by its torch name, after
+    checking that it has the attributes ``needs`` of a transformers ``kind``."""
+    missing = [n for n in needs if not hasattr(module, n)] if hasattr(module, "named_parameters") else ["parameters"]
+    if missing:
+        raise ShapeError(f"{where} needs a transformers {kind}; got {type(module).__name__} (no {', '.join(missing)})")
     return {name: p.detach().cpu().double().numpy() for name, p in module.named_parameters()}
 
 
@@ -225,7 +229,3 @@ def load_hf(layer, tensors: dict[str, np.ndarray], table: dict, where: str) -> N
     if missing:
         raise ShapeError(f"{where}: no weight of the module fills {missing}")
 
-
-def conv_width(name: str, k) -> int:
-    """A convolution width ``K >= 1``."""
-    return positive_int(name, k)

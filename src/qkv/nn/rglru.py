@@ -174,13 +174,14 @@ class RGLRU(Layer):
     @classmethod
     def from_hf(cls, module, *, dtype=np.float32) -> RGLRU:
         """The layer of a transformers ``RecurrentGemmaRecurrentBlock``, weight for weight (shapes checked)."""
+        t = hf_tensors(module, "RGLRU.from_hf", "RecurrentGemmaRecurrentBlock",
+                       ("hidden_size", "lru_width", "rg_lru", "conv1d_width", "act_fn"))
         import torch
         probe = np.linspace(-3, 3, 13)
         got = module.act_fn(torch.tensor(probe)).numpy()
         if np.max(np.abs(got - gelu_tanh_forward(probe)[0])) > 1e-12:
             raise ShapeError(f"RGLRU.from_hf: the gate branch's activation must be tanh GELU "
                              f"(gelu_pytorch_tanh); got {type(module.act_fn).__name__}")
-        t = hf_tensors(module)
         layer = cls(module.hidden_size, module.lru_width, module.rg_lru.num_attention_heads,
                     conv_width=module.conv1d_width, dtype=dtype)
         same = lambda a: a  # noqa: E731
