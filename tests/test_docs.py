@@ -51,9 +51,9 @@ def test_python_block_runs(page, index, code, tmp_path, monkeypatch):
         pytest.importorskip("safetensors", reason="the example needs qkv[models]")
         pytest.importorskip("tokenizers", reason="the example needs qkv[models]")
         pytest.importorskip("matplotlib", reason="the example needs qkv[viz]")
-    if "qkv.torch" in code:
+    if "qkv.torch" in code or "import torch" in code:
         pytest.importorskip("torch", reason="the example needs qkv[torch]")
-    if "register_hf" in code:
+    if "register_hf" in code or "from transformers" in code:
         pytest.importorskip("transformers", reason="the example needs qkv[hf]")
     if "distributed" in code:
         pytest.importorskip("mpi4py", reason="the example needs qkv[mpi]")

@@ -20,6 +20,9 @@ computes its attention through :func:`qkv.attention` / :func:`qkv.attention_back
   and :class:`TransformerBlock` (pre-norm: ``x + attn(ln_1(x))``, ``x + mlp(ln_2(x))``, around any
   of the attention layers): what :class:`qkv.models.GPT` is made of; :class:`AdamW` (decoupled
   weight decay, gradient clipping, a state to resume from) and :func:`cosine_lr` train it.
+- :class:`Mamba2`, :class:`GatedDeltaNet`, :class:`RGLRU`: the recurrent blocks of Mamba-2,
+  Qwen3-Next and Griffin (``from_hf(module)`` from transformers), decoding through a
+  :class:`RecurrentState` whose size does not grow with the tokens seen.
 - :func:`cache_table` (``nn/footprint.py``): KV-cache bytes per token of MHA, GQA, MQA and MLA.
 - :func:`gradient_errors`: a finite-difference check of any layer's backward.
 """
@@ -27,18 +30,23 @@ from .block import TransformerBlock
 from .cache import Cache, KVCache, LatentCache
 from .footprint import cache_elements_per_token, cache_table, format_cache_table
 from .gradcheck import gradient_errors
+from .gated_delta import GatedDeltaNet
 from .latent import LatentAttention
 from .layers import Dropout, Embedding, Linear
 from .linear_attention import LinearAttention, LinearState
+from .mamba2 import Mamba2
 from .mlp import MLP
 from .multihead import MultiHeadAttention
 from .norms import LayerNorm, RMSNorm
 from .optim import Adam, AdamW, cosine_lr, cross_entropy
+from .recurrent_parts import RecurrentState
+from .rglru import RGLRU
 from .self_attention import SelfAttention
 
 __all__ = [
     "SelfAttention", "MultiHeadAttention", "LatentAttention", "LinearAttention", "LinearState",
     "Linear", "Embedding", "Dropout", "LayerNorm", "RMSNorm", "MLP", "TransformerBlock",
     "Adam", "AdamW", "cosine_lr", "cross_entropy", "Cache", "KVCache", "LatentCache", "cache_table",
-    "cache_elements_per_token", "format_cache_table", "gradient_errors",
+    "cache_elements_per_token", "format_cache_table", "gradient_errors", "Mamba2", "GatedDeltaNet", "RGLRU",
+    "RecurrentState",
 ]

@@ -1,0 +1,193 @@
+"""Gated DeltaNet (transformers' ``Qwen3NextGatedDeltaNet``) as a trainable NumPy layer.
+
+Forward, for ``x (B, T, d_model)``, ``Hk`` key heads of width ``Dk`` and ``Hv`` value heads of
+width ``Dv`` (``Hv`` a multiple of ``Hk``: value heads ``h·r .. h·r + r - 1`` share key head h,
+``r = Hv/Hk``)::
+
+    [q | k | v | z | b | a] = x W_in                       (Hk·Dk, Hk·Dk, Hv·Dv, Hv·Dv, Hv, Hv)
+    [q | k | v] = silu(conv([q | k | v]))                  short causal depthwise conv, K taps
+    q, k = l2norm(q), l2norm(k)                            per head, x (Σx² + 1e-6)^(-1/2)
+    beta = sigmoid(b),   g = -exp(A_log) softplus(a + dt_bias)                 (B, T, Hv)
+    S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - exp(g_t) S_{t-1}ᵀ k_t))ᵀ      per value head
+    o_t = S_tᵀ q_t / sqrt(Dk)                               delta_rule(q, k, v, beta, g)
+    out = (norm_w ∘ rms(o) ∘ silu(z)) W_out                 RMSNorm per head, then the gate
+
+``W_in`` holds transformers' two projections (``in_proj_qkvz``, ``in_proj_ba``) in the plain
+order above: transformers interleaves them per key head
+(``[q_h | k_h | v_{h·r..} | z_{h·r..}]`` and ``[b_{h·r..} | a_{h·r..}]``), which
+:meth:`GatedDeltaNet.from_hf` undoes. The recurrence is :func:`qkv.recurrent.delta_rule`.
+
+**Decoding.** ``new_state(batch)`` holds the convolution's last ``K - 1`` inputs and the
+delta-rule state ``S (B, Hv, Dk, Dv)`` (transformers' layout); ``forward(x_new, state=state)``
+continues the sequence. A backward after a forward with a state treats that state as a constant.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .. import recurrent
+from ..errors import ShapeError, positive_int
+from .activations import silu_backward, silu_forward
+from .base import Layer, check_input, linear_grad
+from .recurrent_parts import (RecurrentState, check_state, compute_dtype, conv_backward, conv_forward, conv_tail,
+                              grad_output, hf_tensors, l2norm_backward, l2norm_forward, load_hf,
+                              norm_then_gate_backward, norm_then_gate_forward, sigmoid, softplus)
+
+
+class GatedDeltaNet(Layer):
+    """Gated DeltaNet with ``n_k_heads`` key heads of ``d_k`` and ``n_v_heads`` value heads of ``d_v``.
+
+    Parameters (``x @ W``, no biases, as Qwen3-Next; ``C = 2·Hk·Dk + Hv·Dv``)::
+
+        W_in (d_model, 2·Hk·Dk + 2·Hv·Dv + 2·Hv)   conv_weight (C, K)
+        dt_bias (Hv,)  A_log (Hv,)  norm_weight (Dv,)  W_out (Hv·Dv, d_model)
+    """
+
+    def __init__(self, d_model: int, n_k_heads: int, n_v_heads: int, d_k: int, d_v: int, *, conv_kernel: int = 4,
+                 eps: float = 1e-6, dtype=np.float32, rng: np.random.Generator | None = None):
+        super().__init__(dtype=dtype, rng=rng)
+        self.d_model = positive_int("d_model", d_model)
+        self.n_k_heads, self.n_v_heads = positive_int("n_k_heads", n_k_heads), positive_int("n_v_heads", n_v_heads)
+        self.d_k, self.d_v = positive_int("d_k", d_k), positive_int("d_v", d_v)
+        if self.n_v_heads % self.n_k_heads:
+            raise ShapeError(f"n_v_heads must be a multiple of n_k_heads; got n_v_heads = {n_v_heads}, "
+                             f"n_k_heads = {n_k_heads}")
+        self.conv_kernel, self.eps = positive_int("conv_kernel", conv_kernel), float(eps)
+        Hv = self.n_v_heads
+        self._add("W_in", (self.d_model, sum(self._widths)))
+        self._add("conv_weight", (self.conv_dim, self.conv_kernel), std=1 / math.sqrt(self.conv_kernel))
+        for name, value in (("dt_bias", np.ones(Hv)), ("A_log", np.log(self.rng.uniform(1.0, 16.0, Hv))),
+                            ("norm_weight", np.ones(self.d_v))):
+            self._add(name, value.shape, zero=True)
+            self.params[name][...] = value
+        self._add("W_out", (Hv * self.d_v, self.d_model))
+
+    @property
+    def _widths(self) -> list[int]:
+        """Widths of ``q, k, v, z, b, a`` in ``W_in``'s columns."""
+        kd, vd, hv = self.n_k_heads * self.d_k, self.n_v_heads * self.d_v, self.n_v_heads
+        return [kd, kd, vd, vd, hv, hv]
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.n_k_heads * self.d_k + self.n_v_heads * self.d_v
+
+    @property
+    def _cd(self) -> np.dtype:
+        return compute_dtype(self.dtype)
+
+    def _p(self, name):
+        return self.params[name].astype(self._cd, copy=False)
+
+    def new_state(self, batch: int) -> RecurrentState:
+        """An empty :class:`~qkv.nn.RecurrentState`: conv ``(B, K-1, C)``, recurrent ``(B, Hv, Dk, Dv)``."""
+        b = positive_int("batch", batch)
+        return RecurrentState((b, self.conv_kernel - 1, self.conv_dim),
+                              (b, self.n_v_heads, self.d_k, self.d_v), self._cd)
+
+    # --- forward / backward --------------------------------------------------------------------
+    def _heads(self, flat: np.ndarray, heads: int) -> np.ndarray:
+        """``(B, T, heads·D) -> (B, heads, T, D)``."""
+        B, T, w = flat.shape
+        return flat.reshape(B, T, heads, w // heads).transpose(0, 2, 1, 3)
+
+    def forward(self, x, *, state: RecurrentState | None = None) -> np.ndarray:
+        """``x (B, T, d_model)`` (or ``(T, d_model)``) -> ``(B, T, d_model)``; ``state`` continues a sequence."""
+        x3, squeezed = check_input("x", x, self.d_model)
+        x3 = x3.astype(self._cd, copy=False)
+        Bsz, T, _ = x3.shape
+        check_state(self, state, Bsz)
+        Hk, Hv, r = self.n_k_heads, self.n_v_heads, self.n_v_heads // self.n_k_heads
+        proj = (x3.reshape(-1, self.d_model) @ self._p("W_in")).reshape(Bsz, T, -1)  # (BT,d) @ (d,W) -> (B,T,W)
+        ends = np.cumsum(self._widths)
+        qkv, z, b, a = proj[..., :ends[2]], proj[..., ends[2]:ends[3]], proj[..., ends[3]:ends[4]], proj[..., ends[4]:]
+        prefix = None if state is None else state.conv.copy()
+        conv, padded = conv_forward(qkv, self._p("conv_weight"), None, prefix)
+        act, silu_saved = silu_forward(conv)                                   # (B, T, C)
+        qn, rq = l2norm_forward(self._heads(act[..., :ends[0]], Hk))           # (B, Hk, T, Dk)
+        kn, rk = l2norm_forward(self._heads(act[..., ends[0]:ends[1]], Hk))    # (B, Hk, T, Dk)
+        v = self._heads(act[..., ends[1]:], Hv)                                 # (B, Hv, T, Dv)
+        q, k = np.repeat(qn, r, axis=1), np.repeat(kn, r, axis=1)               # (B, Hv, T, Dk)
+        beta = sigmoid(b).transpose(0, 2, 1)                                   # (B, Hv, T)
+        raw = a + self._p("dt_bias")
+        neg_a = -np.exp(self._p("A_log"))
+        g = (neg_a * softplus(raw)).transpose(0, 2, 1)                          # (B, Hv, T)
+        s0 = None if state is None else state.recurrent.copy()
+        o, s_T = recurrent.delta_rule(q, k, v, beta, g, scale=1 / math.sqrt(self.d_k), initial_state=s0,
+                                      return_state=True)                       # (B, Hv, T, Dv)
+        zh = z.reshape(Bsz, T, Hv, self.d_v)
+        normed, norm_saved = norm_then_gate_forward(o.transpose(0, 2, 1, 3), zh, self._p("norm_weight"), self.eps)
+        flat = normed.reshape(Bsz, T, Hv * self.d_v)
+        out = (flat.reshape(Bsz * T, -1) @ self._p("W_out")).reshape(Bsz, T, self.d_model)  # (BT,HvDv) @ (HvDv,d)
+        if state is not None:
+            state.conv[...] = conv_tail(padded, self.conv_kernel)
+            state.recurrent[...] = s_T
+            state.length += T
+        self._keep(dict(x=x3, padded=padded, silu=silu_saved, qn=qn, rq=rq, kn=kn, rk=rk, q=q, k=k, v=v, beta=beta,
+                        raw=raw, neg_a=neg_a, g=g, s0=s0, norm=norm_saved, flat=flat, squeezed=squeezed))
+        out = out.astype(self.dtype, copy=False)
+        return out[0] if squeezed else out
+
+    def backward(self, dy) -> np.ndarray:
+        """Fill ``grads`` from ``dy`` (the output's shape); return ``dx``."""
+        s = self._need_saved()
+        x3 = s["x"]
+        Bsz, T, _ = x3.shape
+        Hk, Hv, r = self.n_k_heads, self.n_v_heads, self.n_v_heads // self.n_k_heads
+        dy = grad_output(dy, x3.shape, s["squeezed"]).astype(self._cd, copy=False)
+        self.grads["W_out"][...] = linear_grad(s["flat"], dy)
+        dflat = (dy.reshape(Bsz * T, -1) @ self._p("W_out").T).reshape(Bsz, T, Hv, self.d_v)  # (BT,d) @ (d,HvDv)
+        do, dz, self.grads["norm_weight"][...] = norm_then_gate_backward(dflat, s["norm"], self._p("norm_weight"))
+        dq, dk, dv, dbeta, dg, _ = recurrent.delta_rule_backward(
+            do.transpose(0, 2, 1, 3), s["q"], s["k"], s["v"], s["beta"], s["g"], scale=1 / math.sqrt(self.d_k),
+            initial_state=s["s0"])
+        dqn = dq.reshape(Bsz, Hk, r, T, self.d_k).sum(axis=2)                  # undo the repeat over r heads
+        dkn = dk.reshape(Bsz, Hk, r, T, self.d_k).sum(axis=2)
+        dq_act = l2norm_backward(dqn, s["qn"], s["rq"])
+        dk_act = l2norm_backward(dkn, s["kn"], s["rk"])
+        merge = lambda d: d.transpose(0, 2, 1, 3).reshape(Bsz, T, -1)  # noqa: E731  (B,H,T,D) -> (B,T,H·D)
+        dact = np.concatenate([merge(dq_act), merge(dk_act), merge(dv)], axis=-1)
+        dqkv, self.grads["conv_weight"][...], _ = conv_backward(silu_backward(dact, s["silu"]), s["padded"],
+                                                                self._p("conv_weight"))
+        db = (dbeta * s["beta"] * (1 - s["beta"])).transpose(0, 2, 1)           # (B, T, Hv)
+        dgt = dg.transpose(0, 2, 1)                                            # (B, T, Hv)
+        self.grads["A_log"][...] = np.einsum("bth,bth->h", dgt, s["g"].transpose(0, 2, 1))  # dg/dA_log = g
+        da = dgt * s["neg_a"] * sigmoid(s["raw"])
+        self.grads["dt_bias"][...] = da.sum(axis=(0, 1))
+        dproj = np.concatenate([dqkv, dz.reshape(Bsz, T, -1), db, da], axis=-1)  # (B, T, W)
+        self.grads["W_in"][...] = linear_grad(x3, dproj)
+        dx = (dproj.reshape(Bsz * T, -1) @ self._p("W_in").T).reshape(x3.shape).astype(self.dtype, copy=False)
+        return dx[0] if s["squeezed"] else dx
+
+    # --- transformers --------------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, module, *, dtype=np.float32) -> GatedDeltaNet:
+        """The layer of a transformers ``Qwen3NextGatedDeltaNet``, weight for weight (shapes checked)."""
+        t = hf_tensors(module, "GatedDeltaNet.from_hf", "Qwen3NextGatedDeltaNet",
+                       ("hidden_size", "num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "conv_kernel_size",
+                        "activation", "norm"))
+        if module.activation not in ("silu", "swish"):
+            raise ShapeError(f"GatedDeltaNet.from_hf: the conv activation must be silu; got {module.activation!r}")
+        layer = cls(module.hidden_size, module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim,
+                    conv_kernel=module.conv_kernel_size, eps=module.norm.variance_epsilon, dtype=dtype)
+        Hk, r, Dk, Dv = layer.n_k_heads, layer.n_v_heads // layer.n_k_heads, layer.d_k, layer.d_v
+        d = layer.d_model
+
+        def in_proj(qkvz: np.ndarray, ba: np.ndarray) -> np.ndarray:
+            """transformers' per-key-head interleaving -> columns ``[q | k | v | z | b | a]``."""
+            if qkvz.shape != (Hk * (2 * Dk + 2 * r * Dv), d) or ba.shape != (Hk * 2 * r, d):
+                return np.zeros((0, 0))  # load_hf names the shapes
+            per = qkvz.reshape(Hk, 2 * Dk + 2 * r * Dv, d)                      # (Hk, rows of one key head, d)
+            parts = np.split(per, np.cumsum([Dk, Dk, r * Dv]), axis=1)          # q, k, v, z of each key head
+            bas = np.split(ba.reshape(Hk, 2 * r, d), [r], axis=1)               # b, a of each key head
+            return np.concatenate([p.reshape(-1, d) for p in parts + bas], axis=0).T
+
+        table = {"in_proj_qkvz.weight": ("W_in", lambda w: in_proj(w, t["in_proj_ba.weight"])),
+                 "in_proj_ba.weight": ("W_in", lambda w: in_proj(t["in_proj_qkvz.weight"], w)),
+                 "conv1d.weight": ("conv_weight", lambda w: w[:, 0, :]), "dt_bias": ("dt_bias", lambda a: a),
+                 "A_log": ("A_log", lambda a: a), "norm.weight": ("norm_weight", lambda a: a),
+                 "out_proj.weight": ("W_out", np.transpose)}
+        load_hf(layer, t, table, "GatedDeltaNet.from_hf")
+        return layer

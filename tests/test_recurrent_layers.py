@@ -1,0 +1,142 @@
+"""qkv.nn.Mamba2, GatedDeltaNet and RGLRU against transformers' own modules (Mamba2Mixer,
+Qwen3NextGatedDeltaNet, RecurrentGemmaRecurrentBlock): outputs, input and parameter gradients,
+and cached decoding, in float64 to 1e-10 and in float32 within a budget.
+
+transformers runs these recurrences in float32 inside even a ``.double()`` module;
+``recurrent_hf.float64()`` keeps its casts in float64 so its own code is the float64 reference.
+The float32 budget: the qkv layer's error against that reference is at most twice the error
+of transformers' float32 module (plain float32 math) on the same weights and inputs.
+"""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the reference modules need torch")
+pytest.importorskip("transformers", reason="the reference modules are transformers'")
+
+import recurrent_hf as R  # noqa: E402
+
+from qkv import nn  # noqa: E402
+
+LAYERS = {"mamba2": nn.Mamba2, "gated_delta": nn.GatedDeltaNet, "rglru": nn.RGLRU}
+CONFIGS = [  # (kind, config, B, T): head counts, groups, state sizes, Hk < Hv, conv widths, T = 37 and 1
+    ("mamba2", dict(), 2, 37),
+    ("mamba2", dict(groups=2, heads=4, state=6, conv=3, bias=True, seed=1), 1, 37),
+    ("mamba2", dict(heads=2, head_dim=6, hidden=12, state=4, conv=2, conv_bias=False, limit=(0.05, 0.6), seed=2),
+     2, 11),
+    ("mamba2", dict(seed=3), 2, 1),
+    ("gated_delta", dict(), 2, 37),
+    ("gated_delta", dict(k_heads=2, v_heads=2, k_dim=6, v_dim=4, conv=3, seed=1), 1, 37),
+    ("gated_delta", dict(k_heads=1, v_heads=3, conv=2, seed=2), 2, 11),
+    ("gated_delta", dict(seed=3), 2, 1),
+    ("rglru", dict(), 2, 37),
+    ("rglru", dict(lru_width=16, heads=4, conv=2, seed=1), 1, 37),
+    ("rglru", dict(lru_width=8, heads=1, conv=1, seed=2), 2, 11),
+    ("rglru", dict(seed=3), 2, 1),
+]
+IDS = [f"{k}-{i}-T{t}" for i, (k, _, _, t) in enumerate(CONFIGS)]
+
+
+def hidden(kind, cfg):
+    return cfg.get("hidden", 16)
+
+
+@pytest.mark.parametrize("kind, cfg, B, T", CONFIGS, ids=IDS)
+def test_float64_output_and_every_gradient_equal_transformers(kind, cfg, B, T):
+    module, _ = R.BUILD[kind](**cfg)
+    module = module.double()
+    layer = LAYERS[kind].from_hf(module, dtype=np.float64)
+    rng = np.random.default_rng(T + 100 * cfg.get("seed", 0))
+    x = rng.standard_normal((B, T, hidden(kind, cfg)))
+    r = rng.standard_normal(x.shape)
+    xt = R.tensor(x, grad=True)
+    with R.float64():
+        yt = R.full(kind, module, xt)
+        (yt * R.tensor(r)).sum().backward()
+    y = layer.forward(x)
+    assert y.dtype == np.float64 and y.shape == x.shape
+    assert R.rel(y, R.numpy(yt)) < 1e-10
+    assert R.rel(layer.backward(r), R.numpy(xt.grad)) < 1e-10
+    want = R.hf_grads(LAYERS[kind], module)
+    errors = {name: R.rel(layer.grads[name], want[name]) for name in layer.params}
+    assert max(errors.values()) < 1e-10, errors
+
+
+FLOAT32 = [c for c in CONFIGS if c[1] == {}]
+
+
+@pytest.mark.parametrize("kind, cfg, B, T", FLOAT32, ids=[c[0] for c in FLOAT32])
+def test_float32_within_twice_transformers_float32_error(kind, cfg, B, T):
+    module, _ = R.BUILD[kind](**cfg)
+    layer32 = LAYERS[kind].from_hf(module, dtype=np.float32)
+    x = np.random.default_rng(5).standard_normal((B, T, hidden(kind, cfg)))
+    r = np.random.default_rng(6).standard_normal(x.shape)
+
+    def hf(m, dtype, patch):
+        xt = R.tensor(x.astype(dtype), grad=True)
+        with (R.float64() if patch else _nothing()):
+            yt = R.full(kind, m, xt)
+            (yt * R.tensor(r.astype(dtype))).sum().backward()
+        return R.numpy(yt), R.numpy(xt.grad)
+
+    y64, dx64 = hf(module.double(), np.float64, True)
+    y_hf, dx_hf = hf(module.float(), np.float32, False)
+    y32 = layer32.forward(x.astype(np.float32))
+    dx32 = layer32.backward(r.astype(np.float32))
+    assert y32.dtype == dx32.dtype == np.float32
+    assert R.rel(y32, y64) <= 2 * R.rel(y_hf, y64) + 1e-7
+    assert R.rel(dx32, dx64) <= 2 * R.rel(dx_hf, dx64) + 1e-7
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+DECODE = [("mamba2", dict(groups=2), 5), ("mamba2", dict(conv=2, seed=4), 1), ("gated_delta", dict(), 5),
+          ("gated_delta", dict(k_heads=1, v_heads=2, conv=3, seed=4), 2), ("rglru", dict(), 5),
+          ("rglru", dict(conv=2, seed=4), 2)]
+
+
+@pytest.mark.parametrize("kind, cfg, prefill", DECODE, ids=[f"{k}-{p}" for k, _, p in DECODE])
+def test_prefill_then_steps_equal_the_whole_sequence_and_transformers_cached_decoding(kind, cfg, prefill):
+    module, config = R.BUILD[kind](**cfg)
+    module = module.double()
+    layer = LAYERS[kind].from_hf(module, dtype=np.float64).eval()
+    x = np.random.default_rng(7).standard_normal((2, 9, hidden(kind, cfg)))
+    whole = layer.forward(x)
+    state = layer.new_state(2)
+    steps = [layer.forward(x[:, :prefill], state=state)]
+    steps += [layer.forward(x[:, t:t + 1], state=state) for t in range(prefill, 9)]
+    steps = np.concatenate(steps, axis=1)
+    assert state.length == 9
+    assert R.rel(steps, whole) < 1e-10
+    with torch.no_grad(), R.float64():
+        theirs = R.decode(kind, module, config, x, prefill)
+    assert R.rel(steps, theirs) < 1e-10
+
+
+def test_from_hf_refuses_what_it_cannot_place():
+    module, _ = R.mamba2()
+    with pytest.raises(nn_errors(), match="Mamba2.from_hf needs a transformers Mamba2Mixer; got Qwen3NextGated"):
+        nn.Mamba2.from_hf(R.gated_delta()[0])
+    with pytest.raises(nn_errors(), match="RGLRU.from_hf needs a transformers RecurrentGemmaRecurrentBlock"):
+        nn.RGLRU.from_hf(module)
+    module.register_parameter("extra", torch.nn.Parameter(torch.zeros(3)))
+    with pytest.raises(nn_errors(), match=r"Mamba2.from_hf: no place for the module's weights \['extra'\]"):
+        nn.Mamba2.from_hf(module)
+    gdn, _ = R.gated_delta()
+    del gdn.norm.weight
+    with pytest.raises(nn_errors(), match=r"GatedDeltaNet.from_hf: the module has no weight norm.weight"):
+        nn.GatedDeltaNet.from_hf(gdn)
+    block, _ = R.rglru()
+    block.act_fn = torch.nn.ReLU()
+    with pytest.raises(nn_errors(), match="activation must be tanh GELU"):
+        nn.RGLRU.from_hf(block)
+
+
+def nn_errors():
+    import qkv
+    return qkv.ShapeError
