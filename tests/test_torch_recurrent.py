@@ -82,6 +82,18 @@ def test_gradcheck_only_the_state_or_only_the_output(case):
     assert torch.autograd.gradcheck(lambda *xs: call(name, *xs, None), rest)
 
 
+def test_only_the_inputs_that_require_grad_get_one():
+    q, k, v, beta, g, s0 = (x.detach() for x in inputs("delta_rule"))
+    s0.requires_grad_()
+    out = qt.delta_rule(q, k, v, beta, g, initial_state=s0)
+    assert out.requires_grad
+    out.sum().backward()
+    assert s0.grad is not None and s0.grad.shape == s0.shape
+    assert all(x.grad is None for x in (q, k, v, beta, g))
+    with torch.no_grad():
+        assert not qt.delta_rule(q, k, v, beta, g, initial_state=s0).requires_grad
+
+
 ORACLE = {"decay_attention": (R.decay_forward, R.decay_backward), "delta_rule": (R.delta_forward, R.delta_backward),
           "dplr": (R.dplr_forward, R.dplr_backward), "linear_scan": (R.scan_forward, R.scan_backward)}
 
@@ -186,7 +198,16 @@ def test_torch_compile_fullgraph_equals_eager():
         value.backward()
         return [value.detach()] + [x.grad for x in xs]
 
+    graphs = []
+
+    def backend(gm, example_inputs):  # records the graph dynamo traced, then runs it eagerly
+        graphs.append(gm)
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
     torch._dynamo.reset()
-    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(loss, fullgraph=True, backend=backend)
     for a, b in zip(grads(loss), grads(compiled)):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert sum("decay_attention_fwd" in t for t in targets) == 1   # one node each
+    assert sum("linear_scan_fwd" in t for t in targets) == 1
