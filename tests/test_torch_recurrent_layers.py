@@ -9,6 +9,7 @@ reference is the same code with those casts made float64 (the fixture ``hf64``: 
 modules see a ``torch`` whose float32 is float64, and ``Tensor.float`` keeps float64), so
 that it can be held to 1e-10.
 """
+import copy
 import math
 
 import pytest
@@ -184,9 +185,10 @@ def test_float64_sequence_past_a_chunk(hf64):
 @pytest.mark.parametrize("family, case", [("mamba2", "h4_g2"), ("delta", "k2_v4"), ("griffin", "w6_h2")])
 def test_float32_within_twice_transformers_own_error(family, case, monkeypatch, request):
     """Budget: qkv's float32 layer errs against the float64 reference at most twice what
-    transformers' float32 layer errs (plus 1e-6 · the output's scale), outputs and input
+    transformers' float32 layer errs (plus 1e-7 · the output's scale), outputs and input
     gradients alike."""
     hf32, cfg, ours32 = hf_layer(family, case, dtype=torch.float32)
+    hf64 = copy.deepcopy(hf32).to(DT)   # the same weights (built under hf64, an init would draw other numbers)
     x = _inputs(hf32, cfg, 19, dtype=torch.float32)
 
     def run(layer, fn, x):
@@ -198,10 +200,9 @@ def test_float32_within_twice_transformers_own_error(family, case, monkeypatch, 
     theirs = run(hf32, lambda x: hf_call(family, hf32, cfg, x), x)
     ours = run(ours32, ours32, x)
     request.getfixturevalue("hf64")
-    hf64, _, _ = hf_layer(family, case)
     ref = run(hf64, lambda x: hf_call(family, hf64, cfg, x), x.double())
     for a, b, r in zip(ours, theirs, ref):
-        budget = 2 * (b - r).abs().max() + 1e-6 * r.abs().max()
+        budget = 2 * (b - r).abs().max() + 1e-7 * r.abs().max()
         assert (a - r).abs().max() <= budget
 
 

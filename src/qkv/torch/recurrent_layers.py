@@ -60,6 +60,9 @@ class Mamba2(nn.Module):
 
     ``forward(x (B, T, d_model), state=None, *, return_state=False)``; ``state`` (a
     :class:`RecurrentState` from an earlier call) continues a sequence, None starts one.
+    Δ is clamped to ``time_step_limit`` on every call (transformers clamps it in its chunked
+    form only; with the default ``(0, inf)`` the two agree). No padding mask: a batch's
+    sequences run their whole length.
     """
 
     def __init__(self, d_model: int, n_heads: int, head_dim: int, *, state_size: int = 128, n_groups: int = 1,

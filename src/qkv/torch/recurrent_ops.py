@@ -193,8 +193,8 @@ def call(name: str, tensors: tuple, initial_state, return_state, options: dict):
                 opt.check_cpu(n, t)
         return_state = parse_flag("return_state", return_state)
         args = tensors + (initial_state,) + tuple(_parse(k, options[k]) for k, _ in r.options)
-        present = tuple(t for t in args if isinstance(t, torch.Tensor))
-        if _plain_call(present[0], present[1], present[2] if len(present) > 2 else present[1], present):
+        present = tuple(t for t in args if isinstance(t, torch.Tensor))   # x, log_a at least
+        if _plain_call(present[0], present[1], present[-1], present):
             out, final = forward_kernel(r, *args)
         else:
             out, final = OPERATORS[name][0](*args)
