@@ -173,6 +173,24 @@ def test_float64_decoding_equals_the_whole_sequence_and_transformers_cache(hf64,
             assert (stepped - theirs).abs().max() <= 1e-10, start
 
 
+@pytest.mark.parametrize("family, case", [("mamba2", "h4_g2"), ("delta", "k2_v4"), ("griffin", "w6_h2")])
+def test_gradients_flow_through_the_state_between_calls(family, case):
+    """Training through prefill-then-step (the state carries the gradient) gives the whole
+    sequence's gradients: the final state's gradient reaches the initial state's operator."""
+    _, cfg, layer = hf_layer(family, case)
+    x = _inputs(None, cfg, 6)
+    w = torch.randn(2, 6, cfg.hidden_size, generator=torch.Generator().manual_seed(3), dtype=DT)
+    grads = []
+    for split in (None, 3):
+        layer.zero_grad()
+        xg = x.clone().requires_grad_()
+        y = layer(xg) if split is None else ours_decoding(layer, xg, split)
+        (y * w).sum().backward()
+        grads.append([xg.grad] + [p.grad for p in layer.parameters()])
+    for a, b in zip(*grads):
+        assert (a - b).abs().max() <= 1e-12 * max(1.0, b.abs().max())
+
+
 def test_float64_sequence_past_a_chunk(hf64):
     # T = 70: transformers' chunked forms (16 and 64) pad their last chunk
     for family, case in (("mamba2", "h4_g2"), ("delta", "k2_v4"), ("griffin", "w6_h2")):
