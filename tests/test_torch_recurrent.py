@@ -30,7 +30,8 @@ def inputs(name, per_channel=False, gated=True):
     """The tensor inputs of recurrence ``name`` (the initial state last), float64, requiring grad."""
     if name == "linear_scan":
         return [rand(B, T, DK, seed=1), decays(B, T, DK, seed=2), rand(B, DK, seed=3)]
-    q, k, v, s0 = rand(B, H, T, DK, seed=1), rand(B, H, T, DK, seed=2), rand(B, H, T, DV, seed=3), rand(B, H, DK, DV, seed=4)
+    q, k, v = rand(B, H, T, DK, seed=1), rand(B, H, T, DK, seed=2), rand(B, H, T, DV, seed=3)
+    s0 = rand(B, H, DK, DV, seed=4)
     g = decays(B, H, T, DK, seed=5) if per_channel else decays(B, H, T, seed=5)
     if name == "decay_attention":
         return [q, k, v, g, s0]

@@ -131,7 +131,7 @@ def ours_decoding(layer, x, decode_from):
 CASES = [(f, c) for f, table in (("mamba2", MAMBA), ("delta", DELTA), ("griffin", GRIFFIN)) for c in table]
 
 
-def _inputs(hf, cfg, t, dtype=DT):
+def _inputs(cfg, t, dtype=DT):
     d = cfg.hidden_size
     return torch.randn(2, t, d, generator=torch.Generator().manual_seed(t), dtype=dtype)
 
@@ -140,7 +140,7 @@ def _inputs(hf, cfg, t, dtype=DT):
 def test_float64_outputs_and_gradients_equal_transformers(hf64, family, case):
     hf, cfg, ours = hf_layer(family, case)
     for t in (1, 19):
-        x = _inputs(hf, cfg, t)
+        x = _inputs(cfg, t)
         results = []
         for layer, fn in ((hf, lambda x: hf_call(family, hf, cfg, x)), (ours, ours)):
             layer.zero_grad()
@@ -161,7 +161,7 @@ def test_float64_outputs_and_gradients_equal_transformers(hf64, family, case):
 @pytest.mark.parametrize("family, case", CASES)
 def test_float64_decoding_equals_the_whole_sequence_and_transformers_cache(hf64, family, case):
     hf, cfg, ours = hf_layer(family, case)
-    x = _inputs(hf, cfg, 9)
+    x = _inputs(cfg, 9)
     with torch.no_grad():
         whole = ours(x)
         for start in (1, 5):
@@ -178,7 +178,7 @@ def test_gradients_flow_through_the_state_between_calls(family, case):
     """Training through prefill-then-step (the state carries the gradient) gives the whole
     sequence's gradients: the final state's gradient reaches the initial state's operator."""
     _, cfg, layer = hf_layer(family, case)
-    x = _inputs(None, cfg, 6)
+    x = _inputs(cfg, 6)
     w = torch.randn(2, 6, cfg.hidden_size, generator=torch.Generator().manual_seed(3), dtype=DT)
     grads = []
     for split in (None, 3):
@@ -195,7 +195,7 @@ def test_float64_sequence_past_a_chunk(hf64):
     # T = 70: transformers' chunked forms (16 and 64) pad their last chunk
     for family, case in (("mamba2", "h4_g2"), ("delta", "k2_v4"), ("griffin", "w6_h2")):
         hf, cfg, ours = hf_layer(family, case)
-        x = _inputs(hf, cfg, 70)[:1]
+        x = _inputs(cfg, 70)[:1]
         with torch.no_grad():
             assert (ours(x) - hf_call(family, hf, cfg, x)).abs().max() <= 1e-10, family
 
@@ -207,7 +207,7 @@ def test_float32_within_twice_transformers_own_error(family, case, monkeypatch, 
     gradients alike."""
     hf32, cfg, ours32 = hf_layer(family, case, dtype=torch.float32)
     hf64 = copy.deepcopy(hf32).to(DT)   # the same weights (built under hf64, an init would draw other numbers)
-    x = _inputs(hf32, cfg, 19, dtype=torch.float32)
+    x = _inputs(cfg, 19, dtype=torch.float32)
 
     def run(layer, fn, x):
         xg = x.clone().requires_grad_()
@@ -238,8 +238,8 @@ def test_from_hf_checks_every_weight():
         load_hf(small, hf, "Qwen3NextGatedDeltaNet")
 
 
-@pytest.mark.parametrize("layer", [qt.Mamba2(8, 2, 4, state_size=3), qt.GatedDeltaNet(8, 1, 2, 3, 2), qt.RGLRU(8, 4, 2)],
-                         ids=["mamba2", "delta", "griffin"])
+@pytest.mark.parametrize("layer", [qt.Mamba2(8, 2, 4, state_size=3), qt.GatedDeltaNet(8, 1, 2, 3, 2),
+                                   qt.RGLRU(8, 4, 2)], ids=["mamba2", "delta", "griffin"])
 def test_bad_inputs_and_states_raise(layer):
     with pytest.raises(qkv.ShapeError, match="must be a tensor of shape \\(B, T, d_model\\) with d_model = 8"):
         layer(torch.zeros(2, 3, 7))

@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ShapeError, positive_int
-from .layer_state import NormWeight, RecurrentState, activation as activation_fn, causal_conv, check_input, check_state, \
-    load_hf, wide
+from .layer_state import (NormWeight, RecurrentState, activation as activation_fn, causal_conv, check_input,
+                          check_state, load_hf, wide)
 from .recurrent_ops import decay_attention, delta_rule
 
 
