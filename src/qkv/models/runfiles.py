@@ -4,7 +4,8 @@
 
     model.safetensors   the GPT's parameters                      (GPT.save)
     config.json         the GPT's config, and under its extra:    (GPT.save(extra=...))
-                          tokenizer  {"kind": "char", "chars": the vocabulary}
+                          tokenizer  {"kind": "char", "chars": the vocabulary}, or
+                                     {"kind": "bpe", ...}, {"kind": "none", ...} (qkv.models.bpe)
                           train      the TrainConfig, the step, the seconds so far, the data's
                                      source and SHA-256, the bit_generator.state of the data
                                      Generator and of the model's (its dropout masks)
@@ -12,6 +13,7 @@
                         hyper-parameters) as JSON in the file's metadata
     log.json            {"evals": [{"step", "train_loss", "val_loss", "lr", "seconds"}, ...],
                          "losses": [every step's batch loss]}
+    tokenizer.json      a BPE tokenizer's file (runs with one only)
 
 Files are written into ``DIR/.saving`` first and moved into place one by one, config.json
 last, so an interrupted save leaves the previous checkpoint's config in place. Needs the
@@ -29,7 +31,7 @@ import numpy as np
 
 from ..errors import ShapeError
 from ..extras import require
-from .chardata import CharTokenizer
+from .bpe import TOKENIZER_FILE, BPETokenizer, tokenizer_from_dict
 from .checkpoint import CheckpointError, read_json
 from .tensorfiles import write_tensors
 from .training import Run, TrainConfig, make_optimizer
@@ -105,7 +107,11 @@ def save_run(run: Run, folder) -> None:
     run.model.save(tmp, extra=extra)
     save_state(run.opt.state_dict(), tmp / "optim.safetensors")
     (tmp / "log.json").write_text(json.dumps(run.log))
-    for name in ("optim.safetensors", "log.json", "model.safetensors", "config.json"):
+    names = ["optim.safetensors", "log.json", "model.safetensors", "config.json"]
+    if isinstance(run.tokenizer, BPETokenizer):
+        (tmp / TOKENIZER_FILE).write_text(run.tokenizer.to_json())
+        names.insert(0, TOKENIZER_FILE)
+    for name in names:
         os.replace(tmp / name, folder / name)
     shutil.rmtree(tmp, ignore_errors=True)
 
@@ -141,7 +147,7 @@ def load_run(folder) -> Run:
     train = extra["train"]
     try:
         cfg = TrainConfig.from_dict(train["config"]).resolved()
-        tokenizer = CharTokenizer.from_dict(extra.get("tokenizer"))
+        tokenizer = tokenizer_from_dict(extra.get("tokenizer"), folder)
         step, seconds, data = int(train["step"]), float(train["seconds"]), dict(train["data"])
     except (KeyError, TypeError, ValueError) as err:
         raise CheckpointError(f"{where}: bad training state under extra.train: {err}") from None

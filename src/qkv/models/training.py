@@ -16,6 +16,10 @@ One step::
     model.backward()                          fills model.grads
     opt.step(lr(step))                        clip to norm 1, AdamW update
 
+With ``grad_accum = N`` the first three lines run for N micro-batches drawn one after another
+and the update takes their mean gradient: the gradient of the ``(N·B, T)`` batch of the same
+rows (nanoGPT's ``gradient_accumulation_steps``).
+
 A :class:`Run` holds everything that changes while training: the model, the optimizer's
 moments and step count, the data Generator, the step and the log. Saved by
 :func:`qkv.models.runfiles.save_run` and read back by ``load_run``, a run continues exactly where it
@@ -32,107 +36,40 @@ import hashlib
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import ShapeError
-from .chardata import CharDataset, CharTokenizer
+from .chardata import CharTokenizer, TokenDataset
+from .trainconfig import DTYPES, TrainConfig
 
-DTYPES = {"float32": np.float32, "float64": np.float64}
-
-
-@dataclass
-class TrainConfig:
-    """Model, optimizer and schedule of ``qkv train gpt``; the defaults are nanoGPT's CPU recipe."""
-
-    block_size: int = 64
-    batch_size: int = 12
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    dropout: float = 0.0
-    bias: bool = False
-    lr: float = 1e-3
-    min_lr: float | None = None         # None: lr / 10
-    warmup: int = 100
-    lr_decay_steps: int | None = None   # None: steps
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.99
-    grad_clip: float = 1.0
-    steps: int = 2000
-    eval_interval: int = 250
-    eval_iters: int = 20
-    seed: int = 0
-    dtype: str = "float32"
-
-    def resolved(self, names=None) -> "TrainConfig":
-        """A copy with ``min_lr`` and ``lr_decay_steps`` filled in, checked (see :meth:`check`)."""
-        cfg = TrainConfig(**asdict(self))
-        cfg.check(names)  # before filling in: a bad --steps is named, not the lr_decay_steps it makes
-        cfg.min_lr = cfg.lr / 10 if cfg.min_lr is None else cfg.min_lr
-        cfg.lr_decay_steps = cfg.steps if cfg.lr_decay_steps is None else cfg.lr_decay_steps
-        cfg.check(names)
-        return cfg
-
-    def check(self, names=None) -> None:
-        """A ShapeError for a value no run can train with: counts below their minimum, a rate or
-        hyper-parameter that is not a finite number in its range (``lr = inf`` would make every
-        weight NaN at the first step). ``names`` maps a field to the name shown for it (the
-        command line shows its flags: ``--n-embd`` for ``n_embd``); unnamed fields show as is."""
-        show = (lambda f: f) if names is None else (lambda f: names.get(f, f))
-        for name, low in (("block_size", 1), ("batch_size", 1), ("n_layer", 1), ("n_head", 1), ("n_embd", 1),
-                          ("eval_interval", 1), ("eval_iters", 1), ("steps", 1), ("warmup", 0), ("seed", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ShapeError(f"{show(name)} must be an int >= {low}; got {value!r}")
-        if self.n_embd % self.n_head:
-            raise ShapeError(f"{show('n_embd')} must be a multiple of {show('n_head')}; "
-                             f"got {show('n_embd')} {self.n_embd}, {show('n_head')} {self.n_head}")
-        for name, low, high, closed in (("lr", 0.0, math.inf, False), ("dropout", 0.0, 1.0, True),
-                                        ("weight_decay", 0.0, math.inf, True), ("beta1", 0.0, 1.0, True),
-                                        ("beta2", 0.0, 1.0, True), ("grad_clip", 0.0, math.inf, False)):
-            value = getattr(self, name)
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            if not ok or not (low <= value if closed else low < value) or not value < high:
-                where = f"{'[' if closed else '('}{low:g}, {high:g})"
-                raise ShapeError(f"{show(name)} must be a finite number in {where}; got {value!r}")
-        if self.min_lr is not None and (isinstance(self.min_lr, bool) or not isinstance(self.min_lr, (int, float))
-                                        or not 0 <= self.min_lr <= self.lr):
-            raise ShapeError(f"{show('min_lr')} must be a number in [0, {show('lr')}] = [0, {self.lr:g}]; "
-                             f"got {self.min_lr!r}")
-        if self.lr_decay_steps is not None and (isinstance(self.lr_decay_steps, bool)
-                                                or not isinstance(self.lr_decay_steps, int) or self.lr_decay_steps < 1):
-            raise ShapeError(f"{show('lr_decay_steps')} must be an int >= 1; got {self.lr_decay_steps!r}")
-        if self.dtype not in DTYPES:
-            raise ShapeError(f"{show('dtype')} must be one of {', '.join(DTYPES)} (training keeps its weights and "
-                             f"AdamW's moments in it; float16 cannot hold AdamW's eps = 1e-8); got {self.dtype!r}")
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "TrainConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ShapeError(f"a saved training config has keys qkv does not know: {unknown}")
-        return cls(**d)
+__all__ = ["DTYPES", "Diverged", "Run", "TrainConfig", "check_data", "evaluate", "gpt_config", "lr_at",
+           "make_optimizer", "new_run", "train", "train_step"]
 
 
 def gpt_config(cfg: TrainConfig, vocab_size: int):
     """The :class:`qkv.models.gpt.GPTConfig` of a training config."""
     from . import GPTConfig
 
-    return GPTConfig(vocab_size=vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
-                     n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias, dtype=DTYPES[cfg.dtype], seed=cfg.seed)
+    return GPTConfig(vocab_size=cfg.vocab_size or vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer,
+                     n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias,
+                     activation=cfg.activation, dtype=DTYPES[cfg.dtype], seed=cfg.seed)
+
+
+def every_matrix(layer, name: str, array: np.ndarray) -> bool:
+    """nanoGPT's weight-decay rule: every tensor of 2 or more dimensions, the embeddings included."""
+    return array.ndim >= 2
 
 
 def make_optimizer(model, cfg: TrainConfig):
-    """AdamW over the model's parameters with the config's betas, weight decay and clipping."""
+    """AdamW over the model's parameters with the config's betas, weight decay (the embeddings
+    too with ``decay_embeddings``) and clipping (none for ``grad_clip = 0``, as nanoGPT)."""
     from ..nn import AdamW
 
     return AdamW(model, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay,
-                 clip=cfg.grad_clip)
+                 clip=cfg.grad_clip or None, decay=every_matrix if cfg.decay_embeddings else None)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -164,25 +101,34 @@ class Run:
     model: object
     opt: object
     rng: np.random.Generator
-    tokenizer: CharTokenizer
-    data: dict                      # {"source": path or "shakespeare", "sha256": of the text}
+    tokenizer: CharTokenizer        # or a BPETokenizer / NoTokenizer (qkv.models.bpe)
+    data: dict                      # {"source": path or "shakespeare", "sha256": of the text or folder, "kind"}
     step: int = 0
     seconds: float = 0.0            # training time so far (evaluations included)
     log: dict = field(default_factory=lambda: {"evals": [], "losses": []})
 
 
-def new_run(cfg: TrainConfig, dataset: CharDataset, source: str, text: str) -> Run:
-    """A fresh run of ``cfg`` on ``dataset`` (made from ``text``, read from ``source``)."""
+def new_run(cfg: TrainConfig, dataset: TokenDataset, source: str, text: str | None = None, *,
+            data: dict | None = None, model=None) -> Run:
+    """A fresh run of ``cfg`` on ``dataset`` (made from ``text``, read from ``source``; or
+    described by ``data``, a folder's record). ``model``: the weights to start from (a GPT of
+    ``gpt_config(cfg, ...)``, :func:`qkv.models.finetune.init_model`'s), else new ones."""
     from . import GPT
 
     cfg = cfg.resolved()
+    if cfg.vocab_size is None:
+        cfg.vocab_size = dataset.tokenizer.vocab_size if model is None else model.config.vocab_size
     check_data(cfg, dataset)
-    model = GPT(gpt_config(cfg, dataset.tokenizer.vocab_size))
-    return Run(cfg, model, make_optimizer(model, cfg), data_rng(cfg.seed), dataset.tokenizer,
-               {"source": source, "sha256": text_digest(text)})
+    model = GPT(gpt_config(cfg, cfg.vocab_size)) if model is None else model
+    data = {"source": source, "sha256": text_digest(text), "kind": "text"} if data is None else data
+    return Run(cfg, model, make_optimizer(model, cfg), data_rng(cfg.seed), dataset.tokenizer, data)
 
 
-def check_data(cfg: TrainConfig, dataset: CharDataset) -> None:
+def check_data(cfg: TrainConfig, dataset: TokenDataset) -> None:
+    vocab = dataset.tokenizer.vocab_size
+    if cfg.vocab_size is not None and vocab > cfg.vocab_size:
+        raise ShapeError(f"the data's vocabulary has {vocab} tokens, more than the model's {cfg.vocab_size}: "
+                         f"its ids would fall outside the embedding")
     for name in ("train", "val"):
         n = len(getattr(dataset, name))
         if n <= cfg.block_size:
@@ -191,7 +137,7 @@ def check_data(cfg: TrainConfig, dataset: CharDataset) -> None:
                              f"{'the first 90' if name == 'train' else 'the last 10'} %) or a smaller --block-size")
 
 
-def evaluate(model, dataset: CharDataset, cfg: TrainConfig) -> dict:
+def evaluate(model, dataset: TokenDataset, cfg: TrainConfig) -> dict:
     """Mean loss over ``eval_iters`` batches of each split, in eval mode (no dropout), as
     nanoGPT's ``estimate_loss``; the batches are the same at every call."""
     model.eval()
@@ -217,16 +163,40 @@ class Diverged(RuntimeError):
                          f"lr = {cfg.lr:g}) or more warm-up steps (warmup = {cfg.warmup}) usually keeps it finite")
 
 
-def train_step(run: Run, x: np.ndarray, y: np.ndarray) -> float:
-    """One update from the batch ``x, y (B, T)``; returns the batch's loss (before the update).
-
-    A non-finite loss or gradient raises :class:`Diverged` before the update: the weights and
-    AdamW's moments are those of the step before."""
-    lr = lr_at(run.step, run.cfg)
+def _micro_step(run: Run, x: np.ndarray, y: np.ndarray) -> float:
+    """The loss of one (micro-)batch and its gradient in ``model.grads``; Diverged if the loss is not finite."""
     loss = float(run.model.loss(x, y))
     if not math.isfinite(loss):
         raise Diverged(run.step + 1, f"the batch loss is {loss}", run.cfg)
     run.model.backward()
+    return loss
+
+
+def train_step(run: Run, x: np.ndarray, y: np.ndarray) -> float:
+    """One update from the batch ``x, y (B, T)``; returns the batch's loss (before the update).
+
+    ``x, y (N, B, T)`` are ``N`` micro-batches (gradient accumulation): each one's gradient is
+    added up and the update takes their mean, which is the gradient of the ``N·B``-row batch
+    (nanoGPT divides each micro-batch's loss by ``N`` before its backward: the same sum); the
+    loss returned is the micro-batches' mean, the ``N·B``-row batch's loss.
+
+    A non-finite loss or gradient raises :class:`Diverged` before the update: the weights and
+    AdamW's moments are those of the step before."""
+    lr = lr_at(run.step, run.cfg)
+    if np.ndim(x) == 2:
+        loss = _micro_step(run, x, y)
+    else:
+        losses, total = [], None
+        for xi, yi in zip(x, y):
+            losses.append(_micro_step(run, xi, yi))
+            if total is None:
+                total = {k: g.copy() for k, g in run.model.grads.items()}
+            else:
+                for k, g in run.model.grads.items():
+                    total[k] += g
+        for k, g in run.model.grads.items():
+            np.multiply(total[k], 1.0 / len(losses), out=g)         # the mean of the micro-batches' gradients
+        loss = float(np.mean(losses))
     norm = run.opt.grad_norm()
     if not math.isfinite(norm):
         bad = [name for name, g in run.model.grads.items() if not np.isfinite(g).all()]
@@ -237,6 +207,16 @@ def train_step(run: Run, x: np.ndarray, y: np.ndarray) -> float:
     run.step += 1
     run.log["losses"].append(loss)
     return loss
+
+
+def next_batch(run: Run, dataset: TokenDataset):
+    """The next step's batch from the run's stream: ``(B, T)`` each, or ``(N, B, T)`` with
+    ``grad_accum = N`` (the micro-batches drawn one after another, as nanoGPT draws them)."""
+    c = run.cfg
+    if c.grad_accum == 1:
+        return dataset.batch("train", c.batch_size, c.block_size, run.rng)
+    pairs = [dataset.batch("train", c.batch_size, c.block_size, run.rng) for _ in range(c.grad_accum)]
+    return np.stack([p[0] for p in pairs]), np.stack([p[1] for p in pairs])
 
 
 def check_finite(run: Run) -> None:
@@ -251,7 +231,7 @@ def check_finite(run: Run) -> None:
                        run.cfg)
 
 
-def _log_eval(run: Run, dataset: CharDataset) -> dict:
+def _log_eval(run: Run, dataset: TokenDataset) -> dict:
     ev = evaluate(run.model, dataset, run.cfg)
     entry = {"step": run.step, "train_loss": ev["train"], "val_loss": ev["val"],
              "lr": lr_at(run.step - 1, run.cfg) if run.step else None,  # of the last update
@@ -260,13 +240,15 @@ def _log_eval(run: Run, dataset: CharDataset) -> dict:
     return entry
 
 
-def train(run: Run, dataset: CharDataset, *, checkpoint=None, progress=None, stop=None) -> str:
+def train(run: Run, dataset: TokenDataset, *, checkpoint=None, progress=None, stop=None, log=None) -> str:
     """Advance ``run`` to ``run.cfg.steps``; returns ``"done"`` or ``"stopped"``.
 
     Evaluates at step 0 (a fresh run), every ``eval_interval`` steps and at the last step,
     and calls ``checkpoint(run)`` after each of those evaluations (the CLI saves the run
     there). ``progress(step, loss, val_loss, tokens_per_s)`` follows every step (``val_loss``:
-    the latest evaluation's, None before one). ``stop()`` is asked after every step; when it
+    the latest evaluation's, None before one; the rate a running mean). ``log(entry)`` gets
+    every step's ``{"step", "loss", "ms", "tokens_per_s"}`` (that step's own time) and every
+    evaluation's entry of ``run.log["evals"]``. ``stop()`` is asked after every step; when it
     says True the run is checkpointed at that step and ``"stopped"`` is returned.
 
     A run whose loss, gradients, evaluation or weights stop being finite raises
@@ -275,21 +257,25 @@ def train(run: Run, dataset: CharDataset, *, checkpoint=None, progress=None, sto
     cfg = run.cfg
     check_data(cfg, dataset)
     progress = progress or (lambda *a: None)
-    tokens = cfg.batch_size * cfg.block_size
+    log = log or (lambda entry: None)
+    tokens = cfg.batch_size * cfg.block_size * cfg.grad_accum
     if run.step == 0 and not run.log["evals"]:
         t0 = time.perf_counter()
-        _log_eval(run, dataset)
+        log(_log_eval(run, dataset))
         run.seconds += time.perf_counter() - t0
     val = run.log["evals"][-1]["val_loss"] if run.log["evals"] else None
     rate = None
     while run.step < cfg.steps:
         t0 = time.perf_counter()
-        loss = train_step(run, *dataset.batch("train", cfg.batch_size, cfg.block_size, run.rng))
+        loss = train_step(run, *next_batch(run, dataset))
         dt = time.perf_counter() - t0
         rate = tokens / dt if rate is None else 0.9 * rate + 0.1 * tokens / dt  # a running mean for the bar
+        log({"step": run.step, "loss": loss, "ms": 1e3 * dt, "tokens_per_s": tokens / dt})
         evaluated = run.step % cfg.eval_interval == 0 or run.step == cfg.steps
         if evaluated:
-            val = _log_eval(run, dataset)["val_loss"]
+            entry = _log_eval(run, dataset)
+            val = entry["val_loss"]
+            log(entry)
         run.seconds += time.perf_counter() - t0
         progress(run.step, loss, val, rate)
         if stop is not None and stop() and run.step < cfg.steps:
