@@ -9,6 +9,13 @@ the texts' modules, and ``attn_implementation="qkv"`` for Hugging Face transform
   (GQA/MQA, causal, window, RoPE, ALiBi, kv_lengths, :class:`KVCache` with a length per
   sequence, as :class:`qkv.nn.KVCache`), convertible both ways, with the NumPy layer's checks.
 - :func:`register_hf`: ``AutoModel.from_pretrained(path, attn_implementation="qkv")``.
+- :func:`decay_attention`, :func:`delta_rule`, :func:`dplr`, :func:`linear_scan`: the
+  recurrences of :mod:`qkv.recurrent` on CPU tensors, differentiable in every tensor input
+  (the initial state, and through the returned final state, too), one node under
+  ``torch.compile``.
+- :class:`Mamba2`, :class:`GatedDeltaNet`, :class:`RGLRU`: transformers' ``Mamba2Mixer``,
+  ``Qwen3NextGatedDeltaNet`` and ``RecurrentGemmaRecurrentBlock`` on those operators
+  (``from_hf``), decoding token by token with a :class:`RecurrentState`.
 
 ``import qkv`` does not import this package (nor torch); ``import qkv.torch`` does.
 """
@@ -19,6 +26,12 @@ require("torch", "torch")
 from .functional import attention  # noqa: E402  (after the check that torch is there)
 from .hf import register_hf  # noqa: E402
 from .modules import SelfAttention  # noqa: E402
+from .layer_state import RecurrentState  # noqa: E402
 from .multihead import KVCache, MultiHeadAttention  # noqa: E402
+from .recurrent_layers import GatedDeltaNet, Mamba2  # noqa: E402
+from .recurrent_ops import decay_attention, delta_rule, dplr, linear_scan  # noqa: E402
+from .rglru import RGLRU  # noqa: E402
 
-__all__ = ["attention", "SelfAttention", "MultiHeadAttention", "KVCache", "register_hf"]
+__all__ = ["attention", "SelfAttention", "MultiHeadAttention", "KVCache", "register_hf",
+           "decay_attention", "delta_rule", "dplr", "linear_scan", "Mamba2", "GatedDeltaNet", "RGLRU",
+           "RecurrentState"]

@@ -1,0 +1,225 @@
+"""Mamba-2 and Gated DeltaNet mixers as ``nn.Module``s on qkv's recurrence operators.
+
+Both are the layers of transformers (``Mamba2Mixer``, ``Qwen3NextGatedDeltaNet``), their
+parameters under the same names, with the recurrence computed by
+:func:`qkv.torch.decay_attention` / :func:`qkv.torch.delta_rule`.
+
+**Mamba-2 as decayed attention.** Per head h (of ``H``, in ``G`` groups sharing ``B`` and
+``C``), with ``Δ_t = softplus(dt_t + dt_bias)`` and ``A = -exp(A_log)``, the SSM is::
+
+    h_t = exp(Δ_t A) h_{t-1} + B_t (Δ_t x_t)ᵀ        h_t: (N, P), B_t, C_t: (N,), x_t: (P,)
+    y_t = h_tᵀ C_t + D x_t
+
+which is :func:`~qkv.torch.decay_attention` with ``q = C``, ``k = B``, ``v = Δ x``,
+``log_decay = Δ A`` (one decay a head) and ``scale = 1``; ``D x`` is added after. The state
+is qkv's ``(Dk, Dv) = (N, P)``, the transpose of transformers' ``(P, N)``.
+
+**Gated DeltaNet.** With ``q, k`` L2-normalised (``x / sqrt(Σx² + 1e-6)``), ``β =
+sigmoid(b)`` and ``g = -exp(A_log) · softplus(a + dt_bias)``, the state follows the gated
+delta rule (:func:`~qkv.torch.delta_rule`, scale ``1/sqrt(d_k)``). With fewer key heads
+than value heads each key head serves ``n_v / n_k`` consecutive value heads.
+
+Both then normalise with a gate ``z``: Mamba-2 ``rms_G(y · silu(z)) · w`` (RMS over each of the
+G groups of channels), Gated DeltaNet ``rms(y) · w · silu(z)`` over each head; in float32
+(float64 kept), as transformers.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import ShapeError, positive_int
+from .layer_state import (NormWeight, RecurrentState, activation as activation_fn, causal_conv, check_input,
+                          check_state, load_hf, wide)
+from .recurrent_ops import decay_attention, delta_rule
+
+
+def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """``(B, T, heads·D) -> (B, heads, T, D)``."""
+    B, T, _ = x.shape
+    return x.reshape(B, T, heads, -1).transpose(1, 2)
+
+
+def _result(out, conv_window, final, return_state: bool):
+    return (out, RecurrentState(conv_window, final)) if return_state else out
+
+
+class Mamba2(nn.Module):
+    """Mamba-2's mixer (transformers' ``Mamba2Mixer``): in_proj -> causal conv + SiLU -> SSM
+    (qkv's decayed attention) -> gated grouped RMS norm -> out_proj.
+
+    Args:
+        d_model: the width of x. n_heads, head_dim: ``n_heads · head_dim`` is the inner width.
+        state_size: ``N``. n_groups: groups sharing B and C (divides n_heads).
+        conv_kernel: the causal convolution's width. conv_bias, bias: biases of the conv and
+            of the projections. eps: the norm's. time_step_limit: ``(lo, hi)`` clamp of Δ.
+        activation: the conv's (a transformers name). chunk_size: qkv's chunk (None: default).
+
+    ``forward(x (B, T, d_model), state=None, *, return_state=False)``; ``state`` (a
+    :class:`RecurrentState` from an earlier call) continues a sequence, None starts one.
+    Δ is clamped to ``time_step_limit`` on every call (transformers clamps it in its chunked
+    form only; with the default ``(0, inf)`` the two agree). No padding mask: a batch's
+    sequences run their whole length.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, head_dim: int, *, state_size: int = 128, n_groups: int = 1,
+                 conv_kernel: int = 4, conv_bias: bool = True, bias: bool = False, eps: float = 1e-5,
+                 time_step_limit=(0.0, math.inf), activation: str = "silu", chunk_size: int | None = None,
+                 dtype=None, device=None):
+        super().__init__()
+        self.d_model, self.n_heads, self.head_dim = (positive_int(n, v) for n, v in
+                                                     (("d_model", d_model), ("n_heads", n_heads),
+                                                      ("head_dim", head_dim)))
+        self.state_size, self.n_groups = positive_int("state_size", state_size), positive_int("n_groups", n_groups)
+        if n_heads % n_groups:
+            raise ShapeError(f"n_groups must divide n_heads = {n_heads}; got {n_groups}")
+        self.d_inner = n_heads * head_dim
+        self.conv_dim = self.d_inner + 2 * n_groups * state_size
+        self.eps, self.time_step_limit, self.chunk_size = float(eps), tuple(time_step_limit), chunk_size
+        self.activation, self.act = activation, activation_fn(activation)
+        kw = dict(dtype=dtype, device=device)
+        self.in_proj = nn.Linear(d_model, self.d_inner + self.conv_dim + n_heads, bias=bias, **kw)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, bias=conv_bias,
+                                padding=conv_kernel - 1, **kw)
+        self.dt_bias = nn.Parameter(torch.empty(n_heads, **kw))
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, n_heads + 1, **kw)))   # A = -1, -2, ..., -H
+        self.D = nn.Parameter(torch.ones(n_heads, **kw))
+        self.norm = NormWeight(self.d_inner, **kw)
+        self.out_proj = nn.Linear(self.d_inner, d_model, bias=bias, **kw)
+        with torch.no_grad():   # Δ log-uniform in [1e-3, 1e-1] at dt = 0: dt_bias = softplus⁻¹(Δ)
+            dt = torch.exp(torch.rand(n_heads, **kw) * math.log(100) + math.log(1e-3)).clamp(min=1e-4)
+            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+
+    def extra_repr(self) -> str:
+        return (f"d_model={self.d_model}, n_heads={self.n_heads}, head_dim={self.head_dim}, "
+                f"state_size={self.state_size}, n_groups={self.n_groups}")
+
+    def forward(self, x, state: RecurrentState | None = None, *, return_state: bool = False):
+        """``y (B, T, d_model)``; with ``return_state``, ``(y, state)`` to continue from."""
+        check_input(self, x, self.d_model)
+        window = check_state(state, x.shape[0], self.conv1d)
+        B, T, _ = x.shape
+        H, P, G, N = self.n_heads, self.head_dim, self.n_groups, self.state_size
+        z, xbc, dt = self.in_proj(x).split([self.d_inner, self.conv_dim, H], dim=-1)
+        xbc, window = causal_conv(xbc, self.conv1d, window)
+        xs, Bs, Cs = self.act(xbc).split([self.d_inner, G * N, G * N], dim=-1)
+        dt = F.softplus(dt + self.dt_bias).clamp(*self.time_step_limit)      # Δ (B, T, H)
+        A = -torch.exp(self.A_log)                                            # (H,)
+        xh = _heads(xs, H)                                                    # (B, H, T, P)
+        k = _heads(Bs, G).repeat_interleave(H // G, dim=1)                   # (B, G, T, N) -> (B, H, T, N)
+        q = _heads(Cs, G).repeat_interleave(H // G, dim=1)
+        dt = dt.transpose(1, 2)                                               # (B, H, T)
+        o, final = decay_attention(q, k, xh * dt[..., None], dt * A[:, None], scale=1.0,
+                                   initial_state=None if state is None else state.recurrent,
+                                   return_state=True, chunk_size=self.chunk_size)  # (B, H, T, P)
+        y = (o + self.D[:, None, None] * xh).transpose(1, 2).reshape(B, T, self.d_inner)
+        return _result(self.out_proj(self._gated_norm(y, z)), window, final, return_state)
+
+    def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """``rms_G(y · silu(z)) · w``: RMS over each of the G groups of channels."""
+        h = wide(y) * F.silu(wide(z))
+        g = h.reshape(*h.shape[:-1], self.n_groups, -1)                       # (B, T, G, d_inner/G)
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.norm.weight * g.reshape(h.shape).to(y.dtype)
+
+    @classmethod
+    def from_hf(cls, mixer) -> "Mamba2":
+        """This layer with the weights of transformers' ``Mamba2Mixer`` (copied, shape-checked)."""
+        if type(mixer).__name__ != "Mamba2Mixer":
+            raise ShapeError(f"mixer must be a transformers Mamba2Mixer; got {type(mixer).__name__}")
+        w = mixer.in_proj.weight
+        layer = cls(mixer.hidden_size, mixer.num_heads, mixer.head_dim, state_size=mixer.ssm_state_size,
+                    n_groups=mixer.n_groups, conv_kernel=mixer.conv_kernel_size, conv_bias=mixer.use_conv_bias,
+                    bias=mixer.use_bias, eps=mixer.norm.variance_epsilon, time_step_limit=mixer.time_step_limit,
+                    activation=mixer.activation, dtype=w.dtype, device=w.device)
+        load_hf(layer, mixer, "Mamba2Mixer")
+        return layer
+
+
+class GatedDeltaNet(nn.Module):
+    """Gated DeltaNet (transformers' ``Qwen3NextGatedDeltaNet``): in_proj_qkvz, in_proj_ba ->
+    causal conv + SiLU over q, k, v -> L2-normalised q, k -> the gated delta rule (qkv) ->
+    gated RMS norm per head -> out_proj.
+
+    Args:
+        d_model: the width of x. n_k_heads, n_v_heads: key and value heads (n_k_heads divides
+            n_v_heads). d_k, d_v: their widths. conv_kernel: the convolution's width.
+        eps: the norm's. activation: the conv's. chunk_size: qkv's chunk (None: default).
+
+    ``forward(x (B, T, d_model), state=None, *, return_state=False)`` as :class:`Mamba2`.
+    """
+
+    def __init__(self, d_model: int, n_k_heads: int, n_v_heads: int, d_k: int, d_v: int, *, conv_kernel: int = 4,
+                 eps: float = 1e-6, activation: str = "silu", chunk_size: int | None = None, dtype=None, device=None):
+        super().__init__()
+        for name, v in (("d_model", d_model), ("n_k_heads", n_k_heads), ("n_v_heads", n_v_heads), ("d_k", d_k),
+                        ("d_v", d_v)):
+            positive_int(name, v)
+        if n_v_heads % n_k_heads:
+            raise ShapeError(f"n_k_heads must divide n_v_heads = {n_v_heads}; got {n_k_heads}")
+        self.d_model, self.n_k_heads, self.n_v_heads, self.d_k, self.d_v = d_model, n_k_heads, n_v_heads, d_k, d_v
+        self.key_dim, self.value_dim = n_k_heads * d_k, n_v_heads * d_v
+        self.eps, self.chunk_size = float(eps), chunk_size
+        self.activation, self.act = activation, activation_fn(activation)
+        kw = dict(dtype=dtype, device=device)
+        conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, conv_kernel, groups=conv_dim, bias=False,
+                                padding=conv_kernel - 1, **kw)
+        self.in_proj_qkvz = nn.Linear(d_model, 2 * self.key_dim + 2 * self.value_dim, bias=False, **kw)
+        self.in_proj_ba = nn.Linear(d_model, 2 * n_v_heads, bias=False, **kw)
+        self.dt_bias = nn.Parameter(torch.ones(n_v_heads, **kw))
+        self.A_log = nn.Parameter(torch.log(torch.empty(n_v_heads, **kw).uniform_(0.01, 16)))
+        self.norm = NormWeight(d_v, **kw)
+        self.out_proj = nn.Linear(self.value_dim, d_model, bias=False, **kw)
+
+    def extra_repr(self) -> str:
+        return (f"d_model={self.d_model}, n_k_heads={self.n_k_heads}, n_v_heads={self.n_v_heads}, "
+                f"d_k={self.d_k}, d_v={self.d_v}")
+
+    def _project(self, x: torch.Tensor) -> tuple:
+        """``(qkv (B, T, 2·key_dim + value_dim), z (B, T, Hv, d_v), b, a (B, T, Hv))``: the
+        projections are laid out per key head, ``[q, k, v·r, z·r]`` and ``[b·r, a·r]`` with
+        ``r = n_v / n_k`` (transformers' ``fix_query_key_value_ordering``)."""
+        B, T, _ = x.shape
+        Hk, r = self.n_k_heads, self.n_v_heads // self.n_k_heads
+        q, k, v, z = self.in_proj_qkvz(x).view(B, T, Hk, -1).split([self.d_k, self.d_k, r * self.d_v,
+                                                                    r * self.d_v], dim=-1)
+        b, a = self.in_proj_ba(x).view(B, T, Hk, 2 * r).split([r, r], dim=-1)
+        qkv = torch.cat([t.reshape(B, T, -1) for t in (q, k, v)], dim=-1)
+        return qkv, z.reshape(B, T, self.n_v_heads, self.d_v), b.reshape(B, T, -1), a.reshape(B, T, -1)
+
+    def forward(self, x, state: RecurrentState | None = None, *, return_state: bool = False):
+        """``y (B, T, d_model)``; with ``return_state``, ``(y, state)`` to continue from."""
+        check_input(self, x, self.d_model)
+        window = check_state(state, x.shape[0], self.conv1d)
+        B, T, _ = x.shape
+        qkv, z, b, a = self._project(x)
+        qkv, window = causal_conv(qkv, self.conv1d, window)
+        q, k, v = self.act(qkv).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        r = self.n_v_heads // self.n_k_heads
+        q, k = (_heads(t, self.n_k_heads).repeat_interleave(r, dim=1) for t in (q, k))   # (B, Hv, T, d_k)
+        q, k = (t * torch.rsqrt((t * t).sum(-1, keepdim=True) + 1e-6) for t in (q, k))   # L2 norm
+        beta = torch.sigmoid(b).transpose(1, 2)                                        # (B, Hv, T)
+        g = (-torch.exp(self.A_log) * F.softplus(a + self.dt_bias)).transpose(1, 2)    # (B, Hv, T)
+        o, final = delta_rule(q, k, _heads(v, self.n_v_heads), beta, g,
+                              initial_state=None if state is None else state.recurrent,
+                              return_state=True, chunk_size=self.chunk_size)          # (B, Hv, T, d_v)
+        o = o.transpose(1, 2)                                                          # (B, T, Hv, d_v)
+        h = wide(o) * torch.rsqrt(wide(o).pow(2).mean(-1, keepdim=True) + self.eps)
+        y = (self.norm.weight * h.to(o.dtype)) * F.silu(wide(z))
+        return _result(self.out_proj(y.to(o.dtype).reshape(B, T, -1)), window, final, return_state)
+
+    @classmethod
+    def from_hf(cls, layer) -> "GatedDeltaNet":
+        """This layer with the weights of transformers' ``Qwen3NextGatedDeltaNet``."""
+        if type(layer).__name__ != "Qwen3NextGatedDeltaNet":
+            raise ShapeError(f"layer must be a transformers Qwen3NextGatedDeltaNet; got {type(layer).__name__}")
+        w = layer.in_proj_qkvz.weight
+        ours = cls(layer.hidden_size, layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim,
+                   conv_kernel=layer.conv_kernel_size, eps=layer.norm.variance_epsilon, activation=layer.activation,
+                   dtype=w.dtype, device=w.device)
+        load_hf(ours, layer, "Qwen3NextGatedDeltaNet")
+        return ours
