@@ -215,6 +215,8 @@ def test_a_ragged_prefill_fills_each_row_and_the_cache_refuses_more_than_max_len
     np.testing.assert_allclose(logits[1, :2], model.forward(idx[1:, :2])[0], rtol=0, atol=1e-12)
     with pytest.raises(ShapeError, match=r"the cache is full: sequence 0 holds 4 of max_len = 6"):
         model.forward(idx[:, :3], cache=cache)
+    with pytest.raises(ShapeError, match="cache must come from new_cache"):
+        model.forward(idx, cache=list(cache))
     with pytest.raises(ShapeError, match="q_lengths= and kv_lengths= are not taken by a block around Mamba2"):
         GPT(tiny(["mamba2"])).h[0].forward(np.zeros((1, 2, 16)), q_lengths=np.array([1]))
 

@@ -243,6 +243,9 @@ class GPT(Layer):
         if cache is None and t > self.config.block_size:
             raise ShapeError(f"idx has T = {t} tokens, more than block_size = {self.config.block_size}")
         if cache is not None:
+            if self.stateful and not isinstance(cache, GPTCache):
+                raise ShapeError(f"cache must come from new_cache(batch, max_len) for a model with recurrent or "
+                                 f"linear-attention blocks; got a {type(cache).__name__}")
             held = cache if isinstance(cache, GPTCache) else cache[0]   # a list of KV caches made by hand
             start = held.lengths.copy()
             counts = held.counts(t, q_lengths)
@@ -265,9 +268,6 @@ class GPT(Layer):
     def _each_alone(self, idx: np.ndarray, cache, counts: np.ndarray) -> np.ndarray:
         """A right-padded batch through a cache with states: each sequence's first ``counts[b]``
         tokens alone, through views of its rows of every block's cache or state."""
-        if not isinstance(cache, GPTCache):
-            raise ShapeError(f"q_lengths= with a recurrent or linear-attention block needs the cache of "
-                             f"new_cache(batch, max_len); got a {type(cache).__name__}")
         logits = np.zeros(idx.shape + (self._head().shape[0],), self.dtype)   # (B, T, V)
         for row, n in enumerate(counts):
             if n:
@@ -338,4 +338,5 @@ class GPT(Layer):
     def __repr__(self) -> str:
         c = self.config
         return (f"GPT(n_layer={c.n_layer}, n_head={c.n_head}, n_embd={c.n_embd}, vocab_size={c.vocab_size}, "
-                f"block_size={c.block_size}, positions={c.positions!r}, {self.num_params()} parameters, {c.dtype})")
+                f"block_size={c.block_size}, positions={c.positions!r}, "
+                f"{'' if c.layers is None else f'layers={c.layers!r}, '}{self.num_params()} parameters, {c.dtype})")
