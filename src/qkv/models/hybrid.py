@@ -11,8 +11,8 @@ config makes every kind:
 
 ====================  =========================================================================
 ``attention``         softmax :class:`~qkv.nn.MultiHeadAttention`, the GPT's as before (GQA,
-                      RoPE, attention dropout); ``attention:window=W`` sees the last W keys
-                      (Griffin's local attention), ``attention:chunk=N`` its chunk of N
+                      RoPE, attention dropout); ``attention:window=W`` sees its own key and the
+                      W before it (Griffin's local attention), ``attention:chunk=N`` its chunk of N
 ``mamba2``            :class:`~qkv.nn.Mamba2`: H heads of ``C / H`` (inner width C), SSD state
                       16, 1 group, conv 4, projection biases as ``bias``
 ``gated_delta``       :class:`~qkv.nn.GatedDeltaNet`: H key heads and H value heads of ``C / H``,
