@@ -50,6 +50,9 @@ OPTIONS = [
     ("--n-layer", "n_layer", int, "transformer blocks"),
     ("--n-head", "n_head", int, "attention heads"),
     ("--n-embd", "n_embd", int, "model width"),
+    ("--layers", "layers", str, "each block's mixer: a pattern (jamba, qwen3-next, griffin) or comma-separated "
+     "attention, attention:window=W, attention:chunk=N, mamba2, gated_delta, rglru, linear (repeated to "
+     "--n-layer); default attention in every block"),
     ("--lr", "lr", float, "peak learning rate"),
     ("--min-lr", "min_lr", float, "learning rate at the end of the cosine (default lr/10)"),
     ("--warmup", "warmup", int, "linear warm-up steps"),
@@ -71,6 +74,7 @@ OPTIONS = [
      "weight decay on the embeddings too, as nanoGPT (--no-decay-embeddings: not)"),
 ]
 CHOICES = {"dtype": ["float32", "float64"], "activation": ["gelu", "gelu_tanh"]}
+METAVARS = {"layers": "PATTERN|MIXER,..."}
 # TrainConfig field -> the flag a user typed, so errors name what the user can change.
 FLAGS = {name: flag for flag, name, _, _ in OPTIONS}
 # What --resume may change: the rest is the run's model, optimizer or data stream.
@@ -103,7 +107,8 @@ def add_arguments(parser) -> None:
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
                                 help=text + shown)
             continue
-        extra = {"choices": CHOICES[name]} if name in CHOICES else {"metavar": "N" if kind is int else "X"}
+        extra = {"choices": CHOICES[name]} if name in CHOICES else {"metavar": METAVARS.get(name, "N" if kind is int
+                                                                                         else "X")}
         parser.add_argument(flag, dest=name, type=kind, default=None, help=text + shown, **extra)
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bar or lines on stderr (needs no rich); instead a line on stdout "
@@ -345,8 +350,9 @@ def _describe(run, dataset, comm=None) -> str:
     accum = f" x {c.grad_accum} micro-batches" if c.grad_accum > 1 else ""
     start = f", from {c.init_from}" if c.init_from else ""
     unit = "characters" if run.data.get("kind", "text") == "text" and hasattr(run.tokenizer, "chars") else "tokens"
+    layers = f" ({c.layers})" if c.layers else ""
     return (f"{n_params:,} parameters (vocab {run.model.config.vocab_size}, block {c.block_size}, "
-            f"{c.n_layer} layers, {c.n_head} heads, width {c.n_embd}, {c.dtype}{start}), batch {c.batch_size}"
+            f"{c.n_layer} layers{layers}, {c.n_head} heads, width {c.n_embd}, {c.dtype}{start}), batch {c.batch_size}"
             f"{accum}{split}, {len(dataset.train):,} train / {len(dataset.val):,} val {unit} from {run.data['source']}")
 
 

@@ -69,6 +69,16 @@ def check_split(mode: str, batch_size: int, block_size: int, size: int, layout: 
                          f"over W = {size} ranks (layout {layout!r} cuts each sequence into {parts} equal chunks)")
 
 
+def check_context_layers(config) -> None:
+    """Context parallel runs every block's mixer as ring attention: a ShapeError naming the first
+    block that is not plain causal softmax attention (a recurrent state would have to pass
+    from rank to rank, and the ring layer has no window or chunk)."""
+    for i, kind in enumerate(config.layer_kinds):
+        if kind != "attention":
+            raise ShapeError(f"parallel = 'context' needs plain softmax attention in every layer (ring attention); "
+                             f"layers = {config.layers!r} has {kind!r} at layer {i}: train it with parallel = 'data'")
+
+
 class ParallelGPT:
     """A :class:`qkv.models.GPT` trained by every rank of ``comm`` together (see the module docstring).
 
@@ -88,6 +98,8 @@ class ParallelGPT:
     def __init__(self, model, mode: str, *, comm=None, layout: str = "zigzag"):
         self.comm, self.size, self.rank = world(comm)
         check_mode(mode, layout)
+        if mode == "context":
+            check_context_layers(model.config)
         self.mode, self.layout = mode, layout
         self.model = _ring_copy(model, self.comm, layout) if mode == "context" else model
         self._slices, n = {}, 0
@@ -190,6 +202,8 @@ def parallelize(run, mode: str, *, comm=None, layout: str = "zigzag"):
 
     def check():
         check_split(mode, run.cfg.batch_size, run.cfg.block_size, size, layout)
+        if mode == "context":
+            check_context_layers(run.model.config)
         par = ParallelGPT(run.model, mode, comm=comm, layout=layout)
         opt = make_optimizer(par.model, run.cfg)
         opt.load_state_dict(run.opt.state_dict())

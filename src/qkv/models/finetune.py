@@ -47,6 +47,9 @@ def init_model(cfg: TrainConfig, init_from: str, given=(), names=None):
     from .training import gpt_config
 
     show = (lambda f: f) if names is None else (lambda f: names.get(f, f))
+    if cfg.layers is not None:
+        raise ShapeError(f"--init-from {init_from} has softmax attention in every layer (GPT-2's); it cannot "
+                         f"start a model of {show('layers')} {cfg.layers}")
     folder = checkpoint_folder(init_from)
     src = load_gpt2(folder, dtype=DTYPES[cfg.dtype])
     c = src.config

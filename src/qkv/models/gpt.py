@@ -4,7 +4,7 @@ The model, on token ids ``idx (B, T)`` (GPT-2's architecture; ``C = n_embd``, ``
 
     x = wte[idx] + wpe[0..T-1]              (B, T, C)   learned positions (or RoPE in attention)
     x = drop(x)
-    x = block(x)  for each of n_layer        (B, T, C)   pre-norm: x + attn(ln_1(x)), x + mlp(ln_2(x))
+    x = block(x)  for each of n_layer        (B, T, C)   pre-norm: x + mixer(ln_1(x)), x + mlp(ln_2(x))
     x = ln_f(x)
     logits = x @ wteᵀ                        (B, T, C) @ (C, V) -> (B, T, V)   head tied to wte
     loss = mean(-log softmax(logits)[targets])
@@ -26,8 +26,14 @@ names at the leaves, in qkv's layout (``x @ W``: a ``W`` is ``(in, out)``)::
     transformer.ln_f.weight          (C,)            .ln_f.bias
     lm_head.weight                   (V, C)          tie_weights=False only
 
+Each block's mixer is softmax attention unless ``GPTConfig.layers`` names others (Mamba-2,
+Gated DeltaNet, RG-LRU, linear attention; patterns ``jamba``, ``qwen3-next``, ``griffin``):
+see :mod:`qkv.models.hybrid`. A recurrent mixer's parameters are ``transformer.h.{i}.mixer.*``.
+
 Initialisation as nanoGPT: every matrix normal(0, 0.02), the residual projections
-(``attn.W_O``, ``mlp.W_proj``) normal(0, 0.02 / sqrt(2 n_layer)), biases 0, norms 1; drawn
+(``attn.W_O``, ``mlp.W_proj``, a mixer's ``W_out``) normal(0, 0.02 / sqrt(2 n_layer)), biases 0,
+norms 1 (a recurrent mixer's input projections as the matrices, its other arrays as the layer
+initialises them: convolution taps, gates, decays); drawn
 in float64 from ``seed`` and cast, so a float32 and a float64 model of one seed agree.
 """
 from __future__ import annotations
@@ -43,6 +49,8 @@ from ..errors import ShapeError, fmt_shape, positive_int
 from ..nn import Dropout, Embedding, LayerNorm, MLP, MultiHeadAttention, TransformerBlock
 from ..nn.base import Layer, linear_grad
 from ..nn.optim import cross_entropy
+from . import hybrid
+from .gpt_cache import GPTCache
 
 SAVED_FORMAT = "qkv-gpt"  # config.json's "format" in a folder GPT.save wrote
 POSITIONS = ("learned", "rope")
@@ -61,6 +69,10 @@ class GPTConfig:
     its keep-mask seeded per call from the model's generator). ``dtype``: float32, float64
     for checks, or float16 for inference only (:class:`qkv.nn.AdamW` refuses to train it:
     train in float32 and cast). ``seed``: the initial weights and the dropout masks.
+    ``layers``: each block's mixer (:mod:`qkv.models.hybrid`): None (softmax attention in
+    every block, as GPT-2), a pattern (``"jamba"``, ``"qwen3-next"``, ``"griffin"``) or a list
+    (or comma-separated string) of ``"attention"``, ``"attention:window=W"``,
+    ``"attention:chunk=N"``, ``"mamba2"``, ``"gated_delta"``, ``"rglru"``, ``"linear"``.
     """
 
     vocab_size: int
@@ -79,6 +91,7 @@ class GPTConfig:
     n_inner: int | None = None
     layer_norm_eps: float = 1e-5
     rope_base: float = 10000.0
+    layers: object = None
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -103,10 +116,20 @@ class GPTConfig:
         if dtype not in (np.float16, np.float32, np.float64):
             raise ShapeError(f"dtype must be float16, float32 or float64; got {self.dtype!r}")
         object.__setattr__(self, "dtype", dtype)
+        object.__setattr__(self, "layers", hybrid.normalise(self.layers))
+        hybrid.resolve(self.layers, self.n_layer)  # a pattern n_layer cannot hold fails here
+
+    @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        """Each block's mixer, ``n_layer`` entries (``"attention"`` for every block when ``layers`` is None)."""
+        return hybrid.resolve(self.layers, self.n_layer)
 
     def to_dict(self) -> dict:
         """The fields as JSON values (the dtype by name)."""
-        return dict(asdict(self), dtype=self.dtype.name)
+        d = dict(asdict(self), dtype=self.dtype.name)
+        if isinstance(self.layers, tuple):
+            d["layers"] = list(self.layers)
+        return d
 
 
 class GPT(Layer):
@@ -138,10 +161,10 @@ class GPT(Layer):
         attention = MultiHeadAttention if attention is None else attention
         self.token_positions = None
         self.h = [TransformerBlock(
-            c.n_embd, attention(c.n_embd, c.n_head, n_kv_heads=c.n_kv_head, causal=True, bias=c.bias,
-                                rope=c.positions == "rope", rope_base=c.rope_base, dropout=c.dropout, **kw),
+            c.n_embd, hybrid.make_mixer(kind, c, self.rng, attention),
             MLP(c.n_embd, c.n_inner, c.activation, c.bias, **kw), "layernorm", c.dropout,
-            bias=c.bias, eps=c.layer_norm_eps, **kw) for _ in range(c.n_layer)]
+            bias=c.bias, eps=c.layer_norm_eps, **kw) for kind in c.layer_kinds]
+        self.stateful = any(block.stateful for block in self.h)  # a block decodes through a state
         self.ln_f = LayerNorm(c.n_embd, c.layer_norm_eps, c.bias, dtype=c.dtype)
         self.lm_head = None if c.tie_weights else Embedding(c.vocab_size, c.n_embd, **kw)
         links = {"transformer.wte.weight": (self.wte, "W")}
@@ -160,7 +183,11 @@ class GPT(Layer):
     def _init_weights(self) -> None:
         std_proj = 0.02 / math.sqrt(2 * self.config.n_layer)
         for name, p in self.params.items():
-            if p.ndim >= 2:
+            if ".mixer." in name:  # a recurrent mixer: its projections only
+                leaf = name.rsplit(".", 1)[1]
+                if leaf in hybrid.MIXER_IN or leaf in hybrid.MIXER_OUT:
+                    p[...] = self.rng.standard_normal(p.shape) * (std_proj if leaf in hybrid.MIXER_OUT else 0.02)
+            elif p.ndim >= 2:
                 std = std_proj if name.endswith(("attn.W_O", "mlp.W_proj")) else 0.02
                 p[...] = self.rng.standard_normal(p.shape) * std
 
@@ -170,9 +197,12 @@ class GPT(Layer):
         n = self.n_params
         return n - self.wpe.params["W"].size if non_embedding and self.wpe is not None else n
 
-    def new_cache(self, batch: int, max_len: int) -> list:
-        """One :class:`qkv.nn.KVCache` per block, for ``batch`` sequences of up to ``max_len`` tokens."""
-        return [block.new_cache(batch, max_len) for block in self.h]
+    def new_cache(self, batch: int, max_len: int) -> GPTCache:
+        """A :class:`~qkv.models.gpt_cache.GPTCache` for ``batch`` sequences of up to ``max_len``
+        tokens: a list of each block's :class:`qkv.nn.KVCache` (attention) or decoding state
+        (a recurrent or linear-attention mixer), with the sequences' lengths."""
+        entries = [block.new_cache(batch, max_len) for block in self.h]
+        return GPTCache(entries, entries[0].batch, positive_int("max_len", max_len))
 
     def _head(self) -> np.ndarray:
         return (self.wte if self.lm_head is None else self.lm_head).params["W"]  # (V, C)
@@ -203,7 +233,9 @@ class GPT(Layer):
 
         With ``cache`` (from :meth:`new_cache`) the tokens follow what each sequence's cache
         holds (``q_lengths (B,)``: only the first ``q_lengths[b]`` of sequence b's rows are
-        real, for right-padded prompts); used by :meth:`generate`, inference only.
+        real, for right-padded prompts); used by :meth:`generate`, inference only. A model with a
+        recurrent (or linear-attention) block runs a right-padded batch one sequence at a time
+        (a state has no length per sequence): the padding rows' logits are then zeros.
         """
         idx = self._ids(idx)
         b, t = idx.shape
@@ -211,8 +243,14 @@ class GPT(Layer):
         if cache is None and t > self.config.block_size:
             raise ShapeError(f"idx has T = {t} tokens, more than block_size = {self.config.block_size}")
         if cache is not None:
-            start = cache[0].lengths.copy()
-            counts = cache[0].counts(t, q_lengths)
+            if self.stateful and not isinstance(cache, GPTCache):
+                raise ShapeError(f"cache must come from new_cache(batch, max_len) for a model with recurrent or "
+                                 f"linear-attention blocks; got a {type(cache).__name__}")
+            held = cache if isinstance(cache, GPTCache) else cache[0]   # a list of KV caches made by hand
+            start = held.lengths.copy()
+            counts = held.counts(t, q_lengths)
+            if self.stateful and q_lengths is not None:
+                return self._each_alone(idx, cache, counts)
         x = self.wte.forward(idx)                                   # (B, T) -> (B, T, C)
         if self.wpe is not None:
             x = x + self._positions(t, start, counts)               # + (T, C) or (B, T, C)
@@ -222,7 +260,20 @@ class GPT(Layer):
         x = self.ln_f.forward(x)                                    # (B, T, C)
         logits = x.reshape(b * t, -1) @ self._head().T              # (B·T, C) @ (C, V) -> (B·T, V)
         logits = logits.reshape(b, t, -1)                           # (B, T, V)
+        if isinstance(cache, GPTCache):
+            cache.advance(counts)
         self._keep(dict(x=x, t=t, cached=cache is not None, dlogits=None, pos=self.token_positions))
+        return logits
+
+    def _each_alone(self, idx: np.ndarray, cache, counts: np.ndarray) -> np.ndarray:
+        """A right-padded batch through a cache with states: each sequence's first ``counts[b]``
+        tokens alone, through views of its rows of every block's cache or state."""
+        logits = np.zeros(idx.shape + (self._head().shape[0],), self.dtype)   # (B, T, V)
+        for row, n in enumerate(counts):
+            if n:
+                view = cache.row(row)
+                logits[row, :n] = self.forward(idx[row:row + 1, :n], cache=view)[0]
+                cache.take_row(view, row)
         return logits
 
     def loss(self, idx, targets) -> float:
@@ -287,4 +338,5 @@ class GPT(Layer):
     def __repr__(self) -> str:
         c = self.config
         return (f"GPT(n_layer={c.n_layer}, n_head={c.n_head}, n_embd={c.n_embd}, vocab_size={c.vocab_size}, "
-                f"block_size={c.block_size}, positions={c.positions!r}, {self.num_params()} parameters, {c.dtype})")
+                f"block_size={c.block_size}, positions={c.positions!r}, "
+                f"{'' if c.layers is None else f'layers={c.layers!r}, '}{self.num_params()} parameters, {c.dtype})")

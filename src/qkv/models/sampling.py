@@ -13,6 +13,11 @@ to each (the ragged cache of :mod:`qkv.nn.cache`). As nanoGPT does, a model neve
 than ``block_size`` tokens: once a sequence would pass that, each step runs uncached on its
 last ``block_size`` tokens (a cache cannot slide under learned positions), which is what
 generation without a cache computes too.
+
+A hybrid model (:mod:`qkv.models.hybrid`) caches keys and values for its attention blocks and
+a fixed-size state for the others (:class:`~qkv.models.gpt_cache.GPTCache`). A state holds
+no length per sequence, so a ragged batch of prompts is prefilled one prompt at a time into
+its rows (:meth:`GPT.forward` does this given ``q_lengths``); then the batch decodes together.
 """
 from __future__ import annotations
 
@@ -121,7 +126,7 @@ def generate(model, idx, max_new_tokens: int, *, temperature: float = 1.0, top_k
             seqs = [np.append(s, t) for s, t in zip(seqs, tok)]
             if step == max_new_tokens - 1:
                 break
-            if cache is not None and cache[0].length < cache[0].max_len:
+            if cache is not None and cache.length < cache.max_len:
                 last = model.forward(tok[:, None], cache=cache)[:, 0]  # (B, 1) -> (B, V)
             else:
                 cache, last = None, _window_logits(model, seqs)

@@ -27,6 +27,8 @@ class TrainConfig:
     (nanoGPT decays every 2-D tensor; qkv's default leaves the embeddings out).
     ``init_from``: the GPT-2 the run started from (a name, folder or hub id), None from scratch.
     ``vocab_size``: the model's vocabulary (None: the tokenizer's, as runs before it was saved).
+    ``layers``: each block's mixer (:mod:`qkv.models.hybrid`): None for attention in every block
+    (runs saved before it existed), a pattern's name or comma-separated mixers.
     """
 
     block_size: int = 64
@@ -54,6 +56,7 @@ class TrainConfig:
     grad_accum: int = 1
     init_from: str | None = None
     vocab_size: int | None = None
+    layers: str | None = None
 
     def resolved(self, names=None) -> "TrainConfig":
         """A copy with ``min_lr`` and ``lr_decay_steps`` filled in, checked (see :meth:`check`)."""
@@ -104,8 +107,21 @@ class TrainConfig:
         for name in ("bias", "decay_embeddings"):
             if not isinstance(getattr(self, name), bool):
                 raise ShapeError(f"{show(name)} must be true or false; got {getattr(self, name)!r}")
+        if self.layers is not None:
+            self._check_layers(show)
         if self.init_from is not None and not isinstance(self.init_from, str):
             raise ShapeError(f"{show('init_from')} must be a name, folder or hub id; got {self.init_from!r}")
+
+    def _check_layers(self, show) -> None:
+        from .hybrid import normalise, resolve
+
+        if not isinstance(self.layers, str):
+            raise ShapeError(f"{show('layers')} must be a pattern's name or comma-separated mixers; "
+                             f"got {self.layers!r}")
+        try:
+            resolve(normalise(self.layers), self.n_layer)
+        except ShapeError as err:
+            raise ShapeError(str(err).replace("n_layer", show("n_layer")).replace("layers", show("layers"), 1)) from None
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":

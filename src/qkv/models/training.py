@@ -55,7 +55,7 @@ def gpt_config(cfg: TrainConfig, vocab_size: int):
 
     return GPTConfig(vocab_size=cfg.vocab_size or vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer,
                      n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias,
-                     activation=cfg.activation, dtype=DTYPES[cfg.dtype], seed=cfg.seed)
+                     activation=cfg.activation, dtype=DTYPES[cfg.dtype], seed=cfg.seed, layers=cfg.layers)
 
 
 def every_matrix(layer, name: str, array: np.ndarray) -> bool:

@@ -5,6 +5,11 @@ Forward on ``x (B, T, d_model)`` (GPT-2's and nanoGPT's order)::
     x = x + drop(attn(ln_1(x)))       attention: any qkv attention layer
     y = x + drop(mlp(ln_2(x)))        feed-forward: :class:`~qkv.nn.MLP`
 
+``attn`` may instead be a recurrent mixer (:class:`~qkv.nn.Mamba2`,
+:class:`~qkv.nn.GatedDeltaNet`, :class:`~qkv.nn.RGLRU`): the same block with the mixer in
+attention's place, its parameters named ``mixer.<its names>`` and its decoding state
+(:class:`~qkv.nn.RecurrentState`) playing the cache's part.
+
 Backward reverses it; each residual passes its gradient through unchanged and adds the
 branch's::
 
@@ -19,11 +24,15 @@ from ..errors import ShapeError, positive_int
 from .attention_layer import AttentionLayer
 from .base import Layer
 from .layers import Dropout
+from .gated_delta import GatedDeltaNet
 from .linear_attention import LinearAttention
+from .mamba2 import Mamba2
 from .mlp import MLP
 from .norms import LayerNorm, RMSNorm
+from .rglru import RGLRU
 
 NORMS = ("layernorm", "rmsnorm")
+RECURRENT_MIXERS = (Mamba2, GatedDeltaNet, RGLRU)  # layers with new_state(batch) and forward(x, state=)
 
 
 class TransformerBlock(Layer):
@@ -34,9 +43,9 @@ class TransformerBlock(Layer):
     ``"layernorm"`` (``eps`` 1e-5, with a bias when ``bias``) or ``"rmsnorm"`` (``eps`` 1e-6
     unless given); ``dropout`` is the residual dropout after each branch (identity in ``eval()``).
 
-    Parameters, flat: ``ln_1.weight``, ``ln_1.bias``, ``attn.<its names>`` (``attn.W_Q``, ...),
-    ``ln_2.weight``, ``ln_2.bias``, ``mlp.<its names>`` (``mlp.W_fc``, ...); the sublayers
-    hold the arrays (``block.attn``, ``block.mlp``, ``block.ln_1``, ``block.ln_2``).
+    Parameters, flat: ``ln_1.weight``, ``ln_1.bias``, ``attn.<its names>`` (``attn.W_Q``, ...;
+    ``mixer.<its names>`` for a recurrent mixer), ``ln_2.weight``, ``ln_2.bias``, ``mlp.<its names>``
+    (``mlp.W_fc``, ...); the sublayers hold the arrays (``block.attn``, ``block.mlp``, ``block.ln_1``, ``block.ln_2``).
     """
 
     def __init__(self, d_model: int, attn: Layer, mlp: Layer | None = None, norm: str = "layernorm",
@@ -44,9 +53,10 @@ class TransformerBlock(Layer):
                  dtype=np.float32, rng: np.random.Generator | None = None):
         super().__init__(dtype=dtype, rng=rng)
         self.d_model = positive_int("d_model", d_model)
-        if not isinstance(attn, AttentionLayer):
+        if not isinstance(attn, (AttentionLayer,) + RECURRENT_MIXERS):
             raise ShapeError(f"attn must be a qkv.nn attention layer (MultiHeadAttention, LatentAttention, "
-                             f"LinearAttention, ...); got {type(attn).__name__}")
+                             f"LinearAttention, ...) or a recurrent mixer (Mamba2, GatedDeltaNet, RGLRU); "
+                             f"got {type(attn).__name__}")
         if attn.d_model != self.d_model:
             raise ShapeError(f"attn must have d_model = {self.d_model}; got {attn.d_model}")
         if norm not in NORMS:
@@ -64,21 +74,33 @@ class TransformerBlock(Layer):
         self.drop_1 = Dropout(dropout, self.rng, dtype=self.dtype)
         self.drop_2 = Dropout(dropout, self.rng, dtype=self.dtype)
         links = {}
-        for prefix, layer in (("ln_1", self.ln_1), ("attn", self.attn), ("ln_2", self.ln_2), ("mlp", self.mlp)):
+        mixer = "mixer" if self.recurrent else "attn"
+        for prefix, layer in (("ln_1", self.ln_1), (mixer, self.attn), ("ln_2", self.ln_2), ("mlp", self.mlp)):
             links.update({f"{prefix}.{name}": (layer, name) for name in layer.params})
         self._expose(links)
         self._sublayers += [self.drop_1, self.drop_2]  # no parameters, but train()/eval() reach them
 
+    @property
+    def recurrent(self) -> bool:
+        """True when the mixer is a recurrent layer (Mamba2, GatedDeltaNet, RGLRU)."""
+        return isinstance(self.attn, RECURRENT_MIXERS)
+
+    @property
+    def stateful(self) -> bool:
+        """True when decoding keeps a state of fixed size (a recurrent mixer or LinearAttention), not a cache."""
+        return self.recurrent or isinstance(self.attn, LinearAttention)
+
     def new_cache(self, batch: int, max_len: int):
-        """The attention layer's cache (or, for LinearAttention, its decoding state)."""
-        if isinstance(self.attn, LinearAttention):
+        """The attention layer's cache (or, for LinearAttention and a recurrent mixer, its decoding state)."""
+        if self.stateful:
             return self.attn.new_state(batch)
         return self.attn.new_cache(batch, max_len)
 
     def _attn_kwargs(self, cache, q_lengths, kv_lengths) -> dict:
-        if isinstance(self.attn, LinearAttention):  # its decoding state plays the cache's part
+        if self.stateful:  # its decoding state plays the cache's part
             if q_lengths is not None or kv_lengths is not None:
-                raise ShapeError("q_lengths= and kv_lengths= are not taken by a block around LinearAttention")
+                raise ShapeError(f"q_lengths= and kv_lengths= are not taken by a block around "
+                                 f"{type(self.attn).__name__} (its state holds one length for the batch)")
             return {} if cache is None else {"state": cache}
         kwargs = {"cache": cache, "q_lengths": q_lengths, "kv_lengths": kv_lengths}
         return {k: v for k, v in kwargs.items() if v is not None}
