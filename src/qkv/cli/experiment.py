@@ -1,5 +1,5 @@
 """``qkv experiment NAME``: the texts' measurements (scale), the cost of attention against T
-(complexity) and what linear attention can recall (recall)."""
+(complexity), what linear attention can recall (recall) and which mixers recall many keys (mqar)."""
 from __future__ import annotations
 
 import json
@@ -13,15 +13,19 @@ SCALE_HELP = "why attention divides by sqrt(d_k): Var(q.k) grows like d_k, softm
 COMPLEXITY_HELP = ("time and traced peak memory against T of dense, tiled, chunked and linear attention, "
                    "forward and forward+backward, and one decoding step")
 RECALL_HELP = "the dictionary lookup learned by softmax and by linear attention as the pairs grow"
+MQAR_HELP = ("multi-query associative recall (Zoology): 2-layer attention, linear, mamba2, gated_delta, rglru "
+             "and attention hybrids at several widths and pair counts")
 
 
 def add_arguments(parser) -> None:
     """One subparser an experiment, each with its own options (``qkv experiment NAME --help``)."""
     sub = parser.add_subparsers(dest="name", metavar="NAME", required=True,
-                                help="scale, complexity or recall (qkv experiment NAME --help: its options)")
+                                help="scale, complexity, recall or mqar (qkv experiment NAME --help: its options)")
     _scale_arguments(sub.add_parser("scale", help=SCALE_HELP, description=SCALE_HELP))
     _complexity_arguments(sub.add_parser("complexity", help=COMPLEXITY_HELP, description=COMPLEXITY_HELP))
     _recall_arguments(sub.add_parser("recall", help=RECALL_HELP, description=RECALL_HELP))
+    _run_arguments(sub.add_parser("mqar", help=MQAR_HELP, description=MQAR_HELP), "mqar",
+                   "3 mixers, width 64, 4 and 16 pairs at T 128: under 3 minutes with the chunked kernels")
 
 
 def _scale_arguments(parser) -> None:
@@ -35,9 +39,9 @@ def _scale_arguments(parser) -> None:
     parser.add_argument("--out", metavar="DIR", help="also write scale.json and scale.png here (needs qkv[viz])")
 
 
-def _run_arguments(parser, name: str) -> None:
-    """What complexity and recall share: --quick, --seed, --out, --no-progress."""
-    parser.add_argument("--quick", action="store_true", help="a short run (under a minute)")
+def _run_arguments(parser, name: str, quick: str = "under a minute") -> None:
+    """What complexity, recall and mqar share: --quick, --seed, --out, --no-progress."""
+    parser.add_argument("--quick", action="store_true", help=f"a short run ({quick})")
     parser.add_argument("--seed", type=int, default=0, help="seed (default 0)")
     parser.add_argument("--out", metavar="DIR", help=f"write {name}.json and {name}.png here (default ./experiment-out)")
     parser.add_argument("--no-progress", action="store_true",
@@ -60,7 +64,7 @@ def _recall_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    return {"scale": _scale, "complexity": _complexity, "recall": _recall}[args.name](args)
+    return {"scale": _scale, "complexity": _complexity, "recall": _recall, "mqar": _mqar}[args.name](args)
 
 
 def _scale(args) -> int:
@@ -107,6 +111,15 @@ def _recall(args) -> int:
     cfg = RecallConfig.quick() if args.quick else RecallConfig()
     cfg.seed = args.seed
     return _record(args, "recall", cfg, recall_experiment, format_table, plot)
+
+
+def _mqar(args) -> int:
+    from ..experiments.mqar import MQARConfig, mqar_experiment
+    from ..experiments.mqar_report import format_table, plot
+
+    cfg = MQARConfig.quick() if args.quick else MQARConfig()
+    cfg.seed = args.seed
+    return _record(args, "mqar", cfg, mqar_experiment, format_table, plot)
 
 
 def _record(args, name: str, cfg, experiment, format_table, plot) -> int:

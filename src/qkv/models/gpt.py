@@ -278,9 +278,19 @@ class GPT(Layer):
 
     def loss(self, idx, targets) -> float:
         """Mean cross-entropy of ``forward(idx)`` against ``targets (B, T)``; keeps ``dlogits``
-        for :meth:`backward` (in training mode)."""
+        for :meth:`backward` (in training mode). A target of ``-1`` is no target (nanoGPT's
+        ``ignore_index=-1``): the mean runs over the other positions, and those get no gradient."""
         logits = self.forward(idx)
-        loss, dlogits = cross_entropy(logits, np.asarray(targets))  # dlogits = (softmax - onehot) / (B T)
+        targets = np.asarray(targets)
+        if targets.dtype.kind in "iu" and targets.shape == logits.shape[:-1] and (targets == -1).any():
+            keep = targets != -1                                    # (B, T)
+            if not keep.any():
+                raise ShapeError("targets must have at least one position that is not -1 (ignored)")
+            loss, d = cross_entropy(logits[keep], targets[keep])    # (N, V): / N kept positions
+            dlogits = np.zeros_like(logits)
+            dlogits[keep] = d
+        else:
+            loss, dlogits = cross_entropy(logits, targets)          # dlogits = (softmax - onehot) / (B T)
         if self._saved is not None:
             self._saved["dlogits"] = dlogits
         return loss
