@@ -93,7 +93,7 @@ def test_gpt_loss_leaves_out_targets_of_minus_one():
 
 
 def test_mixer_names_make_two_layer_patterns():
-    assert layers("mamba2") == "mamba2,mamba2" and layers("attention+rglru") == "attention,rglru"
+    assert layers("mamba2") == "mamba2,mamba2" and layers("attention+rglru") == "rglru,attention"
     for bad in ("mamba2+attention", "attention+attention", "s4", "attention+linear+rglru"):
         with pytest.raises(qkv.ShapeError, match="mixers must be among"):
             layers(bad)
@@ -137,3 +137,15 @@ def test_the_command_writes_json_and_png(tmp_path, monkeypatch, capsys):
     assert len(rec["rows"]) == 4 and rec["rows"][-1]["mixer"] == "attention+linear"
     assert (tmp_path / "mqar.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| attention+linear | 8 |" in capsys.readouterr().out
+
+
+def test_the_command_takes_mixers_widths_and_steps(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("matplotlib")
+    monkeypatch.setattr(mqar.MQARConfig, "quick", classmethod(lambda cls: cls(**TINY)))
+    argv = ["experiment", "mqar", "--quick", "--no-progress", "--out", str(tmp_path), "--mixers", "attention+rglru",
+            "--widths", "4", "--steps", "2"]
+    assert main(argv) == 0
+    rec = json.loads((tmp_path / "mqar.json").read_text())
+    assert {(r["mixer"], r["width"]) for r in rec["rows"]} == {("attention+rglru", 4)} and rec["config"]["steps"] == 2
+    assert main(["experiment", "mqar", "--no-progress", "--out", str(tmp_path), "--mixers", "hyena"]) == 2
+    assert "mixers must be among" in capsys.readouterr().err

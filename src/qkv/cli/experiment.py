@@ -24,8 +24,7 @@ def add_arguments(parser) -> None:
     _scale_arguments(sub.add_parser("scale", help=SCALE_HELP, description=SCALE_HELP))
     _complexity_arguments(sub.add_parser("complexity", help=COMPLEXITY_HELP, description=COMPLEXITY_HELP))
     _recall_arguments(sub.add_parser("recall", help=RECALL_HELP, description=RECALL_HELP))
-    _run_arguments(sub.add_parser("mqar", help=MQAR_HELP, description=MQAR_HELP), "mqar",
-                   "3 mixers, width 64, 4 and 16 pairs at T 128: under 3 minutes with the chunked kernels")
+    _mqar_arguments(sub.add_parser("mqar", help=MQAR_HELP, description=MQAR_HELP))
 
 
 def _scale_arguments(parser) -> None:
@@ -61,6 +60,15 @@ def _complexity_arguments(parser) -> None:
 
 def _recall_arguments(parser) -> None:
     _run_arguments(parser, "recall")
+
+
+def _mqar_arguments(parser) -> None:
+    _run_arguments(parser, "mqar", "3 mixers, width 64, 4 and 16 pairs at T 128: under 3 minutes")
+    parser.add_argument("--mixers", nargs="+", metavar="M",
+                        help="only these mixers (attention, linear, mamba2, gated_delta, rglru, attention+X; "
+                             "default all nine)")
+    parser.add_argument("--widths", type=int, nargs="+", metavar="N", help="only these widths (default 32 64 128)")
+    parser.add_argument("--steps", type=int, metavar="N", help="training steps of each model (default 300)")
 
 
 def run(args) -> int:
@@ -119,6 +127,11 @@ def _mqar(args) -> int:
 
     cfg = MQARConfig.quick() if args.quick else MQARConfig()
     cfg.seed = args.seed
+    for name in ("mixers", "widths"):
+        if getattr(args, name):
+            setattr(cfg, name, tuple(getattr(args, name)))
+    if args.steps is not None:
+        cfg.steps = args.steps
     return _record(args, "mqar", cfg, mqar_experiment, format_table, plot)
 
 

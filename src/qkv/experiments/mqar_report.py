@@ -35,6 +35,8 @@ def plot(rec: dict, path) -> None:
         for i, m in enumerate(mixers):
             ws = [w for w in widths if (m, w, p) in acc]
             ax.plot(ws, [acc[(m, w, p)] for w in ws], "o--" if "+" in m else "o-", color=f"C{i}", label=m)
+        ax.axhline(1 / p, color="gray", ls=":", lw=1, label="1 / pairs: any value of the context")
+        ax.axhline(rec["chance"], color="black", ls=":", lw=1, label="chance: any value")
         ax.set_xscale("log", base=2)
         ax.set_xticks(widths, [str(w) for w in widths])
         ax.set_ylim(-0.02, 1.02)
