@@ -9,7 +9,10 @@ Nothing here prints or parses arguments: the ``qkv`` command (:mod:`qkv.cli`) do
 - :mod:`~qkv.experiments.complexity`: time and memory against T of dense, tiled, chunked
   and linear attention, and decoding cost (its table and picture in ``complexity_report``);
 - :mod:`~qkv.experiments.recall`: the lookup learned by softmax and by linear attention as
-  the number of pairs grows.
+  the number of pairs grows;
+- :mod:`~qkv.experiments.mqar`: Zoology's multi-query associative recall on 2-layer GPTs of
+  each mixer and attention hybrids (its task in ``mqar_data``, its table and picture in
+  ``mqar_report``).
 
 Import the one you need (``from qkv.experiments import lookup``); none is imported by ``import qkv``.
 """

@@ -124,7 +124,7 @@ def evaluate(model, cfg: MQARConfig, chunk: int = 16) -> list[float]:
             for i in range(0, cfg.n_eval, chunk):
                 t = d["targets"][i:i + chunk]
                 hits += query_accuracy(model.forward(d["inputs"][i:i + chunk]), t) * np.count_nonzero(t != -1)
-            out.append(hits / np.count_nonzero(d["targets"] != -1))
+            out.append(float(hits / np.count_nonzero(d["targets"] != -1)))
         return out
     finally:
         model.train()
