@@ -1,0 +1,138 @@
+"""One chunk's quantities of the chunked dplr recurrence, and the pass of the state across
+chunks: the pieces :mod:`qkv.kernels.dplr` (which derives them) and
+:mod:`qkv.kernels.dplr_backward` share.
+
+Arrays are cut into chunks of C steps, ``(B, H, T, D) -> (B, H, N, C, D)``; a last partial
+chunk is completed with identity steps (``g = 0``, ``q = k = v = a = b = 0``: the state
+passes unchanged and nothing is added). Below ``…`` is ``(B, H, N)``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .dplr_scores import scores
+
+INVERSE_LEAF = 16   # rows of the diagonal blocks inverted by substitution
+
+
+def to_chunks(x: np.ndarray, C: int) -> np.ndarray:
+    """``(B, H, T, ·) -> (B, H, N, C, ·)`` (or ``(B, H, T) -> (B, H, N, C)``), zero steps appended."""
+    T = x.shape[2]
+    N = -(-T // C)
+    if N * C != T:
+        x = np.pad(x, [(0, 0), (0, 0), (0, N * C - T)] + [(0, 0)] * (x.ndim - 3))
+    return x.reshape(x.shape[:2] + (N, C) + x.shape[3:])
+
+
+def from_chunks(x: np.ndarray, T: int) -> np.ndarray:
+    """The inverse of :func:`to_chunks`."""
+    return x.reshape(x.shape[:2] + (-1,) + x.shape[4:])[:, :, :T]
+
+
+def unit_lower_inverse(L: np.ndarray) -> np.ndarray:
+    """``(I - L)^{-1}`` for ``L (…, C, C)`` strictly lower triangular (zero above the
+    diagonal is not assumed: only the strict lower part is read).
+
+    Halves: ``[[I - L11, 0], [-L21, I - L22]]^{-1} = [[P11, 0], [P22 L21 P11, P22]]``;
+    blocks of at most :data:`INVERSE_LEAF` rows by substitution, ``P[i, :i] = L[i, :i] P[:i, :i]``.
+    """
+    C = L.shape[-1]
+    P = np.zeros_like(L)
+    if C <= INVERSE_LEAF:
+        for i in range(C):
+            P[..., i, :i] = np.einsum("...j,...jk->...k", L[..., i, :i], P[..., :i, :i])
+            P[..., i, i] = 1
+        return P
+    h = C // 2
+    P11, P22 = unit_lower_inverse(L[..., :h, :h]), unit_lower_inverse(L[..., h:, h:])
+    P[..., :h, :h], P[..., h:, h:] = P11, P22
+    P[..., h:, :h] = P22 @ (L[..., h:, :h] @ P11)          # (…,C-h,C-h) @ (…,C-h,h) @ (…,h,h)
+    return P
+
+
+def _swap(x):
+    return np.swapaxes(x, -1, -2)
+
+
+@dataclass
+class Chunks:
+    """The chunk-local quantities (``…`` = ``(B, H, N)``; ``[, Dk]``: absent for one decay a head).
+
+    X = [q, a], Y = [k, b]  (…, 2, C, Dk)        v (…, C, Dv)
+    G (…, C[, Dk]) the running log decay, GX = [G, G shifted by one] (…, 2, C[, Dk])
+    A (…, 2, 2, C, C) = [[qk, qb], [ak, ab]] (dplr_scores), P = (I - A_ab)^{-1}
+    qt = q ∘ exp G, at = a ∘ exp(G_{t-1}), kt = k ∘ exp(G_C - G), bt = b ∘ exp(G_C - G)
+    U = P A_ak v (…, C, Dv), W = P at (…, C, Dk)
+    M = diag(exp G_C) + btᵀ W (…, Dk, Dk), Hc = ktᵀ v + btᵀ U (…, Dk, Dv): S_out = M S_in + Hc
+    """
+    X: np.ndarray
+    Y: np.ndarray
+    v: np.ndarray
+    G: np.ndarray
+    GX: np.ndarray
+    per_head: bool
+    A: np.ndarray
+    P: np.ndarray
+    qt: np.ndarray
+    at: np.ndarray
+    kt: np.ndarray
+    bt: np.ndarray
+    end: np.ndarray          # exp(G_C - G) (…, C, Dk or 1)
+    eC: np.ndarray           # exp(G_C) (…, Dk or 1)
+    U: np.ndarray
+    W: np.ndarray
+    M: np.ndarray
+    Hc: np.ndarray
+
+    def chan(self, G):
+        """A decay with a channel axis to broadcast on (a length-1 one for one decay a head)."""
+        return G[..., None] if self.per_head else G
+
+
+def _decays(g: np.ndarray, per_head: bool):
+    """``(G, GX)``: the running sum within each chunk, and [G, G shifted by one step] stacked."""
+    axis = -1 if per_head else -2
+    G = np.cumsum(g, axis=axis)
+    Gex = np.zeros_like(G)
+    if per_head:
+        Gex[..., 1:] = G[..., :-1]
+    else:
+        Gex[..., 1:, :] = G[..., :-1, :]
+    return G, np.stack([G, Gex], axis=axis - 1)
+
+
+def prepare(q, k, v, a, b, g, C: int) -> Chunks:
+    """Every chunk's quantities at once (nothing here depends on the state)."""
+    per_head = g.ndim == 3
+    qc, kc, vc, ac, bc, gc = (to_chunks(x, C) for x in (q, k, v, a, b, g))
+    G, GX = _decays(gc, per_head)
+    X, Y = np.stack([qc, ac], axis=-3), np.stack([kc, bc], axis=-3)       # (…,2,C,Dk)
+    A = scores(X, Y, GX, G)                                                 # (…,2,2,C,C)
+    P = unit_lower_inverse(A[..., 1, 1, :, :])
+    Gc = G[..., None] if per_head else G
+    GC = Gc[..., -1:, :]                                                    # (…,1,Dk or 1)
+    end = np.exp(GC - Gc)
+    Gex = GX[..., 1, :, None] if per_head else GX[..., 1, :, :]             # G_{t-1} (…,C,Dk or 1)
+    qt, at = qc * np.exp(Gc), ac * np.exp(Gex)
+    kt, bt = kc * end, bc * end
+    U = P @ (A[..., 1, 0, :, :] @ vc)                                       # (…,C,C) @ (…,C,C) @ (…,C,Dv)
+    W = P @ at                                                              # (…,C,C) @ (…,C,Dk)
+    eC = np.exp(GC[..., 0, :])
+    M = _swap(bt) @ W                                                       # (…,Dk,C) @ (…,C,Dk) -> (…,Dk,Dk)
+    i = np.arange(M.shape[-1])
+    M[..., i, i] += eC                                                      # + diag(exp G_C)
+    Hc = _swap(kt) @ vc + _swap(bt) @ U                                     # (…,Dk,C) @ (…,C,Dv) -> (…,Dk,Dv)
+    return Chunks(X, Y, vc, G, GX, per_head, A, P, qt, at, kt, bt, end, eC, U, W, M, Hc)
+
+
+def states(ch: Chunks, S0) -> tuple[np.ndarray, np.ndarray]:
+    """``(S_in (B, H, N, Dk, Dv), S_T)``: the state entering every chunk, and the last one."""
+    B, H, N, Dk, Dv = ch.Hc.shape
+    S = np.zeros((B, H, Dk, Dv), ch.Hc.dtype) if S0 is None else S0.astype(ch.Hc.dtype)
+    S_in = np.empty_like(ch.Hc)
+    for n in range(N):
+        S_in[:, :, n] = S
+        S = ch.M[:, :, n] @ S + ch.Hc[:, :, n]                              # (B,H,Dk,Dk) @ (B,H,Dk,Dv)
+    return S_in, S

@@ -1,0 +1,133 @@
+"""The masked, decayed products inside a chunk of the dplr recurrence (:mod:`qkv.kernels.dplr`).
+
+Two row kinds ``x`` (the queries ``q`` read the state after step t; the removal keys ``a``
+read it before step t's decay) against two column kinds ``y`` (the keys ``k`` and the
+in-context keys ``b``), in one chunk of C steps::
+
+    A[x, y, t, s] = Σ_i x_t[i] y_s[i] exp(Gx_t[i] - G_s[i])      s <= t (x = q), s < t (x = a)
+
+with ``G`` the chunk's running sum of the log decays (``G_t = g_1 + ... + g_t``, so
+``G_t - G_s`` is the decay from step s to step t) and ``Gx = G`` for q, ``Gx_t = G_{t-1}``
+for a. Every kept exponent is ``<= 0``: the entries are bounded however strong the decay.
+
+**Per-channel decays** (``G (…, C, Dk)``). Writing the sum as one matrix product needs
+``exp(Gx_t - G_s) = exp(Gx_t - G_r) · exp(G_r - G_s)``, and ``exp(-G_s)`` alone overflows
+(a decay of ``exp(-30)`` a step passes float32's range in three steps). Here every product
+is split at a *reference point* ``r`` between its rows and its columns: the rows ``t`` after
+``r`` and the columns ``s`` at or before it, so both factors are ``<= 1``::
+
+    A[t >= m, s < m] = (x_t ∘ exp(Gx_t - G_{m-1})) · (y_s ∘ exp(G_{m-1} - G_s))   one matmul
+
+(``Gx_t <= G_{m-1}`` for ``t >= m``, for both row kinds; ``G_{m-1} <= G_s`` for ``s < m``).
+A factor underflows only where the product it belongs to is below the smallest float:
+the error is absolute and that small. The chunk's lower triangle is cut in two at its
+middle ``m``, the lower-left block is that one product, and the two diagonal halves are cut
+again, down to blocks of at most :data:`LEAF` steps, where the exact ``(c, c, Dk)``
+elementwise form is used. Work: ``C·Dk·log(C)`` exponentials and ``C·LEAF·Dk`` for the
+leaves, the rest ``C²·Dk`` in BLAS.
+
+**One decay a head** (``G (…, C)``): ``A = (x yᵀ) ∘ exp(Gx_t - G_s)``, the masked
+``(C, C)`` exponent formed as differences and clamped: one matmul and one ``(C, C)`` exp.
+
+**Backward.** Given ``dA`` (zero above the masks), ``dx_t = Σ_s dA[t,s] y_s ∘ exp(Gx_t - G_s)``
+and ``dy_s = Σ_t dA[t,s] x_t ∘ exp(Gx_t - G_s)``, through the same split (the transposed
+products) or the same leaves; the decays' gradients follow without more work, since
+``A`` depends on ``Gx_t[i]`` as on ``log x_t[i]``: ``dGx = x ∘ dx`` and ``dG = -y ∘ dy``
+(summed over the channels for one decay a head).
+
+Layout: ``X (…, 2, C, Dk)`` = [q, a], ``Y (…, 2, C, Dk)`` = [k, b], ``GX`` = [G, G shifted]
+``(…, 2, C[, Dk])``, ``G (…, C[, Dk])``; ``A (…, 2, 2, C, C)`` = [[qk, qb], [ak, ab]].
+"""
+from __future__ import annotations
+
+import numpy as np
+
+LEAF = 8    # steps of the diagonal blocks computed elementwise (measured: 8 beats 4 and 16)
+
+
+def _masks(c: int) -> np.ndarray:
+    """``(2, c, c)``: s <= t for the q rows, s < t for the a rows."""
+    return np.stack([np.tri(c, dtype=bool), np.tri(c, k=-1, dtype=bool)])
+
+
+def _leaf_decays(GX, G, lo, hi):
+    """``E (…, 2, c, c, Dk) = exp(Gx_t - G_s)`` on the masks, 0 above (never an exp of a positive)."""
+    diff = GX[..., lo:hi, None, :] - G[..., None, None, lo:hi, :]      # (…,2,c,1,Dk) - (…,1,1,c,Dk)
+    np.minimum(diff, 0, out=diff)
+    np.exp(diff, out=diff)
+    diff *= _masks(hi - lo)[..., None]
+    return diff
+
+
+def _split(X, Y, GX, G, lo, mid, hi):
+    """The rows ``mid:hi`` and columns ``lo:mid`` scaled to the reference ``G_{mid-1}``:
+    ``(Xs (…, 2·m2, Dk), fx, Ys (…, 2·m1, Dk), fy)`` with ``fx, fy`` the factors (<= 1)."""
+    ref = G[..., mid - 1:mid, :]                                            # (…,1,Dk)
+    fx = np.exp(GX[..., mid:hi, :] - ref[..., None, :, :])                 # (…,2,m2,Dk)
+    fy = np.exp(ref - G[..., lo:mid, :])[..., None, :, :]                  # (…,1,m1,Dk)
+    Xs = (X[..., mid:hi, :] * fx).reshape(X.shape[:-3] + (-1, X.shape[-1]))
+    Ys = (Y[..., lo:mid, :] * fy).reshape(Y.shape[:-3] + (-1, Y.shape[-1]))
+    return Xs, fx, Ys, fy
+
+
+def _blocks(C: int):
+    """The recursion's cuts ``(lo, mid, hi)`` and leaves ``(lo, hi)`` of ``[0, C)``."""
+    cuts, leaves, todo = [], [], [(0, C)]
+    while todo:
+        lo, hi = todo.pop()
+        if hi - lo <= LEAF:
+            leaves.append((lo, hi))
+            continue
+        mid = (lo + hi) // 2
+        cuts.append((lo, mid, hi))
+        todo += [(lo, mid), (mid, hi)]
+    return cuts, leaves
+
+
+def _pairs(P, m2, m1):
+    """``(…, 2·m2, 2·m1) -> (…, 2, 2, m2, m1)``: the product of stacked rows and columns by kinds."""
+    return np.swapaxes(P.reshape(P.shape[:-2] + (2, m2, 2, m1)), -3, -2)
+
+
+def scores(X, Y, GX, G):
+    """``A (…, 2, 2, C, C)`` of the module docstring; ``G`` with or without the channel axis."""
+    C = X.shape[-2]
+    if G.ndim == X.ndim - 2:                                               # one decay a head
+        D = np.exp(np.minimum(GX[..., :, None] - G[..., None, None, :], 0)) * _masks(C)   # (…,2,C,C)
+        XY = X.reshape(X.shape[:-3] + (2 * C, -1)) @ np.swapaxes(Y.reshape(Y.shape[:-3] + (2 * C, -1)), -1, -2)
+        return _pairs(XY, C, C) * D[..., :, None, :, :]                    # (…,2C,Dk) @ (…,Dk,2C)
+    A = np.zeros(X.shape[:-3] + (2, 2, C, C), X.dtype)
+    cuts, leaves = _blocks(C)
+    for lo, mid, hi in cuts:
+        Xs, _, Ys, _ = _split(X, Y, GX, G, lo, mid, hi)
+        A[..., mid:hi, lo:mid] = _pairs(Xs @ np.swapaxes(Ys, -1, -2), hi - mid, mid - lo)   # (…,2m2,Dk) @ (…,Dk,2m1)
+    for lo, hi in leaves:
+        XE = X[..., lo:hi, None, :] * _leaf_decays(GX, G, lo, hi)          # (…,2,c,c,Dk)
+        A[..., lo:hi, lo:hi] = np.einsum("...xtsi,...ysi->...xyts", XE, Y[..., lo:hi, :])
+    return A
+
+
+def scores_backward(dA, X, Y, GX, G):
+    """``(dX, dY, dGX, dG)`` from ``dA (…, 2, 2, C, C)`` (read on the masks only)."""
+    C = X.shape[-2]
+    if G.ndim == X.ndim - 2:
+        D = np.exp(np.minimum(GX[..., :, None] - G[..., None, None, :], 0)) * _masks(C)
+        dAD = np.swapaxes(dA * D[..., :, None, :, :], -3, -2).reshape(dA.shape[:-4] + (2 * C, 2 * C))
+        dX = (dAD @ Y.reshape(Y.shape[:-3] + (2 * C, -1))).reshape(X.shape)                  # (…,2C,2C) @ (…,2C,Dk)
+        dY = (np.swapaxes(dAD, -1, -2) @ X.reshape(X.shape[:-3] + (2 * C, -1))).reshape(Y.shape)
+        return dX, dY, (X * dX).sum(-1), -(Y * dY).sum((-1, -3))
+    dX, dY = np.zeros_like(X), np.zeros_like(Y)
+    cuts, leaves = _blocks(C)
+    for lo, mid, hi in cuts:
+        Xs, fx, Ys, fy = _split(X, Y, GX, G, lo, mid, hi)
+        m2, m1 = hi - mid, mid - lo
+        dblk = np.swapaxes(dA[..., mid:hi, lo:mid], -3, -2).reshape(dA.shape[:-4] + (2 * m2, 2 * m1))
+        dX[..., mid:hi, :] += (dblk @ Ys).reshape(fx.shape) * fx               # (…,2m2,2m1) @ (…,2m1,Dk)
+        dY[..., lo:mid, :] += (np.swapaxes(dblk, -1, -2) @ Xs).reshape(Y.shape[:-2] + (m1, -1)) * fy
+    for lo, hi in leaves:
+        E = _leaf_decays(GX, G, lo, hi)                                        # (…,2,c,c,Dk)
+        dAY = np.einsum("...xyts,...ysi->...xtsi", dA[..., lo:hi, lo:hi], Y[..., lo:hi, :])
+        dX[..., lo:hi, :] += (dAY * E).sum(-2)
+        XE = X[..., lo:hi, None, :] * E
+        dY[..., lo:hi, :] += np.einsum("...xyts,...xtsi->...ysi", dA[..., lo:hi, lo:hi], XE)
+    return dX, dY, X * dX, -(Y * dY).sum(-3)
