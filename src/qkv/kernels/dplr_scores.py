@@ -68,18 +68,25 @@ def _leaf_decays(G, lo, hi):
 
 def _split(X, Y, G, lo, mid, hi):
     """The rows ``mid:hi`` and columns ``lo:mid`` scaled to the reference ``G_{mid-1}``:
-    ``(Xs (…, 2·m2, Dk), fx, Ys (…, 2·m1, Dk), fy)`` with ``fx, fy`` the factors (<= 1);
-    the a rows' factor is the q rows' one step earlier (``Gx_t = G_{t-1}``)."""
+    ``(Xs (…, 2·m2, Dk), fq, Ys (…, 2·m1, Dk), fy)`` with the factors (<= 1) ``fq`` of the
+    q rows and ``fy`` of the columns; an a row's factor is the q row's one step earlier
+    (``Gx_t = G_{t-1}``), 1 on the first row."""
     ref = G[..., mid - 1:mid, :]                                            # (…,1,Dk)
     fq = np.exp(G[..., mid:hi, :] - ref)                                    # (…,m2,Dk)
-    fx = np.empty(fq.shape[:-2] + (2,) + fq.shape[-2:], fq.dtype)         # (…,2,m2,Dk)
-    fx[..., 0, :, :] = fq
-    fx[..., 1, 0, :] = 1
-    fx[..., 1, 1:, :] = fq[..., :-1, :]
     fy = np.exp(ref - G[..., lo:mid, :])[..., None, :, :]                  # (…,1,m1,Dk)
-    Xs = (X[..., mid:hi, :] * fx).reshape(X.shape[:-3] + (-1, X.shape[-1]))
-    Ys = (Y[..., lo:mid, :] * fy).reshape(Y.shape[:-3] + (-1, Y.shape[-1]))
-    return Xs, fx, Ys, fy
+    Xs = _scale_rows(X[..., mid:hi, :], fq)
+    Ys = Y[..., lo:mid, :] * fy
+    return Xs.reshape(X.shape[:-3] + (-1, X.shape[-1])), fq, Ys.reshape(Y.shape[:-3] + (-1, Y.shape[-1])), fy
+
+
+def _scale_rows(Z, fq):
+    """``Z (…, 2, m, Dk)`` times the row factors: ``fq`` for the q rows, ``fq`` one step
+    earlier for the a rows (their first row is not scaled)."""
+    out = np.empty_like(Z)
+    np.multiply(Z[..., 0, :, :], fq, out=out[..., 0, :, :])
+    out[..., 1, 0, :] = Z[..., 1, 0, :]
+    np.multiply(Z[..., 1, 1:, :], fq[..., :-1, :], out=out[..., 1, 1:, :])
+    return out
 
 
 def _blocks(C: int):
@@ -131,10 +138,10 @@ def scores_backward(dA, X, Y, GX, G):
     dX, dY = np.zeros_like(X), np.zeros_like(Y)
     cuts, leaves = _blocks(C)
     for lo, mid, hi in cuts:
-        Xs, fx, Ys, fy = _split(X, Y, G, lo, mid, hi)
+        Xs, fq, Ys, fy = _split(X, Y, G, lo, mid, hi)
         m2, m1 = hi - mid, mid - lo
         dblk = np.swapaxes(dA[..., mid:hi, lo:mid], -3, -2).reshape(dA.shape[:-4] + (2 * m2, 2 * m1))
-        dX[..., mid:hi, :] += (dblk @ Ys).reshape(fx.shape) * fx               # (…,2m2,2m1) @ (…,2m1,Dk)
+        dX[..., mid:hi, :] += _scale_rows((dblk @ Ys).reshape(X.shape[:-2] + (m2, -1)), fq)   # (…,2m2,2m1) @ (…,2m1,Dk)
         dY[..., lo:mid, :] += (np.swapaxes(dblk, -1, -2) @ Xs).reshape(Y.shape[:-2] + (m1, -1)) * fy
     for lo, hi in leaves:
         E = _leaf_decays(G, lo, hi)                                        # (…,2,c,c,Dk)
