@@ -62,6 +62,32 @@ def test_chunked_equals_oracle_float64(T, chunk):
             assert _max_err([got], [ref]) <= 1e-10 * max(1.0, np.abs(ref).max()), (name, per_head, kind, strong)
 
 
+@pytest.mark.parametrize("elements", [1, 200])
+def test_groups_of_chunks(monkeypatch, elements):
+    """The chunks taken a group at a time (one chunk a group; several, the last one partial)."""
+    monkeypatch.setattr(dplr_chunk, "GROUP_ELEMENTS", elements)
+    rng = np.random.default_rng(elements)
+    for chunk, per_head in ((3, False), (16, True), (5, False)):
+        q, k, v, a, b, g = _inputs(rng, 1, 2, 100, 5, 3, per_head=per_head, kind="rwkv", strong=True)
+        S0, dS = rng.standard_normal((1, 2, 5, 3)), rng.standard_normal((1, 2, 5, 3))
+        assert len(dplr_chunk.groups(100, chunk, 2, 5)) > 1
+        kw = dict(scale=0.6, initial_state=S0)
+        assert _max_err(dplr.forward(q, k, v, a, b, g, chunk=chunk, **kw), R.dplr_forward(q, k, v, a, b, g, **kw)) < 1e-10
+        do = rng.standard_normal(v.shape)
+        assert _max_err(dplr.backward(do, dS, q, k, v, a, b, g, chunk=chunk, **kw),
+                        R.dplr_backward(do, dS, q, k, v, a, b, g, **kw)) < 1e-10
+
+
+def test_empty_sequence():
+    rng = np.random.default_rng(0)
+    xs = _inputs(rng, 1, 2, 0, 3, 2, per_head=False, kind="rwkv")
+    S0 = rng.standard_normal((1, 2, 3, 2))
+    o, S = dplr.forward(*xs, scale=1.0, initial_state=S0)
+    assert o.shape == (1, 2, 0, 2) and np.array_equal(S, S0)
+    grads = dplr.backward(np.zeros((1, 2, 0, 2)), S0, *xs, scale=1.0, initial_state=S0)
+    assert [x.shape for x in grads[:6]] == [x.shape for x in xs] and np.array_equal(grads[6], S0)
+
+
 def test_no_overflow_at_minus_30_every_step():
     """A decay of exp(-30) on every step and channel: finite, and equal to the oracle."""
     rng = np.random.default_rng(7)

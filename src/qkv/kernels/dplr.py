@@ -65,7 +65,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import dplr_backward
-from .dplr_chunk import from_chunks, prepare, states
+from .dplr_chunk import from_chunks, groups, prepare, states
 
 CHUNK = 32          # steps a chunk when the caller gives none (measured, see the module docstring)
 
@@ -75,24 +75,35 @@ def chunk_size(chunk, T: int) -> int:
     return max(1, min(CHUNK if chunk is None else int(chunk), T))
 
 
-def forward(q, k, v, a, b, g, *, scale, initial_state=None, chunk=None):
-    """``(o (B, H, T, Dv), S_T (B, H, Dk, Dv))`` in q's dtype (float32 or float64 throughout)."""
-    B, H, T, Dk = q.shape
-    dtype = q.dtype
-    if T == 0:
-        S = np.zeros((B, H, Dk, v.shape[-1]), dtype) if initial_state is None else initial_state.astype(dtype)
-        return np.zeros(v.shape, dtype), S
-    ch = prepare(q, k, v, a, b, g, chunk_size(chunk, T))
-    S_in, S_T = states(ch, initial_state)
+def outputs(ch, S_in, scale) -> np.ndarray:
+    """``o (…, C, Dv) = scale · (A_qk v + A_qb U + (qt + A_qb W) S_in)`` for every chunk."""
     A_qk, A_qb = ch.A[..., 0, 0, :, :], ch.A[..., 0, 1, :, :]
     o = A_qk @ ch.v + A_qb @ ch.U                                   # (…,C,C) @ (…,C,Dv) -> (…,C,Dv)
     o += (ch.qt + A_qb @ ch.W) @ S_in                              # (…,C,Dk) @ (…,Dk,Dv) -> (…,C,Dv)
     o *= scale
-    return from_chunks(o, T).astype(dtype, copy=False), S_T.astype(dtype, copy=False)
+    return o
+
+
+def forward(q, k, v, a, b, g, *, scale, initial_state=None, chunk=None):
+    """``(o (B, H, T, Dv), S_T (B, H, Dk, Dv))`` in q's dtype (float32 or float64 throughout).
+
+    The chunks are taken a group at a time (:func:`qkv.kernels.dplr_chunk.groups`), the
+    state handed from group to group: passes (a)-(c) on each group in turn.
+    """
+    B, H, T, Dk = q.shape
+    dtype = q.dtype
+    S = np.zeros((B, H, Dk, v.shape[-1]), dtype) if initial_state is None else initial_state.astype(dtype)
+    o = np.empty(v.shape, dtype)
+    C = chunk_size(chunk, T)
+    for part in groups(T, C, B * H, Dk):
+        ch = prepare(*(x[:, :, part] for x in (q, k, v, a, b, g)), C)
+        S_in, S = states(ch, S)
+        o[:, :, part] = from_chunks(outputs(ch, S_in, scale), part.stop - part.start)
+    return o, S.astype(dtype, copy=False)
 
 
 def backward(dout, dstate, q, k, v, a, b, g, *, scale, initial_state=None, chunk=None):
     """``(dq, dk, dv, da, db, dg, dinitial_state)`` in q's dtype (dinitial_state None when
     initial_state is); see :mod:`qkv.kernels.dplr_backward`."""
     return dplr_backward.backward(dout, dstate, q, k, v, a, b, g, scale=scale, initial_state=initial_state,
-                                  chunk=chunk_size(chunk, max(q.shape[2], 1)))
+                                  chunk=chunk_size(chunk, q.shape[2]))

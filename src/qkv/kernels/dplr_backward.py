@@ -1,7 +1,7 @@
 """The chunked dplr backward: reverse mode through the three passes of :mod:`qkv.kernels.dplr`.
 
-Recompute pass (a) and the chunk-entry states ``S_in`` (pass (b)): ``N·Dk·Dv`` numbers a
-head, not a state a step. Then, with ``dO = scale · dout`` and ``Qe = qt + A_qb W``::
+Recompute the chunk-entry states ``S_in`` (passes (a), (b)): ``N·Dk·Dv`` numbers a head, not
+a state a step; then, a group of chunks at a time from the last, recompute its pass (a). Then, with ``dO = scale · dout`` and ``Qe = qt + A_qb W``::
 
     (b') the state backwards, one product a chunk, from dS_out[N-1] = dstate:
          dS_in[n] = Qeᵀ dO + Mᵀ dS_out[n],     dS_out[n-1] = dS_in[n],     dS_0 = dS_in[0]
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .dplr_chunk import Chunks, from_chunks, prepare, states, to_chunks
+from .dplr_chunk import Chunks, from_chunks, groups, prepare, states, to_chunks
 from .dplr_scores import scores_backward
 
 
@@ -96,27 +96,42 @@ def _decay_grad(ch: Chunks, dGX, dGs, factors):
     return np.flip(np.cumsum(np.flip(total, axis), axis), axis) + dGC
 
 
-def backward(dout, dstate, q, k, v, a, b, g, *, scale, initial_state=None, chunk):
-    """``(dq, dk, dv, da, db, dg, dinitial_state)`` in q's dtype, chunks of ``chunk`` steps."""
-    B, H, T, Dk = q.shape
-    dtype = q.dtype
-    if T == 0:
-        dS0 = np.zeros((B, H, Dk, v.shape[-1]), dtype) if dstate is None else dstate.astype(dtype)
-        return (np.zeros_like(q), np.zeros_like(k), np.zeros_like(v), np.zeros_like(a), np.zeros_like(b),
-                np.zeros_like(g), dS0)
-    ch = prepare(q, k, v, a, b, g, chunk)
-    S_in, _ = states(ch, initial_state)
-    dO = to_chunks(dout.astype(dtype, copy=False), chunk) * dtype.type(scale)
+def _group_grads(ch: Chunks, dO, S_in, dS_end):
+    """One group's ``(dq, dk, dv, da, db, dg)`` (chunked) and the gradient at its start."""
     Qe = ch.qt + ch.A[..., 0, 1, :, :] @ ch.W                          # (…,C,C) @ (…,C,Dk) -> (…,C,Dk)
-    dS_out, dS0 = _state_backward(ch, Qe, dO, S_in, dstate)
+    dS_out, dS_start = _state_backward(ch, Qe, dO, S_in, dS_end)
     dA, dv, dqt, dat, dkt, dbt, deC = _chunk_grads(ch, dO, S_in, dS_out)
     dX, dY, dGX, dGs = scores_backward(dA, ch.X, ch.Y, ch.GX, ch.G)
-    Gc = ch.chan(ch.G)
     Gex = ch.chan(ch.GX[..., 1, :] if ch.per_head else ch.GX[..., 1, :, :])
-    dq = dX[..., 0, :, :] + dqt * np.exp(Gc)
+    dq = dX[..., 0, :, :] + dqt * np.exp(ch.chan(ch.G))
     da = dX[..., 1, :, :] + dat * np.exp(Gex)
     dk = dY[..., 0, :, :] + dkt * ch.end
     db = dY[..., 1, :, :] + dbt * ch.end
     dg = _decay_grad(ch, dGX, dGs, [(ch.qt, dqt), (ch.at, dat), (ch.kt, dkt), (ch.bt, dbt), (ch.eC, deC)])
-    grads = [from_chunks(x, T).astype(dtype, copy=False) for x in (dq, dk, dv, da, db, dg)]
-    return (*grads, dS0.astype(dtype, copy=False))
+    return (dq, dk, dv, da, db, dg), dS_start
+
+
+def backward(dout, dstate, q, k, v, a, b, g, *, scale, initial_state=None, chunk):
+    """``(dq, dk, dv, da, db, dg, dinitial_state)`` in q's dtype, chunks of ``chunk`` steps.
+
+    A group of chunks at a time (:func:`qkv.kernels.dplr_chunk.groups`): forwards, keeping
+    only the chunk-entry states ``S_in``; then backwards, each group's pass (a) recomputed.
+    """
+    B, H, T, Dk = q.shape
+    dtype = q.dtype
+    inputs = (q, k, v, a, b, g)
+    parts = groups(T, chunk, B * H, Dk)
+    S = np.zeros((B, H, Dk, v.shape[-1]), dtype) if initial_state is None else initial_state.astype(dtype)
+    entry = []
+    for part in parts:
+        S_in, S = states(prepare(*(x[:, :, part] for x in inputs), chunk), S)
+        entry.append(S_in)
+    grads = [np.empty(x.shape, dtype) for x in inputs]
+    dS = np.zeros_like(S) if dstate is None else dstate.astype(dtype)
+    for part, S_in in zip(reversed(parts), reversed(entry)):
+        ch = prepare(*(x[:, :, part] for x in inputs), chunk)
+        dO = to_chunks(dout[:, :, part].astype(dtype, copy=False), chunk) * dtype.type(scale)
+        chunk_grads, dS = _group_grads(ch, dO, S_in, dS)
+        for out, x in zip(grads, chunk_grads):
+            out[:, :, part] = from_chunks(x, part.stop - part.start)
+    return (*grads, dS)
