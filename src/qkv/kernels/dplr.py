@@ -48,6 +48,7 @@ factor that underflows multiplies a term below the smallest float.
 **Cost.** ``O(T·C·Dk + T·Dk·(Dk + Dv) + (T/C)·Dk²·Dv)`` time, ``O(T·(C + D) + (T/C)·Dk·Dv)``
 memory: no ``(T, T)`` array and no per-step state. ``chunk = 1`` is the step recurrence
 itself (M = diag(e) + b aᵀ, Hc = k vᵀ). :data:`CHUNK` is the measured default.
+The chunks are taken a cache-sized group at a time (:func:`qkv.kernels.dplr_chunk.groups`).
 
 **Backward**: :mod:`qkv.kernels.dplr_backward` (reverse mode through (a)-(c)).
 
@@ -67,7 +68,9 @@ import numpy as np
 from . import dplr_backward
 from .dplr_chunk import from_chunks, groups, prepare, states
 
-CHUNK = 32          # steps a chunk when the caller gives none (measured, see the module docstring)
+CHUNK = 32          # steps a chunk by default: measured at B=2, H=8, T=2048, D=64 float32 on one thread,
+                    # 16 and 32 alike with a decay a channel (64: 1.2-1.4x slower), 32 best with one
+                    # a head (1.3x over 16 and 64); float32 errors grow with C (see the tests)
 
 
 def chunk_size(chunk, T: int) -> int:
