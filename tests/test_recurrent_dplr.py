@@ -235,13 +235,13 @@ def test_against_fla_dplr_recurrence(per_head):
 @pytest.mark.parametrize("per_head", [False, True])
 def test_float32_gradients_within_budget(per_head):
     """float32 gradients against float64 within 8x the plain float32 step recurrence's
-    (fla's dplr_recurrence under torch autograd; measured <= 3.4x at the default chunk)."""
+    (fla's dplr_recurrence under torch autograd; measured 1.6-7.0x over seeds, default chunk)."""
     torch = pytest.importorskip("torch")
     fla = naive("generalized_delta_rule/dplr")
     rng = np.random.default_rng(4)
-    xs = _inputs(rng, 1, 2, 200, 32, 32, per_head=per_head, kind="rwkv")
+    xs = _inputs(rng, 1, 2, 128, 32, 32, per_head=per_head, kind="rwkv")
     xs = (xs[0], xs[1] / np.sqrt(32)) + xs[2:]
-    do = rng.standard_normal((1, 2, 200, 32))
+    do = rng.standard_normal((1, 2, 128, 32))
     refs = R.dplr_backward(do, None, *xs, scale=32 ** -0.5)
     ours = dplr.backward(do.astype(np.float32), None, *(x.astype(np.float32) for x in xs), scale=32 ** -0.5)
     ts = [torch.tensor(x, dtype=torch.float32, requires_grad=True) for x in xs]
