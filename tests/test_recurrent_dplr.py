@@ -131,9 +131,9 @@ def _step32(q, k, v, a, b, g, scale):
 @pytest.mark.parametrize("per_head", [False, True])
 @pytest.mark.parametrize("chunk", [None, 64])
 def test_float32_forward_within_budget(per_head, chunk):
-    """Budget: 8x the plain float32 step recurrence's error against float64, relative to the
-    largest entry (measured over seeds: <= 4.3x at the default chunk, <= 6.2x at 64; the
-    chunk's decays are differences of running sums of the log decays, each rounded)."""
+    """Budget: 2x the plain float32 step recurrence's error against float64, relative to the
+    largest entry (measured over seeds and chunks 16, 32, 64: 0.7-1.5x; the decay factors
+    are running products of exp(g), not exponentials of differences of rounded sums)."""
     rng = np.random.default_rng(11)
     xs = _inputs(rng, 1, 2, 300, 32, 32, per_head=per_head, kind="rwkv")
     xs = (xs[0], xs[1] / np.sqrt(32)) + xs[2:]
@@ -142,8 +142,8 @@ def test_float32_forward_within_budget(per_head, chunk):
     assert o.dtype == np.float32 and S.dtype == np.float32
     o_step, S_step = _step32(*xs, 32 ** -0.5)
     base = _max_err([o_step], [o_ref]) / np.abs(o_ref).max()
-    assert _max_err([o], [o_ref]) / np.abs(o_ref).max() <= 8 * base
-    assert _max_err([S], [S_ref]) / np.abs(S_ref).max() <= 8 * _max_err([S_step], [S_ref]) / np.abs(S_ref).max()
+    assert _max_err([o], [o_ref]) / np.abs(o_ref).max() <= 2 * base
+    assert _max_err([S], [S_ref]) / np.abs(S_ref).max() <= 2 * _max_err([S_step], [S_ref]) / np.abs(S_ref).max()
 
 
 # --- the public entry points: finite differences and argument checks ----------------------------
@@ -235,7 +235,9 @@ def test_against_fla_dplr_recurrence(per_head):
 @pytest.mark.parametrize("per_head", [False, True])
 def test_float32_gradients_within_budget(per_head):
     """float32 gradients against float64 within 8x the plain float32 step recurrence's
-    (fla's dplr_recurrence under torch autograd; measured 1.6-7.0x over seeds, default chunk)."""
+    (fla's dplr_recurrence under torch autograd). Measured over seeds at the default chunk:
+    0.8-3.2x, except dlog_decay of one decay a head, up to 5.8x (11.7x at chunk 64): it
+    sums over the channels terms that cancel (x ∘ dx of the products and factors)."""
     torch = pytest.importorskip("torch")
     fla = naive("generalized_delta_rule/dplr")
     rng = np.random.default_rng(4)

@@ -41,9 +41,11 @@ and the outputs, from (1) read by ``q_t``::
 products are split at reference points between rows and columns, and small diagonal
 blocks are done elementwise), ``P``, ``U``, ``W``, ``M``, ``Hc`` (:mod:`qkv.kernels.dplr_chunk`).
 (b) The state across chunks, ``S_in[n+1] = M_n S_in[n] + Hc_n``: N = T/C products of
-``Dk×Dk`` by ``Dk×Dv``. (c) Every chunk's outputs at once from its ``S_in``. Every factor
-``exp(·)`` has an exponent ``<= 0``: however strong the decay, nothing overflows, and a
-factor that underflows multiplies a term below the smallest float.
+``Dk×Dk`` by ``Dk×Dv``. (c) Every chunk's outputs at once from its ``S_in``. Every decay
+factor is a running product of the steps' decays ``e = exp(g) <= 1`` (``exp G_t = e_1 ⋯ e_t``,
+``exp(G_C - G_t) = e_{t+1} ⋯ e_C``), never ``exp(-G)`` and never a division: however strong
+the decay nothing overflows, and a factor that underflows multiplies a term below the
+smallest float. (One decay a head differences ``G``, summed in float64, inside the chunk.)
 
 **Cost.** ``O(T·C·Dk + T·Dk·(Dk + Dv) + (T/C)·Dk²·Dv)`` time, ``O(T·(C + D) + (T/C)·Dk·Dv)``
 memory: no ``(T, T)`` array and no per-step state. ``chunk = 1`` is the step recurrence

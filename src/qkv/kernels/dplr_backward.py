@@ -101,10 +101,9 @@ def _group_grads(ch: Chunks, dO, S_in, dS_end):
     Qe = ch.qt + ch.A[..., 0, 1, :, :] @ ch.W                          # (…,C,C) @ (…,C,Dk) -> (…,C,Dk)
     dS_out, dS_start = _state_backward(ch, Qe, dO, S_in, dS_end)
     dA, dv, dqt, dat, dkt, dbt, deC = _chunk_grads(ch, dO, S_in, dS_out)
-    dX, dY, dGX, dGs = scores_backward(dA, ch.X, ch.Y, ch.GX, ch.G)
-    Gex = ch.chan(ch.GX[..., 1, :] if ch.per_head else ch.GX[..., 1, :, :])
-    dq = dX[..., 0, :, :] + dqt * np.exp(ch.chan(ch.G))
-    da = dX[..., 1, :, :] + dat * np.exp(Gex)
+    dX, dY, dGX, dGs = scores_backward(dA, ch.X, ch.Y, ch.GX, ch.G, ch.e)
+    dq = dX[..., 0, :, :] + dqt * ch.fG
+    da = dX[..., 1, :, :] + dat * ch.fGex
     dk = dY[..., 0, :, :] + dkt * ch.end
     db = dY[..., 1, :, :] + dbt * ch.end
     dg = _decay_grad(ch, dGX, dGs, [(ch.qt, dqt), (ch.at, dat), (ch.kt, dkt), (ch.bt, dbt), (ch.eC, deC)])

@@ -70,17 +70,20 @@ class Chunks:
     """The chunk-local quantities (``…`` = ``(B, H, N)``; ``[, Dk]``: absent for one decay a head).
 
     X = [q, a], Y = [k, b]  (…, 2, C, Dk)        v (…, C, Dv)
-    G (…, C[, Dk]) the running log decay, GX = [G, G shifted by one] (…, 2, C[, Dk])
+    e = exp(g) (…, C, Dk or 1), the steps' decays; with one decay a head also (float64)
+    G (…, C) the running log decay and GX = [G, G shifted by one] (…, 2, C) (else None)
     A (…, 2, 2, C, C) = [[qk, qb], [ak, ab]] (dplr_scores), P = (I - A_ab)^{-1}
-    qt = q ∘ exp G, at = a ∘ exp(G_{t-1}), kt = k ∘ exp(G_C - G), bt = b ∘ exp(G_C - G)
+    qt = q ∘ exp G, at = a ∘ exp(G_{t-1}), kt = k ∘ exp(G_C - G), bt = b ∘ exp(G_C - G),
+    the factors fG = exp G, fGex = exp G_{t-1}, end = exp(G_C - G) and eC = exp G_C
     U = P A_ak v (…, C, Dv), W = P at (…, C, Dk)
     M = diag(exp G_C) + btᵀ W (…, Dk, Dk), Hc = ktᵀ v + btᵀ U (…, Dk, Dv): S_out = M S_in + Hc
     """
     X: np.ndarray
     Y: np.ndarray
     v: np.ndarray
-    G: np.ndarray
-    GX: np.ndarray
+    G: np.ndarray | None
+    GX: np.ndarray | None
+    e: np.ndarray
     per_head: bool
     A: np.ndarray
     P: np.ndarray
@@ -88,22 +91,22 @@ class Chunks:
     at: np.ndarray
     kt: np.ndarray
     bt: np.ndarray
-    end: np.ndarray          # exp(G_C - G) (…, C, Dk or 1)
-    eC: np.ndarray           # exp(G_C) (…, Dk or 1)
+    fG: np.ndarray           # (…, C, Dk or 1)
+    fGex: np.ndarray
+    end: np.ndarray
+    eC: np.ndarray           # (…, Dk or 1)
     U: np.ndarray
     W: np.ndarray
     M: np.ndarray
     Hc: np.ndarray
 
-    def chan(self, G):
-        """A decay with a channel axis to broadcast on (a length-1 one for one decay a head)."""
-        return G[..., None] if self.per_head else G
-
 
 def _decays(g: np.ndarray, per_head: bool):
-    """``(G, GX)``: the running sum within each chunk, and [G, G shifted by one step] stacked."""
+    """``(G, GX)``: the running sum within each chunk and [G, G shifted by one step] stacked,
+    in float64 (they are only differenced, for one decay a head: cheap, and exact enough
+    that ``exp(G_t - G_s)`` keeps float32's precision over the chunk)."""
     axis = -1 if per_head else -2
-    G = np.cumsum(g, axis=axis)
+    G = np.cumsum(g, axis=axis, dtype=np.float64)
     Gex = np.zeros_like(G)
     if per_head:
         Gex[..., 1:] = G[..., :-1]
@@ -112,28 +115,36 @@ def _decays(g: np.ndarray, per_head: bool):
     return G, np.stack([G, Gex], axis=axis - 1)
 
 
+def _factors(e: np.ndarray):
+    """From the steps' decays ``e (…, C, Dk or 1)``, running products (never an exp of a
+    positive number, never a division): ``exp G_t``, ``exp G_{t-1}``, ``exp(G_C - G_t)``, ``exp G_C``."""
+    fG = np.cumprod(e, axis=-2)
+    fGex = np.ones_like(e)
+    fGex[..., 1:, :] = fG[..., :-1, :]
+    end = np.ones_like(e)
+    end[..., :-1, :] = np.cumprod(e[..., :0:-1, :], axis=-2)[..., ::-1, :]   # e_{t+1} ⋯ e_C
+    return fG, fGex, end, fG[..., -1, :]
+
+
 def prepare(q, k, v, a, b, g, C: int) -> Chunks:
     """Every chunk's quantities at once (nothing here depends on the state)."""
     per_head = g.ndim == 3
     qc, kc, vc, ac, bc, gc = (to_chunks(x, C) for x in (q, k, v, a, b, g))
-    G, GX = _decays(gc, per_head)
+    G, GX = _decays(gc, per_head) if per_head else (None, None)
     X, Y = np.stack([qc, ac], axis=-3), np.stack([kc, bc], axis=-3)       # (…,2,C,Dk)
-    A = scores(X, Y, GX, G)                                                 # (…,2,2,C,C)
+    e = np.exp(gc[..., None] if per_head else gc)                          # the steps' decays (…,C,Dk or 1)
+    A = scores(X, Y, GX, G, e)                                              # (…,2,2,C,C)
     P = unit_lower_inverse(A[..., 1, 1, :, :])
-    Gc = G[..., None] if per_head else G
-    GC = Gc[..., -1:, :]                                                    # (…,1,Dk or 1)
-    end = np.exp(GC - Gc)
-    Gex = GX[..., 1, :, None] if per_head else GX[..., 1, :, :]             # G_{t-1} (…,C,Dk or 1)
-    qt, at = qc * np.exp(Gc), ac * np.exp(Gex)
+    fG, fGex, end, eC = _factors(e)
+    qt, at = qc * fG, ac * fGex
     kt, bt = kc * end, bc * end
     U = P @ (A[..., 1, 0, :, :] @ vc)                                       # (…,C,C) @ (…,C,C) @ (…,C,Dv)
     W = P @ at                                                              # (…,C,C) @ (…,C,Dk)
-    eC = np.exp(GC[..., 0, :])
     M = _swap(bt) @ W                                                       # (…,Dk,C) @ (…,C,Dk) -> (…,Dk,Dk)
     i = np.arange(M.shape[-1])
     M[..., i, i] += eC                                                      # + diag(exp G_C)
     Hc = _swap(kt) @ vc + _swap(bt) @ U                                     # (…,Dk,C) @ (…,C,Dv) -> (…,Dk,Dv)
-    return Chunks(X, Y, vc, G, GX, per_head, A, P, qt, at, kt, bt, end, eC, U, W, M, Hc)
+    return Chunks(X, Y, vc, G, GX, e, per_head, A, P, qt, at, kt, bt, fG, fGex, end, eC, U, W, M, Hc)
 
 
 def states(ch: Chunks, S0) -> tuple[np.ndarray, np.ndarray]:

@@ -23,11 +23,14 @@ A factor underflows only where the product it belongs to is below the smallest f
 the error is absolute and that small. The chunk's lower triangle is cut in two at its
 middle ``m``, the lower-left block is that one product, and the two diagonal halves are cut
 again, down to blocks of at most :data:`LEAF` steps, where the exact ``(c, c, Dk)``
-elementwise form is used. Work: ``C·Dk·log(C)`` exponentials and ``C·LEAF·Dk`` for the
-leaves, the rest ``C²·Dk`` in BLAS.
+elementwise form is used. The factors are running products of the steps' decays
+``e = exp(g)`` (each ``<= 1``), not exponentials of differences of running sums: no
+exponential beyond ``e`` and no cancellation. Work: ``C·Dk·log(C)`` multiplications for the
+factors, ``C·LEAF·Dk`` for the leaves, the rest ``C²·Dk`` in BLAS.
 
 **One decay a head** (``G (…, C)``): ``A = (x yᵀ) ∘ exp(Gx_t - G_s)``, the masked
-``(C, C)`` exponent formed as differences and clamped: one matmul and one ``(C, C)`` exp.
+``(C, C)`` exponent formed as differences (of G summed in float64, so they do not cancel
+float32's digits away) and clamped: one matmul and one ``(C, C)`` exp.
 
 **Backward.** Given ``dA`` (zero above the masks), ``dx_t = Σ_s dA[t,s] y_s ∘ exp(Gx_t - G_s)``
 and ``dy_s = Σ_t dA[t,s] x_t ∘ exp(Gx_t - G_s)``, through the same split (the transposed
@@ -35,8 +38,9 @@ products) or the same leaves; the decays' gradients follow without more work, si
 ``A`` depends on ``Gx_t[i]`` as on ``log x_t[i]``: ``dGx = x ∘ dx`` and ``dG = -y ∘ dy``
 (summed over the channels for one decay a head).
 
-Layout: ``X (…, 2, C, Dk)`` = [q, a], ``Y (…, 2, C, Dk)`` = [k, b], ``GX`` = [G, G shifted]
-``(…, 2, C[, Dk])``, ``G (…, C[, Dk])``; ``A (…, 2, 2, C, C)`` = [[qk, qb], [ak, ab]].
+Layout: ``X (…, 2, C, Dk)`` = [q, a], ``Y (…, 2, C, Dk)`` = [k, b]; one decay a head:
+``G (…, C)``, ``GX`` = [G, G shifted] ``(…, 2, C)``; a decay a channel: ``e (…, C, Dk)``;
+``A (…, 2, 2, C, C)`` = [[qk, qb], [ak, ab]].
 """
 from __future__ import annotations
 
@@ -50,30 +54,33 @@ def _masks(c: int) -> np.ndarray:
     return np.stack([np.tri(c, dtype=bool), np.tri(c, k=-1, dtype=bool)])
 
 
-def _leaf_decays(G, lo, hi):
+def _leaf_decays(e, lo, hi):
     """``E (…, 2, c, c, Dk) = exp(Gx_t - G_s)`` on the masks, 0 above, as products of the
-    steps' decays ``exp(G_t - G_{t-1}) <= 1`` (row t = row t-1 times step t); the a rows are
+    steps' decays ``e_t = exp(g_t) <= 1`` (row t = row t-1 times ``e_t``); the a rows are
     the q rows one step later (``Gx_t = G_{t-1}``)."""
     c = hi - lo
-    E = np.zeros(G.shape[:-2] + (2, c, c, G.shape[-1]), G.dtype)
-    steps = np.exp(G[..., lo + 1:hi, :] - G[..., lo:hi - 1, :])        # (…,c-1,Dk)
+    E = np.zeros(e.shape[:-2] + (2, c, c, e.shape[-1]), e.dtype)
     Eq = E[..., 0, :, :, :]
     Eq[..., 0, 0, :] = 1
     for t in range(1, c):
-        np.multiply(Eq[..., t - 1, :t, :], steps[..., t - 1, None, :], out=Eq[..., t, :t, :])
+        np.multiply(Eq[..., t - 1, :t, :], e[..., lo + t, None, :], out=Eq[..., t, :t, :])
         Eq[..., t, t, :] = 1
     E[..., 1, 1:, :, :] = Eq[..., :-1, :, :]
     return E
 
 
-def _split(X, Y, G, lo, mid, hi):
+def _split(X, Y, e, lo, mid, hi):
     """The rows ``mid:hi`` and columns ``lo:mid`` scaled to the reference ``G_{mid-1}``:
-    ``(Xs (…, 2·m2, Dk), fq, Ys (…, 2·m1, Dk), fy)`` with the factors (<= 1) ``fq`` of the
-    q rows and ``fy`` of the columns; an a row's factor is the q row's one step earlier
-    (``Gx_t = G_{t-1}``), 1 on the first row."""
-    ref = G[..., mid - 1:mid, :]                                            # (…,1,Dk)
-    fq = np.exp(G[..., mid:hi, :] - ref)                                    # (…,m2,Dk)
-    fy = np.exp(ref - G[..., lo:mid, :])[..., None, :, :]                  # (…,1,m1,Dk)
+    ``(Xs (…, 2·m2, Dk), fq, Ys (…, 2·m1, Dk), fy)`` with the factors (<= 1)
+    ``fq_t = exp(G_t - G_{mid-1}) = e_mid ⋯ e_t`` of the q rows and
+    ``fy_s = exp(G_{mid-1} - G_s) = e_{s+1} ⋯ e_{mid-1}`` of the columns, running products
+    of the steps' decays (no exponential, no cancellation); an a row's factor is the q row's
+    one step earlier (``Gx_t = G_{t-1}``), 1 on the first row."""
+    fq = np.cumprod(e[..., mid:hi, :], axis=-2)                             # (…,m2,Dk)
+    fy = np.ones(e.shape[:-2] + (mid - lo, e.shape[-1]), e.dtype)          # (…,m1,Dk)
+    if mid - lo > 1:
+        fy[..., :-1, :] = np.cumprod(e[..., mid - 1:lo:-1, :], axis=-2)[..., ::-1, :]
+    fy = fy[..., None, :, :]
     Xs = _scale_rows(X[..., mid:hi, :], fq)
     Ys = Y[..., lo:mid, :] * fy
     return Xs.reshape(X.shape[:-3] + (-1, X.shape[-1])), fq, Ys.reshape(Y.shape[:-3] + (-1, Y.shape[-1])), fy
@@ -108,29 +115,30 @@ def _pairs(P, m2, m1):
     return np.swapaxes(P.reshape(P.shape[:-2] + (2, m2, 2, m1)), -3, -2)
 
 
-def scores(X, Y, GX, G):
-    """``A (…, 2, 2, C, C)`` of the module docstring; ``G`` with or without the channel axis."""
+def scores(X, Y, GX, G, e):
+    """``A (…, 2, 2, C, C)`` of the module docstring: with one decay a head from ``G (…, C)``
+    and ``GX (…, 2, C)``; with a decay a channel from the steps' decays ``e = exp(g) (…, C, Dk)``."""
     C = X.shape[-2]
-    if G.ndim == X.ndim - 2:                                               # one decay a head
-        D = np.exp(np.minimum(GX[..., :, None] - G[..., None, None, :], 0)) * _masks(C)   # (…,2,C,C)
+    if G is not None:                                               # one decay a head
+        D = (np.exp(np.minimum(GX[..., :, None] - G[..., None, None, :], 0)) * _masks(C)).astype(X.dtype)
         XY = X.reshape(X.shape[:-3] + (2 * C, -1)) @ np.swapaxes(Y.reshape(Y.shape[:-3] + (2 * C, -1)), -1, -2)
         return _pairs(XY, C, C) * D[..., :, None, :, :]                    # (…,2C,Dk) @ (…,Dk,2C)
     A = np.zeros(X.shape[:-3] + (2, 2, C, C), X.dtype)
     cuts, leaves = _blocks(C)
     for lo, mid, hi in cuts:
-        Xs, _, Ys, _ = _split(X, Y, G, lo, mid, hi)
+        Xs, _, Ys, _ = _split(X, Y, e, lo, mid, hi)
         A[..., mid:hi, lo:mid] = _pairs(Xs @ np.swapaxes(Ys, -1, -2), hi - mid, mid - lo)   # (…,2m2,Dk) @ (…,Dk,2m1)
     for lo, hi in leaves:
-        XE = X[..., lo:hi, None, :] * _leaf_decays(G, lo, hi)          # (…,2,c,c,Dk)
+        XE = X[..., lo:hi, None, :] * _leaf_decays(e, lo, hi)          # (…,2,c,c,Dk)
         A[..., lo:hi, lo:hi] = np.einsum("...xtsi,...ysi->...xyts", XE, Y[..., lo:hi, :])
     return A
 
 
-def scores_backward(dA, X, Y, GX, G):
+def scores_backward(dA, X, Y, GX, G, e):
     """``(dX, dY, dGX, dG)`` from ``dA (…, 2, 2, C, C)`` (read on the masks only)."""
     C = X.shape[-2]
-    if G.ndim == X.ndim - 2:
-        D = np.exp(np.minimum(GX[..., :, None] - G[..., None, None, :], 0)) * _masks(C)
+    if G is not None:
+        D = (np.exp(np.minimum(GX[..., :, None] - G[..., None, None, :], 0)) * _masks(C)).astype(X.dtype)
         dAD = np.swapaxes(dA * D[..., :, None, :, :], -3, -2).reshape(dA.shape[:-4] + (2 * C, 2 * C))
         dX = (dAD @ Y.reshape(Y.shape[:-3] + (2 * C, -1))).reshape(X.shape)                  # (…,2C,2C) @ (…,2C,Dk)
         dY = (np.swapaxes(dAD, -1, -2) @ X.reshape(X.shape[:-3] + (2 * C, -1))).reshape(Y.shape)
@@ -138,13 +146,13 @@ def scores_backward(dA, X, Y, GX, G):
     dX, dY = np.zeros_like(X), np.zeros_like(Y)
     cuts, leaves = _blocks(C)
     for lo, mid, hi in cuts:
-        Xs, fq, Ys, fy = _split(X, Y, G, lo, mid, hi)
+        Xs, fq, Ys, fy = _split(X, Y, e, lo, mid, hi)
         m2, m1 = hi - mid, mid - lo
         dblk = np.swapaxes(dA[..., mid:hi, lo:mid], -3, -2).reshape(dA.shape[:-4] + (2 * m2, 2 * m1))
         dX[..., mid:hi, :] += _scale_rows((dblk @ Ys).reshape(X.shape[:-2] + (m2, -1)), fq)   # (…,2m2,2m1) @ (…,2m1,Dk)
         dY[..., lo:mid, :] += (np.swapaxes(dblk, -1, -2) @ Xs).reshape(Y.shape[:-2] + (m1, -1)) * fy
     for lo, hi in leaves:
-        E = _leaf_decays(G, lo, hi)                                        # (…,2,c,c,Dk)
+        E = _leaf_decays(e, lo, hi)                                        # (…,2,c,c,Dk)
         dAY = np.einsum("...xyts,...ysi->...xtsi", dA[..., lo:hi, lo:hi], Y[..., lo:hi, :])
         dX[..., lo:hi, :] += (dAY * E).sum(-2)
         XE = X[..., lo:hi, None, :] * E
