@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .dplr_scores import scores
+from .dplr_scores import running_product, scores
 
 INVERSE_LEAF = 16   # rows of the diagonal blocks inverted by substitution
 GROUP_ELEMENTS = 1 << 17   # B·H·steps·Dk of one group of chunks done at once (a cache-sized piece;
@@ -118,11 +118,11 @@ def _decays(g: np.ndarray, per_head: bool):
 def _factors(e: np.ndarray):
     """From the steps' decays ``e (…, C, Dk or 1)``, running products (never an exp of a
     positive number, never a division): ``exp G_t``, ``exp G_{t-1}``, ``exp(G_C - G_t)``, ``exp G_C``."""
-    fG = np.cumprod(e, axis=-2)
+    fG = running_product(e)
     fGex = np.ones_like(e)
     fGex[..., 1:, :] = fG[..., :-1, :]
     end = np.ones_like(e)
-    end[..., :-1, :] = np.cumprod(e[..., :0:-1, :], axis=-2)[..., ::-1, :]   # e_{t+1} ⋯ e_C
+    end[..., :-1, :] = running_product(e[..., 1:, :], reverse=True)        # e_{t+1} ⋯ e_C
     return fG, fGex, end, fG[..., -1, :]
 
 

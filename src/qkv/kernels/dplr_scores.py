@@ -54,6 +54,18 @@ def _masks(c: int) -> np.ndarray:
     return np.stack([np.tri(c, dtype=bool), np.tri(c, k=-1, dtype=bool)])
 
 
+def running_product(x: np.ndarray, reverse: bool = False) -> np.ndarray:
+    """Inclusive running products along axis -2 (from the end when ``reverse``), by doubling:
+    ``log2(n)`` multiplications of shifted slices (``np.cumprod`` along an inner axis is an
+    order of magnitude slower here)."""
+    out = x[..., ::-1, :].copy() if reverse else x.copy()
+    shift = 1
+    while shift < out.shape[-2]:
+        out[..., shift:, :] = out[..., shift:, :] * out[..., :-shift, :]   # the right side is read first
+        shift *= 2
+    return out[..., ::-1, :] if reverse else out
+
+
 def _leaf_decays(e, lo, hi):
     """``E (…, 2, c, c, Dk) = exp(Gx_t - G_s)`` on the masks, 0 above, as products of the
     steps' decays ``e_t = exp(g_t) <= 1`` (row t = row t-1 times ``e_t``); the a rows are
@@ -76,10 +88,9 @@ def _split(X, Y, e, lo, mid, hi):
     ``fy_s = exp(G_{mid-1} - G_s) = e_{s+1} ⋯ e_{mid-1}`` of the columns, running products
     of the steps' decays (no exponential, no cancellation); an a row's factor is the q row's
     one step earlier (``Gx_t = G_{t-1}``), 1 on the first row."""
-    fq = np.cumprod(e[..., mid:hi, :], axis=-2)                             # (…,m2,Dk)
+    fq = running_product(e[..., mid:hi, :])                                 # (…,m2,Dk)
     fy = np.ones(e.shape[:-2] + (mid - lo, e.shape[-1]), e.dtype)          # (…,m1,Dk)
-    if mid - lo > 1:
-        fy[..., :-1, :] = np.cumprod(e[..., mid - 1:lo:-1, :], axis=-2)[..., ::-1, :]
+    fy[..., :-1, :] = running_product(e[..., lo + 1:mid, :], reverse=True)
     fy = fy[..., None, :, :]
     Xs = _scale_rows(X[..., mid:hi, :], fq)
     Ys = Y[..., lo:mid, :] * fy
