@@ -115,6 +115,14 @@ def test_unit_lower_inverse():
         np.testing.assert_allclose(P @ (np.eye(C) - L), np.broadcast_to(np.eye(C), P.shape), atol=1e-12)
 
 
+def test_running_product():
+    from qkv.kernels.dplr_scores import running_product
+    x = np.random.default_rng(1).uniform(0, 1, (2, 13, 3))
+    np.testing.assert_allclose(running_product(x), np.cumprod(x, axis=-2), rtol=1e-14)
+    np.testing.assert_allclose(running_product(x, reverse=True), np.cumprod(x[:, ::-1], axis=-2)[:, ::-1], rtol=1e-14)
+    assert running_product(x[:, :0]).shape == (2, 0, 3)
+
+
 def _step32(q, k, v, a, b, g, scale):
     """The step recurrence in plain float32 (the budget's yardstick)."""
     q, k, v, a, b = (x.astype(np.float32) for x in (q, k, v, a, b))

@@ -55,7 +55,11 @@ def unit_lower_inverse(L: np.ndarray) -> np.ndarray:
             P[..., i, i] = 1
         return P
     h = C // 2
-    P11, P22 = unit_lower_inverse(L[..., :h, :h]), unit_lower_inverse(L[..., h:, h:])
+    if C % 2 == 0:                                          # both halves in one call: C/2 rows to substitute
+        halves = unit_lower_inverse(np.stack([L[..., :h, :h], L[..., h:, h:]], axis=-3))
+        P11, P22 = halves[..., 0, :, :], halves[..., 1, :, :]
+    else:
+        P11, P22 = unit_lower_inverse(L[..., :h, :h]), unit_lower_inverse(L[..., h:, h:])
     P[..., :h, :h], P[..., h:, h:] = P11, P22
     P[..., h:, :h] = P22 @ (L[..., h:, :h] @ P11)          # (…,C-h,C-h) @ (…,C-h,h) @ (…,h,h)
     return P
