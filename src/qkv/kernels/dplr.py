@@ -72,7 +72,7 @@ from .dplr_chunk import from_chunks, groups, prepare, states
 
 CHUNK = 32          # steps a chunk by default: measured at B=2, H=8, T=2048, D=64 float32 on one thread,
                     # 16 and 32 alike with a decay a channel (64: 1.2-1.4x slower), 32 best with one
-                    # a head (1.3x over 16 and 64); float32 errors grow with C (see the tests)
+                    # a head (1.3x over 16 and 64); float32 errors alike at 16-64 (see the tests)
 
 
 def chunk_size(chunk, T: int) -> int:
