@@ -1,0 +1,120 @@
+"""The chunked delta rule's backward (the forward and its names: :mod:`qkv.kernels.delta`).
+
+A chunk maps its start state ``S_0`` and its inputs to its outputs and end state::
+
+    X   = V - diag(e^γ) K S_0                   the residuals before the write strength
+    U   = Tinv diag(beta) X                      (= U0 - W S_0)
+    O   = scale · (Qg S_0 + P U)                 Qg = diag(e^γ) Q,   P = (Q Kᵀ) ∘ D
+    S_C = e^{γ_C} S_0 + Kcᵀ U                    Kc = diag(e^{γ_C - γ}) K
+
+**The state's gradient, chunk by chunk backwards.** With ``dO`` and ``dS_C`` (the gradient
+reaching the chunk's end state: ``dstate`` for the last chunk)::
+
+    dU   = scale · Pᵀ dO + Kc dS_C               (C, Dv)
+    dR   = Tinvᵀ dU                              R = diag(beta) X,  U = Tinv R
+    dX   = diag(beta) dR
+    dS_0 = scale · Qgᵀ dO + e^{γ_C} dS_C - Kᵀ diag(e^γ) dX
+         = scale · Qgᵀ dO + e^{γ_C} dS_C - Wᵀ dU      (Wᵀ = Kᵀ diag(beta e^γ) Tinvᵀ)
+
+The terms without ``dS_C`` are batched over all chunks before the loop; the loop then costs
+two ``(C)``-row products a chunk (``dU_n = ... + Kc_n dS``, ``dS <- ... - W_nᵀ dU_n``) and
+keeps each chunk's ``dS_C`` (``(T/C)·Dk·Dv``). The chunk start states ``S_0`` come from
+the forward's state pass, recomputed (:func:`qkv.kernels.delta_chunks.pass_states`).
+
+**The inputs' gradients**, all chunks at once, from ``dU``, ``dR``, ``dX``, ``S_0``, ``dS_C``:
+
+* through the triangular solve: ``dA = -strictly_lower(dR Uᵀ)`` (``dL = -L⁻ᵀ dU Uᵀ``);
+* through ``A = beta_t (K Kᵀ) ∘ D`` (strict): ``G = dA ∘ beta_t D`` gives
+  ``dK += (G + Gᵀ) K``, ``dbeta_t += Σ_s dA_ts (k_t·k_s) D_ts``;
+* through ``P``: ``dP = scale · dO Uᵀ``, ``dQ += (dP ∘ D) K``, ``dK += (dP ∘ D)ᵀ Q``;
+* through the reads of ``S_0``: ``dQ += diag(e^γ) scale · dO S_0ᵀ``,
+  ``dK -= diag(e^γ) dX S_0ᵀ``;
+* through ``Kc``: ``dK += diag(e^{γ_C - γ}) U dS_Cᵀ``;
+* ``dV = dX``, ``dbeta_t += dR_t · X_t``.
+
+**The decay.** Every decay factor is ``e^{γ_a - γ_b}`` of some cumulative ``γ``; a factor
+``f = e^{γ_a - γ_b}`` multiplying ``x`` with upstream gradient ``dx'`` adds ``x·dx'·f`` to
+``dγ_a`` and takes it from ``dγ_b``. Collected: ``E = dA ∘ A`` and ``F = dP ∘ P`` add
+``rowsum - colsum``; ``Qg`` adds ``rowsum(dQg ∘ Qg)``; ``X`` adds ``-rowsum(dX ∘ e^γ K S_0)``;
+``Kc`` adds ``-rowsum(dKc ∘ Kc)`` to each ``t`` and its total to ``γ_C``; ``e^{γ_C} S_0`` adds
+``e^{γ_C} Σ dS_C ∘ S_0`` to ``γ_C``. Then ``dg_i = Σ_{t >= i} dγ_t`` within the chunk
+(``γ_t`` sums ``g_1..g_t``). Without a decay (DeltaNet) none of this is computed.
+
+Cost: the forward's products again, plus about twice as many of the same shapes; memory as
+the forward's plus the ``(T/C)·Dk·Dv`` chunk-end gradients.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .delta_chunks import CHUNK, Chunks, from_chunks, pass_states, prepare, to_chunks
+
+
+def _tr(x):
+    return np.swapaxes(x, -1, -2)
+
+
+def _state_grads(ch: Chunks, dO, dstate, starts, scale):
+    """Backwards over the chunks: ``(dU (B,H,N,C,Dv), ends (B,H,N,Dk,Dv), dS_0)``, ``ends[n]``
+    the gradient reaching chunk n's end state."""
+    B, H, N, C, Dk = ch.k.shape
+    PdO = scale * (_tr(ch.P) @ dO)                                  # (B,H,N,C,C) @ (B,H,N,C,Dv) -> (B,H,N,C,Dv)
+    QdO = scale * (_tr(ch.eg[..., None] * ch.q) @ dO)               # (B,H,N,Dk,C) @ (B,H,N,C,Dv) -> (B,H,N,Dk,Dv)
+    QdO -= _tr(ch.W) @ PdO                                          # (B,H,N,Dk,C) @ (B,H,N,C,Dv) -> (B,H,N,Dk,Dv)
+    dS = np.zeros(starts.shape[:2] + starts.shape[3:], dtype=dO.dtype) if dstate is None else dstate
+    ends = np.empty_like(starts)
+    dU = np.empty_like(PdO)
+    for n in reversed(range(N)):
+        ends[:, :, n] = dS
+        dUs = ch.Kc[:, :, n] @ dS                                   # (B,H,C,Dk) @ (B,H,Dk,Dv) -> (B,H,C,Dv)
+        dU[:, :, n] = PdO[:, :, n] + dUs
+        dS = QdO[:, :, n] + ch.eC[:, :, n, None, None] * dS - _tr(ch.W[:, :, n]) @ dUs  # (B,H,Dk,C) @ (B,H,C,Dv)
+    return dU, ends, dS
+
+
+def _decay_grad(ch: Chunks, E, F, dQg, dX, KS, dKc, ends, starts):
+    """``dg (B, H, N, C)`` from the factors ``e^{γ_a - γ_b}`` (the module docstring);
+    ``E = dA ∘ A``, ``F = dP ∘ P``."""
+    dgam = E.sum(-1) - E.sum(-2) + F.sum(-1) - F.sum(-2)
+    dgam += (dQg * ch.eg[..., None] * ch.q).sum(-1)
+    dgam -= (dX * ch.eg[..., None] * KS).sum(-1)
+    kc = (dKc * ch.Kc).sum(-1)                                      # (B,H,N,C)
+    dgam -= kc
+    dgam[..., -1] += kc.sum(-1) + ch.eC * (ends * starts).sum((-1, -2))
+    return np.cumsum(dgam[..., ::-1], axis=-1)[..., ::-1]            # dg_i = Σ_{t >= i} dγ_t
+
+
+def backward(dout, dstate, q, k, v, beta, g=None, *, scale, initial_state=None, chunk=None):
+    """``(dq, dk, dv, dbeta, dg, dinitial_state)`` of :func:`qkv.kernels.delta.forward`, in q's
+    dtype (``dg`` None without ``g``, ``dinitial_state`` None without ``initial_state``)."""
+    C = CHUNK if chunk is None else chunk
+    ch = prepare(q, k, v, beta, g, C)
+    B, H, _, Dk = q.shape
+    S0 = (np.zeros((B, H, Dk, v.shape[-1]), dtype=q.dtype) if initial_state is None
+          else np.asarray(initial_state, dtype=q.dtype))
+    starts, U, _ = pass_states(ch, S0)
+    dO = to_chunks(dout, C)
+    dU, ends, dS0 = _state_grads(ch, dO, None if dstate is None else np.asarray(dstate, q.dtype), starts, scale)
+
+    dR = _tr(ch.Tinv) @ dU                                          # (B,H,N,C,C) @ (B,H,N,C,Dv) -> (B,H,N,C,Dv)
+    KS = ch.k @ starts                                              # (B,H,N,C,Dk) @ (B,H,N,Dk,Dv) -> (B,H,N,C,Dv)
+    X = ch.v - ch.eg[..., None] * KS
+    dX = ch.beta[..., None] * dR
+    strict = np.tril(np.ones((C, C), dtype=bool), -1)
+    dA = np.where(strict, -(dR @ _tr(U)), 0)                        # (B,H,N,C,Dv) @ (B,H,N,Dv,C) -> (B,H,N,C,C)
+    G = dA * (ch.beta[..., None] * ch.D)                            # dL/d(K Kᵀ), strictly lower
+    dbeta = (dR * X).sum(-1) + (dA * ch.KK * ch.D).sum(-1)
+    dP = scale * (dO @ _tr(U))                                      # (B,H,N,C,Dv) @ (B,H,N,Dv,C) -> (B,H,N,C,C)
+    dPD = dP * ch.D
+    dQg = scale * (dO @ _tr(starts))                                # (B,H,N,C,Dv) @ (B,H,N,Dv,Dk) -> (B,H,N,C,Dk)
+    dq = dPD @ ch.k + ch.eg[..., None] * dQg                        # (B,H,N,C,C) @ (B,H,N,C,Dk) -> (B,H,N,C,Dk)
+    dKc = U @ _tr(ends)                                             # (B,H,N,C,Dv) @ (B,H,N,Dv,Dk) -> (B,H,N,C,Dk)
+    dk = _tr(dPD) @ ch.q + (G + _tr(G)) @ ch.k                      # (B,H,N,C,C) @ (B,H,N,C,Dk) -> (B,H,N,C,Dk)
+    dk -= (ch.eg[..., None] * dX) @ _tr(starts)                     # (B,H,N,C,Dv) @ (B,H,N,Dv,Dk) -> (B,H,N,C,Dk)
+    dk += dKc if ch.gamma is None else np.exp(ch.gamma[..., -1:] - ch.gamma)[..., None] * dKc
+    dg = None
+    if g is not None:
+        dg = from_chunks(_decay_grad(ch, G * ch.KK, dP * ch.P, dQg, dX, KS, dKc, ends, starts), ch.T)
+    T = ch.T
+    return (from_chunks(dq, T), from_chunks(dk, T), from_chunks(dX, T), from_chunks(dbeta, T), dg,
+            None if initial_state is None else dS0)
