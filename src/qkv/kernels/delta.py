@@ -81,8 +81,8 @@ def forward(q, k, v, beta, g=None, *, scale, initial_state=None, chunk=None):
     or None (no decay); ``chunk`` positions a chunk (None: ``CHUNK``).
     """
     ch = prepare(q, k, v, beta, g, CHUNK if chunk is None else chunk)
-    starts, U, S = pass_states(ch, start_state(q, v, initial_state))
-    o = (ch.eg[..., None] * ch.q) @ starts                           # (B,H,N,C,Dk) @ (B,H,N,Dk,Dv) -> (B,H,N,C,Dv)
-    o += ch.P @ U                                                    # (B,H,N,C,C) @ (B,H,N,C,Dv) -> (B,H,N,C,Dv)
+    run = pass_states(ch, start_state(q, v, initial_state))
+    o = ch.P @ run.U                                                 # (B,H,N,C,C) @ (B,H,N,C,Dv) -> (B,H,N,C,Dv)
+    o += run.QS
     o *= scale
-    return from_chunks(o, ch.T), S
+    return from_chunks(o, ch.T), run.S

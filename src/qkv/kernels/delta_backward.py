@@ -54,30 +54,28 @@ def _tr(x):
     return np.swapaxes(x, -1, -2)
 
 
-def _state_grads(ch: Chunks, dO, dstate, starts, scale):
-    """Backwards over the chunks: ``(dU (B,H,N,C,Dv), ends (B,H,N,Dk,Dv), dS_0)``, ``ends[n]``
-    the gradient reaching chunk n's end state."""
+def _state_grads(ch: Chunks, dO, dS, scale):
+    """Backwards over the chunks: ``(dR (B,H,N,C,Dv), ends (B,H,N,Dk,Dv), dS_0)``, ``ends[n]``
+    the gradient reaching chunk n's end state, ``dS`` the one reaching the last (dstate)."""
     B, H, N, C, Dk = ch.k.shape
     PdO = scale * (_tr(ch.P) @ dO)                                  # (B,H,N,C,C) @ (B,H,N,C,Dv) -> (B,H,N,C,Dv)
-    QdO = scale * (_tr(ch.eg[..., None] * ch.q) @ dO)               # (B,H,N,Dk,C) @ (B,H,N,C,Dv) -> (B,H,N,Dk,Dv)
-    QdO -= _tr(ch.W) @ PdO                                          # (B,H,N,Dk,C) @ (B,H,N,C,Dv) -> (B,H,N,Dk,Dv)
-    dS = np.zeros(starts.shape[:2] + starts.shape[3:], dtype=dO.dtype) if dstate is None else dstate
-    ends = np.empty_like(starts)
-    dU = np.empty_like(PdO)
+    QdO = scale * (_tr(ch.KQg[..., C:, :]) @ dO)                    # (B,H,N,Dk,C) @ (B,H,N,C,Dv) -> (B,H,N,Dk,Dv)
+    Kb = (ch.beta * ch.eg)[..., None] * ch.k                        # diag(beta e^γ) K
+    ends = np.empty(QdO.shape, dtype=dO.dtype)
+    dR = np.empty_like(PdO)
     for n in reversed(range(N)):
         ends[:, :, n] = dS
-        dUs = ch.Kc[:, :, n] @ dS                                   # (B,H,C,Dk) @ (B,H,Dk,Dv) -> (B,H,C,Dv)
-        dU[:, :, n] = PdO[:, :, n] + dUs
-        dS = QdO[:, :, n] + ch.eC[:, :, n, None, None] * dS - _tr(ch.W[:, :, n]) @ dUs  # (B,H,Dk,C) @ (B,H,C,Dv)
-    return dU, ends, dS
+        dU = PdO[:, :, n] + ch.Kc[:, :, n] @ dS                     # (B,H,C,Dk) @ (B,H,Dk,Dv) -> (B,H,C,Dv)
+        np.matmul(_tr(ch.Tinv[:, :, n]), dU, out=dR[:, :, n])      # (B,H,C,C) @ (B,H,C,Dv) -> (B,H,C,Dv)
+        dS = QdO[:, :, n] + ch.eC[:, :, n, None, None] * dS - _tr(Kb[:, :, n]) @ dR[:, :, n]  # (B,H,Dk,C) @ (B,H,C,Dv)
+    return dR, ends, dS
 
 
-def _decay_grad(ch: Chunks, E, F, dQg, dX, KS, dKc, ends, starts):
+def _decay_grad(ch: Chunks, E, F, readQ, dX, KS, dKc, ends, starts):
     """``dg (B, H, N, C)`` from the factors ``e^{γ_a - γ_b}`` (the module docstring);
-    ``E = dA ∘ A``, ``F = dP ∘ P``."""
-    dgam = E.sum(-1) - E.sum(-2) + F.sum(-1) - F.sum(-2)
-    dgam += (dQg * ch.eg[..., None] * ch.q).sum(-1)
-    dgam -= (dX * ch.eg[..., None] * KS).sum(-1)
+    ``E = dA ∘ A``, ``F = dP ∘ P``, ``readQ = scale · dO ∘ Qg S_0``."""
+    dgam = E.sum(-1) - E.sum(-2) + F.sum(-1) - F.sum(-2) + readQ.sum(-1)
+    dgam -= (dX * KS).sum(-1)
     kc = (dKc * ch.Kc).sum(-1)                                      # (B,H,N,C)
     dgam -= kc
     dgam[..., -1] += kc.sum(-1) + ch.eC * (ends * starts).sum((-1, -2))
@@ -90,20 +88,17 @@ def backward(dout, dstate, q, k, v, beta, g=None, *, scale, initial_state=None, 
     C = CHUNK if chunk is None else chunk
     ch = prepare(q, k, v, beta, g, C)
     B, H, _, Dk = q.shape
-    S0 = (np.zeros((B, H, Dk, v.shape[-1]), dtype=q.dtype) if initial_state is None
-          else np.asarray(initial_state, dtype=q.dtype))
-    starts, U, _ = pass_states(ch, S0)
+    zeros = np.zeros((B, H, Dk, v.shape[-1]), dtype=q.dtype)
+    run = pass_states(ch, zeros if initial_state is None else np.asarray(initial_state, q.dtype), keep=True)
     dO = to_chunks(dout, C)
-    dU, ends, dS0 = _state_grads(ch, dO, None if dstate is None else np.asarray(dstate, q.dtype), starts, scale)
+    dR, ends, dS0 = _state_grads(ch, dO, zeros if dstate is None else np.asarray(dstate, q.dtype), scale)
 
-    dR = _tr(ch.Tinv) @ dU                                          # (B,H,N,C,C) @ (B,H,N,C,Dv) -> (B,H,N,C,Dv)
-    KS = ch.k @ starts                                              # (B,H,N,C,Dk) @ (B,H,N,Dk,Dv) -> (B,H,N,C,Dv)
-    X = ch.v - ch.eg[..., None] * KS
-    dX = ch.beta[..., None] * dR
+    starts, U = run.starts, run.U
+    dX = ch.beta[..., None] * dR                                    # = dV
     strict = np.tril(np.ones((C, C), dtype=bool), -1)
-    dA = np.where(strict, -(dR @ _tr(U)), 0)                        # (B,H,N,C,Dv) @ (B,H,N,Dv,C) -> (B,H,N,C,C)
-    G = dA * (ch.beta[..., None] * ch.D)                            # dL/d(K Kᵀ), strictly lower
-    dbeta = (dR * X).sum(-1) + (dA * ch.KK * ch.D).sum(-1)
+    dAD = np.where(strict, -(dR @ _tr(U)), 0) * ch.D                # (B,H,N,C,Dv) @ (B,H,N,Dv,C) -> (B,H,N,C,C)
+    G = ch.beta[..., None] * dAD                                    # dL/d(K Kᵀ), strictly lower
+    dbeta = (dR * (ch.v - run.KS)).sum(-1) + (dAD * ch.KK).sum(-1)
     dP = scale * (dO @ _tr(U))                                      # (B,H,N,C,Dv) @ (B,H,N,Dv,C) -> (B,H,N,C,C)
     dPD = dP * ch.D
     dQg = scale * (dO @ _tr(starts))                                # (B,H,N,C,Dv) @ (B,H,N,Dv,Dk) -> (B,H,N,C,Dk)
@@ -114,7 +109,8 @@ def backward(dout, dstate, q, k, v, beta, g=None, *, scale, initial_state=None, 
     dk += dKc if ch.gamma is None else np.exp(ch.gamma[..., -1:] - ch.gamma)[..., None] * dKc
     dg = None
     if g is not None:
-        dg = from_chunks(_decay_grad(ch, G * ch.KK, dP * ch.P, dQg, dX, KS, dKc, ends, starts), ch.T)
+        dg = from_chunks(_decay_grad(ch, G * ch.KK, dP * ch.P, scale * dO * run.QS, dX, run.KS, dKc,
+                                     ends, starts), ch.T)
     T = ch.T
     return (from_chunks(dq, T), from_chunks(dk, T), from_chunks(dX, T), from_chunks(dbeta, T), dg,
             None if initial_state is None else dS0)

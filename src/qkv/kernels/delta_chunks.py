@@ -9,14 +9,16 @@ A chunk holds ``C`` positions ``t = 1..C`` (the last chunk padded with ``k = v =
     D_ts = exp(γ_t - γ_s) for s <= t, else 0     ((C, C): only exponents <= 0, never e^{-γ})
     A    = strictly_lower(diag(beta) (K Kᵀ) ∘ D)  the UT system; L = I + A
     Tinv = L⁻¹                                  unit lower triangular
-    W    = Tinv (diag(beta e^γ) K)    (C, Dk)    U0 = Tinv (diag(beta) V)   (C, Dv)
     P    = (Q Kᵀ) ∘ D                            the masked in-chunk scores (diagonal kept)
     Kc   = diag(e^{γ_C - γ}) K                  the keys as they reach the chunk's end
 
-and the chunk's corrections and end state (derived in :mod:`qkv.kernels.delta`)::
+(``K Kᵀ`` and ``Q Kᵀ`` as one product ``[K; Q] Kᵀ``) and, once a chunk in order, the reads
+of its start state, its corrections and its end state (derived in :mod:`qkv.kernels.delta`)::
 
-    U   = U0 - W S_0                            (C, Dv)
-    S_C = e^{γ_C} S_0 + Kcᵀ U
+    [Kg S_0; Qg S_0] = [diag(e^γ) K; diag(e^γ) Q] S_0          one (2C, Dk) @ (Dk, Dv) product
+    X   = V - Kg S_0                            the residuals
+    U   = Tinv diag(beta) X                     (C, C) @ (C, Dv)
+    S_C = e^{γ_C} S_0 + Kcᵀ U                    (Dk, C) @ (C, Dv)
 
 **The triangular inverse** ``(I + A)⁻¹`` (``A`` strictly lower) by recursive doubling of
 the diagonal blocks: with the blocks of size ``s`` inverted, each pair of them becomes one
@@ -36,7 +38,6 @@ from dataclasses import dataclass
 import numpy as np
 
 CHUNK = 64          # positions a chunk when the caller gives none (measured: see delta.py)
-_SMALL = 8          # blocks up to this size are multiplied by broadcasting, not BLAS calls
 
 
 def to_chunks(x: np.ndarray, C: int) -> np.ndarray:
@@ -55,11 +56,13 @@ def from_chunks(x: np.ndarray, T: int) -> np.ndarray:
     return x.reshape((B, H, N * C) + x.shape[4:])[:, :, :T]
 
 
-def _bmm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Batched ``a @ b``; tiny blocks by broadcasting (one pass instead of a BLAS call each)."""
-    if a.shape[-1] <= _SMALL and a.shape[-2] <= _SMALL:
-        return (a[..., :, :, None] * b[..., None, :, :]).sum(-2)     # (...,m,s,1)*(...,1,s,n) -> (...,m,n)
-    return a @ b
+def _diagonal_blocks(X: np.ndarray, size: int) -> np.ndarray:
+    """The ``size × size`` blocks on the diagonal of ``X (..., P, P)`` as a writable view
+    ``(..., P // size, size, size)``."""
+    *lead, P, _ = X.shape
+    row, col = X.strides[-2:]
+    return np.lib.stride_tricks.as_strided(
+        X, tuple(lead) + (P // size, size, size), X.strides[:-2] + (size * (row + col), row, col))
 
 
 def unit_lower_inverse(A: np.ndarray) -> np.ndarray:
@@ -68,20 +71,17 @@ def unit_lower_inverse(A: np.ndarray) -> np.ndarray:
     P = 1 << max(C - 1, 0).bit_length()
     if P != C:
         A = np.pad(A, [(0, 0)] * (A.ndim - 2) + [(0, P - C), (0, P - C)])
-    lead = A.shape[:-2]
-    X = np.ones(lead + (P, 1, 1), dtype=A.dtype)                    # the inverted diagonal blocks
-    s = 1
+    X = np.zeros(A.shape, dtype=A.dtype)
+    idx = np.arange(P)
+    X[..., idx, idx] = 1                                             # the inverted blocks of size 1
+    X[..., idx[1::2], idx[:-1:2]] = -A[..., idx[1::2], idx[:-1:2]]  # size 2: -L21 (X11 = X22 = 1)
+    s = 2
     while s < P:
-        n = P // (2 * s)
-        pairs = np.diagonal(A.reshape(lead + (n, 2 * s, n, 2 * s)), axis1=-4, axis2=-2)  # (...,2s,2s,n)
-        L21 = np.moveaxis(pairs, -1, -3)[..., s:, :s]               # (..., n, s, s)
-        X11, X22 = X[..., 0::2, :, :], X[..., 1::2, :, :]
-        merged = np.zeros(lead + (n, 2 * s, 2 * s), dtype=A.dtype)
-        merged[..., :s, :s] = X11
-        merged[..., s:, s:] = X22
-        merged[..., s:, :s] = -_bmm(_bmm(X22, L21), X11)           # (...,n,s,s) products
-        X, s = merged, 2 * s
-    return X[..., 0, :C, :C]
+        L, Xb = _diagonal_blocks(A, 2 * s), _diagonal_blocks(X, 2 * s)   # (..., P/2s, 2s, 2s) views
+        # the merged block's lower left: -X22 L21 X11, each (..., P/2s, s, s)
+        Xb[..., s:, :s] = -((Xb[..., s:, s:] @ L[..., s:, :s]) @ Xb[..., :s, :s])
+        s *= 2
+    return X[..., :C, :C]
 
 
 @dataclass
@@ -97,50 +97,67 @@ class Chunks:
     eC: np.ndarray         # (B, H, N)       e^{γ_C}
     D: np.ndarray          # (B, H, N, C, C) e^{γ_t - γ_s}, zero above the diagonal
     KK: np.ndarray         # (B, H, N, C, C) K Kᵀ
-    Tinv: np.ndarray       # (B, H, N, C, C) (I + A)⁻¹
-    W: np.ndarray          # (B, H, N, C, Dk)
-    U0: np.ndarray         # (B, H, N, C, Dv)
-    Kc: np.ndarray         # (B, H, N, C, Dk)
     P: np.ndarray          # (B, H, N, C, C) (Q Kᵀ) ∘ D
+    Tinv: np.ndarray       # (B, H, N, C, C) (I + A)⁻¹
+    KQg: np.ndarray        # (B, H, N, 2C, Dk) [diag(e^γ) K; diag(e^γ) Q]: the reads of S_0
+    Kc: np.ndarray         # (B, H, N, C, Dk) diag(e^{γ_C - γ}) K
 
 
 def decays(g: np.ndarray | None, C: int, shape, dtype):
     """``(γ, e^γ, e^{γ_C}, D)`` from ``g (B, H, N, C)`` (None: no decay, all ones)."""
-    lower = np.tril(np.ones((C, C), dtype=bool))
+    lower = np.tril(np.ones((C, C), dtype=dtype))
     if g is None:
-        return None, np.ones(shape, dtype), np.ones(shape[:-1], dtype), np.broadcast_to(lower.astype(dtype), shape + (C,))
+        return None, np.ones(shape, dtype), np.ones(shape[:-1], dtype), np.broadcast_to(lower, shape + (C,))
     gamma = np.cumsum(g, axis=-1)                                    # (B,H,N,C)
-    diff = gamma[..., :, None] - gamma[..., None, :]                 # (B,H,N,C,C) γ_t - γ_s
-    diff = np.where(lower, np.minimum(diff, 0), -np.inf)             # only exponents <= 0
-    return gamma, np.exp(gamma), np.exp(gamma[..., -1]), np.exp(diff)
+    D = np.subtract(gamma[..., :, None], gamma[..., None, :])        # (B,H,N,C,C) γ_t - γ_s
+    np.minimum(D, np.where(lower > 0, 0, -np.inf).astype(dtype), out=D)  # <= 0 below, -inf above the diagonal
+    np.exp(D, out=D)
+    return gamma, np.exp(gamma), np.exp(gamma[..., -1]), D
 
 
 def prepare(q, k, v, beta, g, C: int) -> Chunks:
     """The chunked inputs and every quantity that needs no state (batched over all chunks)."""
     T = q.shape[2]
-    q, k, v, beta = (to_chunks(x, C) for x in (q, k, v, beta))
+    KQ = np.concatenate([to_chunks(k, C), to_chunks(q, C)], axis=-2)   # (B,H,N,2C,Dk): [K; Q]
+    k, q = KQ[..., :C, :], KQ[..., C:, :]
+    v, beta = to_chunks(v, C), to_chunks(beta, C)
     gamma, eg, eC, D = decays(None if g is None else to_chunks(g, C), C, beta.shape, q.dtype)
-    kt = np.swapaxes(k, -1, -2)
-    KK = k @ kt                                                      # (B,H,N,C,Dk) @ (B,H,N,Dk,C) -> (B,H,N,C,C)
+    scores = KQ @ np.swapaxes(k, -1, -2)                             # (B,H,N,2C,Dk) @ (B,H,N,Dk,C) -> (B,H,N,2C,C)
+    KK, P = scores[..., :C, :], scores[..., C:, :]
     A = beta[..., :, None] * KK * D
     idx = np.arange(C)
     A[..., idx, idx] = 0                                             # strictly lower
     Tinv = unit_lower_inverse(A)
-    W = Tinv @ ((beta * eg)[..., None] * k)                          # (B,H,N,C,C) @ (B,H,N,C,Dk) -> (B,H,N,C,Dk)
-    U0 = Tinv @ (beta[..., None] * v)                                # (B,H,N,C,C) @ (B,H,N,C,Dv) -> (B,H,N,C,Dv)
-    Kc = k if gamma is None else k * np.exp(gamma[..., -1:] - gamma)[..., None]
-    P = (q @ kt) * D                                                 # (B,H,N,C,Dk) @ (B,H,N,Dk,C) -> (B,H,N,C,C)
-    return Chunks(T, q, k, v, beta, gamma, eg, eC, D, KK, Tinv, W, U0, Kc, P)
+    P *= D
+    if gamma is None:
+        return Chunks(T, q, k, v, beta, None, eg, eC, D, KK, P, Tinv, KQ, k)
+    KQg = KQ * np.concatenate([eg, eg], axis=-1)[..., None]
+    Kc = k * np.exp(gamma[..., -1:] - gamma)[..., None]
+    return Chunks(T, q, k, v, beta, gamma, eg, eC, D, KK, P, Tinv, KQg, Kc)
 
 
-def pass_states(ch: Chunks, S0: np.ndarray):
-    """The state through the chunks: ``(starts (B,H,N,Dk,Dv), U (B,H,N,C,Dv), S_T)``."""
+@dataclass
+class Passed:
+    """The forward's pass through the chunks: what the output and the backward read."""
+    U: np.ndarray          # (B, H, N, C, Dv) the corrections
+    KS: np.ndarray         # (B, H, N, C, Dv) diag(e^γ) K S_0 (the residuals are X = V - KS)
+    QS: np.ndarray         # (B, H, N, C, Dv) diag(e^γ) Q S_0, the reads of the start states
+    starts: np.ndarray | None  # (B, H, N, Dk, Dv) each chunk's S_0 (kept for the backward)
+    S: np.ndarray          # (B, H, Dk, Dv) the final state
+
+
+def pass_states(ch: Chunks, S0: np.ndarray, keep: bool = False) -> Passed:
+    """The state through the chunks, once a chunk (``keep``: also every chunk's start state)."""
     B, H, N, C, Dk = ch.k.shape
     S = S0
-    starts = np.empty((B, H, N, Dk, S0.shape[-1]), dtype=S0.dtype)
-    U = np.empty(ch.U0.shape, dtype=S0.dtype)
+    starts = np.empty((B, H, N, Dk, S0.shape[-1]), dtype=S0.dtype) if keep else None
+    reads = np.empty((B, H, N, 2 * C, S0.shape[-1]), dtype=S0.dtype)
+    U = np.empty(ch.v.shape, dtype=S0.dtype)
     for n in range(N):
-        starts[:, :, n] = S
-        U[:, :, n] = ch.U0[:, :, n] - ch.W[:, :, n] @ S              # (B,H,C,Dk) @ (B,H,Dk,Dv) -> (B,H,C,Dv)
+        if keep:
+            starts[:, :, n] = S
+        np.matmul(ch.KQg[:, :, n], S, out=reads[:, :, n])           # (B,H,2C,Dk) @ (B,H,Dk,Dv) -> (B,H,2C,Dv)
+        R = ch.beta[:, :, n, :, None] * (ch.v[:, :, n] - reads[:, :, n, :C])
+        np.matmul(ch.Tinv[:, :, n], R, out=U[:, :, n])              # (B,H,C,C) @ (B,H,C,Dv) -> (B,H,C,Dv)
         S = ch.eC[:, :, n, None, None] * S + np.swapaxes(ch.Kc[:, :, n], -1, -2) @ U[:, :, n]  # (B,H,Dk,C) @ (B,H,C,Dv)
-    return starts, U, S
+    return Passed(U, reads[..., :C, :], reads[..., C:, :], starts, S)
