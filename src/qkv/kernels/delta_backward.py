@@ -79,7 +79,8 @@ def _decay_grad(ch: Chunks, E, F, readQ, dX, KS, dKc, ends, starts):
     kc = (dKc * ch.Kc).sum(-1)                                      # (B,H,N,C)
     dgam -= kc
     dgam[..., -1] += kc.sum(-1) + ch.eC * (ends * starts).sum((-1, -2))
-    return np.cumsum(dgam[..., ::-1], axis=-1)[..., ::-1]            # dg_i = Σ_{t >= i} dγ_t
+    dg = np.cumsum(dgam[..., ::-1], axis=-1, dtype=np.float64)[..., ::-1]  # dg_i = Σ_{t >= i} dγ_t
+    return dg.astype(dgam.dtype, copy=False)
 
 
 def backward(dout, dstate, q, k, v, beta, g=None, *, scale, initial_state=None, chunk=None):
@@ -106,7 +107,7 @@ def backward(dout, dstate, q, k, v, beta, g=None, *, scale, initial_state=None, 
     dKc = U @ _tr(ends)                                             # (B,H,N,C,Dv) @ (B,H,N,Dv,Dk) -> (B,H,N,C,Dk)
     dk = _tr(dPD) @ ch.q + (G + _tr(G)) @ ch.k                      # (B,H,N,C,C) @ (B,H,N,C,Dk) -> (B,H,N,C,Dk)
     dk -= (ch.eg[..., None] * dX) @ _tr(starts)                     # (B,H,N,C,Dv) @ (B,H,N,Dv,Dk) -> (B,H,N,C,Dk)
-    dk += dKc if ch.gamma is None else np.exp(ch.gamma[..., -1:] - ch.gamma)[..., None] * dKc
+    dk += ch.eCg[..., None] * dKc if ch.gated else dKc
     dg = None
     if g is not None:
         dg = from_chunks(_decay_grad(ch, G * ch.KK, dP * ch.P, scale * dO * run.QS, dX, run.KS, dKc,

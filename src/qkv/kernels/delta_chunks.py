@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 CHUNK = 64          # positions a chunk when the caller gives none (measured: see delta.py)
+LOG_FLOOR = 1e4     # g below -LOG_FLOOR counts as -LOG_FLOOR (e^g is 0 either way)
 
 
 def to_chunks(x: np.ndarray, C: int) -> np.ndarray:
@@ -92,9 +93,10 @@ class Chunks:
     k: np.ndarray          # (B, H, N, C, Dk)
     v: np.ndarray          # (B, H, N, C, Dv)
     beta: np.ndarray       # (B, H, N, C)
-    gamma: np.ndarray | None   # (B, H, N, C) cumulative log decay in the chunk; None ungated
+    gated: bool            # a decay was given (else every decay factor is 1)
     eg: np.ndarray         # (B, H, N, C)    e^{γ_t}
     eC: np.ndarray         # (B, H, N)       e^{γ_C}
+    eCg: np.ndarray        # (B, H, N, C)    e^{γ_C - γ_t}
     D: np.ndarray          # (B, H, N, C, C) e^{γ_t - γ_s}, zero above the diagonal
     KK: np.ndarray         # (B, H, N, C, C) K Kᵀ
     P: np.ndarray          # (B, H, N, C, C) (Q Kᵀ) ∘ D
@@ -104,15 +106,25 @@ class Chunks:
 
 
 def decays(g: np.ndarray | None, C: int, shape, dtype):
-    """``(γ, e^γ, e^{γ_C}, D)`` from ``g (B, H, N, C)`` (None: no decay, all ones)."""
-    lower = np.tril(np.ones((C, C), dtype=dtype))
+    """``(e^γ, e^{γ_C}, e^{γ_C - γ}, D)`` from ``g (B, H, N, C)`` (None: no decay, all ones).
+
+    ``γ`` and its differences are formed in float64 whatever the dtype: ``γ_t - γ_s`` of two
+    long sums in float32 would lose the small steps beside a large one (g = -30 then -0.01:
+    the difference of two sums near -30 keeps ``-0.01`` to about ``2e-6``, a relative 2e-4).
+    ``g`` is floored at ``-LOG_FLOOR``, where ``e^g`` is already 0 in float64, so that no
+    sum of finite ``g`` overflows to ``-inf`` (and no ``-inf - -inf`` makes a NaN).
+    """
+    lower = np.tril(np.ones((C, C), dtype=bool))
     if g is None:
-        return None, np.ones(shape, dtype), np.ones(shape[:-1], dtype), np.broadcast_to(lower, shape + (C,))
-    gamma = np.cumsum(g, axis=-1)                                    # (B,H,N,C)
-    D = np.subtract(gamma[..., :, None], gamma[..., None, :])        # (B,H,N,C,C) γ_t - γ_s
-    np.minimum(D, np.where(lower > 0, 0, -np.inf).astype(dtype), out=D)  # <= 0 below, -inf above the diagonal
+        ones = np.ones(shape, dtype)
+        return ones, np.ones(shape[:-1], dtype), ones, np.broadcast_to(lower.astype(dtype), shape + (C,))
+    gamma = np.cumsum(np.maximum(g, -LOG_FLOOR), axis=-1, dtype=np.float64)  # (B,H,N,C)
+    D = np.empty(shape + (C,), dtype=dtype)
+    np.subtract(gamma[..., :, None], gamma[..., None, :], out=D, casting="same_kind")  # (B,H,N,C,C) γ_t - γ_s
+    np.minimum(D, np.where(lower, 0, -np.inf).astype(dtype), out=D)  # <= 0 below, -inf above the diagonal
     np.exp(D, out=D)
-    return gamma, np.exp(gamma), np.exp(gamma[..., -1]), D
+    ex = lambda x: np.exp(x).astype(dtype, copy=False)
+    return ex(gamma), ex(gamma[..., -1]), ex(gamma[..., -1:] - gamma), D
 
 
 def prepare(q, k, v, beta, g, C: int) -> Chunks:
@@ -121,7 +133,7 @@ def prepare(q, k, v, beta, g, C: int) -> Chunks:
     KQ = np.concatenate([to_chunks(k, C), to_chunks(q, C)], axis=-2)   # (B,H,N,2C,Dk): [K; Q]
     k, q = KQ[..., :C, :], KQ[..., C:, :]
     v, beta = to_chunks(v, C), to_chunks(beta, C)
-    gamma, eg, eC, D = decays(None if g is None else to_chunks(g, C), C, beta.shape, q.dtype)
+    eg, eC, eCg, D = decays(None if g is None else to_chunks(g, C), C, beta.shape, q.dtype)
     scores = KQ @ np.swapaxes(k, -1, -2)                             # (B,H,N,2C,Dk) @ (B,H,N,Dk,C) -> (B,H,N,2C,C)
     KK, P = scores[..., :C, :], scores[..., C:, :]
     A = beta[..., :, None] * KK * D
@@ -129,11 +141,10 @@ def prepare(q, k, v, beta, g, C: int) -> Chunks:
     A[..., idx, idx] = 0                                             # strictly lower
     Tinv = unit_lower_inverse(A)
     P *= D
-    if gamma is None:
-        return Chunks(T, q, k, v, beta, None, eg, eC, D, KK, P, Tinv, KQ, k)
+    if g is None:
+        return Chunks(T, q, k, v, beta, False, eg, eC, eCg, D, KK, P, Tinv, KQ, k)
     KQg = KQ * np.concatenate([eg, eg], axis=-1)[..., None]
-    Kc = k * np.exp(gamma[..., -1:] - gamma)[..., None]
-    return Chunks(T, q, k, v, beta, gamma, eg, eC, D, KK, P, Tinv, KQg, Kc)
+    return Chunks(T, q, k, v, beta, True, eg, eC, eCg, D, KK, P, Tinv, KQg, k * eCg[..., None])
 
 
 @dataclass
