@@ -239,3 +239,20 @@ def test_against_transformers_chunk_gradients():
                           ("dbeta", dbeta, theirs[4])]:
         _close(ours, np.moveaxis(t.grad.numpy(), 1, 2), 3e-5, name)
     _close(dS0, theirs[5].grad.numpy(), 3e-5, "dS0")
+
+
+def test_same_bits_on_any_thread_count():
+    """Heads split over threads: a head's numbers never depend on the split."""
+    from qkv import threads
+    x = _inputs(900, "strong", True, dims=(1, 5, 40, 24), dtype=np.float32)
+    q, k, v, beta, g, S0, do, dS = x
+    runs = []
+    for n in (1, 2, 3):
+        with threads.kernel_threads(n):
+            o, S = delta.forward(q, k, v, beta, g, scale=0.3, initial_state=S0, chunk=None)
+            grads = delta.backward(do, dS, q, k, v, beta, g, scale=0.3, initial_state=S0, chunk=None)
+        runs.append([o, S, *grads])
+    assert 5 * 900 * 64 >= delta.SERIAL_WORK      # else every count runs on one thread
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert a.tobytes() == b.tobytes()

@@ -60,10 +60,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from .delta_backward import backward
+from .. import threads
+from . import delta_backward
 from .delta_chunks import CHUNK, from_chunks, pass_states, prepare
 
 __all__ = ["forward", "backward", "CHUNK"]
+
+SERIAL_WORK = 1 << 18   # T·(Dk + Dv)·heads below which a call stays on the calling thread
 
 
 def start_state(q, v, initial_state):
@@ -74,13 +77,54 @@ def start_state(q, v, initial_state):
     return np.asarray(initial_state, dtype=q.dtype)
 
 
+def by_heads(job, arrays: list) -> tuple:
+    """``job(*arrays)`` over groups of (batch, head) pairs on qkv's threads, BLAS held to one
+    thread meanwhile, and the outputs joined back (None stays None).
+
+    Heads are independent and every product and sum here runs within one head, so a head's
+    numbers do not depend on its group: the bits are the same on any thread count.
+    """
+    q = arrays[0]
+    B, H, T, Dk = q.shape
+    n = min(threads.get_num_threads(), B * H) if B * H * T * (Dk + arrays[2].shape[-1]) >= SERIAL_WORK else 1
+    threads.hold_blas()
+    try:
+        if n == 1:
+            return job(*arrays)
+        flat = [None if x is None else x.reshape((1, B * H) + x.shape[2:]) for x in arrays]
+        cuts = np.linspace(0, B * H, n + 1).astype(int)
+        parts = list(threads.pool(n).map(
+            lambda ab: job(*[None if x is None else x[:, ab[0]:ab[1]] for x in flat]), zip(cuts[:-1], cuts[1:])))
+    finally:
+        threads.release_blas()
+    return tuple(None if out is None else np.concatenate([p[i] for p in parts], axis=1).reshape((B, H) + out.shape[2:])
+                 for i, out in enumerate(parts[0]))
+
+
 def forward(q, k, v, beta, g=None, *, scale, initial_state=None, chunk=None):
     """``(o (B, H, T, Dv), S_T (B, H, Dk, Dv))`` of the (gated) delta rule, in q's dtype.
 
     ``q, k (B, H, T, Dk)``, ``v (B, H, T, Dv)``, ``beta (B, H, T)``, ``g (B, H, T)`` (<= 0)
-    or None (no decay); ``chunk`` positions a chunk (None: ``CHUNK``).
+    or None (no decay); ``chunk`` positions a chunk (None: ``CHUNK``). Heads run on
+    :func:`qkv.threads.get_num_threads` threads.
     """
-    ch = prepare(q, k, v, beta, g, CHUNK if chunk is None else chunk)
+    C = CHUNK if chunk is None else chunk
+    return by_heads(lambda *xs: _forward(*xs, scale=scale, chunk=C), [q, k, v, beta, g, initial_state])
+
+
+def backward(dout, dstate, q, k, v, beta, g=None, *, scale, initial_state=None, chunk=None):
+    """``(dq, dk, dv, dbeta, dg, dinitial_state)`` of :func:`forward`, in q's dtype (``dg`` None
+    without ``g``, ``dinitial_state`` None without ``initial_state``): see
+    :mod:`qkv.kernels.delta_backward`."""
+    C = CHUNK if chunk is None else chunk
+
+    def job(q, k, v, beta, g, S0, dout, dstate):
+        return delta_backward.backward(dout, dstate, q, k, v, beta, g, scale=scale, initial_state=S0, chunk=C)
+    return by_heads(job, [q, k, v, beta, g, initial_state, dout, dstate])
+
+
+def _forward(q, k, v, beta, g, initial_state, *, scale, chunk):
+    ch = prepare(q, k, v, beta, g, chunk)
     run = pass_states(ch, start_state(q, v, initial_state))
     o = ch.P @ run.U                                                 # (B,H,N,C,C) @ (B,H,N,C,Dv) -> (B,H,N,C,Dv)
     o += run.QS
