@@ -59,7 +59,7 @@ def _state_grads(ch: Chunks, dO, dS, scale):
     the gradient reaching chunk n's end state, ``dS`` the one reaching the last (dstate)."""
     B, H, N, C, Dk = ch.k.shape
     PdO = scale * (_tr(ch.P) @ dO)                                  # (B,H,N,C,C) @ (B,H,N,C,Dv) -> (B,H,N,C,Dv)
-    QdO = scale * (_tr(ch.KQg[..., C:, :]) @ dO)                    # (B,H,N,Dk,C) @ (B,H,N,C,Dv) -> (B,H,N,Dk,Dv)
+    QdO = scale * (_tr(ch.q) @ (ch.eg[..., None] * dO if ch.gated else dO))  # (B,H,N,Dk,C) @ (B,H,N,C,Dv)
     Kb = (ch.beta * ch.eg)[..., None] * ch.k                        # diag(beta e^γ) K
     ends = np.empty(QdO.shape, dtype=dO.dtype)
     dR = np.empty_like(PdO)

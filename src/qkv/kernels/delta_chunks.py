@@ -15,7 +15,7 @@ A chunk holds ``C`` positions ``t = 1..C`` (the last chunk padded with ``k = v =
 (``K Kᵀ`` and ``Q Kᵀ`` as one product ``[K; Q] Kᵀ``) and, once a chunk in order, the reads
 of its start state, its corrections and its end state (derived in :mod:`qkv.kernels.delta`)::
 
-    [Kg S_0; Qg S_0] = [diag(e^γ) K; diag(e^γ) Q] S_0          one (2C, Dk) @ (Dk, Dv) product
+    [Kg S_0; Qg S_0] = diag(e^γ) ([K; Q] S_0)                  one (2C, Dk) @ (Dk, Dv) product
     X   = V - Kg S_0                            the residuals
     U   = Tinv diag(beta) X                     (C, C) @ (C, Dv)
     S_C = e^{γ_C} S_0 + Kcᵀ U                    (Dk, C) @ (C, Dv)
@@ -101,7 +101,7 @@ class Chunks:
     KK: np.ndarray         # (B, H, N, C, C) K Kᵀ
     P: np.ndarray          # (B, H, N, C, C) (Q Kᵀ) ∘ D
     Tinv: np.ndarray       # (B, H, N, C, C) (I + A)⁻¹
-    KQg: np.ndarray        # (B, H, N, 2C, Dk) [diag(e^γ) K; diag(e^γ) Q]: the reads of S_0
+    KQ: np.ndarray         # (B, H, N, 2C, Dk) [K; Q]: the reads of S_0 (k and q are its views)
     Kc: np.ndarray         # (B, H, N, C, Dk) diag(e^{γ_C - γ}) K
 
 
@@ -143,8 +143,7 @@ def prepare(q, k, v, beta, g, C: int) -> Chunks:
     P *= D
     if g is None:
         return Chunks(T, q, k, v, beta, False, eg, eC, eCg, D, KK, P, Tinv, KQ, k)
-    KQg = KQ * np.concatenate([eg, eg], axis=-1)[..., None]
-    return Chunks(T, q, k, v, beta, True, eg, eC, eCg, D, KK, P, Tinv, KQg, k * eCg[..., None])
+    return Chunks(T, q, k, v, beta, True, eg, eC, eCg, D, KK, P, Tinv, KQ, k * eCg[..., None])
 
 
 @dataclass
@@ -164,10 +163,13 @@ def pass_states(ch: Chunks, S0: np.ndarray, keep: bool = False) -> Passed:
     starts = np.empty((B, H, N, Dk, S0.shape[-1]), dtype=S0.dtype) if keep else None
     reads = np.empty((B, H, N, 2 * C, S0.shape[-1]), dtype=S0.dtype)
     U = np.empty(ch.v.shape, dtype=S0.dtype)
+    eg2 = np.concatenate([ch.eg, ch.eg], axis=-1)[..., None]         # (B,H,N,2C,1): e^γ on both halves
     for n in range(N):
         if keep:
             starts[:, :, n] = S
-        np.matmul(ch.KQg[:, :, n], S, out=reads[:, :, n])           # (B,H,2C,Dk) @ (B,H,Dk,Dv) -> (B,H,2C,Dv)
+        np.matmul(ch.KQ[:, :, n], S, out=reads[:, :, n])            # (B,H,2C,Dk) @ (B,H,Dk,Dv) -> (B,H,2C,Dv)
+        if ch.gated:
+            reads[:, :, n] *= eg2[:, :, n]                          # [Kg S_0; Qg S_0]
         R = ch.beta[:, :, n, :, None] * (ch.v[:, :, n] - reads[:, :, n, :C])
         np.matmul(ch.Tinv[:, :, n], R, out=U[:, :, n])              # (B,H,C,C) @ (B,H,C,Dv) -> (B,H,C,Dv)
         S = ch.eC[:, :, n, None, None] * S + np.swapaxes(ch.Kc[:, :, n], -1, -2) @ U[:, :, n]  # (B,H,Dk,C) @ (B,H,C,Dv)
