@@ -24,22 +24,34 @@ so the corrections depend on each other only through earlier positions of the ch
 In matrix form, ``(I + A) U = diag(beta) (V - diag(e^γ) K S_0)`` with the strictly lower
 ``A_ts = beta_t e^{γ_t - γ_s} (k_t·k_s)``. That is the UT transform: one triangular
 inverse ``Tinv = (I + A)⁻¹`` a chunk (:func:`qkv.kernels.delta_chunks.unit_lower_inverse`)
-turns the ``C`` sequential corrections into::
+turns the ``C`` sequential corrections into products::
 
-    U = U0 - W S_0,    U0 = Tinv diag(beta) V,    W = Tinv diag(beta e^γ) K
+    U = Tinv diag(beta) (V - diag(e^γ) K S_0)  = U0 - W S_0,
+    U0 = Tinv diag(beta) V,   W = Tinv diag(beta e^γ) K
 
 (the WY representation: the chunk's product of transitions is ``e^{γ_C} I - Kcᵀ W`` with
-``Kc = diag(e^{γ_C - γ}) K``, a rank-``C`` update of the identity). ``U0`` and ``W`` need no
-state, so they are computed for every chunk at once; the state then passes once a chunk::
+``Kc = diag(e^{γ_C - γ}) K``, a rank-``C`` update of the identity). Then::
 
-    U_n       = U0_n - W_n S_n                                  (C,Dk) @ (Dk,Dv)
-    S_{n+1}   = e^{γ_C} S_n + Kc_nᵀ U_n                         (Dk,C) @ (C,Dv)
-    O_n       = scale · (diag(e^γ) Q_n S_n + P_n U_n),   P = (Q Kᵀ) ∘ D
+    S_C = e^{γ_C} S_0 + Kcᵀ U
+    O   = scale · (diag(e^γ) Q S_0 + P U),     P = (Q Kᵀ) ∘ D
 
 with ``D_ts = e^{γ_t - γ_s}`` on and below the diagonal, zero above: the read of the
-chunk's start state plus the masked in-chunk scores against the corrections. Time
-``O(T·C·D + T·D²)``, memory ``O(T·(C + D) + (T/C)·D²)`` (the chunk start states, kept for
-the output's batched product), never a ``(T, T)`` array.
+chunk's start state plus the masked in-chunk scores against the corrections.
+
+**What runs where.** ``K Kᵀ``, ``Q Kᵀ`` (one product ``[K; Q] Kᵀ``), ``D``, ``A``, ``Tinv``
+and ``P`` need no state: they are computed for every chunk at once. The state then passes
+once a chunk, three products (:func:`qkv.kernels.delta_chunks.pass_states`)::
+
+    [K S_n; Q S_n]  = [K_n; Q_n] S_n                       (2C,Dk) @ (Dk,Dv)
+    U_n             = Tinv_n diag(beta) (V_n - diag(e^γ) K S_n)   (C,C) @ (C,Dv)
+    S_{n+1}         = e^{γ_C} S_n + Kc_nᵀ U_n               (Dk,C) @ (C,Dv)
+
+and the outputs ``O = scale · (diag(e^γ) Q S + P U)`` are one more batched product. Applying
+``Tinv`` to ``V - ...`` in the pass, not precomputing ``U0`` and ``W``, saves the ``C²·Dk``
+product of ``W`` (the backward needs no ``W`` either). Time ``O(T·C·D + T·D²)``, memory
+``O(T·(C + D))`` (``(T/C)·Dk·Dv`` more in the backward, the chunk start states), never a
+``(T, T)`` array. Heads are independent: they are split over qkv's threads
+(:func:`by_heads`), BLAS held to one thread.
 
 **Decays never overflow.** Only ``e^{γ_t - γ_s}`` with ``t >= s``, ``e^{γ_t}`` and
 ``e^{γ_C - γ_t}`` appear: every exponent is ``<= 0`` (``g <= 0``), so with ``g = -30`` a
@@ -47,7 +59,12 @@ step the products underflow to zero and nothing becomes inf or NaN; ``e^{-γ}`` 
 formed.
 
 **Dtypes.** float32 inputs compute in float32 (every product a BLAS matmul), float64 in
-float64. A chunk of ``C = 1`` is the step recurrence itself.
+float64; only the cumulative decays ``γ`` and their differences are formed in float64
+(cheap: ``T·C`` numbers a head), since in float32 the difference of two long sums loses the
+small steps (see :func:`qkv.kernels.delta_chunks.decays`). Measured float32 error against
+float64: about that of the float32 step loop for the outputs (at most 1.5x), up to 4x for
+the gradients (tests/test_recurrent_delta.py holds 2x and 5x). A chunk of ``C = 1`` is the
+step recurrence itself.
 
 **Chunk size.** The in-chunk work grows with ``C`` (``C²·D`` a chunk), the per-chunk
 overhead (one pass of the state, ``D²`` products of ``C`` rows) shrinks with it; ``C = 64``

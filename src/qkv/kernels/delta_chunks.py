@@ -29,7 +29,7 @@ block of size ``2s``::
 from ``s = 1`` (``Xii = 1``) to the chunk (padded with zeros to a power of two): ``log2 C``
 levels of batched products over every chunk at once, ``C³/3`` multiply-adds a chunk, and
 no loop over rows. It is the recursive triangular inversion whose error is bounded like
-forward substitution's (Higham, *Accuracy and Stability of Numerical Algorithms*, §14.2).
+forward substitution's (Higham, *Accuracy and Stability of Numerical Algorithms*, ch. 14, triangular matrices).
 """
 from __future__ import annotations
 
