@@ -256,3 +256,17 @@ def test_same_bits_on_any_thread_count():
     for other in runs[1:]:
         for a, b in zip(runs[0], other):
             assert a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 0, 3), (0, 2, 5, 3), (1, 0, 5, 3)])
+def test_empty_sequences_and_batches(shape):
+    """T = 0 returns the initial state; no heads returns empty arrays (no error, no NaN)."""
+    rng = np.random.default_rng(0)
+    q, beta, g = rng.standard_normal(shape), np.full(shape[:3], 0.5), np.full(shape[:3], -1.0)
+    S0 = rng.standard_normal(shape[:2] + (3, 3))
+    o, S = rec.delta_rule(q, q, q, beta, g, initial_state=S0, return_state=True)
+    assert o.shape == shape and np.array_equal(S, S0) if shape[2] == 0 else S.shape == S0.shape
+    grads = rec.delta_rule_backward(q, q, q, q, beta, g, initial_state=S0, dstate=S0)
+    assert [x.shape for x in grads] == [shape] * 3 + [shape[:3]] * 2 + [S0.shape]
+    if shape[2] == 0:
+        assert np.array_equal(grads[-1], S0)          # dS_0 = dstate through no steps

@@ -83,7 +83,8 @@ from .delta_chunks import CHUNK, from_chunks, pass_states, prepare
 
 __all__ = ["forward", "backward", "CHUNK"]
 
-SERIAL_WORK = 1 << 18   # T·(Dk + Dv)·heads below which a call stays on the calling thread
+SERIAL_WORK = 1 << 18   # T·(C + Dk + Dv)·heads below which a call stays on the calling thread
+GROUP_WORK = 1 << 22    # T·(C + Dk + Dv)·heads at most in one group of heads (memory, cache)
 
 
 def start_state(q, v, initial_state):
@@ -94,24 +95,33 @@ def start_state(q, v, initial_state):
     return np.asarray(initial_state, dtype=q.dtype)
 
 
-def by_heads(job, arrays: list) -> tuple:
+def by_heads(job, arrays: list, chunk: int) -> tuple:
     """``job(*arrays)`` over groups of (batch, head) pairs on qkv's threads, BLAS held to one
     thread meanwhile, and the outputs joined back (None stays None).
 
     Heads are independent and every product and sum here runs within one head, so a head's
-    numbers do not depend on its group: the bits are the same on any thread count.
+    numbers do not depend on its group: the bits are the same on any thread count. Groups
+    hold at most ``GROUP_WORK`` numbers of ``T·(C + Dk + Dv)`` a head, which bounds the
+    memory of the ``(C, C)`` blocks however many heads come.
     """
     q = arrays[0]
     B, H, T, Dk = q.shape
-    n = min(threads.get_num_threads(), B * H) if B * H * T * (Dk + arrays[2].shape[-1]) >= SERIAL_WORK else 1
+    per_head = T * (min(chunk, T) + Dk + arrays[2].shape[-1])
+    nt = min(threads.get_num_threads(), B * H) if B * H * per_head >= SERIAL_WORK else 1
+    groups = min(B * H, max(nt, -(-B * H * per_head // GROUP_WORK)))
     threads.hold_blas()
     try:
-        if n == 1:
+        if groups <= 1:
             return job(*arrays)
         flat = [None if x is None else x.reshape((1, B * H) + x.shape[2:]) for x in arrays]
-        cuts = np.linspace(0, B * H, n + 1).astype(int)
-        parts = list(threads.pool(n).map(
-            lambda ab: job(*[None if x is None else x[:, ab[0]:ab[1]] for x in flat]), zip(cuts[:-1], cuts[1:])))
+        cuts = np.linspace(0, B * H, groups + 1).astype(int)
+
+        def run(a, b):
+            return job(*[None if x is None else x[:, a:b] for x in flat])
+        if nt == 1:
+            parts = [run(a, b) for a, b in zip(cuts[:-1], cuts[1:])]
+        else:
+            parts = list(threads.pool(nt).map(run, cuts[:-1], cuts[1:]))
     finally:
         threads.release_blas()
     return tuple(None if out is None else np.concatenate([p[i] for p in parts], axis=1).reshape((B, H) + out.shape[2:])
@@ -122,22 +132,22 @@ def forward(q, k, v, beta, g=None, *, scale, initial_state=None, chunk=None):
     """``(o (B, H, T, Dv), S_T (B, H, Dk, Dv))`` of the (gated) delta rule, in q's dtype.
 
     ``q, k (B, H, T, Dk)``, ``v (B, H, T, Dv)``, ``beta (B, H, T)``, ``g (B, H, T)`` (<= 0)
-    or None (no decay); ``chunk`` positions a chunk (None: ``CHUNK``). Heads run on
+    or None (no decay); ``chunk`` positions a chunk (None: ``CHUNK``; at most T). Heads run on
     :func:`qkv.threads.get_num_threads` threads.
     """
-    C = CHUNK if chunk is None else chunk
-    return by_heads(lambda *xs: _forward(*xs, scale=scale, chunk=C), [q, k, v, beta, g, initial_state])
+    C = max(1, min(CHUNK if chunk is None else chunk, q.shape[2]))
+    return by_heads(lambda *xs: _forward(*xs, scale=scale, chunk=C), [q, k, v, beta, g, initial_state], C)
 
 
 def backward(dout, dstate, q, k, v, beta, g=None, *, scale, initial_state=None, chunk=None):
     """``(dq, dk, dv, dbeta, dg, dinitial_state)`` of :func:`forward`, in q's dtype (``dg`` None
     without ``g``, ``dinitial_state`` None without ``initial_state``): see
     :mod:`qkv.kernels.delta_backward`."""
-    C = CHUNK if chunk is None else chunk
+    C = max(1, min(CHUNK if chunk is None else chunk, q.shape[2]))
 
     def job(q, k, v, beta, g, S0, dout, dstate):
         return delta_backward.backward(dout, dstate, q, k, v, beta, g, scale=scale, initial_state=S0, chunk=C)
-    return by_heads(job, [q, k, v, beta, g, initial_state, dout, dstate])
+    return by_heads(job, [q, k, v, beta, g, initial_state, dout, dstate], C)
 
 
 def _forward(q, k, v, beta, g, initial_state, *, scale, chunk):
