@@ -68,6 +68,23 @@ def test_chunked_equals_the_step_oracle(T, gated, regime, state):
             _close(got, want, 1e-10, f"{name}, chunk {chunk}")
 
 
+@pytest.mark.parametrize("given", ["initial_state", "dstate"])
+def test_initial_state_and_dstate_apart(given):
+    """One of the two without the other (zeros stand for the missing one)."""
+    q, k, v, beta, g, S0, do, dS = _inputs(100, "unit", True, seed=2)
+    S0, dS = (S0, None) if given == "initial_state" else (None, dS)
+    o_ref, S_ref = recurrence.delta_forward(q, k, v, beta, g, scale=0.7, initial_state=S0)
+    want = recurrence.delta_backward(do, dS, q, k, v, beta, g, scale=0.7, initial_state=S0)
+    for chunk in CHUNKS:
+        o, S = delta.forward(q, k, v, beta, g, scale=0.7, initial_state=S0, chunk=chunk)
+        _close(o, o_ref, 1e-10, "o")
+        _close(S, S_ref, 1e-10, "S_T")
+        got = delta.backward(do, dS, q, k, v, beta, g, scale=0.7, initial_state=S0, chunk=chunk)
+        assert (got[-1] is None) == (S0 is None)
+        for a, b in zip(got[:5], want[:5]):
+            _close(a, b, 1e-10, f"chunk {chunk}")
+
+
 def test_public_api_against_finite_differences():
     """Every gradient of ``qkv.recurrent.delta_rule_backward`` against central differences."""
     q, k, v, beta, g, S0, do, dS = _inputs(7, "unit", True, seed=3, dims=(1, 2, 3, 2))
