@@ -54,7 +54,8 @@ def to_chunks(x: np.ndarray, C: int) -> np.ndarray:
 def from_chunks(x: np.ndarray, T: int) -> np.ndarray:
     """``(B, H, N, C, ...)`` -> ``(B, H, T, ...)`` (the padding dropped)."""
     B, H, N, C = x.shape[:4]
-    return x.reshape((B, H, N * C) + x.shape[4:])[:, :, :T]
+    out = x.reshape((B, H, N * C) + x.shape[4:])
+    return out if N * C == T else np.ascontiguousarray(out[:, :, :T])
 
 
 def _diagonal_blocks(X: np.ndarray, size: int) -> np.ndarray:
