@@ -119,6 +119,10 @@ def test_extreme_decays_stay_finite():
                 assert np.isfinite(x).all()
             o_ref, S_ref = recurrence.delta_forward(q, k, v, beta, g, scale=DK ** -0.5, initial_state=S0)
             _close(o, o_ref, 1e-5 if dtype == np.float32 else 1e-12, f"o, g = {g_value}")
+            if dtype == np.float64:
+                want = recurrence.delta_backward(do, dS, q, k, v, beta, g, scale=DK ** -0.5, initial_state=S0)
+                for a, b in zip(grads, want):
+                    _close(a, b, 1e-10, f"gradient, g = {g_value}")
 
 
 def _steps32(do, dS, q, k, v, beta, g, scale, S0):
