@@ -68,20 +68,23 @@ def _diagonal_blocks(X: np.ndarray, size: int) -> np.ndarray:
 
 
 def unit_lower_inverse(A: np.ndarray) -> np.ndarray:
-    """``(I + A)⁻¹`` for ``A (..., C, C)`` strictly lower triangular: unit lower triangular."""
+    """``(I + A)⁻¹`` for ``A (..., C, C)`` zero above its diagonal (what is on the diagonal is
+    ignored): unit lower triangular, computed in ``A``'s place (``A`` is overwritten).
+
+    Each level reads its ``L21`` blocks before writing ``X21`` where they were; the blocks
+    of later levels lie elsewhere, so they are still ``A``'s when their level comes.
+    """
     C = A.shape[-1]
     P = 1 << max(C - 1, 0).bit_length()
-    if P != C:
-        A = np.pad(A, [(0, 0)] * (A.ndim - 2) + [(0, P - C), (0, P - C)])
-    X = np.zeros(A.shape, dtype=A.dtype)
+    X = A if P == C else np.pad(A, [(0, 0)] * (A.ndim - 2) + [(0, P - C), (0, P - C)])
     idx = np.arange(P)
     X[..., idx, idx] = 1                                             # the inverted blocks of size 1
-    X[..., idx[1::2], idx[:-1:2]] = -A[..., idx[1::2], idx[:-1:2]]  # size 2: -L21 (X11 = X22 = 1)
+    X[..., idx[1::2], idx[:-1:2]] *= -1                              # size 2: -L21 (X11 = X22 = 1)
     s = 2
     while s < P:
-        L, Xb = _diagonal_blocks(A, 2 * s), _diagonal_blocks(X, 2 * s)   # (..., P/2s, 2s, 2s) views
+        Xb = _diagonal_blocks(X, 2 * s)                              # (..., P/2s, 2s, 2s) views
         # the merged block's lower left: -X22 L21 X11, each (..., P/2s, s, s)
-        Xb[..., s:, :s] = -((Xb[..., s:, s:] @ L[..., s:, :s]) @ Xb[..., :s, :s])
+        Xb[..., s:, :s] = -((Xb[..., s:, s:] @ Xb[..., s:, :s]) @ Xb[..., :s, :s])
         s *= 2
     return X[..., :C, :C]
 
@@ -137,10 +140,9 @@ def prepare(q, k, v, beta, g, C: int) -> Chunks:
     eg, eC, eCg, D = decays(None if g is None else to_chunks(g, C), C, beta.shape, q.dtype)
     scores = KQ @ np.swapaxes(k, -1, -2)                             # (B,H,N,2C,Dk) @ (B,H,N,Dk,C) -> (B,H,N,2C,C)
     KK, P = scores[..., :C, :], scores[..., C:, :]
-    A = beta[..., :, None] * KK * D
-    idx = np.arange(C)
-    A[..., idx, idx] = 0                                             # strictly lower
-    Tinv = unit_lower_inverse(A)
+    A = KK * D                                                       # zero above the diagonal
+    A *= beta[..., :, None]
+    Tinv = unit_lower_inverse(A)                                     # (its diagonal is not A's)
     P *= D
     if g is None:
         return Chunks(T, q, k, v, beta, False, eg, eC, eCg, D, KK, P, Tinv, KQ, k)
