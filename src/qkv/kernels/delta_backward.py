@@ -3,7 +3,7 @@
 A chunk maps its start state ``S_0`` and its inputs to its outputs and end state::
 
     X   = V - diag(e^γ) K S_0                   the residuals before the write strength
-    U   = Tinv diag(beta) X                      (= U0 - W S_0)
+    U   = Tinv diag(beta) X
     O   = scale · (Qg S_0 + P U)                 Qg = diag(e^γ) Q,   P = (Q Kᵀ) ∘ D
     S_C = e^{γ_C} S_0 + Kcᵀ U                    Kc = diag(e^{γ_C - γ}) K
 
@@ -14,14 +14,16 @@ reaching the chunk's end state: ``dstate`` for the last chunk)::
     dR   = Tinvᵀ dU                              R = diag(beta) X,  U = Tinv R
     dX   = diag(beta) dR
     dS_0 = scale · Qgᵀ dO + e^{γ_C} dS_C - Kᵀ diag(e^γ) dX
-         = scale · Qgᵀ dO + e^{γ_C} dS_C - Wᵀ dU      (Wᵀ = Kᵀ diag(beta e^γ) Tinvᵀ)
+         = scale · Qgᵀ dO + e^{γ_C} dS_C - Kbᵀ dR       Kb = diag(beta e^γ) K
 
-The terms without ``dS_C`` are batched over all chunks before the loop; the loop then costs
-two ``(C)``-row products a chunk (``dU_n = ... + Kc_n dS``, ``dS <- ... - W_nᵀ dU_n``) and
-keeps each chunk's ``dS_C`` (``(T/C)·Dk·Dv``). The chunk start states ``S_0`` come from
-the forward's state pass, recomputed (:func:`qkv.kernels.delta_chunks.pass_states`).
+The terms without ``dS_C`` (``scale · Pᵀ dO``, ``scale · Qgᵀ dO``) are batched over all
+chunks before the loop; the loop then costs three products a chunk, the forward's pass in
+reverse (``Kc_n dS`` (C,Dk) @ (Dk,Dv), ``Tinv_nᵀ dU_n`` (C,C) @ (C,Dv), ``Kb_nᵀ dR_n``
+(Dk,C) @ (C,Dv)), and keeps each chunk's ``dR`` and ``dS_C`` (``(T/C)·Dk·Dv``). The chunk
+start states ``S_0`` come from the forward's state pass, run again
+(:func:`qkv.kernels.delta_chunks.pass_states` with ``keep``).
 
-**The inputs' gradients**, all chunks at once, from ``dU``, ``dR``, ``dX``, ``S_0``, ``dS_C``:
+**The inputs' gradients**, all chunks at once, from ``dR``, ``dX``, ``U``, ``S_0``, ``dS_C``:
 
 * through the triangular solve: ``dA = -strictly_lower(dR Uᵀ)`` (``dL = -L⁻ᵀ dU Uᵀ``);
 * through ``A = beta_t (K Kᵀ) ∘ D`` (strict): ``G = dA ∘ beta_t D`` gives
