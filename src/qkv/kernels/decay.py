@@ -92,6 +92,7 @@ class _Chunks:
     eG: np.ndarray
     eK: np.ndarray
     eGam: np.ndarray
+    a: np.ndarray | None
 
     @property
     def Qg(self):
@@ -117,7 +118,8 @@ def _chunks(q, k, v, g, C) -> _Chunks:
     Gam = G[:, :, -1:]                                                    # (n,Nc,1,W)
     eG = np.exp(G.astype(dt))
     eK = np.exp((Gam - G).astype(dt))
-    return _Chunks(_split(q, C), _split(k, C), _split(v, C), G, eG, eK, np.exp(Gam[:, :, 0].astype(dt)))
+    a = np.exp(_split(g, C)) if g.shape[-1] > 1 else None                # (n,Nc,C,Dk): a decay a channel
+    return _Chunks(_split(q, C), _split(k, C), _split(v, C), G, eG, eK, np.exp(Gam[:, :, 0].astype(dt)), a)
 
 
 def _states(c: _Chunks, S0) -> np.ndarray:
@@ -144,7 +146,7 @@ def _forward_unit(q, k, v, g, S0, scale, C):
     S = _states(c, S0)
     o = c.Qg @ S[:, :Nc]                                                  # (n,Nc,C,Dk) @ (n,Nc,Dk,Dv) -> (n,Nc,C,Dv)
     for a, b in _slabs(n, Nc, C):
-        dec = decay_intra.decay(c.G[:, a:b], q.dtype)
+        dec = decay_intra.decay(c.G[:, a:b], None if c.a is None else c.a[:, a:b], q.dtype)
         o[:, a:b] += dec.scores(c.q[:, a:b], c.k[:, a:b]) @ c.v[:, a:b]   # (n,M,C,C) @ (n,M,C,Dv)
     o *= q.dtype.type(scale)
     return o.reshape(n, Nc * C, -1)[:, :T], S[:, Nc]
@@ -183,7 +185,7 @@ def _backward_unit(dout, dstate, q, k, v, g, S0, scale, C):
     dG = _to_width(dQg * Qg - dKK, W)                                     # (n,Nc,C,W)
     dGam = _to_width(np.einsum("ncdv,ncdv->ncd", dS_out, S[:, :Nc]), W) * c.eGam + _to_width(dKK.sum(2), W)
     for a, b in _slabs(n, Nc, C):
-        dec = decay_intra.decay(c.G[:, a:b], q.dtype)
+        dec = decay_intra.decay(c.G[:, a:b], None if c.a is None else c.a[:, a:b], q.dtype)
         qa, ka, dOa = c.q[:, a:b], c.k[:, a:b], dO[:, a:b]
         dv[:, a:b] += _t(dec.scores(qa, ka)) @ dOa                        # Aᵀ dO': (n,M,C,C) @ (n,M,C,Dv)
         dA = dOa @ _t(c.v[:, a:b])                                         # (n,M,C,Dv) @ (n,M,Dv,C) -> (n,M,C,C)

@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .flash.tiles import DEFAULT, scratch
+
 SUB = 16   # rows of a diagonal sub-block (decay a key channel)
 
 
@@ -84,18 +86,22 @@ class ChannelDecay:
     row ``r = r0 - 1``: ``eq_I = exp(G_I - G_r)`` ``(n, M, c, Dk)`` and
     ``ek_I = exp(G_r - G_<I)`` ``(n, M, r0, Dk)``."""
 
-    def __init__(self, G: np.ndarray, dtype, sub: int = SUB):
-        C = G.shape[2]
-        self.C = C
-        self.blocks = []
-        for r0 in range(0, C, sub):
-            r1 = min(r0 + sub, C)
-            E = _lower(G[:, :, r0:r1], G[:, :, r0:r1], dtype)           # (n,M,c,c,Dk)
+    def __init__(self, a: np.ndarray, sub: int = SUB):
+        n, M, C, Dk = a.shape
+        cuts = [(r0, min(r0 + sub, C)) for r0 in range(0, C, sub)]
+        buf = scratch(sum(n * M * (r1 - r0) ** 2 * Dk for r0, r1 in cuts), a.dtype, DEFAULT, "decay_E")
+        buf.fill(0)
+        self.blocks, at = [], 0
+        for r0, r1 in cuts:
+            size = n * M * (r1 - r0) ** 2 * Dk
+            E = _products(a[:, :, r0:r1], buf[at:at + size].reshape(n, M, r1 - r0, r1 - r0, Dk))
+            at += size
             eq = ek = None
             if r0:
-                ref = G[:, :, r0 - 1:r0]                                 # (n,M,1,Dk)
-                eq = _exp(G[:, :, r0:r1] - ref, dtype)                   # (n,M,c,Dk), G_i <= G_r
-                ek = _exp(ref - G[:, :, :r0], dtype)                     # (n,M,r0,Dk), G_r <= G_s
+                eq = np.cumprod(a[:, :, r0:r1], axis=2)                  # Π_{r < j <= i} a_j  (n,M,c,Dk)
+                ek = np.ones(a.shape[:2] + (r0,) + a.shape[3:], a.dtype)  # Π_{s < j <= r} a_j  (n,M,r0,Dk)
+                if r0 > 1:
+                    ek[:, :, :-1] = np.cumprod(a[:, :, r0 - 1:0:-1], axis=2)[:, :, ::-1]
             self.blocks.append((r0, r1, E, eq, ek))
 
     def scores(self, q, k):
@@ -124,6 +130,17 @@ class ChannelDecay:
         return Y
 
 
-def decay(G: np.ndarray, dtype):
-    """The in-chunk decays of a slab: ``G (n, M, C, W)`` float64, W = 1 (a head) or Dk."""
-    return HeadDecay(G, dtype) if G.shape[-1] == 1 else ChannelDecay(G, dtype)
+def _products(a: np.ndarray, E: np.ndarray) -> np.ndarray:
+    """``E_is = Π_{s < j <= i} a_j`` for ``s <= i`` (1 on the diagonal), into ``E`` (zeros):
+    ``a (n, M, c, Dk) -> E (n, M, c, c, Dk)``, one row from the one before."""
+    for i in range(a.shape[2]):
+        E[:, :, i, i] = 1
+        if i:
+            np.multiply(E[:, :, i - 1, :i], a[:, :, i, None], out=E[:, :, i, :i])
+    return E
+
+
+def decay(G: np.ndarray, a: np.ndarray | None, dtype):
+    """The in-chunk decays of a slab: ``G (n, M, C, W)`` float64, W = 1 (a head) or Dk;
+    ``a = exp(g)`` ``(n, M, C, Dk)`` for a decay a key channel."""
+    return HeadDecay(G, dtype) if G.shape[-1] == 1 else ChannelDecay(a)
