@@ -54,7 +54,8 @@ summed over the key channels for a decay a head.
 
 **Padding.** T is padded to whole chunks with ``q = k = v = 0`` and ``g = 0`` at the end:
 the padded rows add nothing to the state and decay nothing, so ``S_T`` and every real row
-are exact; their outputs and gradients are dropped.
+are exact; their outputs and gradients are dropped. A log decay below :data:`FLOOR` is
+raised to it before the sums (its exp is 0 either way), so no sum of them reaches ``-inf``.
 
 **Work.** The ``B·H`` heads are cut into units (a whole number of heads, at least
 :data:`UNIT_ROWS` positions where T is short), which run on the kernel threads with BLAS
@@ -74,6 +75,7 @@ from .flash.tiles import DEFAULT, Workers
 CHUNK = 64          # rows a chunk by default
 UNIT_ROWS = 4096    # positions (heads × T) a work unit holds at least, where there are enough
 SLAB_ROWS = 2048    # positions of the chunks whose in-chunk scores are made at once
+FLOOR = -1000.0     # log decays below are raised to it: exp(-1000) is 0 in float64 already
 
 
 def _t(x):
@@ -114,7 +116,7 @@ def _split(x: np.ndarray, C: int) -> np.ndarray:
 
 def _chunks(q, k, v, g, C) -> _Chunks:
     dt = q.dtype
-    G = np.cumsum(_split(g, C).astype(np.float64), axis=2)                # (n,Nc,C,W)
+    G = np.cumsum(np.maximum(_split(g, C).astype(np.float64), FLOOR), axis=2)   # (n,Nc,C,W)
     Gam = G[:, :, -1:]                                                    # (n,Nc,1,W)
     eG = np.exp(G.astype(dt))
     eK = np.exp((Gam - G).astype(dt))
