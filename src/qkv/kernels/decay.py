@@ -214,6 +214,12 @@ def _units(N: int, T: int):
     return [(a, min(a + per, N)) for a in range(0, N, per)]
 
 
+def _chunk_size(chunk, T: int) -> int:
+    """The chunk's rows: ``chunk`` (:data:`CHUNK` when None), at most T (a short call, a
+    decoding step, pads nothing)."""
+    return max(1, min(CHUNK if chunk is None else int(chunk), T))
+
+
 def _run(N, T, C, job):
     with Workers(None, N * T * C, DEFAULT) as w:
         w.run([lambda a=a, b=b: job(a, b) for a, b in _units(N, T)])
@@ -221,8 +227,8 @@ def _run(N, T, C, job):
 
 def forward(q, k, v, g, *, scale, initial_state=None, chunk=None):
     """``(o (B,H,T,Dv), S_T (B,H,Dk,Dv))`` in q's dtype (float32 or float64)."""
-    C = CHUNK if chunk is None else int(chunk)
     B, H, T, Dk = q.shape
+    C = _chunk_size(chunk, T)
     qf, kf, vf, gf, S0 = _flat(q, k, v, g, initial_state)
     o = np.empty(vf.shape, q.dtype)
     S_T = np.empty((B * H, Dk, vf.shape[-1]), q.dtype)
@@ -237,8 +243,8 @@ def forward(q, k, v, g, *, scale, initial_state=None, chunk=None):
 
 def backward(dout, dstate, q, k, v, g, *, scale, initial_state=None, chunk=None):
     """``(dq, dk, dv, dg, dinitial_state)`` in q's dtype; dinitial_state None without one."""
-    C = CHUNK if chunk is None else int(chunk)
     B, H, T, Dk = q.shape
+    C = _chunk_size(chunk, T)
     qf, kf, vf, gf, S0 = _flat(q, k, v, g, initial_state)
     dof = dout.reshape(vf.shape)
     dSf = None if dstate is None else dstate.reshape(B * H, Dk, -1)
