@@ -30,9 +30,11 @@ def close(got, want, tol):
 @pytest.mark.parametrize("per_channel", [False, True], ids=["head", "channel"])
 @pytest.mark.parametrize("T", [1, 5, 64, 100, 257])
 @pytest.mark.parametrize("chunk", [1, 3, 16, 40, 64, None])
-def test_chunked_equals_the_step_oracle_in_float64(per_channel, T, chunk):
+@pytest.mark.parametrize("strength", [0.1, 30.0], ids=["weak", "strong"])
+def test_chunked_equals_the_step_oracle_in_float64(per_channel, T, chunk, strength):
+    """Weak decays: a head's chunks take the rank-one factors; strong: the (C, C) exps."""
     rng = np.random.default_rng(T * 7 + (chunk or 0))
-    q, k, v, g, S0, do, dS = problem(rng, T, per_channel)
+    q, k, v, g, S0, do, dS = problem(rng, T, per_channel, strength=strength)
     for state, dstate in ((S0, dS), (None, None), (None, dS), (S0, None)):
         o, S_T = decay.forward(q, k, v, g, scale=0.6, initial_state=state, chunk=chunk)
         o_ref, S_ref = R.decay_forward(q, k, v, g, scale=0.6, initial_state=state)

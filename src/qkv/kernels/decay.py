@@ -66,11 +66,12 @@ decays are summed in float64 (see :mod:`qkv.kernels.decay_intra`).
 from __future__ import annotations
 
 import dataclasses
+from functools import cached_property
 
 import numpy as np
 
 from . import decay_intra
-from .flash.tiles import DEFAULT, Workers
+from .flash.tiles import DEFAULT, Workers, scratch
 
 CHUNK = 64          # rows a chunk by default
 UNIT_ROWS = 4096    # positions (heads × T) a work unit holds at least, where there are enough
@@ -82,11 +83,18 @@ def _t(x):
     return np.swapaxes(x, -1, -2)
 
 
+def _buffer(shape: tuple, dtype, slot: str) -> np.ndarray:
+    """A per-thread work array (reused call after call: a fresh array of megabytes costs
+    its page faults again each time). Its contents are whatever was left there."""
+    return scratch(int(np.prod(shape)), dtype, DEFAULT, "decay_" + slot).reshape(shape)
+
+
 @dataclasses.dataclass
 class _Chunks:
     """One unit's heads in chunks: ``q, k (n,Nc,C,Dk)``, ``v (n,Nc,C,Dv)``, ``G (n,Nc,C,W)``
     the float64 cumulative log decays from each chunk's start (W = 1 or Dk), the factors
-    ``eG = exp(G)``, ``eK = exp(Γ - G)`` and ``eGam = exp(Γ) (n,Nc,W)``."""
+    ``eG = exp(G)``, ``eK = exp(Γ - G)`` and ``eGam = exp(Γ) (n,Nc,W)``, and for a decay a
+    channel the step decays ``a = exp(g) (n,Nc,C,Dk)``; ``Qg = q ∘ eG``, ``Kg = k ∘ eK``."""
     q: np.ndarray
     k: np.ndarray
     v: np.ndarray
@@ -96,13 +104,13 @@ class _Chunks:
     eGam: np.ndarray
     a: np.ndarray | None
 
-    @property
+    @cached_property
     def Qg(self):
-        return self.q * self.eG
+        return np.multiply(self.q, self.eG, out=_buffer(self.q.shape, self.q.dtype, "Qg"))
 
-    @property
+    @cached_property
     def Kg(self):
-        return self.k * self.eK
+        return np.multiply(self.k, self.eK, out=_buffer(self.k.shape, self.k.dtype, "Kg"))
 
 
 def _split(x: np.ndarray, C: int) -> np.ndarray:
@@ -127,7 +135,7 @@ def _chunks(q, k, v, g, C) -> _Chunks:
 def _states(c: _Chunks, S0) -> np.ndarray:
     """The state entering each chunk and the final one: ``(n, Nc+1, Dk, Dv)``."""
     n, Nc = c.q.shape[:2]
-    S = np.empty((n, Nc + 1, c.q.shape[-1], c.v.shape[-1]), c.q.dtype)
+    S = _buffer((n, Nc + 1, c.q.shape[-1], c.v.shape[-1]), c.q.dtype, "S")
     S[:, 0] = 0 if S0 is None else S0
     np.matmul(_t(c.Kg), c.v, out=S[:, 1:])                                 # U: (n,Nc,Dk,C) @ (n,Nc,C,Dv) -> (n,Nc,Dk,Dv)
     for j in range(Nc):                                                   # S_{j+1} = exp(Γ_j) ∘ S_j + U_j
@@ -146,7 +154,7 @@ def _forward_unit(q, k, v, g, S0, scale, C):
     c = _chunks(q, k, v, g, C)
     n, Nc = c.q.shape[:2]
     S = _states(c, S0)
-    o = c.Qg @ S[:, :Nc]                                                  # (n,Nc,C,Dk) @ (n,Nc,Dk,Dv) -> (n,Nc,C,Dv)
+    o = np.matmul(c.Qg, S[:, :Nc], out=_buffer(c.v.shape, q.dtype, "o"))  # (n,Nc,C,Dk) @ (n,Nc,Dk,Dv) -> (n,Nc,C,Dv)
     for a, b in _slabs(n, Nc, C):
         dec = decay_intra.decay(c.G[:, a:b], None if c.a is None else c.a[:, a:b], q.dtype)
         o[:, a:b] += dec.scores(c.q[:, a:b], c.k[:, a:b]) @ c.v[:, a:b]   # (n,M,C,C) @ (n,M,C,Dv)
@@ -157,7 +165,7 @@ def _forward_unit(q, k, v, g, S0, scale, C):
 def _grad_states(c: _Chunks, dO, dstate) -> np.ndarray:
     """``dS[:, j]`` the gradient of the state entering chunk j (j = Nc: the final state)."""
     n, Nc = c.q.shape[:2]
-    dS = np.empty((n, Nc + 1, c.q.shape[-1], c.v.shape[-1]), c.q.dtype)
+    dS = _buffer((n, Nc + 1, c.q.shape[-1], c.v.shape[-1]), c.q.dtype, "dS")
     dS[:, Nc] = 0 if dstate is None else dstate
     np.matmul(_t(c.Qg), dO, out=dS[:, :Nc])                                # R: (n,Nc,Dk,C) @ (n,Nc,C,Dv) -> (n,Nc,Dk,Dv)
     for j in reversed(range(Nc)):                                         # dS_j = exp(Γ_j) ∘ dS_{j+1} + R_j

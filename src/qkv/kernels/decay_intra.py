@@ -12,7 +12,13 @@ Inside a chunk of C positions, with ``G_i`` the cumulative log decay from the ch
 above the diagonal is one ``(C, C)`` factor, and the three are matrix products:
 ``A = (Q Kᵀ) ∘ D``, ``X = (P ∘ D) K``, ``Y = (P ∘ D)ᵀ Q``. ``G_i - G_s <= 0`` is taken with
 ``i >= s`` only (``-inf`` above the diagonal), so D is in [0, 1]: nothing overflows, a
-decay that underflows is one whose true value is below the smallest float.
+decay that underflows is one whose true value is below the smallest float. Where every
+chunk of a slab decays by at most ``exp(-20)`` (``Γ = G_C >= -LIMIT``, the common case)
+D is the lower triangle of a rank-one matrix, ``exp(G_i - Γ) · exp(Γ - G_s)``, the first
+factor in ``[1, e^20]``, the second in ``[e^-20, 1]``: they are folded into Q and K (``A =
+tril((Q ∘ u)(K ∘ w)ᵀ)``) and no ``(C, C)`` exp is taken. The upper triangle, which that
+product also fills (up to ``e^20`` times too large, inf for huge inputs), is overwritten
+with 0, never multiplied by it.
 
 **A decay a key channel** (``G`` of width Dk): the factor differs per channel and cannot be
 pulled out of the sum over d. Splitting ``exp(G_i - G_s) = exp(G_i) exp(-G_s)`` would make
@@ -26,15 +32,23 @@ into sub-blocks of c rows (:data:`SUB`), and a pair of them is handled by where 
 
   so ``A[I, <I] = (Q_I ∘ exp(G_I - G_r)) (K_<I ∘ exp(G_r - G_<I))ᵀ`` is one matrix product;
   rows and cols factor the same way.
-* on the diagonal: the ``(c, c, Dk)`` block of ``exp(G_i - G_s)`` itself, element by
-  element, masked to ``s <= i`` before the exp, then contracted over d.
+* on the diagonal: the ``(c, c, Dk)`` block of ``exp(G_i - G_s)`` itself, contracted over
+  d element by element (``einsum``), 0 above the diagonal.
 
-Cost a row: about ``C/(2c) + c`` exps a key channel and the products; ``c`` balances the two.
+Both kinds of factor are products of the step decays ``a_j = exp(g_j)`` in [0, 1]:
+``exp(G_i - G_s) = Π_{s < j <= i} a_j``, made by running products (a diagonal block row
+by row from the one above it, ``E_is = E_{i-1,s} a_i``; the factors about r by ``cumprod``
+forwards and backwards from r). Multiplications only, no exp beyond ``a`` itself: each
+factor is rounded like the step recurrence's own running product (a relative error of at
+most about ``C·eps``), and a product of numbers in [0, 1] can only underflow to 0.
 
-**Precision.** ``G`` is a cumulative sum and differences of it lose digits in proportion
-to its size (``|G|`` up to ``30·C``); the sums and differences are taken in float64 and
-rounded to the compute dtype only as the argument of the exp, so each decay factor is
-within an ulp or two of ``exp`` of the exact difference.
+Cost a row and key channel: about ``c/2`` multiplications for the diagonal block, ``2c``
+for each contraction with it, and ``C/(2c)`` for the factors below it; c = :data:`SUB`.
+
+**Precision of the one-a-head factor.** ``G`` is a cumulative sum and differences of it lose
+digits in proportion to its size (``|G|`` up to ``30·C``); the sums and differences are taken
+in float64 and rounded to the compute dtype only as the argument of the exp, so each decay
+factor is within an ulp or two of ``exp`` of the exact difference.
 """
 from __future__ import annotations
 
@@ -42,7 +56,8 @@ import numpy as np
 
 from .flash.tiles import DEFAULT, scratch
 
-SUB = 16   # rows of a diagonal sub-block (decay a key channel)
+SUB = 16      # rows of a diagonal sub-block (decay a key channel)
+LIMIT = 20.0  # a head's chunks decaying by at most exp(-LIMIT) take the rank-one factors
 
 
 def _t(x):
@@ -65,19 +80,48 @@ def _lower(G_rows: np.ndarray, G_cols: np.ndarray, dtype) -> np.ndarray:
 
 
 class HeadDecay:
-    """One decay a head: the ``(C, C)`` factor ``D`` of a slab of chunks ``(n, M, C, C)``."""
+    """One decay a head, on a slab of chunks: the ``(C, C)`` factor ``D`` ``(n, M, C, C)``, or,
+    where every chunk of the slab decays by at most ``exp(-LIMIT)`` (:data:`LIMIT`), its two
+    rank-one factors ``u = exp(G - Γ)`` and ``w = exp(Γ - G)`` ``(n, M, C, 1)`` (Γ the
+    chunk's last G): ``D = tril(u wᵀ)``, folded into the products."""
 
     def __init__(self, G: np.ndarray, dtype):
-        self.D = _lower(G, G, dtype)[..., 0]                            # (n,M,C,C)
+        self.factored = bool((G[:, :, -1] >= -LIMIT).all())
+        if self.factored:
+            Gam = G[:, :, -1:]                                          # (n,M,1,1)
+            self.u, self.w = _exp(G - Gam, dtype), _exp(Gam - G, dtype)  # in [1, e^LIMIT] and [e^-LIMIT, 1]
+            self.upper = ~np.tri(G.shape[2], dtype=bool)
+        else:
+            self.D = _lower(G, G, dtype)[..., 0]                        # (n,M,C,C)
+
+    def _masked(self, P):
+        """``P ∘ D`` (factored: ``tril(P)``, the rank-one factors applied by the caller)."""
+        if not self.factored:
+            return P * self.D
+        P = P.copy()
+        np.copyto(P, 0, where=self.upper)
+        return P
 
     def scores(self, q, k):
-        return (q @ _t(k)) * self.D                                     # (n,M,C,Dk) @ (n,M,Dk,C) -> (n,M,C,C)
+        n, M, C = q.shape[:3]
+        A = scratch(n * M * C * C, q.dtype, DEFAULT, "decay_A").reshape(n, M, C, C)
+        if self.factored:                                               # (q ∘ u) (k ∘ w)ᵀ, upper set to 0
+            np.matmul(q * self.u, _t(k * self.w), out=A)
+            np.copyto(A, 0, where=self.upper)                           # (it may hold inf there: no NaN)
+        else:
+            np.matmul(q, _t(k), out=A)                                  # (n,M,C,Dk) @ (n,M,Dk,C) -> (n,M,C,C)
+            A *= self.D
+        return A
 
-    def rows(self, P, k):
-        return (P * self.D) @ k                                         # (n,M,C,C) @ (n,M,C,Dk) -> (n,M,C,Dk)
+    def rows(self, P, k):                                               # (n,M,C,C) @ (n,M,C,Dk) -> (n,M,C,Dk)
+        if self.factored:
+            return (self._masked(P) @ (k * self.w)) * self.u
+        return self._masked(P) @ k
 
-    def cols(self, P, q):
-        return _t(P * self.D) @ q                                       # (n,M,C,C)ᵀ @ (n,M,C,Dk) -> (n,M,C,Dk)
+    def cols(self, P, q):                                               # (n,M,C,C)ᵀ @ (n,M,C,Dk) -> (n,M,C,Dk)
+        if self.factored:
+            return (_t(self._masked(P)) @ (q * self.u)) * self.w
+        return _t(self._masked(P)) @ q
 
 
 class ChannelDecay:
