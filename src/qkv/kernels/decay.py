@@ -157,7 +157,8 @@ def _forward_unit(q, k, v, g, S0, scale, C):
     o = np.matmul(c.Qg, S[:, :Nc], out=_buffer(c.v.shape, q.dtype, "o"))  # (n,Nc,C,Dk) @ (n,Nc,Dk,Dv) -> (n,Nc,C,Dv)
     for a, b in _slabs(n, Nc, C):
         dec = decay_intra.decay(c.G[:, a:b], None if c.a is None else c.a[:, a:b], q.dtype)
-        o[:, a:b] += dec.scores(c.q[:, a:b], c.k[:, a:b]) @ c.v[:, a:b]   # (n,M,C,C) @ (n,M,C,Dv)
+        A = dec.scores(c.q[:, a:b], c.k[:, a:b], c.Qg[:, a:b], c.Kg[:, a:b])
+        o[:, a:b] += A @ c.v[:, a:b]                                      # (n,M,C,C) @ (n,M,C,Dv)
     o *= q.dtype.type(scale)
     return o.reshape(n, Nc * C, -1)[:, :T], S[:, Nc]
 
@@ -197,7 +198,7 @@ def _backward_unit(dout, dstate, q, k, v, g, S0, scale, C):
     for a, b in _slabs(n, Nc, C):
         dec = decay_intra.decay(c.G[:, a:b], None if c.a is None else c.a[:, a:b], q.dtype)
         qa, ka, dOa = c.q[:, a:b], c.k[:, a:b], dO[:, a:b]
-        dv[:, a:b] += _t(dec.scores(qa, ka)) @ dOa                        # Aᵀ dO': (n,M,C,C) @ (n,M,C,Dv)
+        dv[:, a:b] += _t(dec.scores(qa, ka, Qg[:, a:b], Kg[:, a:b])) @ dOa  # Aᵀ dO': (n,M,C,C) @ (n,M,C,Dv)
         dA = dOa @ _t(c.v[:, a:b])                                         # (n,M,C,Dv) @ (n,M,Dv,C) -> (n,M,C,C)
         dqA, dkA = dec.rows(dA, ka), dec.cols(dA, qa)
         dq[:, a:b] += dqA

@@ -15,10 +15,11 @@ above the diagonal is one ``(C, C)`` factor, and the three are matrix products:
 decay that underflows is one whose true value is below the smallest float. Where every
 chunk of a slab decays by at most ``exp(-20)`` (``Γ = G_C >= -LIMIT``, the common case)
 D is the lower triangle of a rank-one matrix, ``exp(G_i - Γ) · exp(Γ - G_s)``, the first
-factor in ``[1, e^20]``, the second in ``[e^-20, 1]``: they are folded into Q and K (``A =
-tril((Q ∘ u)(K ∘ w)ᵀ)``) and no ``(C, C)`` exp is taken. The upper triangle, which that
-product also fills (up to ``e^20`` times too large, inf for huge inputs), is overwritten
-with 0, never multiplied by it.
+factor in ``[1, e^20]``, the second in ``[e^-20, 1]``: they are folded into Q and K and no
+``(C, C)`` exp is taken. The scores reuse the chunked form's own ``Qg = Q ∘ exp(G)`` and
+``Kg = K ∘ exp(Γ - G)``: ``A = tril(Qg Kgᵀ) · exp(-Γ)`` (their product's upper triangle is
+at most ``|q_i · k_s|``, so the mask's 0 never meets an inf); the backward's rows and cols
+take ``tril(P)`` between ``u = exp(G - Γ)`` and ``w = exp(Γ - G)``.
 
 **A decay a key channel** (``G`` of width Dk): the factor differs per channel and cannot be
 pulled out of the sum over d. Splitting ``exp(G_i - G_s) = exp(G_i) exp(-G_s)`` would make
@@ -90,6 +91,7 @@ class HeadDecay:
         if self.factored:
             Gam = G[:, :, -1:]                                          # (n,M,1,1)
             self.u, self.w = _exp(G - Gam, dtype), _exp(Gam - G, dtype)  # in [1, e^LIMIT] and [e^-LIMIT, 1]
+            self.e_gam = _exp(-Gam, dtype)
             self.upper = ~np.tri(G.shape[2], dtype=bool)
         else:
             self.D = _lower(G, G, dtype)[..., 0]                        # (n,M,C,C)
@@ -102,12 +104,17 @@ class HeadDecay:
         np.copyto(P, 0, where=self.upper)
         return P
 
-    def scores(self, q, k):
+    def scores(self, q, k, Qg, Kg):
+        """``A`` from q and k, or, factored, from the chunk's ``Qg = q ∘ exp(G)`` and
+        ``Kg = k ∘ exp(Γ - G)``: ``Qg_i · Kg_s = (q_i · k_s) exp(G_i - G_s) exp(Γ)``, so
+        ``A = tril(Qg Kgᵀ) · exp(-Γ)``. Above the diagonal ``G_i - G_s <= -Γ``, so those
+        entries are at most ``|q_i · k_s|``: the mask's 0 multiplies nothing infinite."""
         n, M, C = q.shape[:3]
         A = scratch(n * M * C * C, q.dtype, DEFAULT, "decay_A").reshape(n, M, C, C)
-        if self.factored:                                               # (q ∘ u) (k ∘ w)ᵀ, upper set to 0
-            np.matmul(q * self.u, _t(k * self.w), out=A)
-            np.copyto(A, 0, where=self.upper)                           # (it may hold inf there: no NaN)
+        if self.factored:
+            np.matmul(Qg, _t(Kg), out=A)                                # (n,M,C,Dk) @ (n,M,Dk,C) -> (n,M,C,C)
+            A *= np.tri(C, dtype=q.dtype)
+            A *= self.e_gam                                             # exp(-Γ) (n,M,1,1), at most e^LIMIT
         else:
             np.matmul(q, _t(k), out=A)                                  # (n,M,C,Dk) @ (n,M,Dk,C) -> (n,M,C,C)
             A *= self.D
@@ -148,7 +155,7 @@ class ChannelDecay:
                     ek[:, :, :-1] = np.cumprod(a[:, :, r0 - 1:0:-1], axis=2)[:, :, ::-1]
             self.blocks.append((r0, r1, E, eq, ek))
 
-    def scores(self, q, k):
+    def scores(self, q, k, Qg=None, Kg=None):
         n, M, C = q.shape[:3]
         A = np.zeros((n, M, C, C), q.dtype)
         for r0, r1, E, eq, ek in self.blocks:
