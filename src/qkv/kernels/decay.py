@@ -148,19 +148,24 @@ def _slabs(n: int, Nc: int, C: int):
     return [(a, min(a + per, Nc)) for a in range(0, Nc, per)]
 
 
-def _forward_unit(q, k, v, g, S0, scale, C):
-    """One unit: ``q, k (n,T,Dk)``, ``v (n,T,Dv)``, ``g (n,T,W)`` -> ``(o (n,T,Dv), S_T)``."""
+def _forward_unit(q, k, v, g, S0, scale, C, out):
+    """One unit: ``q, k (n,T,Dk)``, ``v (n,T,Dv)``, ``g (n,T,W)``; o into ``out (n,T,Dv)``;
+    returns ``S_T``."""
     T = q.shape[1]
     c = _chunks(q, k, v, g, C)
     n, Nc = c.q.shape[:2]
     S = _states(c, S0)
-    o = np.matmul(c.Qg, S[:, :Nc], out=_buffer(c.v.shape, q.dtype, "o"))  # (n,Nc,C,Dk) @ (n,Nc,Dk,Dv) -> (n,Nc,C,Dv)
+    whole = T % C == 0                                                    # o straight into out, else padded
+    o = out.reshape(c.v.shape) if whole else _buffer(c.v.shape, q.dtype, "o")
+    np.matmul(c.Qg, S[:, :Nc], out=o)                                      # (n,Nc,C,Dk) @ (n,Nc,Dk,Dv) -> (n,Nc,C,Dv)
     for a, b in _slabs(n, Nc, C):
         dec = decay_intra.decay(c.G[:, a:b], None if c.a is None else c.a[:, a:b], q.dtype)
         A = dec.scores(c.q[:, a:b], c.k[:, a:b], c.Qg[:, a:b], c.Kg[:, a:b])
         o[:, a:b] += A @ c.v[:, a:b]                                      # (n,M,C,C) @ (n,M,C,Dv)
     o *= q.dtype.type(scale)
-    return o.reshape(n, Nc * C, -1)[:, :T], S[:, Nc]
+    if not whole:
+        out[:] = o.reshape(n, Nc * C, -1)[:, :T]
+    return S[:, Nc]
 
 
 def _grad_states(c: _Chunks, dO, dstate) -> np.ndarray:
@@ -243,8 +248,8 @@ def forward(q, k, v, g, *, scale, initial_state=None, chunk=None):
     S_T = np.empty((B * H, Dk, vf.shape[-1]), q.dtype)
 
     def job(a, b):
-        o[a:b], S_T[a:b] = _forward_unit(qf[a:b], kf[a:b], vf[a:b], gf[a:b],
-                                         None if S0 is None else S0[a:b], scale, C)
+        S_T[a:b] = _forward_unit(qf[a:b], kf[a:b], vf[a:b], gf[a:b], None if S0 is None else S0[a:b],
+                                 scale, C, o[a:b])
 
     _run(B * H, T, C, job)
     return o.reshape(v.shape), S_T.reshape(B, H, Dk, -1)
