@@ -152,8 +152,8 @@ def decay_products(q, k, v, dout, backward: bool, chunk: int | None = None):
 
     from qkv.kernels import decay
 
-    C = chunk or decay.CHUNK
     B, H, T, D = q.shape
+    C = decay._chunk_size(chunk, T, D)
     Nc = -(-T // C)
     flat = lambda x: decay._split(x.reshape(B * H, T, -1), C)  # noqa: E731  (N,Nc,C,D)
     qf, kf, vf, df = flat(q), flat(k), flat(v), flat(dout)
