@@ -78,6 +78,7 @@ CHUNK = 64          # rows a chunk by default where Dk > 64; 32 for Dk <= 64 (me
 UNIT_ROWS = 4096    # positions (heads × T) a work unit holds at least, where there are enough
 SLAB_ROWS = 2048    # positions of the chunks whose in-chunk scores are made at once
 FLOOR = -1000.0     # log decays below are raised to it: exp(-1000) is 0 in float64 already
+KEEP = 1 << 21      # elements of the largest work array a thread keeps between calls
 
 
 def _t(x):
@@ -85,9 +86,13 @@ def _t(x):
 
 
 def _buffer(shape: tuple, dtype, slot: str) -> np.ndarray:
-    """A per-thread work array (reused call after call: a fresh array of megabytes costs
-    its page faults again each time). Its contents are whatever was left there."""
-    return scratch(int(np.prod(shape)), dtype, DEFAULT, "decay_" + slot).reshape(shape)
+    """A work array, uninitialised: per-thread and reused call after call up to
+    :data:`KEEP` elements (a fresh array of megabytes costs its page faults again each
+    time), a fresh one beyond (not held after the call)."""
+    size = int(np.prod(shape))
+    if size > KEEP:
+        return np.empty(shape, dtype)
+    return scratch(size, dtype, DEFAULT, "decay_" + slot).reshape(shape)
 
 
 @dataclasses.dataclass
@@ -144,8 +149,10 @@ def _states(c: _Chunks, S0) -> np.ndarray:
     return S
 
 
-def _slabs(n: int, Nc: int, C: int):
-    per = max(1, SLAB_ROWS // (n * C))
+def _slabs(n: int, Nc: int, C: int, W: int):
+    """Chunk ranges ``[a, b)`` whose in-chunk products are made at once (a quarter as many
+    rows for a decay a channel: its diagonal blocks hold ``SUB·Dk`` numbers a row)."""
+    per = max(1, (SLAB_ROWS if W == 1 else SLAB_ROWS // 4) // (n * C))
     return [(a, min(a + per, Nc)) for a in range(0, Nc, per)]
 
 
@@ -159,7 +166,7 @@ def _forward_unit(q, k, v, g, S0, scale, C, out):
     whole = T % C == 0                                                    # o straight into out, else padded
     o = out.reshape(c.v.shape) if whole else _buffer(c.v.shape, q.dtype, "o")
     np.matmul(c.Qg, S[:, :Nc], out=o)                                      # (n,Nc,C,Dk) @ (n,Nc,Dk,Dv) -> (n,Nc,C,Dv)
-    for a, b in _slabs(n, Nc, C):
+    for a, b in _slabs(n, Nc, C, c.G.shape[-1]):
         dec = decay_intra.decay(c.G[:, a:b], None if c.a is None else c.a[:, a:b], q.dtype)
         A = dec.scores(c.q[:, a:b], c.k[:, a:b], c.Qg[:, a:b], c.Kg[:, a:b])
         o[:, a:b] += A @ c.v[:, a:b]                                      # (n,M,C,C) @ (n,M,C,Dv)
@@ -201,7 +208,7 @@ def _backward_unit(dout, dstate, q, k, v, g, S0, scale, C):
     dKK = dKg * Kg
     dG = _to_width(dQg * Qg - dKK, W)                                     # (n,Nc,C,W)
     dGam = _to_width(np.einsum("ncdv,ncdv->ncd", dS_out, S[:, :Nc]), W) * c.eGam + _to_width(dKK.sum(2), W)
-    for a, b in _slabs(n, Nc, C):
+    for a, b in _slabs(n, Nc, C, c.G.shape[-1]):
         dec = decay_intra.decay(c.G[:, a:b], None if c.a is None else c.a[:, a:b], q.dtype)
         qa, ka, dOa = c.q[:, a:b], c.k[:, a:b], dO[:, a:b]
         dv[:, a:b] += _t(dec.scores(qa, ka, Qg[:, a:b], Kg[:, a:b])) @ dOa  # Aᵀ dO': (n,M,C,C) @ (n,M,C,Dv)
