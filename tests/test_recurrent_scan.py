@@ -97,3 +97,15 @@ def test_public_scan_errors():
         rec.linear_scan(x, np.zeros((2, 5)))
     with pytest.raises(ShapeError, match="log_a must be finite and <= 0"):
         rec.linear_scan(x, np.ones((2, 5, 3)))
+
+
+def test_backward_arrays_have_forward_strides_at_every_length():
+    """The backward runs the scan reversed in time; what it returns is laid out forward (a
+    reversed length-1 axis counts as contiguous in NumPy, but torch.from_numpy refuses it)."""
+    from qkv.recurrent import linear_scan_backward
+
+    rng = np.random.default_rng(0)
+    for T in (1, 2, 9):
+        x, h0 = rng.standard_normal((2, T, 3)), rng.standard_normal((2, 3))
+        for g in linear_scan_backward(x, x, -np.abs(x), initial_state=h0, dstate=h0):
+            assert min(g.strides) >= 0 and g.flags.c_contiguous

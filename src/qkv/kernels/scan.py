@@ -110,11 +110,11 @@ def backward(dout, dstate, x, log_a, *, initial_state=None):
     back_decay[:, 1:] = la[:, :0:-1]
     ds = None if dstate is None else dstate.astype(dt)
     c, _ = _scan(np.ascontiguousarray(dh[:, ::-1]), back_decay, ds)
-    c = c[:, ::-1]                                                  # (B,T,D): c_t
+    c = c[:, ::-1].copy()                                          # (B,T,D): c_t (forward order: products of it too)
     h, _ = _scan(x, la, h0)
     prev = np.concatenate([h0[:, None], h[:, :-1]], axis=1)         # h_{t-1}
     a = np.exp(la)
     dla = c * a * prev
     dh0 = a[:, 0] * c[:, 0] if T else (np.zeros((B, D), dt) if ds is None else ds)
-    out = (np.ascontiguousarray(c), dla, dh0)
+    out = (c, dla, dh0)
     return tuple(z.astype(out_dtype, copy=False) for z in out)
