@@ -8,7 +8,8 @@ Rows, float32, ``(B, H, T, D)`` with ``Dk = Dv = D``:
   form, chunk 64, loaded by path from the installed fla-core as the tests do: its package
   needs triton), backward by autograd. transformers' Mamba-2 chunk scan is not a
   standalone function (it lives inside ``Mamba2Mixer.torch_forward``), so the layer rows
-  (:data:`LAYERS`, ``qkv.nn.Mamba2`` against ``Mamba2Mixer``) are where it enters.
+  (:data:`LAYERS`: ``qkv.nn.Mamba2`` against ``Mamba2Mixer``, ``GatedDeltaNet`` against
+  ``Qwen3NextGatedDeltaNet``, in :mod:`benchmarks.recurrent_layers`) are where it enters.
 - ``gla`` (a decay a key channel): against fla's ``naive_recurrent_gla`` (fla has no torch
   chunk form of GLA; the peer is its step loop, so only short T).
 - ``delta`` (Gated DeltaNet): ``qkv.recurrent.delta_rule`` against transformers'
@@ -50,9 +51,9 @@ QUICK = {
     "decode": dict(b=1, h=2, d=32, ls=(256, 1024)),
 }
 KERNELS = ("decay", "gla", "delta")
-# Layer rows (qkv.nn.Mamba2 against transformers' Mamba2Mixer, GatedDeltaNet) go here, each
-# ((B, T, hidden), pass), measured by a _layer_row beside _kernel_row; added with the layers.
-LAYERS: tuple = ()
+# The layer rows (qkv.nn.Mamba2 against transformers' Mamba2Mixer, GatedDeltaNet against
+# Qwen3NextGatedDeltaNet): benchmarks/recurrent_layers.py.
+LAYERS = ("mamba2", "gated_delta")
 
 
 def peer_missing() -> str | None:
@@ -82,7 +83,8 @@ def cases(quick: bool, kernels=KERNELS) -> list[tuple[str, tuple, str]]:
 def steps(quick: bool, kernels=KERNELS) -> int:
     """How many rows :func:`measure` makes (one progress step each)."""
     sizes = QUICK if quick else FULL
-    return len(cases(quick, kernels)) + len(sizes["growth"]["ts"]) + len(sizes["decode"]["ls"])
+    return (len(cases(quick, kernels)) + len(sizes["growth"]["ts"]) + len(sizes["decode"]["ls"])
+            + 2 * len(LAYERS))
 
 
 def _inputs(rng, kern, shape):
@@ -229,7 +231,8 @@ def _slope(ts, secs) -> float:
     return float(np.polyfit(np.log(ts), np.log(secs), 1)[0])
 
 
-def measure(repeats: int, quick: bool, progress=None, *, kernels=KERNELS, seed: int = 0) -> list[dict]:
+def measure(repeats: int, quick: bool, progress=None, *, kernels=KERNELS, layers: bool = True,
+            seed: int = 0) -> list[dict]:
     """Every row (see the module docstring); the caller sets the threads of both sides."""
     import numpy as np
 
@@ -253,6 +256,9 @@ def measure(repeats: int, quick: bool, progress=None, *, kernels=KERNELS, seed: 
     for L in sizes["decode"]["ls"]:
         say(f"decode L={L}")
         rows.append(_decode_row(rng, sizes["decode"], L, repeats))
+    if layers:
+        from . import recurrent_layers
+        rows += recurrent_layers.rows(rng, quick, repeats, _timed, say)
     return rows
 
 

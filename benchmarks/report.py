@@ -360,9 +360,14 @@ def recurrent_table(rows: list[dict], repeats: int | None = None, threads: int |
     t = Table(f"recurrences: qkv.recurrent against torch chunk forms, float32, {threads or '?'} threads{runs}{smoke}",
               ["kernel", "shape (B,H,T,D)", "pass", "qkv s", "peer s", "products s", "bound", "peer ÷ qkv"], left=3)
     for r in rows:
-        b, h, t_or_l, d = r["shape"]
-        shape = f"({b},{h},{'L=' if r['kernel'] == 'decode' else ''}{t_or_l},{d})"
-        t.rows.append([r["kernel"] if r["group"] != "growth" else "decay (growth)", shape, r["pass"],
+        if r["group"] == "layer":   # (B, T, hidden): a whole layer against transformers' module
+            b, t_, hidden = r["shape"]
+            shape = f"({b},T={t_},d={hidden})"
+        else:
+            b, h, t_or_l, d = r["shape"]
+            shape = f"({b},{h},{'L=' if r['kernel'] == 'decode' else ''}{t_or_l},{d})"
+        label = {"growth": "decay (growth)", "layer": f"{r['kernel']} layer"}.get(r["group"], r["kernel"])
+        t.rows.append([label, shape, r["pass"],
                        f"{r['qkv_s']:.5f}", f"{r['peer_s']:.5f}", _fmt(r.get("products_s"), ".5f"),
                        _fmt(r.get("bound"), ".2f"), f"{r['ratio']:.2f}"])
     peers = {r["kernel"]: r["peer"] for r in rows}
@@ -375,4 +380,7 @@ def recurrent_table(rows: list[dict], repeats: int | None = None, threads: int |
         t.notes.append(f"growth in T ({ts[0]} to {ts[-1]}, forward): log-log slope qkv {growth[0]['slope_qkv']:.2f}, "
                        f"peer {growth[0]['slope_peer']:.2f} (1 = linear)")
     t.notes.append("decode: one token from a (B,H,D,D) state (qkv) against qkv.attention over L cached keys (peer)")
+    if any(r["group"] == "layer" for r in rows):
+        t.notes.append("layer: qkv.nn's layer built by from_hf from transformers' module, (B, T, d_model) in; "
+                       "fwd+bwd: every parameter's gradient and the input's")
     return t

@@ -41,8 +41,11 @@ def test_recurrent_suite_runs_from_the_command_line(tiny, tmp_path, capsys):
     assert [r["shape"][2] for r in growth] == [64, 128]
     assert all(isinstance(r["slope_qkv"], float) and isinstance(r["slope_peer"], float) for r in growth)
     assert [r["shape"][2] for r in rows if r["kernel"] == "decode"] == [16, 64]
+    layers = [(r["kernel"], r["pass"]) for r in rows if r["group"] == "layer"]
+    assert layers == [(k, p) for k in ("mamba2", "gated_delta") for p in ("fwd", "fwd+bwd")]
     assert "recurrences: qkv.recurrent against torch chunk forms" in text and "log-log slope" in text
-    shown = [line.split()[-1] for line in text.splitlines() if line.split()[:1] in (["decay"], ["gla"], ["delta"], ["decode"])]
+    names = (["decay"], ["gla"], ["delta"], ["decode"], ["mamba2"], ["gated_delta"])
+    shown = [line.split()[-1] for line in text.splitlines() if line.split()[:1] in names]
     assert shown == [f"{r['ratio']:.2f}" for r in rows]
 
 
