@@ -140,6 +140,8 @@ def tables(results: dict) -> list[Table]:
         out.append(hf_table(results["hf"], results["repeats"], smoke))
     if results.get("cold"):
         out.append(cold_table(results["cold"]))
+    if results.get("recurrent"):
+        out.append(recurrent_table(results["recurrent"], results["repeats"], results["threads"], smoke))
     return out
 
 
@@ -349,3 +351,36 @@ def sweep_figure(results: dict):
         ax.legend()
     fig.tight_layout()
     return fig
+
+
+def recurrent_table(rows: list[dict], repeats: int | None = None, threads: int | None = None,
+                    smoke: str = "") -> Table:
+    """Seconds, peer ÷ qkv and the products bound per kernel, shape and pass; the growth slopes."""
+    runs = f", medians of {repeats}" if repeats else ""
+    t = Table(f"recurrences: qkv.recurrent against torch chunk forms, float32, {threads or '?'} threads{runs}{smoke}",
+              ["kernel", "shape (B,H,T,D)", "pass", "qkv s", "peer s", "products s", "bound", "peer ÷ qkv"], left=3)
+    for r in rows:
+        if r["group"] == "layer":   # (B, T, hidden): a whole layer against transformers' module
+            b, t_, hidden = r["shape"]
+            shape = f"({b},T={t_},d={hidden})"
+        else:
+            b, h, t_or_l, d = r["shape"]
+            shape = f"({b},{h},{'L=' if r['kernel'] == 'decode' else ''}{t_or_l},{d})"
+        label = {"growth": "decay (growth)", "layer": f"{r['kernel']} layer"}.get(r["group"], r["kernel"])
+        t.rows.append([label, shape, r["pass"],
+                       f"{r['qkv_s']:.5f}", f"{r['peer_s']:.5f}", _fmt(r.get("products_s"), ".5f"),
+                       _fmt(r.get("bound"), ".2f"), f"{r['ratio']:.2f}"])
+    peers = {r["kernel"]: r["peer"] for r in rows}
+    t.notes.append("peers: " + "; ".join(f"{k}: {v}" for k, v in peers.items()))
+    t.notes.append("peer ÷ qkv: the median over repeats of the peer's time ÷ qkv's in the same repeat (above 1, "
+                   "qkv is faster); bound: the same against the chunked form's matrix products alone")
+    growth = [r for r in rows if r["group"] == "growth"]
+    if growth:
+        ts = [r["shape"][2] for r in growth]
+        t.notes.append(f"growth in T ({ts[0]} to {ts[-1]}, forward): log-log slope qkv {growth[0]['slope_qkv']:.2f}, "
+                       f"peer {growth[0]['slope_peer']:.2f} (1 = linear)")
+    t.notes.append("decode: one token from a (B,H,D,D) state (qkv) against qkv.attention over L cached keys (peer)")
+    if any(r["group"] == "layer" for r in rows):
+        t.notes.append("layer: qkv.nn's layer built by from_hf from transformers' module, (B, T, d_model) in; "
+                       "fwd+bwd: every parameter's gradient and the input's")
+    return t

@@ -14,7 +14,9 @@ batches, qkv ``method="auto"`` against SDPA; see ``shapes_suite.py``; needs the 
 ``train-mpi`` (qkv's GPT trained data- and context-parallel by the ranks of ``MPI.COMM_WORLD``
 against one process; see ``train_mpi.py``; needs the mpi extra, meant for ``mpiexec -n W``) and ``cold``
 (first calls in fresh processes, the kernels compiled into an empty cache and then loaded; see ``cold.py``).
-Without a choice a run measures :data:`DEFAULT` (a quick run :data:`QUICK_DEFAULT`); torch, ring, gpt, shapes, hf and cold run when named (or with "all"). A suite whose
+``recurrent`` (the recurrences of qkv.recurrent against torch chunk forms, growth in T, decoding with a state
+against a KV cache; see ``recurrent_suite.py``; needs the torch, test and hf extras).
+Without a choice a run measures :data:`DEFAULT` (a quick run :data:`QUICK_DEFAULT`); torch, ring, gpt, shapes, hf, cold and recurrent run when named (or with "all"). A suite whose
 extra is missing is skipped with the reason in ``results["skipped"]``.
 
 A quick plan shrinks every size so the whole run takes seconds: a smoke test that every
@@ -34,12 +36,13 @@ import importlib.util
 import os
 from dataclasses import dataclass
 
-from . import cold, gpt_suite, hf_suite, products, shapes_suite, torch_suite, train_mpi
+from . import cold, gpt_suite, hf_suite, products, recurrent_suite, shapes_suite, torch_suite, train_mpi
 from .attention import fwd_bwd_flops, forward_flops, inputs, kv_bytes, copier, runner
 from .memory import peak_extra
 from .timing import REWARM_S, alternate, walls
 
-SUITES = ("main", "sweep", "decode", "encoder", "torch", "ring", "gpt", "shapes", "train-mpi", "hf", "cold")
+SUITES = ("main", "sweep", "decode", "encoder", "torch", "ring", "gpt", "shapes", "train-mpi", "hf", "cold",
+          "recurrent")
 MPI_SUITES = ("ring", "train-mpi")  # every rank of mpiexec -n W takes part
 DEFAULT = ("main", "sweep", "decode", "encoder")  # the others run when named
 QUICK_DEFAULT = ("main", "sweep", "decode")  # a quick run leaves the encoder out unless asked
@@ -173,6 +176,8 @@ def count_steps(p: Plan) -> int:
         n += len(hf_suite.cases(p.quick))
     if "cold" in p.suites:
         n += cold.steps(p.quick)
+    if "recurrent" in p.suites and p.torch and not recurrent_suite.peer_missing():
+        n += recurrent_suite.steps(p.quick)
     return n
 
 
@@ -219,7 +224,7 @@ def run_suites(p: Plan, progress=None) -> dict | None:
                "note": SMOKE_NOTE if p.quick else None,
                "torch": torch.__version__ if p.torch else None, "machine": describe(p.torch),
                "main": [], "sweep": [], "decode": [], "encoder": [], "torch_suite": [], "ring": [], "gpt": [], "shapes": [],
-               "hf": [], "train_mpi": [], "options": [], "cold": [],
+               "hf": [], "train_mpi": [], "options": [], "cold": [], "recurrent": [],
                "ring_pingpong_gb_s": None, "mpi_ranks": None, "skipped": {}}
     ms = methods(p)
 
@@ -269,6 +274,8 @@ def run_suites(p: Plan, progress=None) -> dict | None:
         results["hf"], results["skipped"]["hf"] = hf_suite.suite(p, progress, _needs("hf", "transformers is not installed"))
     if "cold" in p.suites:
         results["cold"] = cold.suite(p.quick, progress)
+    if "recurrent" in p.suites:
+        results["recurrent"], results["skipped"]["recurrent"] = recurrent_suite.suite(p, progress)
     if ring:
         results["ring"], results["ring_pingpong_gb_s"] = ring["rows"], ring["pingpong_gb_s"]
         results["mpi_ranks"] = ring["size"]

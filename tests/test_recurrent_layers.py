@@ -57,7 +57,11 @@ def test_float64_output_and_every_gradient_equal_transformers(kind, cfg, B, T):
     assert R.rel(y, R.numpy(yt)) < 1e-10
     assert R.rel(layer.backward(r), R.numpy(xt.grad)) < 1e-10
     want = R.hf_grads(LAYERS[kind], module)
-    errors = {name: R.rel(layer.grads[name], want[name]) for name in layer.params}
+    # relative to the gradient's own size, or to the largest gradient where it is exactly 0
+    # (A_log at T = 1 from a zero state: the chunked form's rounding leaves ~1e-17 there)
+    scale = max(np.max(np.abs(g)) for g in want.values())
+    errors = {name: float(np.max(np.abs(layer.grads[name] - want[name]))
+                          / max(np.max(np.abs(want[name])), 1e-6 * scale)) for name in layer.params}
     assert max(errors.values()) < 1e-10, errors
 
 

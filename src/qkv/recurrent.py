@@ -109,6 +109,8 @@ def _checked(where, *args, **kwargs):
 
 
 def _shapes(q, per="head"):
+    if np.ndim(q) != 4:   # before the per-step shapes are read off it
+        raise ShapeError(f"q must have shape (B, H, T, Dk); got {fmt_shape(np.shape(q))}")
     B, H, T, Dk = np.shape(q)
     head, chan = (B, H, T), (B, H, T, Dk)
     return {"head": {"(B, H, T)": head}, "both": {"(B, H, T)": head, "(B, H, T, Dk)": chan},

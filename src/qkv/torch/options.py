@@ -314,7 +314,7 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
 def from_numpy(a: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A contiguous tensor sharing ``a``'s memory where ``a`` is contiguous and writable
     (what qkv returns always is), cast to ``dtype`` if given."""
-    if not (a.flags.c_contiguous and a.flags.writeable):
-        a = np.array(a, order="C", copy=True)
+    if not (a.flags.c_contiguous and a.flags.writeable) or min(a.strides, default=0) < 0:
+        a = np.array(a, order="C", copy=True)   # (NumPy calls a reversed length-1 axis contiguous; torch refuses it)
     t = torch.from_numpy(a)
     return t if dtype is None or t.dtype == dtype else t.to(dtype)

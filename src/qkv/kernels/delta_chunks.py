@@ -1,0 +1,179 @@
+"""The delta rule's chunks: what the forward and the backward of :mod:`qkv.kernels.delta`
+both compute from a chunk's own inputs, and the pass of the state from chunk to chunk.
+
+A chunk holds ``C`` positions ``t = 1..C`` (the last chunk padded with ``k = v = q = 0``,
+``beta = g = 0``: a padded step leaves the state as it was). All arrays are laid out
+``(B, H, N, C, ·)`` with ``N`` chunks; inside a chunk (``S_0`` its start state)::
+
+    γ_t  = g_1 + ... + g_t                       (γ_0 = 0; the decay from the start is e^{γ_t})
+    D_ts = exp(γ_t - γ_s) for s <= t, else 0     ((C, C): only exponents <= 0, never e^{-γ})
+    A    = strictly_lower(diag(beta) (K Kᵀ) ∘ D)  the UT system; L = I + A
+    Tinv = L⁻¹                                  unit lower triangular
+    P    = (Q Kᵀ) ∘ D                            the masked in-chunk scores (diagonal kept)
+    Kc   = diag(e^{γ_C - γ}) K                  the keys as they reach the chunk's end
+
+(``K Kᵀ`` and ``Q Kᵀ`` as one product ``[K; Q] Kᵀ``) and, once a chunk in order, the reads
+of its start state, its corrections and its end state (derived in :mod:`qkv.kernels.delta`)::
+
+    [Kg S_0; Qg S_0] = diag(e^γ) ([K; Q] S_0)                  one (2C, Dk) @ (Dk, Dv) product
+    X   = V - Kg S_0                            the residuals
+    U   = Tinv diag(beta) X                     (C, C) @ (C, Dv)
+    S_C = e^{γ_C} S_0 + Kcᵀ U                    (Dk, C) @ (C, Dv)
+
+**The triangular inverse** ``(I + A)⁻¹`` (``A`` strictly lower) by recursive doubling of
+the diagonal blocks: with the blocks of size ``s`` inverted, each pair of them becomes one
+block of size ``2s``::
+
+    [[L11,   0], [L21, L22]]⁻¹ = [[X11, 0], [-X22 L21 X11, X22]]     (Xii = Lii⁻¹)
+
+from ``s = 1`` (``Xii = 1``) to the chunk (padded with zeros to a power of two): ``log2 C``
+levels of batched products over every chunk at once, ``C³/3`` multiply-adds a chunk, and
+no loop over rows. It is the recursive triangular inversion whose error is bounded like
+forward substitution's (Higham, *Accuracy and Stability of Numerical Algorithms*, ch. 14, triangular matrices).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+CHUNK = 64          # positions a chunk when the caller gives none (measured: see delta.py)
+LOG_FLOOR = 1e4     # g below -LOG_FLOOR counts as -LOG_FLOOR (e^g is 0 either way)
+
+
+def to_chunks(x: np.ndarray, C: int) -> np.ndarray:
+    """``(B, H, T, ...)`` -> ``(B, H, N, C, ...)``, zero-padded at the end to ``N·C`` positions."""
+    B, H, T = x.shape[:3]
+    N = -(-T // C)
+    if N * C != T:
+        pad = np.zeros((B, H, N * C - T) + x.shape[3:], dtype=x.dtype)
+        x = np.concatenate([x, pad], axis=2)
+    return x.reshape((B, H, N, C) + x.shape[3:])
+
+
+def from_chunks(x: np.ndarray, T: int) -> np.ndarray:
+    """``(B, H, N, C, ...)`` -> ``(B, H, T, ...)`` (the padding dropped)."""
+    B, H, N, C = x.shape[:4]
+    out = x.reshape((B, H, N * C) + x.shape[4:])
+    return out if N * C == T else np.ascontiguousarray(out[:, :, :T])
+
+
+def _diagonal_blocks(X: np.ndarray, size: int) -> np.ndarray:
+    """The ``size × size`` blocks on the diagonal of ``X (..., P, P)`` as a writable view
+    ``(..., P // size, size, size)``."""
+    *lead, P, _ = X.shape
+    row, col = X.strides[-2:]
+    return np.lib.stride_tricks.as_strided(
+        X, tuple(lead) + (P // size, size, size), X.strides[:-2] + (size * (row + col), row, col))
+
+
+def unit_lower_inverse(A: np.ndarray) -> np.ndarray:
+    """``(I + A)⁻¹`` for ``A (..., C, C)`` zero above its diagonal (what is on the diagonal is
+    ignored): unit lower triangular, computed in ``A``'s place (``A`` is overwritten).
+
+    Each level reads its ``L21`` blocks before writing ``X21`` where they were; the blocks
+    of later levels lie elsewhere, so they are still ``A``'s when their level comes.
+    """
+    C = A.shape[-1]
+    P = 1 << max(C - 1, 0).bit_length()
+    X = A if P == C else np.pad(A, [(0, 0)] * (A.ndim - 2) + [(0, P - C), (0, P - C)])
+    idx = np.arange(P)
+    X[..., idx, idx] = 1                                             # the inverted blocks of size 1
+    X[..., idx[1::2], idx[:-1:2]] *= -1                              # size 2: -L21 (X11 = X22 = 1)
+    s = 2
+    while s < P:
+        Xb = _diagonal_blocks(X, 2 * s)                              # (..., P/2s, 2s, 2s) views
+        # the merged block's lower left: -X22 L21 X11, each (..., P/2s, s, s)
+        Xb[..., s:, :s] = -((Xb[..., s:, s:] @ Xb[..., s:, :s]) @ Xb[..., :s, :s])
+        s *= 2
+    return X[..., :C, :C]
+
+
+@dataclass
+class Chunks:
+    """One call's chunked inputs and the per-chunk quantities of the module docstring."""
+    T: int
+    q: np.ndarray          # (B, H, N, C, Dk)
+    k: np.ndarray          # (B, H, N, C, Dk)
+    v: np.ndarray          # (B, H, N, C, Dv)
+    beta: np.ndarray       # (B, H, N, C)
+    gated: bool            # a decay was given (else every decay factor is 1)
+    eg: np.ndarray         # (B, H, N, C)    e^{γ_t}
+    eC: np.ndarray         # (B, H, N)       e^{γ_C}
+    eCg: np.ndarray        # (B, H, N, C)    e^{γ_C - γ_t}
+    D: np.ndarray          # (B, H, N, C, C) e^{γ_t - γ_s}, zero above the diagonal
+    KK: np.ndarray         # (B, H, N, C, C) K Kᵀ
+    P: np.ndarray          # (B, H, N, C, C) (Q Kᵀ) ∘ D
+    Tinv: np.ndarray       # (B, H, N, C, C) (I + A)⁻¹
+    KQ: np.ndarray         # (B, H, N, 2C, Dk) [K; Q]: the reads of S_0 (k and q are its views)
+    Kc: np.ndarray         # (B, H, N, C, Dk) diag(e^{γ_C - γ}) K
+
+
+def decays(g: np.ndarray | None, C: int, shape, dtype):
+    """``(e^γ, e^{γ_C}, e^{γ_C - γ}, D)`` from ``g (B, H, N, C)`` (None: no decay, all ones).
+
+    ``γ`` and its differences are formed in float64 whatever the dtype: ``γ_t - γ_s`` of two
+    long sums in float32 would lose the small steps beside a large one (g = -30 then -0.01:
+    the difference of two sums near -30 keeps ``-0.01`` to about ``2e-6``, a relative 2e-4).
+    ``g`` is floored at ``-LOG_FLOOR``, where ``e^g`` is already 0 in float64, so that no
+    sum of finite ``g`` overflows to ``-inf`` (and no ``-inf - -inf`` makes a NaN).
+    """
+    lower = np.tril(np.ones((C, C), dtype=bool))
+    if g is None:
+        ones = np.ones(shape, dtype)
+        return ones, np.ones(shape[:-1], dtype), ones, np.broadcast_to(lower.astype(dtype), shape + (C,))
+    gamma = np.cumsum(np.maximum(g, -LOG_FLOOR), axis=-1, dtype=np.float64)  # (B,H,N,C)
+    D = np.empty(shape + (C,), dtype=dtype)
+    np.subtract(gamma[..., :, None], gamma[..., None, :], out=D, casting="same_kind")  # (B,H,N,C,C) γ_t - γ_s
+    np.minimum(D, np.where(lower, 0, -np.inf).astype(dtype), out=D)  # <= 0 below, -inf above the diagonal
+    np.exp(D, out=D)
+    ex = lambda x: np.exp(x).astype(dtype, copy=False)
+    return ex(gamma), ex(gamma[..., -1]), ex(gamma[..., -1:] - gamma), D
+
+
+def prepare(q, k, v, beta, g, C: int) -> Chunks:
+    """The chunked inputs and every quantity that needs no state (batched over all chunks)."""
+    T = q.shape[2]
+    KQ = np.concatenate([to_chunks(k, C), to_chunks(q, C)], axis=-2)   # (B,H,N,2C,Dk): [K; Q]
+    k, q = KQ[..., :C, :], KQ[..., C:, :]
+    v, beta = to_chunks(v, C), to_chunks(beta, C)
+    eg, eC, eCg, D = decays(None if g is None else to_chunks(g, C), C, beta.shape, q.dtype)
+    scores = KQ @ np.swapaxes(k, -1, -2)                             # (B,H,N,2C,Dk) @ (B,H,N,Dk,C) -> (B,H,N,2C,C)
+    KK, P = scores[..., :C, :], scores[..., C:, :]
+    A = KK * D                                                       # zero above the diagonal
+    A *= beta[..., :, None]
+    Tinv = unit_lower_inverse(A)                                     # (its diagonal is not A's)
+    P *= D
+    if g is None:
+        return Chunks(T, q, k, v, beta, False, eg, eC, eCg, D, KK, P, Tinv, KQ, k)
+    return Chunks(T, q, k, v, beta, True, eg, eC, eCg, D, KK, P, Tinv, KQ, k * eCg[..., None])
+
+
+@dataclass
+class Passed:
+    """The forward's pass through the chunks: what the output and the backward read."""
+    U: np.ndarray          # (B, H, N, C, Dv) the corrections
+    KS: np.ndarray         # (B, H, N, C, Dv) diag(e^γ) K S_0 (the residuals are X = V - KS)
+    QS: np.ndarray         # (B, H, N, C, Dv) diag(e^γ) Q S_0, the reads of the start states
+    starts: np.ndarray | None  # (B, H, N, Dk, Dv) each chunk's S_0 (kept for the backward)
+    S: np.ndarray          # (B, H, Dk, Dv) the final state
+
+
+def pass_states(ch: Chunks, S0: np.ndarray, keep: bool = False) -> Passed:
+    """The state through the chunks, once a chunk (``keep``: also every chunk's start state)."""
+    B, H, N, C, Dk = ch.k.shape
+    S = S0
+    starts = np.empty((B, H, N, Dk, S0.shape[-1]), dtype=S0.dtype) if keep else None
+    reads = np.empty((B, H, N, 2 * C, S0.shape[-1]), dtype=S0.dtype)
+    U = np.empty(ch.v.shape, dtype=S0.dtype)
+    eg2 = np.concatenate([ch.eg, ch.eg], axis=-1)[..., None]         # (B,H,N,2C,1): e^γ on both halves
+    for n in range(N):
+        if keep:
+            starts[:, :, n] = S
+        np.matmul(ch.KQ[:, :, n], S, out=reads[:, :, n])            # (B,H,2C,Dk) @ (B,H,Dk,Dv) -> (B,H,2C,Dv)
+        if ch.gated:
+            reads[:, :, n] *= eg2[:, :, n]                          # [Kg S_0; Qg S_0]
+        R = ch.beta[:, :, n, :, None] * (ch.v[:, :, n] - reads[:, :, n, :C])
+        np.matmul(ch.Tinv[:, :, n], R, out=U[:, :, n])              # (B,H,C,C) @ (B,H,C,Dv) -> (B,H,C,Dv)
+        S = ch.eC[:, :, n, None, None] * S + np.swapaxes(ch.Kc[:, :, n], -1, -2) @ U[:, :, n]  # (B,H,Dk,C) @ (B,H,C,Dv)
+    return Passed(U, reads[..., :C, :], reads[..., C:, :], starts, S)
