@@ -253,6 +253,13 @@ sys.exit(main(sys.argv[2:]))
 """
 
 
+def _terminal_sigint() -> None:
+    """In the child before it starts: SIGINT as a terminal gives it. A suite started in the
+    background (``pytest &``) hands its children SIGINT ignored, and Python then installs no
+    handler that a Ctrl-C could reach."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _wait(path: Path, proc: subprocess.Popen, seconds: float = 120) -> None:
     end = time.monotonic() + seconds
     while not path.exists():
@@ -266,7 +273,7 @@ def _driven(corpus_file, tmp_path, out):
     marks.mkdir()
     args = ["train", "gpt", "--data", corpus_file, "--out", out, *TINY, "--steps", "50", "--eval-interval", "2"]
     proc = subprocess.Popen([sys.executable, "-c", DRIVER, marks, *map(str, args)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_terminal_sigint)
     return proc, marks
 
 
@@ -327,7 +334,7 @@ def test_bench_on_ctrl_c_says_so_and_exits_130(tmp_path):
               "s.run_suites = waiting\nsys.exit(main(['bench', '--quick', '--suite', 'gpt']))\n")
     ready = tmp_path / "measuring"
     proc = subprocess.Popen([sys.executable, "-c", driver, ready], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=_terminal_sigint)
     _wait(ready, proc)
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=60)
