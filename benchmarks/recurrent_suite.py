@@ -160,18 +160,19 @@ def decay_products(q, k, v, dout, backward: bool, chunk: int | None = None):
     flat = lambda x: decay._split(x.reshape(B * H, T, -1), C)  # noqa: E731  (N,Nc,C,D)
     qf, kf, vf, df = flat(q), flat(k), flat(v), flat(dout)
     t = lambda x: np.swapaxes(x, -1, -2)  # noqa: E731
+    kTf = np.ascontiguousarray(t(kf))                    # the kernel's KgT: Kgᵀ stored (n,Nc,D,C)
 
     def unit(a, b):
-        qa, ka, va, da = qf[a:b], kf[a:b], vf[a:b], df[a:b]
-        S = t(ka) @ va                                   # (n,Nc,D,C) @ (n,Nc,C,D): the states' U
+        qa, ka, kTa, va, da = qf[a:b], kf[a:b], kTf[a:b], vf[a:b], df[a:b]
+        S = kTa @ va                                     # (n,Nc,D,C) @ (n,Nc,C,D): the states' U
         o = qa @ S                                       # Qg S
-        A = qa @ t(ka)                                   # (n,Nc,C,C)
+        A = qa @ kTa                                     # (n,Nc,C,C)
         o += A @ va
         if backward:
-            S = t(ka) @ va
+            S = kTa @ va
             dS = t(qa) @ da                              # R = Qgᵀ dO'
             dq, dk, dv = da @ t(S), va @ t(dS), ka @ dS
-            A = qa @ t(ka)
+            A = qa @ kTa
             dv += t(A) @ da
             dA = da @ t(va)
             dq += dA @ ka

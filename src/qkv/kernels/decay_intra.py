@@ -104,15 +104,16 @@ class HeadDecay:
         np.copyto(P, 0, where=self.upper)
         return P
 
-    def scores(self, q, k, Qg, Kg):
+    def scores(self, q, k, Qg, KgT):
         """``A`` from q and k, or, factored, from the chunk's ``Qg = q ∘ exp(G)`` and
-        ``Kg = k ∘ exp(Γ - G)``: ``Qg_i · Kg_s = (q_i · k_s) exp(G_i - G_s) exp(Γ)``, so
+        ``KgT = (k ∘ exp(Γ - G))ᵀ`` ``(n, M, Dk, C)``:
+        ``Qg_i · Kg_s = (q_i · k_s) exp(G_i - G_s) exp(Γ)``, so
         ``A = tril(Qg Kgᵀ) · exp(-Γ)``. Above the diagonal ``G_i - G_s <= -Γ``, so those
         entries are at most ``|q_i · k_s|``: the mask's 0 multiplies nothing infinite."""
         n, M, C = q.shape[:3]
         A = scratch(n * M * C * C, q.dtype, DEFAULT, "decay_A").reshape(n, M, C, C)
         if self.factored:
-            np.matmul(Qg, _t(Kg), out=A)                                # (n,M,C,Dk) @ (n,M,Dk,C) -> (n,M,C,C)
+            np.matmul(Qg, KgT, out=A)                                   # (n,M,C,Dk) @ (n,M,Dk,C) -> (n,M,C,C)
             A *= np.tri(C, dtype=q.dtype)
             A *= self.e_gam                                             # exp(-Γ) (n,M,1,1), at most e^LIMIT
         else:
@@ -155,7 +156,7 @@ class ChannelDecay:
                     ek[:, :, :-1] = np.cumprod(a[:, :, r0 - 1:0:-1], axis=2)[:, :, ::-1]
             self.blocks.append((r0, r1, E, eq, ek))
 
-    def scores(self, q, k, Qg=None, Kg=None):
+    def scores(self, q, k, Qg=None, KgT=None):
         n, M, C = q.shape[:3]
         A = np.zeros((n, M, C, C), q.dtype)
         for r0, r1, E, eq, ek in self.blocks:
