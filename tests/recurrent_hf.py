@@ -1,8 +1,8 @@
 """transformers' recurrent modules as the outside reference of qkv.nn's Mamba2, GatedDeltaNet and RGLRU.
 
 transformers computes these modules' recurrences in float32 even in a ``.double()`` module
-(``.float()``, ``.to(torch.float32)``, ``.type(torch.float32)`` inside). :func:`float64` keeps a
-float64 tensor float64 through those casts while it is active, so the module's own code runs
+(``.float()``, ``.to(torch.float32)``, ``.type(torch.float32)``, ``acc_dtype=torch.float32``
+inside). :func:`float64` keeps those float64 while it is active, so the module's own code runs
 in float64 and the layers can be held to 1e-10; without it the module is the float32 peer.
 """
 from __future__ import annotations
@@ -21,11 +21,44 @@ def _torch():
     return t
 
 
+class _Torch64:
+    """``torch`` with float32 read as float64, seen by transformers' modeling modules in place of
+    torch itself (their ``dtype=torch.float32`` and ``acc_dtype=torch.float32`` arguments)."""
+
+    def __init__(self, real):
+        self._real = real
+        self.float32 = self.float = real.float64
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+def _modeling_modules():
+    """transformers' modeling modules of the three recurrent families (those installed)."""
+    import importlib
+
+    names = ("mamba2.modeling_mamba2", "qwen3_next.modeling_qwen3_next", "recurrent_gemma.modeling_recurrent_gemma")
+    found = []
+    for name in names:
+        try:
+            found.append(importlib.import_module(f"transformers.models.{name}"))
+        except ImportError:
+            pass
+    return found
+
+
 @contextlib.contextmanager
 def float64():
-    """While active, a float64 tensor cast to float32 (``.float()``, ``.to``, ``.type``) stays float64."""
+    """While active, transformers' recurrent modules compute a float64 module in float64: a float64
+    tensor cast to float32 (``.float()``, ``.to``, ``.type``) stays float64, the modeling modules'
+    ``torch.float32`` is float64, and RecurrentGemma's scan accumulates in float64. The one float64
+    patch of the tests (tests/test_recurrent_layers.py and tests/test_torch_recurrent_layers.py)."""
     t = _torch()
     real_float, real_to, real_type = t.Tensor.float, t.Tensor.to, t.Tensor.type
+    modules = _modeling_modules()
+    saved = [(m, m.torch) for m in modules]
+    rg = next((m for m in modules if hasattr(m, "RecurrentGemmaRglru")), None)
+    scan_defaults = rg.RecurrentGemmaRglru._rnn_scan.__defaults__ if rg is not None else None
 
     def keep(self, dtype):
         return t.float64 if (dtype is t.float32 and self.dtype == t.float64) else dtype
@@ -43,10 +76,18 @@ def float64():
 
     t.Tensor.float = lambda self, *a, **k: self if self.dtype == t.float64 else real_float(self, *a, **k)
     t.Tensor.to, t.Tensor.type = to, type_
+    for m in modules:
+        m.torch = _Torch64(t)
+    if rg is not None:
+        rg.RecurrentGemmaRglru._rnn_scan.__defaults__ = (t.float64,)
     try:
         yield
     finally:
         t.Tensor.float, t.Tensor.to, t.Tensor.type = real_float, real_to, real_type
+        for m, real in saved:
+            m.torch = real
+        if rg is not None:
+            rg.RecurrentGemmaRglru._rnn_scan.__defaults__ = scan_defaults
 
 
 def perturb(module, seed: int) -> None:

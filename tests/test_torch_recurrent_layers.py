@@ -5,9 +5,8 @@ own cached decoding, float64 and float32.
 
 transformers computes these layers' recurrences and norms in float32 whatever the module's
 dtype (``.float()``, ``.to(torch.float32)``, ``acc_dtype=torch.float32``). The float64
-reference is the same code with those casts made float64 (the fixture ``hf64``: the modeling
-modules see a ``torch`` whose float32 is float64, and ``Tensor.float`` keeps float64), so
-that it can be held to 1e-10.
+reference is the same code with those casts made float64 (the fixture ``hf64``: the tests' one
+float64 patch, ``recurrent_hf.float64()``), so that it can be held to 1e-10.
 """
 import copy
 import math
@@ -24,24 +23,15 @@ from transformers.models.mamba2 import modeling_mamba2 as m2  # noqa: E402
 from transformers.models.qwen3_next import modeling_qwen3_next as q3  # noqa: E402
 from transformers.models.recurrent_gemma import modeling_recurrent_gemma as rg  # noqa: E402
 
+import recurrent_hf as R  # noqa: E402
+
 DT = torch.float64
 
 
-class _Torch64:
-    """``torch`` with float32 read as float64 (for transformers' modeling modules)."""
-    float32 = float = torch.float64
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-
 @pytest.fixture
-def hf64(monkeypatch):
-    real = torch.Tensor.float
-    monkeypatch.setattr(torch.Tensor, "float", lambda self, *a, **k: self if self.dtype == DT else real(self, *a, **k))
-    for module in (m2, q3, rg):
-        monkeypatch.setattr(module, "torch", _Torch64())
-    monkeypatch.setattr(rg.RecurrentGemmaRglru._rnn_scan, "__defaults__", (DT,))
+def hf64():
+    with R.float64():
+        yield
 
 
 def _perturb(module, seed):
