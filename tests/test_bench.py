@@ -42,6 +42,7 @@ def quick_run(tmp_path_factory):
     return res.stdout, json.loads((out / "r.json").read_text()), out
 
 
+@pytest.mark.slow
 def test_header_says_where_the_numbers_come_from(quick_run):
     text, data, _ = quick_run
     (line,) = [x for x in text.splitlines() if x.startswith("machine: ")]
@@ -142,6 +143,7 @@ def test_bad_options_are_refused(capsys):
     assert "--json must be in an existing folder" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_encoder_suite_runs_against_sentence_transformers(tmp_path, capsys):
     pytest.importorskip("sentence_transformers", reason="the encoder suite needs the test extra")
     models = pytest.importorskip("qkv.models")

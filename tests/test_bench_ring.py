@@ -14,6 +14,8 @@ pytest.importorskip("mpi4py", reason="the ring suite needs the mpi extra (mpi4py
 
 from qkv_benchmarks.suites import QUICK  # noqa: E402
 
+pytestmark = pytest.mark.slow  # subprocesses, mpiexec or compilers: the slow leg (pytest -m slow)
+
 
 def test_two_ranks_run_the_quick_ring_suite_and_rank_0_reports(tmp_path):
     out = tmp_path / "ring.json"

@@ -95,6 +95,7 @@ def test_bad_settings_are_shape_errors():
             complexity_experiment(ComplexityConfig(**bad))
 
 
+@pytest.mark.slow
 def test_the_command_writes_json_and_png(tmp_path, monkeypatch, capsys):
     pytest.importorskip("matplotlib")
     pytest.importorskip("rich")

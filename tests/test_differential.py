@@ -188,6 +188,7 @@ def test_self_attention_layer(differential_counts):
 
 
 # ----------------------------------------------------------------------------- under mpiexec
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_ring_under_mpiexec(world, differential_counts):
     """ring_attention, ring_attention_backward and RingMultiHeadAttention on W ranks against
@@ -272,6 +273,7 @@ def test_the_draw_reaches_what_it_promises():
 
 
 # ----------------------------------------------------------------------------- every kernel, extreme scores
+@pytest.mark.slow
 def test_every_kernel_at_extreme_magnitudes(differential_counts):
     """Issue 34: every kernel (reference, flash, stacked, the row kernel and its NumPy form,
     each where it applies) at float32 scores of std 1e3 to 1e30, forward and backward, lse and

@@ -13,6 +13,8 @@ from qkv import distributed as dist
 
 from helpers import mpiexec
 
+pytestmark = pytest.mark.slow  # subprocesses, mpiexec or compilers: the slow leg (pytest -m slow)
+
 HERE = Path(__file__).parent
 
 

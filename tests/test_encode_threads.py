@@ -13,6 +13,8 @@ pytest.importorskip("tokenizers", reason="needs the models extra (tokenizers)")
 import qkv  # noqa: E402
 from qkv import threads  # noqa: E402
 
+pytestmark = pytest.mark.slow  # threads racing over a real model: the slow leg (pytest -m slow)
+
 # ~120 tokens each: a batch of 2 has 2 x 12 heads x 120^2 score entries, past
 # api.AUTO_FLASH_MIN, so the tiled kernel runs and would hand tiles to threads.
 TEXTS = [f"Text {i}: " + "the animal did not cross the street because it was too tired, " * 10 for i in range(8)]

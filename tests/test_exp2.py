@@ -119,6 +119,7 @@ def test_column_sums_ride_in_the_same_pass(offset):
         assert (z[np.arange(70)[:, None] > np.arange(33)[None, :]] == 0).all()
 
 
+@pytest.mark.slow
 def test_compiled_once_per_machine():
     """The second process loads the passes from numba's on-disk cache: nothing is compiled again."""
     pytest.importorskip("numba", reason="numba is not installed (pip install 'qkv[fast]')")

@@ -29,6 +29,7 @@ def _one_load(monkeypatch, model):
     monkeypatch.setattr(models, "load_bert", lambda path=None, **kw: model if path is None else real(path, **kw))
 
 
+@pytest.mark.slow
 def test_default_run_writes_both_files_and_prints_each_layer(tmp_path, capsys):
     assert main(["explain", "--out", str(tmp_path / "out")]) == 0
     out = capsys.readouterr().out
@@ -54,6 +55,7 @@ def test_top_keys_match_the_weights(model):
         assert (tok, pos) == (tokens[j], j) and np.isclose(w, mean[layer, j])
 
 
+@pytest.mark.slow
 def test_repeated_tokens_are_told_apart(capsys, tmp_path):
     """The default text has "the" twice (positions 1 and 7): each is printed with its position."""
     assert main(["explain", "--out", str(tmp_path), "--top", "12"]) == 0
@@ -63,6 +65,7 @@ def test_repeated_tokens_are_told_apart(capsys, tmp_path):
     assert "animal" in labels  # a token that occurs once keeps its plain form
 
 
+@pytest.mark.slow
 def test_token_option_with_word_pieces(model, tmp_path, capsys):
     tokens, _ = model.attentions("Transformers are unbelievably useful.")
     i = explain.find_token(model, tokens, "unbelievably")
@@ -121,6 +124,7 @@ def test_model_folder_that_is_not_one(tmp_path, capsys):
     assert "is not a folder" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_long_text_is_truncated_with_a_warning(tmp_path, capsys):
     text = "it was late. " + "the street was long and the animal was tired. " * 60
     assert main(["explain", text, "--out", str(tmp_path)]) == 0

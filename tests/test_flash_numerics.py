@@ -170,6 +170,7 @@ def _ulp_err(x, ref, size):
     *[(s, c, std) for s, c in (((1, 2, 72, 75, 47), True), ((2, 4, 130, 129, 64), False), ((1, 1, 300, 300, 16), True))
       for std in (1.0, 1.9, 4.0)],
     ((1, 4, 2048, 2048, 64), True, 1.9)])
+@pytest.mark.slow
 def test_float32_element_wise_error_within_twice_dense(shape, causal, std):
     """Element by element, the tiled float32 out, dq, dk and dv err at most 2x what the dense
     float32 path errs against float64 (on a floor of 4 ulps of the result, each element's

@@ -292,6 +292,7 @@ def test_context_parallel_refuses_a_recurrent_layer():
             check_context_layers(tiny(layers))
 
 
+@pytest.mark.slow
 def test_data_parallel_over_two_ranks_equals_one_process(corpus_file, tmp_path):
     """``mpiexec -n 2 qkv train gpt --layers gated_delta,attention`` (data parallel): the losses
     of one process (float64, 1e-10); ``--parallel context`` refuses the recurrent layer."""

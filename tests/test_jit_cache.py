@@ -16,6 +16,8 @@ import pytest
 
 from qkv import jit_cache
 
+pytestmark = pytest.mark.slow  # subprocesses, mpiexec or compilers: the slow leg (pytest -m slow)
+
 NOTICE = "qkv: compiling the fast kernels"
 # one small kernel, checked against the formula in float64; prints the kernels this process compiled
 SNIPPET = """
@@ -182,7 +184,6 @@ def test_compiled_at_first_call_compiles_once_at_the_first_call():
     assert results == [6.0] * 4 and seen == ["twice"]              # one compile, for every caller
 
 
-@pytest.mark.slow
 def test_a_forward_compiles_the_row_kernels_forward_once_and_no_backward(tmp_path):
     """The row kernel's per-head function gets one signature (its parallel loop's index was
     uint64 where numba typed it int64: two compiles, 20-50 s of CPU each), and only the case

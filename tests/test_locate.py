@@ -137,6 +137,7 @@ def test_a_folder_wins_over_an_id_and_bad_names_are_clear(offline, tmp_path, mon
         load_bert(42)
 
 
+@pytest.mark.slow
 def test_explain_takes_a_hub_id(offline, package_folder, tmp_path, capsys):
     from qkv.cli import main
 

@@ -202,6 +202,7 @@ def test_add_layer_norm_is_layer_norm_of_the_sum():
     np.testing.assert_allclose(got, want, atol=2e-5 * np.abs(want).max())
 
 
+@pytest.mark.slow
 def test_encoder_passes_compiled_once_per_machine():
     """The encoder's numba passes (:mod:`qkv.models.compiled`, beside the encoder) load from
     numba's on-disk cache in a second process: nothing is compiled again."""

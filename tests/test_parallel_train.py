@@ -12,6 +12,8 @@ from qkv.distributed.train import check_split
 
 from helpers import mpiexec
 
+pytestmark = pytest.mark.slow  # subprocesses, mpiexec or compilers: the slow leg (pytest -m slow)
+
 HERE = Path(__file__).parent
 CASES = ("data-float64-20-steps", "context-float64-20-steps", "data-float32-20-steps",
          "context-float32-20-steps", "context-rope-gqa-grads", "saved-by-W-resumed-by-1",

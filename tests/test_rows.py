@@ -159,6 +159,7 @@ def test_chosen_only_where_it_applies():
 @pytest.mark.parametrize("opts", [dict(softcap=50.0, causal=True), dict(softcap=5.0), dict(dropout_p=0.1, dropout_seed=3),
                                   dict(dropout_p=0.5, dropout_seed=2**63 + 5, softcap=20.0, causal="bottom_right"),
                                   dict(dropout_p=0.2, dropout_seed=7, window=(9, 0), causal=True)])
+@pytest.mark.slow
 @pytest.mark.parametrize("std", [1.0, 6.0])   # scores of std 1 and about 36 (Gemma 2's range against its cap of 50)
 def test_softcap_and_dropout_against_the_oracle(opts, std):
     """The keep-mask is the oracle's, written from qkv.score_ops' definition, and the softcap's

@@ -38,6 +38,7 @@ def processes(histories, jit: bool) -> list[dict]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("jit", [True, False], ids=["fast extra", "QKV_JIT=0"])
 def test_fresh_processes_and_call_histories_give_the_same_bits(jit):
     """Every kernel, forward and backward, on one thread and two, called twice: in a fresh

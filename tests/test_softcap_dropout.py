@@ -195,6 +195,7 @@ def test_layer_dropout_only_in_training_and_its_backward_uses_the_forwards_mask(
         nn.MultiHeadAttention(16, 4, dropout=1.5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("top", [0.3, 0.6249, 0.6251, 3.0, np.inf, np.nan])
 def test_tiles_within_the_cap_take_tanhs_first_branch_with_the_same_bits(top):
     """A tile whose every |x / cap| is under tanh32's split runs its first branch alone

@@ -33,6 +33,7 @@ def test_measure_quick_rows_and_table():
     assert table.count("\n") == len(rows) + 1 and "| window" in table
 
 
+@pytest.mark.slow
 def test_peak_memory_child_reports_mebibytes():
     size = dict(b=1, h=2, t=512, d=32, window=64)
     peak = suite.peak_memory("qkv.torch", "forward+backward", "window", size, threads=1)

@@ -190,6 +190,7 @@ def test_self_attention_errors_are_the_numpy_layers():
         assert _message(lambda: qt.SelfAttention(**args)) == _message(lambda: qnn.SelfAttention(**args))
 
 
+@pytest.mark.slow
 def test_training_the_texts_module_with_a_torch_optimizer():
     # the README's example in small: the loss must fall
     torch.manual_seed(0)

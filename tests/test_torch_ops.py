@@ -86,6 +86,7 @@ def test_gradcheck_through_lse():
     assert torch.autograd.gradcheck(fn, (q, k, v))
 
 
+@pytest.mark.slow
 def test_opcheck_both_operators():
     q, k, v = rand(2, 4, 5, 8, dtype=torch.float32), rand(2, 2, 7, 8, dtype=torch.float32), rand(2, 2, 7, 3, dtype=torch.float32)
     mask = torch.rand(2, 1, 5, 7, generator=torch.Generator().manual_seed(0)) < 0.7
@@ -354,6 +355,7 @@ def test_cpu_autocast_casts_q_k_v_as_it_casts_sdpas(dtype):
         assert qt.attention(q64, k64, v64).dtype == torch.float64
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_compiled_fullgraph_dropout_without_a_seed_draws_eagers_mask(backend):
     """With dropout_p and no dropout_seed the seed is drawn inside the graph (qkv::draw_seed):

@@ -121,6 +121,7 @@ def test_float64_equals_the_step_oracle(case):
             np.testing.assert_allclose(x.grad.numpy(), g, rtol=0, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_opcheck_each_operator():
     for case in ("decay_head", "delta_ungated", "dplr", "scan"):
         name, kw = CASES[case]
@@ -185,6 +186,7 @@ def test_scan_errors_name_the_scan_arguments():
         qt.linear_scan(torch.zeros(1, 3, 2), torch.zeros(1, 3, 2), initial_state=[0.0, 0.0])
 
 
+@pytest.mark.slow
 def test_torch_compile_fullgraph_equals_eager():
     q, k, v, g, s0 = (x.detach().float() for x in inputs("decay_attention"))
 

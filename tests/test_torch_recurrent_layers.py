@@ -126,6 +126,7 @@ def _inputs(cfg, t, dtype=DT):
     return torch.randn(2, t, d, generator=torch.Generator().manual_seed(t), dtype=dtype)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family, case", CASES)
 def test_float64_outputs_and_gradients_equal_transformers(hf64, family, case):
     hf, cfg, ours = hf_layer(family, case)
@@ -148,6 +149,7 @@ def test_float64_outputs_and_gradients_equal_transformers(hf64, family, case):
             assert (dp_us[name] - ref).abs().max() <= 1e-10 * max(1.0, ref.abs().max()), (t, name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family, case", CASES)
 def test_float64_decoding_equals_the_whole_sequence_and_transformers_cache(hf64, family, case):
     hf, cfg, ours = hf_layer(family, case)

@@ -330,6 +330,7 @@ def test_sample_prints_text_of_the_vocabulary(trained, capsys):
 
 # --- qkv bench --suite gpt -------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_bench_gpt_quick_gives_rows_with_the_keys(tmp_path, capsys, monkeypatch):
     """A smoke run (5 steps of the CPU recipe on a built-in text: no download): the JSON rows,
     the table, and a progress bar told of every step it counted."""

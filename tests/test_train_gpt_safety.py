@@ -361,6 +361,7 @@ def test_a_tiny_temperature_samples_the_greedy_tokens():
 
 # --- the same bits, stopped or not -------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("jit", ["1", "0"], ids=["compiled", "numpy-only"])
 def test_a_float32_run_resumed_in_another_process_equals_one_that_was_not(corpus_file, tmp_path, jit):
     """float32, 6 steps in one process against 3 steps and --resume to 6 in two others: every
