@@ -7,7 +7,8 @@
 :data:`PATTERNS`, one after another in this process, each from its own initial weights (seed 0)
 on the same batches (the run's data Generator made afresh per pattern). ``n_layer`` is the
 recipe's 4 where the pattern holds an attention layer in 4 blocks, else the fewest that does:
-jamba's attention is layer 4 of each 8, so it gets 5 (four Mamba-2, one attention). Griffin's
+jamba's attention is layer 4 of each 8, so it gets 5 (four Mamba-2, one attention); attention
+runs at both depths, 4 and 5, so that jamba has an attention model of its own depth beside it. Griffin's
 local attention has window 64, the recipe's whole block, so there it sees what full attention
 sees. One row per pattern (``results["hybrid"]``):
 
@@ -50,8 +51,8 @@ import numpy as np
 from .gpt_suite import _eval_batches, _set_threads, _shape, _warm, read_text, recipe
 
 # (pattern name as reported, GPTConfig layers, n_layer)
-PATTERNS = (("attention", None, 4), ("qwen3-next", "qwen3-next", 4), ("griffin", "griffin", 4),
-            ("jamba", "jamba", 5))
+PATTERNS = (("attention", None, 4), ("attention", None, 5), ("qwen3-next", "qwen3-next", 4),
+            ("griffin", "griffin", 4), ("jamba", "jamba", 5))
 STEPS = {"full": 2000, "quick": 5}
 FINAL_EVAL_ITERS = {"full": 200, "quick": 2}
 CONTEXTS = {"full": (1024, 4096, 16384, 65536), "quick": (64, 256)}
