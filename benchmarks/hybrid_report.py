@@ -28,19 +28,19 @@ def decode_table(rows: list[dict], repeats: int | None = None, threads: int | No
     contexts = sorted({r["context"] for r in rows})
     runs = f", median of {repeats} rounds" if repeats else ""
     t = Table(f"decoding one token, batch 1, random weights, float32, {threads or '?'} threads{runs}{smoke}: "
-              "tokens/s | cache MiB per sequence",
+              "tokens/s · cache MiB per sequence",
               ["model", "pattern", "layers", *(f"L={_k(n)}" for n in contexts), "state MiB",
                f"+ms / attention layer, L={_k(contexts[0])} to {_k(contexts[-1])}"], left=3)
     for key in dict.fromkeys((r["size"], r["pattern"], r["n_layer"]) for r in rows):
         mine = {r["context"]: r for r in rows if (r["size"], r["pattern"], r["n_layer"]) == key}
         r0, last = mine[min(mine)], mine[max(mine)]
-        cells = [f"{fmt(mine[n]['tokens_per_s'], '.0f')} | {mine[n]['cache_bytes'] / MIB:.2f}" if n in mine else "—"
+        cells = [f"{fmt(mine[n]['tokens_per_s'], '.0f')} · {mine[n]['cache_bytes'] / MIB:.2f}" if n in mine else "—"
                  for n in contexts]
         n_attention = sum(k.startswith("attention") for k in r0["kinds"])
         growth = (last["ms_per_token"] - r0["ms_per_token"]) / n_attention if n_attention else None
         t.rows.append([f"{key[0]} (C={r0['n_embd']}, H={r0['n_head']})", key[1], _kinds(r0["kinds"]), *cells,
                        f"{r0['state_bytes'] / MIB:.3f}", fmt(growth, ".2f")])
-    t.notes.append("each cell: tokens/s of GPT.forward(tok (1,1), cache=...), generate's cached step, at context L | "
+    t.notes.append("each cell: tokens/s of GPT.forward(tok (1,1), cache=...), generate's cached step, at context L · "
                    "the bytes of every cache array of the sequence (KV caches allocated for L+1 tokens)")
     t.notes.append("the cache is filled synthetically (random keys, values and states, lengths set to L), not by "
                    "an L-token prefill; state MiB: the recurrent layers' conv windows and states, the same at every L")

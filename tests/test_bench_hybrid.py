@@ -88,6 +88,9 @@ def test_the_docs_render_the_records(tiny, tmp_path):
     data, _ = _run(tmp_path, "hybrid", "hybrid-decode")
     md = tables.render({"command": "qkv bench --suite hybrid", "recorded": "now", **data})
     assert md.count("| attention |") == 4 and md.count("| jamba |") == 2  # its rows in each table
+    for table in md.split("\n\n"):
+        lines = [line for line in table.splitlines() if line.startswith("|")]
+        assert len({line.count("|") for line in lines}) <= 1, table  # no cell holds a column's bar
 
 
 def test_the_filled_cache_is_what_the_step_reads(tiny):
