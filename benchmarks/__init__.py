@@ -16,6 +16,9 @@ reports medians, with the peer measured in the same run. The modules, each one t
 - ``ring``: ring attention over MPI against one process (``mpiexec -n W qkv bench --suite ring``);
 - ``machine``: the CPU's vector level as NumPy uses it, the BLAS and its kernel, the exp path;
 - ``report``: the header, the tables (as data) and the sweep plot (a matplotlib Figure).
+- ``hybrid_suite``: the GPT's layer patterns trained on nanoGPT's CPU recipe (``--suite hybrid``) and one
+  cached decoding step at 1k to 64k tokens of context (``--suite hybrid-decode``); ``hybrid_report``: their tables;
+- ``table``: the ``Table`` every report draws (text or Markdown).
 
 No module here prints, parses arguments or imports a terminal library: that is ``qkv.cli.bench``.
 """

@@ -306,3 +306,16 @@ def _gpu_size(names, threads: int, progress) -> list[dict]:
                      "vocab": GPU_VOCAB, "config": _shape(cfg)})
         progress(1)
     return rows
+
+
+def suite(p, progress):
+    """``(rows, None)`` from :func:`measure` for the plan ``p`` of ``suites.run_suites``, or
+    ``([], reason)`` when the default text cannot be had."""
+    from qkv.models.corpus import CorpusError
+
+    try:
+        rows = measure(quick=p.quick, steps=p.steps, threads=p.threads, torch=p.torch, memory=p.memory,
+                       data=p.data, progress=progress)
+    except CorpusError as err:
+        return [], f"{err}"
+    return rows, None

@@ -15,8 +15,10 @@ batches, qkv ``method="auto"`` against SDPA; see ``shapes_suite.py``; needs the 
 against one process; see ``train_mpi.py``; needs the mpi extra, meant for ``mpiexec -n W``) and ``cold``
 (first calls in fresh processes, the kernels compiled into an empty cache and then loaded; see ``cold.py``).
 ``recurrent`` (the recurrences of qkv.recurrent against torch chunk forms, growth in T, decoding with a state
-against a KV cache; see ``recurrent_suite.py``; needs the torch, test and hf extras).
-Without a choice a run measures :data:`DEFAULT` (a quick run :data:`QUICK_DEFAULT`); torch, ring, gpt, shapes, hf, cold and recurrent run when named (or with "all"). A suite whose
+against a KV cache; see ``recurrent_suite.py``; needs the torch, test and hf extras). ``hybrid`` (the CPU recipe
+trained with each layer pattern) and ``hybrid-decode`` (a cached decoding step at 1k to 64k tokens of context per
+pattern): see ``hybrid_suite.py``. Without a choice a run measures :data:`DEFAULT` (a quick run
+:data:`QUICK_DEFAULT`); the others run when named (or with "all"). A suite whose
 extra is missing is skipped with the reason in ``results["skipped"]``.
 
 A quick plan shrinks every size so the whole run takes seconds: a smoke test that every
@@ -36,13 +38,13 @@ import importlib.util
 import os
 from dataclasses import dataclass
 
-from . import cold, gpt_suite, hf_suite, products, recurrent_suite, shapes_suite, torch_suite, train_mpi
+from . import cold, gpt_suite, hf_suite, hybrid_suite, products, recurrent_suite, shapes_suite, torch_suite, train_mpi
 from .attention import fwd_bwd_flops, forward_flops, inputs, kv_bytes, copier, runner
 from .memory import peak_extra
 from .timing import REWARM_S, alternate, walls
 
 SUITES = ("main", "sweep", "decode", "encoder", "torch", "ring", "gpt", "shapes", "train-mpi", "hf", "cold",
-          "recurrent")
+          "recurrent", "hybrid", "hybrid-decode")
 MPI_SUITES = ("ring", "train-mpi")  # every rank of mpiexec -n W takes part
 DEFAULT = ("main", "sweep", "decode", "encoder")  # the others run when named
 QUICK_DEFAULT = ("main", "sweep", "decode")  # a quick run leaves the encoder out unless asked
@@ -178,7 +180,8 @@ def count_steps(p: Plan) -> int:
         n += cold.steps(p.quick)
     if "recurrent" in p.suites and p.torch and not recurrent_suite.peer_missing():
         n += recurrent_suite.steps(p.quick)
-    return n
+    n += hybrid_suite.lm_count(p.quick) if "hybrid" in p.suites else 0
+    return n + (hybrid_suite.decode_count(p.quick) if "hybrid-decode" in p.suites else 0)
 
 
 RING_LAYOUTS = (("zigzag", True), ("contiguous", False))  # (layout, also time one process)
@@ -224,7 +227,7 @@ def run_suites(p: Plan, progress=None) -> dict | None:
                "note": SMOKE_NOTE if p.quick else None,
                "torch": torch.__version__ if p.torch else None, "machine": describe(p.torch),
                "main": [], "sweep": [], "decode": [], "encoder": [], "torch_suite": [], "ring": [], "gpt": [], "shapes": [],
-               "hf": [], "train_mpi": [], "options": [], "cold": [], "recurrent": [],
+               "hf": [], "train_mpi": [], "options": [], "cold": [], "recurrent": [], "hybrid": [], "hybrid_decode": [],
                "ring_pingpong_gb_s": None, "mpi_ranks": None, "skipped": {}}
     ms = methods(p)
 
@@ -267,7 +270,7 @@ def run_suites(p: Plan, progress=None) -> dict | None:
     if "torch" in p.suites:
         results["torch_suite"], results["skipped"]["torch"] = _torch_suite(p, progress)
     if "gpt" in p.suites:
-        results["gpt"], results["skipped"]["gpt"] = _gpt_suite(p, progress)
+        results["gpt"], results["skipped"]["gpt"] = gpt_suite.suite(p, progress)
     if "shapes" in p.suites:
         results["shapes"], results["skipped"]["shapes"] = _shapes_suite(p, progress)
     if "hf" in p.suites:
@@ -276,6 +279,10 @@ def run_suites(p: Plan, progress=None) -> dict | None:
         results["cold"] = cold.suite(p.quick, progress)
     if "recurrent" in p.suites:
         results["recurrent"], results["skipped"]["recurrent"] = recurrent_suite.suite(p, progress)
+    if "hybrid" in p.suites:
+        results["hybrid"], results["skipped"]["hybrid"] = hybrid_suite.suite(p, progress)
+    if "hybrid-decode" in p.suites:
+        results["hybrid_decode"], results["skipped"]["hybrid-decode"] = hybrid_suite.decode_suite(p, progress)
     if ring:
         results["ring"], results["ring_pingpong_gb_s"] = ring["rows"], ring["pingpong_gb_s"]
         results["mpi_ranks"] = ring["size"]
@@ -352,18 +359,6 @@ def _torch_suite(p: Plan, progress):
 def _shapes_suite(p: Plan, progress):
     """shapes_suite.measure's rows (see :func:`_against_torch`)."""
     return _against_torch(p, progress, "shapes", lambda told: shapes_suite.measure(p.repeats, p.quick, told))
-
-
-def _gpt_suite(p: Plan, progress):
-    """``(rows, None)`` from gpt_suite.measure, or ``([], reason)`` when the default text cannot be had."""
-    from qkv.models.corpus import CorpusError
-
-    try:
-        rows = gpt_suite.measure(quick=p.quick, steps=p.steps, threads=p.threads, torch=p.torch, memory=p.memory,
-                                 data=p.data, progress=progress)
-    except CorpusError as err:
-        return [], f"{err}"
-    return rows, None
 
 
 def _ring_suite(p: Plan, progress) -> dict:

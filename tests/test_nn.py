@@ -299,9 +299,11 @@ def test_cache_misuse_is_named():
         causal.forward(np.zeros((1, 2, 8)), cache=nn.LatentAttention(8, 2, 4).new_cache(1, 4))
 
 
-def test_backward_after_a_cached_step_treats_the_cache_as_constant():
+@pytest.mark.parametrize("window", [None, 2])  # window 2: the step reads the last 3 keys only
+def test_backward_after_a_cached_step_treats_the_cache_as_constant(window):
     x = rng(36).standard_normal((1, 5, 8))
-    layer = nn.MultiHeadAttention(8, 2, n_kv_heads=1, rope=True, causal=True, dtype=np.float64, rng=rng(37))
+    layer = nn.MultiHeadAttention(8, 2, n_kv_heads=1, rope=True, causal=True, window=window, dtype=np.float64,
+                                  rng=rng(37))
     cache = layer.new_cache(1, 5)
     layer.forward(x[:, :4], cache=cache)
     k_prev = cache["k"].copy()

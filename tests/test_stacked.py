@@ -58,3 +58,26 @@ def test_per_head_masks_and_lengths_are_not_stacked():
     assert api.choose_kernel("auto", api.prepare(q, k, v, causal=True), False) is api.STACKED
     assert api.choose_kernel("auto", api.prepare(q, k, v), True) is not api.STACKED  # weights: the dense path
     assert api.choose_kernel("auto", api.prepare(q[:8], k[:8], v[:8]), False) is api.kernels.lookup("reference")  # small: all heads at once
+
+
+@pytest.mark.parametrize("tq", [1, 4])
+def test_auto_decodes_a_long_cache_with_the_tiled_kernel(tq):
+    """A few queries against a long KV cache (Tk past the row kernels' keys): the dense paths
+    while K, V and the scores' passes stay small (api.AUTO_LONG_KEYS_BYTES), the tiled kernel
+    after, even where Tq·Tk is within the stacked kernel's size."""
+    flash, reference = api.kernels.lookup("flash"), api.kernels.lookup("reference")
+
+    def chosen(h, tk, d, **options):
+        q, k, v, _ = _inputs((1, h, tq, d), (1, h, tk, d))
+        prob = api.prepare(q, k, v, causal="bottom_right", **options)
+        return api.choose_kernel("auto", prob, False), api._dense_bytes(prob)
+
+    for h, tk, d in ((8, 16384, 128), (4, 65536, 32), (2, 65536, 128)):  # 8x16384 went to the reference,
+        kern, size = chosen(h, tk, d)                                        # 4x65536 to the stacked kernel
+        assert size >= api.AUTO_LONG_KEYS_BYTES and kern is flash
+    assert chosen(4, 65536, 32, window=64)[0] is flash
+    for h, tk, d in ((4, 4096, 32), (1, 16384, 64)):  # K and V in cache: the dense path
+        kern, size = chosen(h, tk, d)
+        assert size < api.AUTO_LONG_KEYS_BYTES and kern is reference
+    kern, size = chosen(64, 1024, 64)  # short keys: no change, whatever the bytes (the row kernels' sizes)
+    assert size >= api.AUTO_LONG_KEYS_BYTES and kern is not flash

@@ -68,6 +68,18 @@ AUTO_ROWS_MAX = 1024 * 1024
 # (B·H·Tq·Tk) on. Measured (Zen 4, fwd+bwd causal): 103 µs against the reference's 81 at
 # (1, 1, 8, 8), 279 against 286 at (4, 4, 32, 32); the shapes suite: docs/speed.md.
 AUTO_ROWS_NUMPY_MIN = 2 ** 14
+# Few queries against more keys than the row kernels take (decoding from a long KV cache: Tq = 1,
+# Tk > rows.MAX_KEYS) go to the tiled kernel once the dense path's bytes, every query head's
+# keys and values and 8 float32 passes over its scores, lead·Tk·(D + Dv + 8·Tq)·itemsize, reach
+# AUTO_LONG_KEYS_BYTES: below, K and V stay in cache and the dense path's fewer Python steps win.
+# Measured (Zen 4, 1 thread, float32, causal bottom-right, loaded machine), ms dense / tiled:
+# Tq = 1, (H, Tk, D) = (4, 16384, 32) 0.86 / 1.8 (19 MB), (8, 4096, 64) 1.08 / 1.77 (18 MB);
+# (4, 16384, 64) 3.2 / 2.8 (36 MB), (8, 16384, 128) 16.8 / 11.5, (8, 65536, 128) 65 / 47,
+# (4, 65536, 32) 7.5 / 6.7; Tq = 4, (8, 4096, 64) 3.2 / 2.4 (21 MB), (4, 16384, 64) 12.1 / 4.4,
+# (8, 65536, 128) 140 / 65; one head, (1, 65536, 64) 3.2 / 7.0 is the exception (36 MB, tiled).
+# Before, these went to the stacked kernel (Tq·Tk <= AUTO_STACK_MAX, measured for square T <= 256),
+# which was as slow as the reference at these shapes.
+AUTO_LONG_KEYS_BYTES = 20 * 2 ** 20
 
 
 def choose_kernel(method: str, prob: Problem, need_weights: bool = False):
@@ -82,14 +94,25 @@ def choose_kernel(method: str, prob: Problem, need_weights: bool = False):
                 return ROWS
             if entries >= AUTO_ROWS_NUMPY_MIN and rows_numpy.applies(spec, prob.q.dtype):
                 return ROWS_NUMPY
-        if (not need_weights and spec.tq * spec.tk <= AUTO_STACK_MAX and entries >= AUTO_FLASH_MIN
+        if spec.tk > rows.MAX_KEYS and _dense_bytes(prob) >= AUTO_LONG_KEYS_BYTES:
+            method = "flash"  # few queries, many keys: see AUTO_LONG_KEYS_BYTES
+        elif (not need_weights and spec.tq * spec.tk <= AUTO_STACK_MAX and entries >= AUTO_FLASH_MIN
                 and stacked.applies(spec)):
             return STACKED
-        method = "flash" if entries >= AUTO_FLASH_MIN else "reference"
+        else:
+            method = "flash" if entries >= AUTO_FLASH_MIN else "reference"
     kern = kernels.lookup(method)
     if kern.dense or need_weights:
         _dense_fits(entries, prob.q.dtype, f"method={method!r}" if kern.dense else "return_weights=True")
     return _WeightsBeside(kern) if need_weights and not kern.makes_weights else kern
+
+
+def _dense_bytes(prob: Problem) -> int:
+    """What the dense path moves: every query head's K and V and 8 passes over its scores,
+    ``lead·Tk·(D + Dv + 8·Tq)·itemsize`` (see :data:`AUTO_LONG_KEYS_BYTES`)."""
+    spec = prob.spec
+    per_key = prob.q.shape[-1] + prob.v.shape[-1] + 8 * spec.tq
+    return math.prod(spec.lead) * spec.tk * per_key * prob.q.dtype.itemsize
 
 
 def _available_bytes() -> int | None:

@@ -44,9 +44,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-torch", action="store_true", help="leave PyTorch out even if installed")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     parser.add_argument("--steps", type=int, default=None,
-                        help="gpt suite: training steps of each model (default 2000, quick 5)")
+                        help="gpt and hybrid suites: training steps of each model (default 2000, quick 5)")
     parser.add_argument("--data", metavar="FILE", default=None,
-                        help="gpt suite: the text to train on (default: the Shakespeare corpus, fetched once; "
+                        help="gpt and hybrid suites: the text to train on (default: the Shakespeare corpus, fetched once; "
                         "quick: a built-in text)")
     parser.add_argument("--plot", metavar="PNG", help="also draw the scaling sweep (needs qkv[viz])")
     parser.add_argument("--json", metavar="FILE", help="also write every measurement as JSON")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..options import parse_window
 from ..positional import alibi_slopes, rope, rope_backward
 from .attention_layer import AttentionLayer
 from .base import merge_heads, split_heads
@@ -115,17 +116,30 @@ class MultiHeadAttention(AttentionLayer):
         if self.rope:
             q = rope(q, offset=start, base=self.rope_base)
             k = rope(k, offset=start, base=self.rope_base)
+        first = 0
         if cache is not None:
             stored = cache.write(k=k, v=v, counts=counts)
-            k, v = stored["k"], stored["v"]  # (B, Hkv, start+T, D)
+            first = 0 if return_weights else self._window_start(stored["k"].shape[2], x3.shape[1], kv_len)
+            k, v = stored["k"][:, :, first:], stored["v"][:, :, first:]  # (B, Hkv, start+T-first, D)
         opts = self._options(kv_len, q_len, cache is not None)
         out, lse, w = self._attend(q, k, v, opts, return_weights)  # (B,Hq,T,D), (B,Hq,T)
         if cache is not None:
             cache.advance(counts)
         y = self.o_proj.forward(merge_heads(out))  # (B,T,Hq*D) @ (Hq*D,d_model) -> (B,T,d_model)
         self._keep(dict(shape=x3.shape, cross=cross, squeezed=squeezed, q=q, k=k, v=v, out=out, lse=lse,
-                        opts=opts, start=start))
+                        opts=opts, start=start, first=first))
         return self._output(y, w, squeezed, return_weights)
+
+    def _window_start(self, end: int, t: int, kv_len) -> int:
+        """The first cached key a windowed call can see: with ``window=(left, right)`` the
+        bottom-right aligned queries see no key before ``end - t - left``, so a decoding step
+        reads W + 1 keys, not the whole cache. 0 (every key) without a window, with a chunk
+        (its boundaries count from key 0) or for sequences of different lengths (nor when the
+        weights are asked for: they cover every key)."""
+        if self.window is None or self.chunk is not None or kv_len is not None:
+            return 0
+        left = parse_window(self.window)[0]
+        return 0 if left is None else max(0, end - t - left)
 
     def backward(self, dy):
         """Fill ``grads`` from ``dy (B, T, d_model)``; return ``dx``, or ``(dx, dcontext)``.
@@ -139,7 +153,8 @@ class MultiHeadAttention(AttentionLayer):
         dq, dk, dv = self._attend_backward(do, s["q"], s["k"], s["v"], s["out"], s["lse"], s["opts"])
         start = s["start"]
         t = s["shape"][1]
-        dk, dv = self._new_keys(dk, start, t), self._new_keys(dv, start, t)  # this call's keys only
+        kstart = start - s["first"]  # where this call's keys are in the keys attended to
+        dk, dv = self._new_keys(dk, kstart, t), self._new_keys(dv, kstart, t)  # this call's keys only
         if self.rope:
             dq = rope_backward(dq, offset=start, base=self.rope_base)
             dk = rope_backward(dk, offset=start, base=self.rope_base)
