@@ -9,9 +9,10 @@ state must hold every pair); hybrids with one attention layer close most of the 
 Here the same on qkv's GPT (:class:`qkv.models.GPT`, ``GPTConfig(layers=...)``): for each
 mixer (``attention``, ``linear``, ``mamba2``, ``gated_delta``, ``rglru``, and the hybrids
 ``attention+X``: an X layer then an attention layer) and each width ``n_embd``, one 2-layer
-model trained on a mixture of the pair counts at ``T = seq_len`` (as Zoology trains one model
-on its mixture of (T, pairs)), then its accuracy at the query positions of held-out
-sequences of each pair count. Training is ``qkv train gpt``'s step
+model trained on Zoology's mixture of (pairs, T) tasks (:meth:`MQARConfig.tasks`, one task a
+step), then its accuracy at the query positions of held-out sequences of each pair count at
+``T = seq_len``. Attention is plain attention (RoPE, no short convolution before it, unlike
+Zoology's model). Training is ``qkv train gpt``'s step
 (:func:`qkv.models.training.train_step`: AdamW, clipping at norm 1, warm-up then cosine,
 float32), with the loss at the query positions only (targets ``-1`` elsewhere).
 """
@@ -52,7 +53,7 @@ class MQARConfig:
     vocab_size: int = 288
     n_head: int = 2
     positions: str = "rope"
-    steps: int = 1000
+    steps: int = 700
     batch: int = 16
     lr: float = 3e-3
     warmup: int = 50
