@@ -68,7 +68,7 @@ def _mqar_arguments(parser) -> None:
                         help="only these mixers (attention, linear, mamba2, gated_delta, rglru, attention+X; "
                              "default all nine)")
     parser.add_argument("--widths", type=int, nargs="+", metavar="N", help="only these widths (default 32 64 128)")
-    parser.add_argument("--steps", type=int, metavar="N", help="training steps of each model (default 1000)")
+    parser.add_argument("--steps", type=int, metavar="N", help="training steps of each model (default 700)")
     parser.add_argument("--workers", type=int, metavar="N",
                         help="models trained at once, a process of one thread each (default 1; the same results)")
 
