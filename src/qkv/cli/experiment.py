@@ -63,12 +63,14 @@ def _recall_arguments(parser) -> None:
 
 
 def _mqar_arguments(parser) -> None:
-    _run_arguments(parser, "mqar", "3 mixers, width 64, 4 and 16 pairs at T 128: under 3 minutes")
+    _run_arguments(parser, "mqar", "3 mixers, width 64, 4 and 8 pairs at T 128: under 3 minutes")
     parser.add_argument("--mixers", nargs="+", metavar="M",
                         help="only these mixers (attention, linear, mamba2, gated_delta, rglru, attention+X; "
                              "default all nine)")
     parser.add_argument("--widths", type=int, nargs="+", metavar="N", help="only these widths (default 32 64 128)")
-    parser.add_argument("--steps", type=int, metavar="N", help="training steps of each model (default 300)")
+    parser.add_argument("--steps", type=int, metavar="N", help="training steps of each model (default 700)")
+    parser.add_argument("--workers", type=int, metavar="N",
+                        help="models trained at once, a process of one thread each (default 1; the same results)")
 
 
 def run(args) -> int:
@@ -130,8 +132,9 @@ def _mqar(args) -> int:
     for name in ("mixers", "widths"):
         if getattr(args, name):
             setattr(cfg, name, tuple(getattr(args, name)))
-    if args.steps is not None:
-        cfg.steps = args.steps
+    for name in ("steps", "workers"):
+        if getattr(args, name) is not None:
+            setattr(cfg, name, getattr(args, name))
     return _record(args, "mqar", cfg, mqar_experiment, format_table, plot)
 
 

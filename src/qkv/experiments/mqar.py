@@ -9,9 +9,10 @@ state must hold every pair); hybrids with one attention layer close most of the 
 Here the same on qkv's GPT (:class:`qkv.models.GPT`, ``GPTConfig(layers=...)``): for each
 mixer (``attention``, ``linear``, ``mamba2``, ``gated_delta``, ``rglru``, and the hybrids
 ``attention+X``: an X layer then an attention layer) and each width ``n_embd``, one 2-layer
-model trained on a mixture of the pair counts at ``T = seq_len`` (as Zoology trains one model
-on its mixture of (T, pairs)), then its accuracy at the query positions of held-out
-sequences of each pair count. Training is ``qkv train gpt``'s step
+model trained on Zoology's mixture of (pairs, T) tasks (:meth:`MQARConfig.tasks`, one task a
+step), then its accuracy at the query positions of held-out sequences of each pair count at
+``T = seq_len``. Attention is plain attention (RoPE, no short convolution before it, unlike
+Zoology's model). Training is ``qkv train gpt``'s step
 (:func:`qkv.models.training.train_step`: AdamW, clipping at norm 1, warm-up then cosine,
 float32), with the loss at the query positions only (targets ``-1`` elsewhere).
 """
@@ -35,31 +36,51 @@ HYBRIDS = tuple(f"attention+{m}" for m in RECURRENT)
 class MQARConfig:
     """Settings of ``qkv experiment mqar`` (the defaults are the full grid; see :meth:`quick`).
 
-    Zoology's: vocabulary 8192, 100 000 training sequences (64 epochs), lr swept in
-    [1e-4, 1e-2], widths 64 … 512, T up to 512. Here, for a CPU: vocabulary 512 (keys and
-    values 255 each, > T as Zoology asks), 300 steps of 16 fresh sequences, lr 3e-3.
+    Zoology's: vocabulary 8192, 180 000 training sequences (100 000 of 4 pairs at T = 64,
+    20 000 each of 8 pairs at T = 128 and 16, 32, 64 pairs at T = 256), 32 to 64 epochs of
+    batch 256, lr swept in [1e-3, 3e-2], widths 64 … 512. Here, for a CPU: the same mixture
+    of lengths (:meth:`tasks`: a step's batch is one task, in the order of :meth:`schedule`),
+    vocabulary ``vocab_size``, ``steps`` steps of ``batch`` fresh sequences; evaluated at
+    ``seq_len`` for every pair count. ``workers``: models trained at once, in processes of one
+    thread each (the results are the same bits as one worker's: every model is made and fed
+    from ``seed`` alone, on one thread).
     """
 
     mixers: tuple = MIXERS + HYBRIDS
     widths: tuple = (32, 64, 128)
     pairs: tuple = (4, 8, 16, 32, 64)
     seq_len: int = 256
-    vocab_size: int = 512
-    n_head: int = 1
-    steps: int = 300
+    vocab_size: int = 288
+    n_head: int = 2
+    positions: str = "rope"
+    steps: int = 700
     batch: int = 16
     lr: float = 3e-3
-    warmup: int = 40
-    weight_decay: float = 0.1
-    n_eval: int = 64
+    warmup: int = 50
+    weight_decay: float = 0.0
+    n_eval: int = 48
     seed: int = 0
+    workers: int = 1
 
     @classmethod
     def quick(cls) -> "MQARConfig":
-        """Under 3 minutes on 2 cores (with the chunked recurrent kernels): attention, Mamba-2 and
-        their hybrid, width 64, 4 and 16 pairs at T = 128."""
-        return cls(mixers=("attention", "mamba2", "attention+mamba2"), widths=(64,), pairs=(4, 16),
-                   seq_len=128, steps=200, batch=16, warmup=20, n_eval=32)
+        """Under 3 minutes on 2 cores: attention, Mamba-2 and their hybrid at width 64 on 4 and
+        8 pairs (T = 64 and 128), evaluated at T = 128."""
+        return cls(mixers=("attention", "mamba2", "attention+mamba2"), widths=(64,), pairs=(4, 8),
+                   seq_len=128, steps=300, n_eval=32)
+
+    def tasks(self) -> list[tuple[int, int]]:
+        """``(pairs, T)`` of each training task: Zoology's lengths, ``T = 16 · pairs`` (64 for 4
+        pairs, 128 for 8), at most ``seq_len``."""
+        return [(int(p), min(self.seq_len, 16 * int(p))) for p in self.pairs]
+
+    def schedule(self, step: int) -> tuple[int, int]:
+        """The task of training step ``step``: the fewest pairs every other step, the others in turn
+        between them (for 4 … 64 pairs: 4, 8, 4, 16, 4, 32, 4, 64, 4, again; Zoology's 100 000
+        sequences of 4 pairs against 20 000 of each other count)."""
+        tasks = self.tasks()
+        cycle = [0] + [j for i in range(1, len(tasks)) for j in (i, 0)]
+        return tasks[cycle[step % len(cycle)]]
 
     def check(self) -> None:
         if not self.mixers or not self.widths or not self.pairs:
@@ -67,17 +88,27 @@ class MQARConfig:
                              f"{len(self.mixers)}, {len(self.widths)} and {len(self.pairs)}")
         for m in self.mixers:
             layers(m)
-        for name in ("n_head", "steps", "batch", "n_eval"):
+        for name in ("n_head", "steps", "batch", "n_eval", "workers"):
             positive_int(name, getattr(self, name))
         for w in self.widths:
             if positive_int("widths", w) % self.n_head:
                 raise ShapeError(f"widths must be multiples of n_head = {self.n_head}; got {w}")
-        for p in self.pairs:
+        for p, t in self.tasks():
+            check_task(p, t, self.vocab_size)
             check_task(p, self.seq_len, self.vocab_size)
+        self.model_config(self.mixers[0], self.widths[0])
         self.train_config(self.mixers[0], self.widths[0]).check()
 
+    def model_config(self, mixer: str, width: int):
+        """The :class:`qkv.models.GPTConfig` of one (mixer, width) model: 2 layers, no dropout."""
+        from ..models import GPTConfig
+
+        return GPTConfig(vocab_size=self.vocab_size, block_size=self.seq_len, n_layer=2, n_head=self.n_head,
+                         n_embd=int(width), positions=self.positions, seed=self.seed, layers=layers(mixer))
+
     def train_config(self, mixer: str, width: int):
-        """The :class:`qkv.models.trainconfig.TrainConfig` of one (mixer, width) model."""
+        """The :class:`qkv.models.trainconfig.TrainConfig` of one (mixer, width) model (its
+        optimizer and schedule: AdamW, clipping at 1, warm-up then cosine to lr / 10)."""
         from ..models.trainconfig import TrainConfig
 
         return TrainConfig(block_size=self.seq_len, batch_size=self.batch, n_layer=2, n_head=self.n_head,
@@ -87,7 +118,7 @@ class MQARConfig:
 
     @property
     def n_steps(self) -> int:
-        """Training steps in all (``progress`` is called after each)."""
+        """Training steps in all (``progress`` counts them)."""
         return len(self.mixers) * len(self.widths) * self.steps
 
 
@@ -104,7 +135,7 @@ def layers(mixer: str) -> str:
 
 
 def mixture(rng: np.random.Generator, batch: int, pairs, seq_len: int, vocab_size: int) -> tuple:
-    """A training batch ``(inputs, targets)`` ``(batch, T)`` whose rows share out the pair counts
+    """A batch ``(inputs, targets)`` ``(batch, T)`` whose rows share out the pair counts
     (``batch // len(pairs)`` rows each, the first counts one more until ``batch`` is reached)."""
     sizes = [batch // len(pairs) + (i < batch % len(pairs)) for i in range(len(pairs))]
     parts = [mqar_batch(rng, n, p, seq_len, vocab_size) for n, p in zip(sizes, pairs) if n]
@@ -112,8 +143,8 @@ def mixture(rng: np.random.Generator, batch: int, pairs, seq_len: int, vocab_siz
 
 
 def evaluate(model, cfg: MQARConfig, chunk: int = 16) -> list[float]:
-    """Accuracy at the query positions of ``n_eval`` held-out sequences of each pair count (the
-    same sequences for every model: a Generator made afresh from the seed)."""
+    """Accuracy at the query positions of ``n_eval`` held-out sequences of each pair count at
+    ``T = seq_len`` (the same sequences for every model: a Generator made afresh from the seed)."""
     rng = np.random.default_rng((2, cfg.seed))
     model.eval()
     try:
@@ -131,33 +162,65 @@ def evaluate(model, cfg: MQARConfig, chunk: int = 16) -> list[float]:
 
 
 def train_one(cfg: MQARConfig, mixer: str, width: int, progress=None) -> dict:
-    """Train one (mixer, width) model on the mixture; returns ``{"accuracy": [per pair count],
-    "final_loss", "seconds", "params"}``. ``progress()`` is called after every step."""
-    from ..models.training import Run, gpt_config, make_optimizer, train_step
+    """Train one (mixer, width) model on the tasks; returns ``{"accuracy": [per pair count],
+    "final_loss", "seconds", "params"}``. ``progress()`` is called after every step.
+
+    On one thread (kernels and BLAS): the same bits in any process, whatever ran before."""
     from ..models import GPT
+    from ..models.training import Run, make_optimizer, train_step
+    from ..threads import kernel_threads
 
     tc = cfg.train_config(mixer, width).resolved()
-    model = GPT(gpt_config(tc, cfg.vocab_size))
+    model = GPT(cfg.model_config(mixer, width))
     run = Run(tc, model, make_optimizer(model, tc), np.random.default_rng((1, cfg.seed)), None, {"kind": "mqar"})
     start, losses = time.perf_counter(), []
-    with threadpool_limits(limits=1, user_api="blas"):  # small products: a second BLAS thread only waits
-        for _ in range(cfg.steps):
-            x, y = mixture(run.rng, cfg.batch, cfg.pairs, cfg.seq_len, cfg.vocab_size)
-            losses.append(train_step(run, x, y))
+    with threadpool_limits(limits=1, user_api="blas"), kernel_threads(1):
+        for step in range(cfg.steps):
+            pairs, t = cfg.schedule(step)
+            d = mqar_batch(run.rng, cfg.batch, pairs, t, cfg.vocab_size)
+            losses.append(train_step(run, d["inputs"], d["targets"]))
             if progress is not None:
                 progress()
         seconds = time.perf_counter() - start
         accuracy = evaluate(model, cfg)
-    return {"accuracy": accuracy, "final_loss": float(np.mean(losses[-20:])), "seconds": round(seconds, 2),
+    last = losses[-5 * len(cfg.pairs):]
+    return {"accuracy": accuracy, "final_loss": float(np.mean(last)), "seconds": round(seconds, 2),
             "params": model.num_params()}
+
+
+def _train_job(job: tuple) -> dict:
+    """``train_one(cfg, mixer, width)`` in a worker process."""
+    cfg, mixer, width = job
+    return train_one(cfg, mixer, width)
+
+
+def _each_model(cfg: MQARConfig, step):
+    """``((mixer, width), result)`` for every model, in ``cfg.workers`` processes (the widest
+    first, so that the last to finish are short), or in this one for ``workers = 1``."""
+    jobs = [(m, int(w)) for m in cfg.mixers for w in cfg.widths]
+    if cfg.workers == 1 or len(jobs) == 1:
+        for m, w in jobs:
+            yield (m, w), train_one(cfg, m, w, step)
+        return
+    import multiprocessing
+
+    order = sorted(jobs, key=lambda j: -j[1])
+    ctx = multiprocessing.get_context("spawn")  # no inherited thread pools or locks
+    with ctx.Pool(min(cfg.workers, len(jobs))) as pool:
+        for job, r in zip(order, pool.imap(_train_job, [(cfg, m, w) for m, w in order])):
+            for _ in range(cfg.steps):
+                step()
+            yield job, r
 
 
 def mqar_experiment(cfg: MQARConfig | None = None, progress=None) -> dict:
     """Train every (mixer, width) model; returns the record written as ``mqar.json``.
 
-    ``rows``: one ``{mixer, width, pairs, accuracy}`` per (mixer, width, pair count);
-    ``runs``: one ``{mixer, width, final_loss, seconds, params}`` per model; ``chance``
-    (1 / values); ``config``. ``progress(done, total)`` is called after every training step.
+    ``rows``: one ``{mixer, width, pairs, accuracy}`` per (mixer, width, pair count), in the
+    order of ``mixers`` then ``widths``; ``runs``: one ``{mixer, width, final_loss, seconds,
+    params}`` per model; ``chance`` (1 / values); ``tasks`` (the training ``[pairs, T]``);
+    ``seconds`` (wall, all models); ``config``. ``progress(done, total)`` is called after every
+    training step (with workers: a model's steps at once, when it is done).
     """
     cfg = cfg or MQARConfig()
     cfg.check()
@@ -169,13 +232,17 @@ def mqar_experiment(cfg: MQARConfig | None = None, progress=None) -> dict:
         if progress is not None:
             progress(done, cfg.n_steps)
 
+    start = time.perf_counter()
+    results = dict(_each_model(cfg, step))
     rows, runs = [], []
     for mixer in cfg.mixers:
         for width in cfg.widths:
-            r = train_one(cfg, mixer, width, step)
+            r = results[(mixer, int(width))]
             rows += [{"mixer": mixer, "width": int(width), "pairs": int(p), "accuracy": a}
                      for p, a in zip(cfg.pairs, r["accuracy"])]
             runs.append({"mixer": mixer, "width": int(width), "final_loss": r["final_loss"],
                          "seconds": r["seconds"], "params": r["params"]})
     config = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(cfg).items()}
-    return {"rows": rows, "runs": runs, "chance": 1.0 / (cfg.vocab_size - cfg.vocab_size // 2), "config": config}
+    return {"rows": rows, "runs": runs, "chance": 1.0 / (cfg.vocab_size - cfg.vocab_size // 2),
+            "tasks": [list(t) for t in cfg.tasks()], "seconds": round(time.perf_counter() - start, 1),
+            "config": config}

@@ -15,8 +15,10 @@ def format_table(rec: dict) -> str:
     """The record as Markdown: one row per (mixer, width), one column per pair count."""
     mixers, widths, pairs, acc = _grid(rec)
     c = rec["config"]
-    lines = [f"accuracy at the query positions (chance {rec['chance']:.4f}); 2 layers, T = {c['seq_len']}, "
-             f"vocabulary {c['vocab_size']}, {c['steps']} steps of {c['batch']} sequences, lr {c['lr']:g}", "",
+    tasks = ", ".join(f"{p} at {t}" for p, t in rec.get("tasks", [])) or f"T = {c['seq_len']}"
+    lines = [f"accuracy at the query positions, T = {c['seq_len']} (chance {rec['chance']:.4f}); 2 layers, "
+             f"{c['n_head']} head(s), {c.get('positions', 'learned')} positions, vocabulary {c['vocab_size']}, "
+             f"{c['steps']} steps of {c['batch']} sequences (pairs at T: {tasks}), lr {c['lr']:g}", "",
              "| mixer | width | " + " | ".join(f"{p} pairs" for p in pairs) + " |",
              "|---|---:|" + "---:|" * len(pairs)]
     for m in mixers:
