@@ -139,6 +139,21 @@ def test_erf_is_float64_accurate():
     np.testing.assert_allclose(activations.erf(xs), want, rtol=2e-15, atol=1e-300)
 
 
+@pytest.mark.parametrize("dtype, rtol", [(np.float32, 4e-7), (np.float64, 1e-15)])
+def test_sigmoid_is_relatively_accurate_everywhere_and_never_overflows(dtype, rtol):
+    """σ to a few ulps of its own size, the far-negative tail (σ ~ e^a) included, where a
+    form 1 - something would lose every digit; no overflow warning at ±100 (RuntimeWarning is
+    an error in this suite)."""
+    a = np.concatenate([np.linspace(-80, 80, 40001), [0.0, -0.0, 1e-30, -1e-30, -100.0, 100.0]]).astype(dtype)
+    want = np.array([1 / (1 + math.exp(-float(v))) for v in a])
+    got = activations.sigmoid(a)
+    assert got.dtype == dtype
+    keep = want > np.finfo(dtype).tiny * 1e3                    # σ a normal number of the dtype
+    np.testing.assert_allclose(got[keep], want[keep], rtol=rtol, atol=0)
+    y, (saved_a, saved_sig) = activations.silu_forward(a)
+    np.testing.assert_allclose(y[keep], (a * want)[keep], rtol=2 * rtol, atol=0)
+
+
 @pytest.fixture
 def _torch_one_thread():
     """torch on one thread for the comparisons (its pool only adds waiting on a busy 2-core machine)."""

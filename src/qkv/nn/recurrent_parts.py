@@ -26,15 +26,10 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import ShapeError, as_float_array, fmt_shape
-from .activations import silu_backward, silu_forward
+from .activations import sigmoid, silu_backward, silu_forward  # noqa: F401  (sigmoid: the layers' gates)
 
 
 # --- elementwise ------------------------------------------------------------------------------
-def sigmoid(x: np.ndarray) -> np.ndarray:
-    """``1 / (1 + e^{-x})`` without overflow."""
-    return np.exp(-np.logaddexp(0.0, -x)).astype(x.dtype, copy=False)
-
-
 def softplus(x: np.ndarray) -> np.ndarray:
     """``log(1 + e^x)`` without overflow (its derivative is :func:`sigmoid`)."""
     return np.logaddexp(0.0, x).astype(x.dtype, copy=False)
