@@ -213,7 +213,7 @@ def test_cached_generation_equals_uncached(layers):
 
 
 @pytest.mark.parametrize("layers", ["mamba2", "gated_delta", "rglru", "linear", "griffin", "attention:conv=3",
-                                    ["attention:conv=3", "attention:conv=4"]])
+                                    ["attention:conv=3", "attention:conv=4"], ["mamba2", "attention:conv=3"]])
 def test_ragged_batch_equals_each_alone(layers):
     """Right-padded prompts prefilled together (in one call when every block has a KV cache,
     ``attention:conv`` included; each alone when a block has a state) = each sequence alone."""
