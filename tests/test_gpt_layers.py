@@ -13,9 +13,10 @@ import pytest
 from qkv import ShapeError
 from qkv.models import GPT, GPTConfig, load_gpt
 from qkv.models.gpt_cache import GPTCache
-from qkv.nn import AdamW, KVCache, LinearState, RecurrentState
+from qkv.nn import AdamW, ConvKVCache, KVCache, LinearState, RecurrentState
 
-MIXERS = ["attention", "attention:window=3", "attention:chunk=4", "mamba2", "gated_delta", "rglru", "linear"]
+MIXERS = ["attention", "attention:window=3", "attention:chunk=4", "attention:conv=3", "attention:window=3:conv=2",
+          "mamba2", "gated_delta", "rglru", "linear"]
 PATTERNS = {"jamba": 5, "qwen3-next": 4, "griffin": 3}   # the fewest layers each takes
 
 
@@ -66,8 +67,11 @@ def test_all_attention_is_the_gpt_of_before_bit_for_bit():
     (dict(layers="griffin", n_layer=2), r"n_layer must be >= 3 for layers='griffin'"),
     (dict(layers="mamba2,attention,rglru", n_layer=4), r"layers has 3 entries, which must be n_layer = 4"),
     (dict(layers=["mamba3"]), r"each entry must be one of \['attention', 'mamba2'"),
-    (dict(layers=["attention:window=0"]), r"attention:window=W or attention:chunk=N"),
-    (dict(layers=["rglru:window=4"]), r"attention:window=W or attention:chunk=N"),
+    (dict(layers=["attention:window=0"]), r"attention:window=W, attention:chunk=N, attention:conv=K"),
+    (dict(layers=["rglru:window=4"]), r"attention:window=W, attention:chunk=N, attention:conv=K"),
+    (dict(layers=["attention:conv=0"]), r"\(W, N, K >= 1\), each at most once, joined by ':'"),
+    (dict(layers=["attention:conv=3:conv=2"]), r"each at most once.*got 'attention:conv=3:conv=2'"),
+    (dict(layers=["attention:conv"]), r"attention:conv=K"),
     (dict(layers=[]), r"layers must be None, a pattern"),
     (dict(layers=7), r"layers must be None, a pattern"),
 ])
@@ -104,8 +108,8 @@ def test_each_mixer_and_pattern_trains(layers):
 
 def test_a_hybrid_gpts_gradient_matches_finite_differences():
     """float64: every kind of block in one model, a few entries of each block's parameters."""
-    cfg = tiny(["mamba2", "gated_delta", "rglru", "linear", "attention:window=3"], 5, block_size=8, bias=True,
-               positions="rope")
+    cfg = tiny(["mamba2", "gated_delta", "rglru", "linear", "attention:window=3", "attention:conv=3"], 6,
+               block_size=8, bias=True, positions="rope")
     model = scaled(GPT(cfg), 2.0)
     x, y = np.random.default_rng(1).integers(0, 13, (2, 8)), np.random.default_rng(2).integers(0, 13, (2, 8))
     model.loss(x, y)
@@ -127,7 +131,7 @@ def test_a_hybrid_gpts_gradient_matches_finite_differences():
             numeric = (up - down) / 2e-6
             assert abs(numeric - grads[name].reshape(-1)[i]) < 1e-7 + 1e-5 * abs(numeric), name
             checked += 1
-    assert checked > 60
+    assert checked > 70
 
 
 def test_save_load_and_resume_repeat_the_run_bit_for_bit(tmp_path):
@@ -160,6 +164,22 @@ def test_save_load_and_resume_repeat_the_run_bit_for_bit(tmp_path):
     assert first + steps(c, opt_c, range(3, 6)) == whole
 
 
+def test_conv_attention_saves_its_convolution_under_the_blocks_attn(tmp_path):
+    pytest.importorskip("safetensors", reason="GPT.save writes safetensors: pip install 'qkv[models]'")
+    from safetensors.numpy import load_file
+
+    model = scaled(GPT(tiny(["attention:window=4:conv=3", "attention"], seed=8)))
+    keys = [k for k in model.params if ".short_conv." in k]
+    assert keys == [f"transformer.h.0.attn.short_conv.{n}" for n in ("W_proj", "b_proj", "conv_weight", "conv_bias")]
+    assert model.params[keys[0]].std() > 0 and model.params[keys[2]].std() > 0.1    # taps keep their own init
+    model.save(tmp_path)
+    assert set(load_file(str(tmp_path / "model.safetensors"))) == set(model.params)
+    again, _ = load_gpt(tmp_path)
+    assert again.config.layers == ("attention:window=4:conv=3", "attention")
+    idx = np.arange(10)[None] % 13
+    np.testing.assert_array_equal(again.forward(idx), model.forward(idx))
+
+
 def test_a_checkpoint_saved_before_layers_existed_loads_as_all_attention(tmp_path):
     pytest.importorskip("safetensors", reason="GPT.save writes safetensors: pip install 'qkv[models]'")
     model = GPT(tiny(None))
@@ -188,13 +208,19 @@ def test_cached_generation_equals_uncached(layers):
     assert np.abs(logits[:, 1:] - logits[:, :-1]).max(axis=-1).min() > 1e-8   # every step has logits of its own
     cache = model.new_cache(2, 16)
     kinds = {type(e) for e in cache}
-    assert isinstance(cache, GPTCache) and kinds <= {KVCache, RecurrentState, LinearState} and len(cache) == n
+    assert isinstance(cache, GPTCache) and kinds <= {KVCache, ConvKVCache, RecurrentState, LinearState}
+    assert len(cache) == n and (ConvKVCache in kinds) == ("conv=" in layers)
 
 
-@pytest.mark.parametrize("layers", ["mamba2", "gated_delta", "rglru", "linear", "griffin"])
+@pytest.mark.parametrize("layers", ["mamba2", "gated_delta", "rglru", "linear", "griffin", "attention:conv=3",
+                                    ["attention:conv=3", "attention:conv=4"], ["mamba2", "attention:conv=3"]])
 def test_ragged_batch_equals_each_alone(layers):
-    n = PATTERNS.get(layers, 2)
-    model = scaled(GPT(tiny(layers if layers in PATTERNS else [layers, "attention"], n, seed=4)))
+    """Right-padded prompts prefilled together (in one call when every block has a KV cache,
+    ``attention:conv`` included; each alone when a block has a state) = each sequence alone."""
+    n = 2 if isinstance(layers, list) else PATTERNS.get(layers, 2)
+    if isinstance(layers, str):
+        layers = layers if layers in PATTERNS else [layers, "attention"]
+    model = scaled(GPT(tiny(layers, n, seed=4)))
     r = np.random.default_rng(5)
     prompts = [r.integers(0, 13, k) for k in (1, 6, 3)]
     together, logits = model.generate(prompts, 6, temperature=0, return_logits=True)

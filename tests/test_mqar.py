@@ -94,6 +94,8 @@ def test_gpt_loss_leaves_out_targets_of_minus_one():
 
 def test_mixer_names_make_two_layer_patterns():
     assert layers("mamba2") == "mamba2,mamba2" and layers("attention+rglru") == "rglru,attention"
+    assert layers("attention", 3) == "attention:conv=3,attention:conv=3" and layers("linear", 3) == "linear,linear"
+    assert layers("attention+mamba2", 4) == "mamba2,attention:conv=4"
     for bad in ("mamba2+attention", "attention+attention", "s4", "attention+linear+rglru"):
         with pytest.raises(qkv.ShapeError, match="mixers must be among"):
             layers(bad)
@@ -133,13 +135,21 @@ def test_the_recipe_trains_as_zoology_on_its_mixture_of_lengths():
     assert cfg.tasks() == [(4, 64), (8, 128), (16, 256), (32, 256), (64, 256)]
     assert [cfg.schedule(s)[0] for s in range(10)] == [4, 8, 4, 16, 4, 32, 4, 64, 4, 4]
     model = cfg.model_config("attention+mamba2", 64)
-    assert model.positions == cfg.positions and model.dropout == 0 and model.layer_kinds == ("mamba2", "attention")
+    assert model.positions == cfg.positions and model.dropout == 0
+    assert cfg.attention_conv == 3 and model.layer_kinds == ("mamba2", "attention:conv=3")   # Zoology's BaseConv
+    assert cfg.model_config("attention", 64).layer_kinds == ("attention:conv=3",) * 2
+    assert cfg.train_config("attention", 64).layers == "attention:conv=3,attention:conv=3"
+    plain = MQARConfig(attention_conv=0)
+    assert plain.model_config("attention+mamba2", 64).layer_kinds == ("mamba2", "attention")
+    assert plain.model_config("attention", 64).layers == ("attention", "attention")
     assert cfg.train_config("attention", 64).weight_decay == cfg.weight_decay
     quick = MQARConfig.quick()
     quick.check()
     assert quick.n_steps < cfg.n_steps and "attention" in quick.mixers
     with pytest.raises(qkv.OptionError, match="workers"):
         MQARConfig(**dict(TINY, workers=0)).check()
+    with pytest.raises(qkv.OptionError, match="attention_conv must be an int >= 0"):
+        MQARConfig(**dict(TINY, attention_conv=-1)).check()
 
 
 def test_workers_give_the_bits_of_one_process():
@@ -173,5 +183,9 @@ def test_the_command_takes_mixers_widths_and_steps(tmp_path, monkeypatch, capsys
     assert main(argv) == 0
     rec = json.loads((tmp_path / "mqar.json").read_text())
     assert {(r["mixer"], r["width"]) for r in rec["rows"]} == {("attention+rglru", 4)} and rec["config"]["steps"] == 2
+    assert rec["config"]["attention_conv"] == 3
+    assert main(argv + ["--attention-conv", "0"]) == 0
+    plain = json.loads((tmp_path / "mqar.json").read_text())
+    assert plain["config"]["attention_conv"] == 0 and plain["runs"][0]["params"] < rec["runs"][0]["params"]
     assert main(["experiment", "mqar", "--no-progress", "--out", str(tmp_path), "--mixers", "hyena"]) == 2
     assert "mixers must be among" in capsys.readouterr().err

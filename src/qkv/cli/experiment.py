@@ -71,6 +71,9 @@ def _mqar_arguments(parser) -> None:
     parser.add_argument("--steps", type=int, metavar="N", help="training steps of each model (default 700)")
     parser.add_argument("--workers", type=int, metavar="N",
                         help="models trained at once, a process of one thread each (default 1; the same results)")
+    parser.add_argument("--attention-conv", type=int, metavar="K",
+                        help="taps of the short convolution before every attention layer, as in Zoology's models "
+                             "(default 3; 0 = plain attention)")
 
 
 def run(args) -> int:
@@ -132,7 +135,7 @@ def _mqar(args) -> int:
     for name in ("mixers", "widths"):
         if getattr(args, name):
             setattr(cfg, name, tuple(getattr(args, name)))
-    for name in ("steps", "workers"):
+    for name in ("steps", "workers", "attention_conv"):
         if getattr(args, name) is not None:
             setattr(cfg, name, getattr(args, name))
     return _record(args, "mqar", cfg, mqar_experiment, format_table, plot)

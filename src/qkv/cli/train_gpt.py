@@ -51,7 +51,8 @@ OPTIONS = [
     ("--n-head", "n_head", int, "attention heads"),
     ("--n-embd", "n_embd", int, "model width"),
     ("--layers", "layers", str, "each block's mixer: a pattern (jamba, qwen3-next, griffin) or comma-separated "
-     "attention, attention:window=W, attention:chunk=N, mamba2, gated_delta, rglru, linear (repeated to "
+     "attention, attention:window=W, attention:chunk=N, attention:conv=K (options join by ':'), mamba2, "
+     "gated_delta, rglru, linear (repeated to "
      "--n-layer); default attention in every block"),
     ("--lr", "lr", float, "peak learning rate"),
     ("--min-lr", "min_lr", float, "learning rate at the end of the cosine (default lr/10)"),

@@ -11,8 +11,10 @@ mixer (``attention``, ``linear``, ``mamba2``, ``gated_delta``, ``rglru``, and th
 ``attention+X``: an X layer then an attention layer) and each width ``n_embd``, one 2-layer
 model trained on Zoology's mixture of (pairs, T) tasks (:meth:`MQARConfig.tasks`, one task a
 step), then its accuracy at the query positions of held-out sequences of each pair count at
-``T = seq_len``. Attention is plain attention (RoPE, no short convolution before it, unlike
-Zoology's model). Training is ``qkv train gpt``'s step
+``T = seq_len``. Every attention layer (of the ``attention`` models and of the hybrids) is, as
+in Zoology's MQAR models, a short convolution then attention (``attention_conv = 3``: the
+``attention:conv=3`` mixer, :class:`qkv.nn.ConvAttention`, Zoology's ``Hybrid([BaseConv, MHA])``),
+with RoPE; ``attention_conv = 0`` makes it plain attention. Training is ``qkv train gpt``'s step
 (:func:`qkv.models.training.train_step`: AdamW, clipping at norm 1, warm-up then cosine,
 float32), with the loss at the query positions only (targets ``-1`` elsewhere).
 """
@@ -43,7 +45,9 @@ class MQARConfig:
     vocabulary ``vocab_size``, ``steps`` steps of ``batch`` fresh sequences; evaluated at
     ``seq_len`` for every pair count. ``workers``: models trained at once, in processes of one
     thread each (the results are the same bits as one worker's: every model is made and fed
-    from ``seed`` alone, on one thread).
+    from ``seed`` alone, on one thread). ``attention_conv``: the taps of the short convolution
+    before every attention layer (Zoology's BaseConv, kernel 3 as its models have it; 0 = plain
+    attention).
     """
 
     mixers: tuple = MIXERS + HYBRIDS
@@ -61,6 +65,7 @@ class MQARConfig:
     n_eval: int = 48
     seed: int = 0
     workers: int = 1
+    attention_conv: int = 3
 
     @classmethod
     def quick(cls) -> "MQARConfig":
@@ -86,6 +91,7 @@ class MQARConfig:
         if not self.mixers or not self.widths or not self.pairs:
             raise ShapeError("mixers, widths and pairs must each name at least one value; got "
                              f"{len(self.mixers)}, {len(self.widths)} and {len(self.pairs)}")
+        positive_int("attention_conv", self.attention_conv, 0)
         for m in self.mixers:
             layers(m)
         for name in ("n_head", "steps", "batch", "n_eval", "workers"):
@@ -104,7 +110,8 @@ class MQARConfig:
         from ..models import GPTConfig
 
         return GPTConfig(vocab_size=self.vocab_size, block_size=self.seq_len, n_layer=2, n_head=self.n_head,
-                         n_embd=int(width), positions=self.positions, seed=self.seed, layers=layers(mixer))
+                         n_embd=int(width), positions=self.positions, seed=self.seed,
+                         layers=layers(mixer, self.attention_conv))
 
     def train_config(self, mixer: str, width: int):
         """The :class:`qkv.models.trainconfig.TrainConfig` of one (mixer, width) model (its
@@ -114,7 +121,7 @@ class MQARConfig:
         return TrainConfig(block_size=self.seq_len, batch_size=self.batch, n_layer=2, n_head=self.n_head,
                            n_embd=int(width), lr=self.lr, warmup=self.warmup, steps=self.steps,
                            weight_decay=self.weight_decay, seed=self.seed, vocab_size=self.vocab_size,
-                           layers=layers(mixer))
+                           layers=layers(mixer, self.attention_conv))
 
     @property
     def n_steps(self) -> int:
@@ -122,15 +129,19 @@ class MQARConfig:
         return len(self.mixers) * len(self.widths) * self.steps
 
 
-def layers(mixer: str) -> str:
+def layers(mixer: str, conv: int = 0) -> str:
     """``GPTConfig.layers`` of a 2-layer model: ``"mamba2"`` -> ``"mamba2,mamba2"``; a hybrid
     ``"attention+mamba2"`` -> ``"mamba2,attention"``: the recurrent layer first, as every pattern
-    of :mod:`qkv.models.hybrid` places attention after recurrent layers (Jamba, Qwen3-Next, Griffin)."""
+    of :mod:`qkv.models.hybrid` places attention after recurrent layers (Jamba, Qwen3-Next, Griffin).
+    ``conv`` > 0: every attention layer is ``attention:conv=<conv>`` (``"attention"`` ->
+    ``"attention:conv=3,attention:conv=3"``)."""
     parts = mixer.split("+") if isinstance(mixer, str) else [None]
+    attention = f"attention:conv={conv}" if conv else "attention"
     if len(parts) == 1 and parts[0] in MIXERS:
-        return f"{parts[0]},{parts[0]}"
+        first = attention if parts[0] == "attention" else parts[0]
+        return f"{first},{first}"
     if len(parts) == 2 and parts[0] == "attention" and parts[1] in RECURRENT:
-        return f"{parts[1]},attention"
+        return f"{parts[1]},{attention}"
     raise ShapeError(f"mixers must be among {list(MIXERS)} or a hybrid {list(HYBRIDS)}; got {mixer!r}")
 
 

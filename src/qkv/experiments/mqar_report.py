@@ -16,8 +16,11 @@ def format_table(rec: dict) -> str:
     mixers, widths, pairs, acc = _grid(rec)
     c = rec["config"]
     tasks = ", ".join(f"{p} at {t}" for p, t in rec.get("tasks", [])) or f"T = {c['seq_len']}"
+    conv = c.get("attention_conv", 0)            # records made before the option: plain attention
+    attention = f"attention after a short convolution of {conv}" if conv else "plain attention"
     lines = [f"accuracy at the query positions, T = {c['seq_len']} (chance {rec['chance']:.4f}); 2 layers, "
-             f"{c['n_head']} head(s), {c.get('positions', 'learned')} positions, vocabulary {c['vocab_size']}, "
+             f"{c['n_head']} head(s), {attention}, {c.get('positions', 'learned')} positions, "
+             f"vocabulary {c['vocab_size']}, "
              f"{c['steps']} steps of {c['batch']} sequences (pairs at T: {tasks}), lr {c['lr']:g}", "",
              "| mixer | width | " + " | ".join(f"{p} pairs" for p in pairs) + " |",
              "|---|---:|" + "---:|" * len(pairs)]

@@ -28,7 +28,8 @@ names at the leaves, in qkv's layout (``x @ W``: a ``W`` is ``(in, out)``)::
 
 Each block's mixer is softmax attention unless ``GPTConfig.layers`` names others (Mamba-2,
 Gated DeltaNet, RG-LRU, linear attention; patterns ``jamba``, ``qwen3-next``, ``griffin``):
-see :mod:`qkv.models.hybrid`. A recurrent mixer's parameters are ``transformer.h.{i}.mixer.*``.
+see :mod:`qkv.models.hybrid`. A recurrent mixer's parameters are ``transformer.h.{i}.mixer.*``;
+``attention:conv=K`` adds ``transformer.h.{i}.attn.short_conv.*`` (W_proj, b_proj, conv_weight, conv_bias).
 
 Initialisation as nanoGPT: every matrix normal(0, 0.02), the residual projections
 (``attn.W_O``, ``mlp.W_proj``, a mixer's ``W_out``) normal(0, 0.02 / sqrt(2 n_layer)), biases 0,
@@ -72,7 +73,9 @@ class GPTConfig:
     ``layers``: each block's mixer (:mod:`qkv.models.hybrid`): None (softmax attention in
     every block, as GPT-2), a pattern (``"jamba"``, ``"qwen3-next"``, ``"griffin"``) or a list
     (or comma-separated string) of ``"attention"``, ``"attention:window=W"``,
-    ``"attention:chunk=N"``, ``"mamba2"``, ``"gated_delta"``, ``"rglru"``, ``"linear"``.
+    ``"attention:chunk=N"``, ``"attention:conv=K"`` (Zoology's short convolution before the
+    attention; options join: ``"attention:window=W:conv=K"``), ``"mamba2"``, ``"gated_delta"``,
+    ``"rglru"``, ``"linear"``.
     """
 
     vocab_size: int
@@ -187,6 +190,8 @@ class GPT(Layer):
                 leaf = name.rsplit(".", 1)[1]
                 if leaf in hybrid.MIXER_IN or leaf in hybrid.MIXER_OUT:
                     p[...] = self.rng.standard_normal(p.shape) * (std_proj if leaf in hybrid.MIXER_OUT else 0.02)
+            elif ".short_conv.conv_" in name:  # a ConvAttention's taps keep their own init
+                continue
             elif p.ndim >= 2:
                 std = std_proj if name.endswith(("attn.W_O", "mlp.W_proj")) else 0.02
                 p[...] = self.rng.standard_normal(p.shape) * std

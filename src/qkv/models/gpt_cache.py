@@ -19,7 +19,7 @@ import copy
 import numpy as np
 
 from ..errors import ShapeError, fmt_shape
-from ..nn import Cache, LinearState, RecurrentState
+from ..nn import Cache, ConvKVCache, LinearState, RecurrentState
 
 
 class GPTCache(list):
@@ -86,6 +86,8 @@ def _row(entry, b: int, length: int):
         view.arrays = {name: a[b:b + 1] for name, a in entry.arrays.items()}
         view.batch = 1
         view.lengths = entry.lengths[b:b + 1].copy()
+        if isinstance(entry, ConvKVCache):
+            view.conv = entry.conv[b:b + 1]
     elif isinstance(entry, RecurrentState):
         view.conv, view.recurrent, view.length = entry.conv[b:b + 1], entry.recurrent[b:b + 1], length
     elif isinstance(entry, LinearState):

@@ -12,7 +12,10 @@ config makes every kind:
 ====================  =========================================================================
 ``attention``         softmax :class:`~qkv.nn.MultiHeadAttention`, the GPT's as before (GQA,
                       RoPE, attention dropout); ``attention:window=W`` sees its own key and the
-                      W before it (Griffin's local attention), ``attention:chunk=N`` its chunk of N
+                      W before it (Griffin's local attention), ``attention:chunk=N`` its chunk of N;
+                      ``attention:conv=K`` puts Zoology's BaseConv (a short causal convolution of K
+                      taps, :class:`~qkv.nn.ConvAttention`) before it; options join by ``:``
+                      (``attention:window=64:conv=3``)
 ``mamba2``            :class:`~qkv.nn.Mamba2`: H heads of ``C / H`` (inner width C), SSD state
                       16, 1 group, conv 4, projection biases as ``bias``
 ``gated_delta``       :class:`~qkv.nn.GatedDeltaNet`: H key heads and H value heads of ``C / H``,
@@ -35,10 +38,10 @@ repeats when ``n_layer`` is a multiple of its length.
 from __future__ import annotations
 
 from ..errors import ShapeError
-from ..nn import GatedDeltaNet, LinearAttention, Mamba2, RGLRU
+from ..nn import ConvAttention, GatedDeltaNet, LinearAttention, Mamba2, RGLRU
 
 MIXERS = ("attention", "mamba2", "gated_delta", "rglru", "linear")
-ATTENTION_OPTIONS = ("window", "chunk")
+ATTENTION_OPTIONS = ("window", "chunk", "conv")
 # name -> (period, {position in the period: mixer}, the rest); n_layer must reach the last special position
 PATTERNS = {
     "jamba": (8, {4: "attention"}, "mamba2"),
@@ -50,20 +53,25 @@ CONV_KERNEL = 4     # the short convolution of every recurrent mixer
 
 
 def parse_mixer(token: str) -> tuple[str, dict]:
-    """``"attention:window=64"`` -> ``("attention", {"window": 64})``; a ShapeError naming ``layers`` otherwise."""
+    """``"attention:window=64:conv=3"`` -> ``("attention", {"window": 64, "conv": 3})``; a ShapeError
+    naming ``layers`` otherwise. Only attention takes options, each ``key=N`` (N >= 1) at most once,
+    joined by ``:``."""
     if not isinstance(token, str):
         raise ShapeError(f"layers must name mixers ({', '.join(MIXERS)}); got {token!r}")
-    name, _, opt = token.strip().partition(":")
+    name, *opts = token.strip().split(":")
     if name not in MIXERS:
         raise ShapeError(f"layers: each entry must be one of {list(MIXERS)} (or a pattern {sorted(PATTERNS)} for "
                          f"the whole list); got {token!r}")
-    if not opt:
-        return name, {}
-    key, _, value = opt.partition("=")
-    if name != "attention" or key not in ATTENTION_OPTIONS or not value.isdigit() or int(value) < 1:
-        raise ShapeError(f"layers: an option is written attention:window=W or attention:chunk=N (W, N >= 1); "
-                         f"got {token!r}")
-    return name, {key: int(value)}
+    parsed = {}
+    for opt in opts:
+        key, _, value = opt.partition("=")
+        if name != "attention" or key not in ATTENTION_OPTIONS or key in parsed or not value.isdigit() \
+                or int(value) < 1:
+            raise ShapeError(f"layers: attention's options are written attention:window=W, attention:chunk=N, "
+                             f"attention:conv=K (W, N, K >= 1), each at most once, joined by ':' "
+                             f"(attention:window=64:conv=3); got {token!r}")
+        parsed[key] = int(value)
+    return name, parsed
 
 
 def normalise(layers):
@@ -106,8 +114,10 @@ def make_mixer(token: str, c, rng, attention):
     kw = dict(dtype=c.dtype, rng=rng)
     hs = c.n_embd // c.n_head
     if name == "attention":
-        return attention(c.n_embd, c.n_head, n_kv_heads=c.n_kv_head, causal=True, bias=c.bias,
-                         rope=c.positions == "rope", rope_base=c.rope_base, dropout=c.dropout, **opts, **kw)
+        conv = opts.pop("conv", None)
+        layer = attention(c.n_embd, c.n_head, n_kv_heads=c.n_kv_head, causal=True, bias=c.bias,
+                          rope=c.positions == "rope", rope_base=c.rope_base, dropout=c.dropout, **opts, **kw)
+        return layer if conv is None else ConvAttention(layer, conv, rng=rng)
     if name == "mamba2":
         return Mamba2(c.n_embd, c.n_head, hs, MAMBA2_STATE, conv_kernel=CONV_KERNEL, bias=c.bias, **kw)
     if name == "gated_delta":

@@ -30,6 +30,7 @@ from .mamba2 import Mamba2
 from .mlp import MLP
 from .norms import LayerNorm, RMSNorm
 from .rglru import RGLRU
+from .short_conv import ConvAttention
 
 NORMS = ("layernorm", "rmsnorm")
 RECURRENT_MIXERS = (Mamba2, GatedDeltaNet, RGLRU)  # layers with new_state(batch) and forward(x, state=)
@@ -53,10 +54,10 @@ class TransformerBlock(Layer):
                  dtype=np.float32, rng: np.random.Generator | None = None):
         super().__init__(dtype=dtype, rng=rng)
         self.d_model = positive_int("d_model", d_model)
-        if not isinstance(attn, (AttentionLayer,) + RECURRENT_MIXERS):
+        if not isinstance(attn, (AttentionLayer, ConvAttention) + RECURRENT_MIXERS):
             raise ShapeError(f"attn must be a qkv.nn attention layer (MultiHeadAttention, LatentAttention, "
-                             f"LinearAttention, ...) or a recurrent mixer (Mamba2, GatedDeltaNet, RGLRU); "
-                             f"got {type(attn).__name__}")
+                             f"LinearAttention, ConvAttention, ...) or a recurrent mixer (Mamba2, GatedDeltaNet, "
+                             f"RGLRU); got {type(attn).__name__}")
         if attn.d_model != self.d_model:
             raise ShapeError(f"attn must have d_model = {self.d_model}; got {attn.d_model}")
         if norm not in NORMS:
