@@ -50,6 +50,29 @@ def test_chunked_equals_the_step_oracle_in_float64(per_channel, T, chunk, streng
 
 
 @pytest.mark.parametrize("per_channel", [False, True], ids=["head", "channel"])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_a_long_sequence_in_segments_gives_the_bits_of_one_pass(monkeypatch, per_channel, dtype):
+    """The forward works a long sequence segment after segment (SEGMENT_ROWS, the state passed
+    on); here slabs of 32 rows and segments of 64 (chunks of 8 and 16) against one pass, bit
+    for bit, with an initial state, a last segment cut short, strong decays, several heads."""
+    rng = np.random.default_rng(11)
+    q, k, v, g, S0, _, _ = problem(rng, 300, per_channel, B=2, H=3, dtype=dtype, strength=30.0)
+    monkeypatch.setattr(decay, "SLAB_ROWS", 32)
+    for chunk in (8, 16):
+        whole = decay.forward(q, k, v, g, scale=0.5, initial_state=S0, chunk=chunk)
+        with monkeypatch.context() as m:
+            m.setattr(decay, "SEGMENT_ROWS", 64)
+            assert len(decay._segments(300, chunk)) > 2
+            parts = decay.forward(q, k, v, g, scale=0.5, initial_state=S0, chunk=chunk)
+        for a, b in zip(parts, whole):
+            np.testing.assert_array_equal(a, b)
+    if dtype == np.float64:
+        o_ref, S_ref = R.decay_forward(q, k, v, g, scale=0.5, initial_state=S0)
+        close(parts[0], o_ref, 1e-10)
+        close(parts[1], S_ref, 1e-10)
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["head", "channel"])
 def test_gradients_against_finite_differences_through_the_public_api(per_channel):
     rng = np.random.default_rng(5)
     q, k, v, g, S0, do, dS = problem(rng, 7, per_channel, strength=2.0)

@@ -66,6 +66,7 @@ decays are summed in float64 (see :mod:`qkv.kernels.decay_intra`).
 from __future__ import annotations
 
 import dataclasses
+import math
 from functools import cached_property
 
 import numpy as np
@@ -79,6 +80,9 @@ UNIT_ROWS = 4096    # positions (heads × T) a work unit holds at least, where t
 SLAB_ROWS = 2048    # positions of the chunks whose in-chunk scores are made at once
 FLOOR = -1000.0     # log decays below are raised to it: exp(-1000) is 0 in float64 already
 KEEP = 1 << 21      # elements of the largest work array a thread keeps between calls
+SEGMENT_ROWS = 4096 # positions of a head whose chunks the forward works at once; a longer
+                    # sequence runs segment after segment, the state passed on, so its work
+                    # arrays (the states entering its chunks) stay within KEEP and are reused
 
 
 def _t(x):
@@ -158,10 +162,15 @@ def _states(c: _Chunks, S0) -> np.ndarray:
     return S
 
 
-def _slabs(n: int, Nc: int, C: int, W: int):
-    """Chunk ranges ``[a, b)`` whose in-chunk products are made at once (a quarter as many
+def _slab_chunks(n: int, C: int, W: int) -> int:
+    """Chunks of a slab: those whose in-chunk products are made at once (a quarter as many
     rows for a decay a channel: its diagonal blocks hold ``SUB·Dk`` numbers a row)."""
-    per = max(1, (SLAB_ROWS if W == 1 else SLAB_ROWS // 4) // (n * C))
+    return max(1, (SLAB_ROWS if W == 1 else SLAB_ROWS // 4) // (n * C))
+
+
+def _slabs(n: int, Nc: int, C: int, W: int):
+    """Chunk ranges ``[a, b)`` of the slabs (:func:`_slab_chunks`)."""
+    per = _slab_chunks(n, C, W)
     return [(a, min(a + per, Nc)) for a in range(0, Nc, per)]
 
 
@@ -172,7 +181,7 @@ def _forward_unit(q, k, v, g, S0, scale, C, out):
     c = _chunks(q, k, v, g, C)
     n, Nc = c.q.shape[:2]
     S = _states(c, S0)
-    whole = T % C == 0                                                    # o straight into out, else padded
+    whole = T % C == 0 and out.flags.c_contiguous                          # o straight into out, else padded
     o = out.reshape(c.v.shape) if whole else _buffer(c.v.shape, q.dtype, "o")
     np.matmul(c.Qg, S[:, :Nc], out=o)                                      # (n,Nc,C,Dk) @ (n,Nc,Dk,Dv) -> (n,Nc,C,Dv)
     for a, b in _slabs(n, Nc, C, c.G.shape[-1]):
@@ -253,6 +262,18 @@ def _chunk_size(chunk, T: int, Dk: int) -> int:
     return max(1, min(default if chunk is None else int(chunk), T))
 
 
+def _segments(T: int, C: int):
+    """``[t0, t1)`` ranges of at most :data:`SEGMENT_ROWS` positions (whole chunks) covering T.
+
+    Cutting a sequence between chunks changes nothing: a segment starts from the state the
+    one before it ended with, exactly the state its first chunk would have entered, and the
+    chunks, slabs and products are the same (a segment is a whole number of slabs of one
+    head, of either decay's width), so the bits are those of one pass over the whole sequence."""
+    slab = math.lcm(_slab_chunks(1, C, 1), _slab_chunks(1, C, 2))          # chunks
+    step = max(1, SEGMENT_ROWS // (slab * C)) * slab * C
+    return [(t0, min(t0 + step, T)) for t0 in range(0, T, step)]
+
+
 def _run(N, T, C, job):
     with Workers(None, N * T * C, DEFAULT) as w:
         w.run([lambda a=a, b=b: job(a, b) for a, b in _units(N, T)])
@@ -267,8 +288,11 @@ def forward(q, k, v, g, *, scale, initial_state=None, chunk=None):
     S_T = np.empty((B * H, Dk, vf.shape[-1]), q.dtype)
 
     def job(a, b):
-        S_T[a:b] = _forward_unit(qf[a:b], kf[a:b], vf[a:b], gf[a:b], None if S0 is None else S0[a:b],
-                                 scale, C, o[a:b])
+        S = None if S0 is None else S0[a:b]
+        for t0, t1 in _segments(T, C):
+            S = _forward_unit(qf[a:b, t0:t1], kf[a:b, t0:t1], vf[a:b, t0:t1], gf[a:b, t0:t1], S, scale, C,
+                              o[a:b, t0:t1])
+        S_T[a:b] = S
 
     _run(B * H, T, C, job)
     return o.reshape(v.shape), S_T.reshape(B, H, Dk, -1)
