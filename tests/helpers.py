@@ -50,3 +50,9 @@ def mpiexec(n: int, *args: str, timeout: float) -> subprocess.CompletedProcess:
     paths = [str(Path(__file__).parent.parent / "src")] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     return subprocess.run([exe, "-n", str(n), sys.executable, *args], capture_output=True, text=True,
                           timeout=timeout, env=dict(os.environ, PYTHONPATH=os.pathsep.join(paths)))
+
+
+def worst(errors: dict) -> tuple:
+    """``(largest error, its name)`` of a ``{name: error}`` dict (the gradient checks' report)."""
+    name = max(errors, key=errors.get)
+    return errors[name], name

@@ -5,16 +5,13 @@ import pytest
 import qkv
 from qkv import nn
 
+from helpers import worst
+
 TOL = 1e-6  # finite differences in float64 agree to ~1e-9; anything wrong is O(1)
 
 
 def rng(seed=0):
     return np.random.default_rng(seed)
-
-
-def worst(errors: dict) -> tuple:
-    name = max(errors, key=errors.get)
-    return errors[name], name
 
 
 # --- SelfAttention ---------------------------------------------------------------------------

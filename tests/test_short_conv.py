@@ -4,16 +4,13 @@ import pytest
 
 from qkv import ShapeError, nn
 
+from helpers import worst
+
 TOL = 1e-6  # finite differences in float64 agree to ~1e-9; anything wrong is O(1)
 
 
 def rng(seed=0):
     return np.random.default_rng(seed)
-
-
-def worst(errors: dict) -> tuple:
-    name = max(errors, key=errors.get)
-    return errors[name], name
 
 
 def base_conv_by_loop(layer: nn.BaseConv, u: np.ndarray) -> np.ndarray:
