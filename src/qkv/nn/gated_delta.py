@@ -29,11 +29,11 @@ import numpy as np
 
 from .. import recurrent
 from ..errors import ShapeError, positive_int
-from .activations import silu_backward, silu_forward
+from .activations import sigmoid, silu_backward, silu_forward
 from .base import Layer, check_input, linear_grad
 from .recurrent_parts import (RecurrentState, check_state, compute_dtype, conv_backward, conv_forward, conv_tail,
                               grad_output, hf_tensors, l2norm_backward, l2norm_forward, load_hf,
-                              norm_then_gate_backward, norm_then_gate_forward, sigmoid, softplus)
+                              norm_then_gate_backward, norm_then_gate_forward, softplus)
 
 
 class GatedDeltaNet(Layer):

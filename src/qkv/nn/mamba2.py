@@ -29,11 +29,11 @@ import numpy as np
 
 from .. import recurrent
 from ..errors import ShapeError, positive_int
-from .activations import silu_backward, silu_forward
+from .activations import sigmoid, silu_backward, silu_forward
 from .base import Layer, check_input, linear_grad
 from .recurrent_parts import (RecurrentState, check_state, compute_dtype, conv_backward, conv_forward, conv_tail,
                               gate_then_norm_backward, gate_then_norm_forward, grad_output, hf_tensors, load_hf,
-                              sigmoid, softplus)
+                              softplus)
 
 
 class Mamba2(Layer):

@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import ShapeError, as_float_array, fmt_shape
-from .activations import sigmoid, silu_backward, silu_forward  # noqa: F401  (sigmoid: the layers' gates)
+from .activations import silu_backward, silu_forward
 
 
 # --- elementwise ------------------------------------------------------------------------------

@@ -28,10 +28,10 @@ import numpy as np
 
 from .. import recurrent
 from ..errors import ShapeError, positive_int
-from .activations import gelu_tanh_backward, gelu_tanh_forward
+from .activations import gelu_tanh_backward, gelu_tanh_forward, sigmoid
 from .base import Layer, check_input, linear_grad
 from .recurrent_parts import (RecurrentState, check_state, compute_dtype, conv_backward, conv_forward, conv_tail,
-                              grad_output, hf_tensors, load_hf, sigmoid, softplus)
+                              grad_output, hf_tensors, load_hf, softplus)
 
 C_EXPONENT = 8.0          # Griffin's c
 MAX_SQRT_GRADIENT = 1000.0  # transformers' bound on d sqrt(x) / dx
