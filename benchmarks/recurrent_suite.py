@@ -147,8 +147,8 @@ def _peer_side(kern, q, k, v, dout, params, backward):
 def decay_products(q, k, v, dout, backward: bool, chunk: int | None = None):
     """A no-argument callable running only the matrix products of the chunked decay form
     (one decay a head), in the kernel's chunks, work units and threads, BLAS held to one
-    thread: forward ``U = Kgᵀ V``, ``Qg S``, ``Q Kᵀ``, ``A V``; backward adds ``U``,
-    ``Qgᵀ dO``, ``dO Sᵀ``, ``V dSᵀ``, ``Kg dS``, ``Q Kᵀ``, ``Aᵀ dO``, ``dO Vᵀ``, ``dA K``,
+    thread: forward ``U = Kgᵀ V``, ``Q S``, ``Q Kᵀ``, ``A V`` (in the forward's value panels);
+    backward adds ``U``, ``Qgᵀ dO``, ``dO Sᵀ``, ``V dSᵀ``, ``Kg dS``, ``Q Kᵀ``, ``Aᵀ dO``, ``dO Vᵀ``, ``dA K``,
     ``dAᵀ Q``. The results are garbage; only the time counts."""
     import numpy as np
 
@@ -161,13 +161,15 @@ def decay_products(q, k, v, dout, backward: bool, chunk: int | None = None):
     qf, kf, vf, df = flat(q), flat(k), flat(v), flat(dout)
     t = lambda x: np.swapaxes(x, -1, -2)  # noqa: E731
     kTf = np.ascontiguousarray(t(kf))                    # the kernel's KgT: Kgᵀ stored (n,Nc,D,C)
+    p = decay._panels(D)                                 # the forward's value panels (n,Nc,p,C,D/p)
+    vpf = np.ascontiguousarray(vf.reshape(vf.shape[:3] + (p, D // p)).swapaxes(2, 3))
 
     def unit(a, b):
         qa, ka, kTa, va, da = qf[a:b], kf[a:b], kTf[a:b], vf[a:b], df[a:b]
-        S = kTa @ va                                     # (n,Nc,D,C) @ (n,Nc,C,D): the states' U
-        o = qa @ S                                       # Qg S
+        S = kTa[:, :, None] @ vpf[a:b]                   # (n,Nc,1,D,C) @ (n,Nc,p,C,w): the states' U
+        o = qa[:, :, None] @ S                           # q S
         A = qa @ kTa                                     # (n,Nc,C,C)
-        o += A @ va
+        o += A[:, :, None] @ vpf[a:b]
         if backward:
             S = kTa @ va
             dS = t(qa) @ da                              # R = Qgᵀ dO'

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -118,6 +119,19 @@ def blas_libraries() -> list[str]:
     """The file paths of the BLAS libraries loaded in this process (threadpoolctl's view): where
     a kernel that calls a BLAS function directly (:mod:`qkv.kernels.rows_fused`) looks for it."""
     return [lib.filepath for lib in _controller().lib_controllers if lib.user_api == "blas"]
+
+
+@functools.cache
+def blas_core() -> str:
+    """The CPU kernels NumPy's BLAS runs, as OpenBLAS names its core (``"skylakex"``,
+    ``"haswell"``, ...: lower case; ``OPENBLAS_CORETYPE`` changes it), or ``""`` where NumPy's
+    BLAS is not OpenBLAS or does not say. Read once a process."""
+    where = os.path.dirname(os.path.dirname(np.__file__))
+    for lib in _controller().lib_controllers:
+        if lib.internal_api == "openblas" and os.path.basename(os.path.dirname(lib.filepath)) == "numpy.libs" \
+                and lib.filepath.startswith(where):
+            return str(getattr(lib, "architecture", "") or "").lower()
+    return ""
 
 
 def _drop_claim() -> None:

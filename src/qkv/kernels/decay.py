@@ -57,6 +57,15 @@ the padded rows add nothing to the state and decay nothing, so ``S_T`` and every
 are exact; their outputs and gradients are dropped. A log decay below :data:`FLOOR` is
 raised to it before the sums (its exp is 0 either way), so no sum of them reaches ``-inf``.
 
+**The forward's layout.** For a decay a head, ``O = scale · (Qg S + A V)`` is computed as
+``scale · exp(G) ∘ (Q S + A' V)`` with ``A' = tril(Q Kgᵀ) · exp(-Γ)`` (decay_intra's
+``scores_unrowed``): the rows' ``exp(G_i)`` multiply the finished output once, with the
+scale, where ``Qg`` would be a pass of its own. Where NumPy's OpenBLAS has small-matrix
+kernels (its AVX-512 cores) and Dv is a larger multiple of :data:`PANEL`, the values, states
+and outputs are cut into panels of :data:`PANEL` columns, so that each product is one those
+kernels take (:data:`PANEL`'s comment); the states between chunks are passed by a compiled
+loop where the ``fast`` extra is (:func:`_pass_states`), the same bits as NumPy's.
+
 **Work.** The ``B·H`` heads are cut into units (a whole number of heads, at least
 :data:`UNIT_ROWS` positions where T is short), which run on the kernel threads with BLAS
 held to one thread; the units depend on the problem alone, so the bits do not depend on the
@@ -71,6 +80,7 @@ from functools import cached_property
 
 import numpy as np
 
+from .. import jit, threads
 from . import decay_intra
 from .flash.tiles import DEFAULT, Workers, scratch
 
@@ -80,6 +90,12 @@ UNIT_ROWS = 4096    # positions (heads × T) a work unit holds at least, where t
 SLAB_ROWS = 2048    # positions of the chunks whose in-chunk scores are made at once
 FLOOR = -1000.0     # log decays below are raised to it: exp(-1000) is 0 in float64 already
 KEEP = 1 << 21      # elements of the largest work array a thread keeps between calls
+PANEL = 64          # columns of a value panel (see _forward_unit): OpenBLAS's small-matrix kernels
+                    # (AVX-512) take a product of M·N·K <= 10^6 only, and at D = 128, C = 64 the
+                    # state's two products are 64·128·128; in panels of 64 each is half that
+PANELS = None       # True/False: panels or not; None: as the BLAS core (measured, D = 128: 0.85x
+                    # the time on SkylakeX, 1.05x on Haswell, which has no such kernels)
+SMALL_PRODUCT_CORES = ("skylakex", "cooperlake", "sapphirerapids")
 SEGMENT_ROWS = 4096 # positions of a head whose chunks the forward works at once; a longer
                     # sequence runs segment after segment, the state passed on, so its work
                     # arrays (the states entering its chunks) stay within KEEP and are reused
@@ -151,14 +167,38 @@ def _chunks(q, k, v, g, C) -> _Chunks:
     return _Chunks(_split(q, C), _split(k, C), _split(v, C), G, eG, eK, np.exp(Gam[:, :, 0].astype(dt)), a)
 
 
+def _panels(Dv: int) -> int:
+    """Panels of :data:`PANEL` columns the forward cuts the values, states and outputs into:
+    where :data:`PANELS` (None: where NumPy's OpenBLAS runs one of :data:`SMALL_PRODUCT_CORES`)
+    and Dv is a larger multiple of :data:`PANEL`; else 1."""
+    on = PANELS if PANELS is not None else threads.blas_core() in SMALL_PRODUCT_CORES
+    return Dv // PANEL if on and Dv > PANEL and Dv % PANEL == 0 else 1
+
+
+def _pass_states(S: np.ndarray, e_gam: np.ndarray, forward: bool = True) -> None:
+    """``S (n, Nc+1, p, Dk, w)`` in place: forward ``S_{j+1} += exp(Γ_j) ∘ S_j`` (``S_{j+1}``
+    holding ``U_j``), or backward ``dS_j += exp(Γ_j) ∘ dS_{j+1}``; ``e_gam (n, Nc, W)``.
+    Compiled where the ``fast`` extra is (:mod:`qkv.kernels.decay_compiled`, the same bits)."""
+    mod = jit.load(jit.DECAY)
+    if mod is not None and S.dtype in (np.float32, np.float64):
+        mod.pass_states(S, e_gam, forward)
+        return
+    e = e_gam[:, :, None, :, None]                                        # (n,Nc,1,W,1)
+    for j in range(S.shape[1] - 1) if forward else reversed(range(S.shape[1] - 1)):
+        if forward:
+            S[:, j + 1] += e[:, j] * S[:, j]
+        else:
+            S[:, j] += e[:, j] * S[:, j + 1]
+
+
 def _states(c: _Chunks, S0) -> np.ndarray:
-    """The state entering each chunk and the final one: ``(n, Nc+1, Dk, Dv)``."""
+    """The state entering each chunk and the final one: ``(n, Nc+1, Dk, Dv)`` (the backward's)."""
     n, Nc = c.q.shape[:2]
-    S = _buffer((n, Nc + 1, c.q.shape[-1], c.v.shape[-1]), c.q.dtype, "S")
+    Dk, Dv = c.q.shape[-1], c.v.shape[-1]
+    S = _buffer((n, Nc + 1, Dk, Dv), c.q.dtype, "S")
     S[:, 0] = 0 if S0 is None else S0
     np.matmul(c.KgT, c.v, out=S[:, 1:])                                   # U: (n,Nc,Dk,C) @ (n,Nc,C,Dv) -> (n,Nc,Dk,Dv)
-    for j in range(Nc):                                                   # S_{j+1} = exp(Γ_j) ∘ S_j + U_j
-        S[:, j + 1] += c.eGam[:, j, :, None] * S[:, j]
+    _pass_states(S.reshape(n, Nc + 1, 1, Dk, Dv), c.eGam)                # S_{j+1} = exp(Γ_j) ∘ S_j + U_j
     return S
 
 
@@ -176,22 +216,50 @@ def _slabs(n: int, Nc: int, C: int, W: int):
 
 def _forward_unit(q, k, v, g, S0, scale, C, out):
     """One unit: ``q, k (n,T,Dk)``, ``v (n,T,Dv)``, ``g (n,T,W)``; o into ``out (n,T,Dv)``;
-    returns ``S_T``."""
+    returns ``S_T``. Values, states and outputs in :func:`_panels` ``(.., p, ·, w)``; for a
+    decay a head the rows' ``exp(G_i)`` multiply the finished output rows (with the scale)
+    instead of q: ``o_i = scale · exp(G_i) (q_i S + A'_i V)``, ``A'`` the scores without it."""
     T = q.shape[1]
     c = _chunks(q, k, v, g, C)
-    n, Nc = c.q.shape[:2]
-    S = _states(c, S0)
-    whole = T % C == 0 and out.flags.c_contiguous                          # o straight into out, else padded
-    o = out.reshape(c.v.shape) if whole else _buffer(c.v.shape, q.dtype, "o")
-    np.matmul(c.Qg, S[:, :Nc], out=o)                                      # (n,Nc,C,Dk) @ (n,Nc,Dk,Dv) -> (n,Nc,C,Dv)
+    n, Nc, _, Dk = c.q.shape
+    Dv, dt, head = c.v.shape[-1], q.dtype, c.G.shape[-1] == 1
+    p = _panels(Dv)
+    w = Dv // p
+    vp = c.v[:, :, None]                                                  # (n,Nc,p,C,w)
+    if p > 1:
+        vp = _buffer((n, Nc, p, C, w), dt, "vp")
+        np.copyto(vp, c.v.reshape(n, Nc, C, p, w).swapaxes(2, 3))
+    S = _buffer((n, Nc + 1, p, Dk, w), dt, "S")
+    S[:, 0] = 0 if S0 is None else S0.reshape(n, Dk, p, w).swapaxes(1, 2)
+    np.matmul(c.KgT[:, :, None], vp, out=S[:, 1:])                       # U: (n,Nc,1,Dk,C) @ (n,Nc,p,C,w)
+    _pass_states(S, c.eGam)
+    o = _buffer((n, Nc, p, C, w), dt, "o")
+    np.matmul((c.q if head else c.Qg)[:, :, None], S[:, :Nc], out=o)     # (n,Nc,1,C,Dk) @ (n,Nc,p,Dk,w)
+    row = c.eG * dt.type(scale) if head else None                        # (n,Nc,C,1)
     for a, b in _slabs(n, Nc, C, c.G.shape[-1]):
-        dec = decay_intra.decay(c.G[:, a:b], None if c.a is None else c.a[:, a:b], q.dtype)
-        A = dec.scores(c.q[:, a:b], c.k[:, a:b], c.Qg[:, a:b], c.KgT[:, a:b])
-        o[:, a:b] += A @ c.v[:, a:b]                                      # (n,M,C,C) @ (n,M,C,Dv)
-    o *= q.dtype.type(scale)
-    if not whole:
-        out[:] = o.reshape(n, Nc * C, -1)[:, :T]
-    return S[:, Nc]
+        dec = decay_intra.decay(c.G[:, a:b], None if c.a is None else c.a[:, a:b], dt)
+        if head and dec.factored:
+            A = dec.scores_unrowed(c.q[:, a:b], c.KgT[:, a:b])
+        else:
+            if head:                                                      # the state's part takes exp(G_i) now
+                o[:, a:b] *= c.eG[:, a:b, None]
+                row[:, a:b] = scale
+            A = dec.scores(c.q[:, a:b], c.k[:, a:b], None, None)
+        o[:, a:b] += A[:, :, None] @ vp[:, a:b]                           # (n,M,1,C,C) @ (n,M,p,C,w)
+    res = o.swapaxes(2, 3)                                                # (n,Nc,C,p,w)
+    fac = row[..., None] if head else dt.type(scale)
+    if T % C == 0:
+        np.multiply(res, fac, out=_view(out, (n, Nc, C, p, w)))
+    else:
+        out[:] = np.multiply(res, fac).reshape(n, Nc * C, Dv)[:, :T]
+    return S[:, Nc].swapaxes(1, 2).reshape(n, Dk, Dv)
+
+
+def _view(x: np.ndarray, shape: tuple) -> np.ndarray:
+    """``x`` seen with ``shape`` (its axes split), never a copy: writing into it writes ``x``."""
+    y = x.view()
+    y.shape = shape
+    return y
 
 
 def _grad_states(c: _Chunks, dO, dstate) -> np.ndarray:
@@ -200,8 +268,7 @@ def _grad_states(c: _Chunks, dO, dstate) -> np.ndarray:
     dS = _buffer((n, Nc + 1, c.q.shape[-1], c.v.shape[-1]), c.q.dtype, "dS")
     dS[:, Nc] = 0 if dstate is None else dstate
     np.matmul(_t(c.Qg), dO, out=dS[:, :Nc])                                # R: (n,Nc,Dk,C) @ (n,Nc,C,Dv) -> (n,Nc,Dk,Dv)
-    for j in reversed(range(Nc)):                                         # dS_j = exp(Γ_j) ∘ dS_{j+1} + R_j
-        dS[:, j] += c.eGam[:, j, :, None] * dS[:, j + 1]
+    _pass_states(dS.reshape((n, Nc + 1, 1) + dS.shape[2:]), c.eGam, forward=False)  # dS_j = exp(Γ_j) ∘ dS_{j+1} + R_j
     return dS
 
 

@@ -121,6 +121,18 @@ class HeadDecay:
             A *= self.D
         return A
 
+    def scores_unrowed(self, q, KgT):
+        """Factored only: the forward's ``A`` without its rows' ``exp(G_i)``,
+        ``tril(q Kgᵀ) · exp(-Γ)`` (entries ``(q_i · k_s) exp(-G_s)``, at most
+        ``e^LIMIT |q_i · k_s|``): the forward multiplies whole output rows by ``exp(G_i)``
+        once, after both products, instead of making ``Qg``."""
+        n, M, C = q.shape[:3]
+        A = scratch(n * M * C * C, q.dtype, DEFAULT, "decay_A").reshape(n, M, C, C)
+        np.matmul(q, KgT, out=A)                                        # (n,M,C,Dk) @ (n,M,Dk,C) -> (n,M,C,C)
+        A *= np.tri(C, dtype=q.dtype)
+        A *= self.e_gam
+        return A
+
     def rows(self, P, k):                                               # (n,M,C,C) @ (n,M,C,Dk) -> (n,M,C,Dk)
         if self.factored:
             return (self._masked(P) @ (k * self.w)) * self.u

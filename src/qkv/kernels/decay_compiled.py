@@ -1,0 +1,31 @@
+"""numba pass of the decay kernel (:mod:`qkv.kernels.decay`); load it through
+``qkv.jit.load(qkv.jit.DECAY)`` only.
+
+:func:`pass_states`: the scan that passes the state from chunk to chunk,
+``S_{j+1} = exp(Γ_j) ∘ S_j + U_j`` in place (``U_j`` already in ``S[:, j+1]``), one loop over
+memory where NumPy takes two calls and a temporary a chunk (at T = 4096 and C = 32 that is
+128 steps a head, a fifth of the forward's time). Plain arithmetic, no fast-math: each
+number is rounded as NumPy's ``S[j+1] += e * S[j]`` rounds it (the product, then the sum),
+so the two paths give the same bits.
+"""
+from __future__ import annotations
+
+import numba
+
+
+@numba.njit(cache=True)
+def pass_states(S, e_gam, forward):
+    """``S (n, J, p, Dk, w)``, ``e_gam (n, J-1, W)`` with W = 1 (a head) or Dk (a key row).
+    ``forward``: ``S[:, j+1] += e_gam[:, j] ∘ S[:, j]`` for j = 0 … J-2; else backwards,
+    ``S[:, j] += e_gam[:, j] ∘ S[:, j+1]`` for j = J-2 … 0 (the states' gradients)."""
+    n, J, p, Dk, w = S.shape
+    W = e_gam.shape[2]
+    for h in range(n):
+        for step in range(J - 1):
+            j = step if forward else J - 2 - step
+            src, dst = (j, j + 1) if forward else (j + 1, j)
+            for a in range(p):
+                for d in range(Dk):
+                    e = e_gam[h, j, d if W > 1 else 0]
+                    for x in range(w):
+                        S[h, dst, a, d, x] += e * S[h, src, a, d, x]

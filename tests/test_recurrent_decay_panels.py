@@ -1,0 +1,104 @@
+"""The decay kernel's forward in value panels (qkv.kernels.decay: values, states and outputs
+cut into PANEL-column panels where Dv is a larger multiple of PANEL, the rows' exp(G_i)
+applied to finished output rows) and its compiled scan of the states, against the float64
+step oracle and NumPy's own loop."""
+import numpy as np
+import pytest
+
+from qkv import jit
+from qkv.kernels import decay, recurrence as R
+
+
+def problem(rng, T, Dk, Dv, per_channel, *, H=2, dtype=np.float64, strong=True):
+    """q, k, v, g, S0: the decays weak in the first half (a head's chunks factored) and, where
+    ``strong``, down to exp(-30) a step in the second (its (C, C) exps): a call of slabs of a
+    few chunks takes both paths."""
+    q, k = (rng.standard_normal((1, H, T, Dk)) for _ in range(2))
+    v = rng.standard_normal((1, H, T, Dv))
+    shape = (1, H, T, Dk) if per_channel else (1, H, T)
+    g = -rng.random(shape) ** 3
+    g[:, :, T // 2:] *= 30.0 if strong else 1.0
+    S0 = rng.standard_normal((1, H, Dk, Dv))
+    return [x.astype(dtype) for x in (q, k, v, g, S0)]
+
+
+def close(got, want, tol):
+    np.testing.assert_allclose(got, want, rtol=0, atol=tol * max(1.0, float(np.abs(want).max())))
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["head", "channel"])
+@pytest.mark.parametrize("panel, Dv", [(2, 6), (3, 6), (2, 5), (4, 12)])
+@pytest.mark.parametrize("T, chunk", [(100, 16), (64, 8), (7, None)])
+@pytest.mark.parametrize("strong", [True, False], ids=["mixed", "weak"])
+def test_panels_equal_the_step_oracle(monkeypatch, per_channel, panel, Dv, T, chunk, strong):
+    """Panels of 2 and 3 columns of Dv = 6 (3 and 2 panels), Dv = 5 (not a multiple: one),
+    T a multiple of the chunk and not, with and without an initial state; slabs of 32 rows,
+    so that a head's factored and unfactored chunks meet in one call."""
+    monkeypatch.setattr(decay, "PANEL", panel)
+    monkeypatch.setattr(decay, "PANELS", True)
+    monkeypatch.setattr(decay, "SLAB_ROWS", 32)
+    rng = np.random.default_rng(T + Dv + panel)
+    q, k, v, g, S0 = problem(rng, T, 4, Dv, per_channel, strong=strong)
+    for state in (S0, None):
+        o, S_T = decay.forward(q, k, v, g, scale=0.7, initial_state=state, chunk=chunk)
+        o_ref, S_ref = R.decay_forward(q, k, v, g, scale=0.7, initial_state=state)
+        close(o, o_ref, 1e-10)
+        close(S_T, S_ref, 1e-10)
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["head", "channel"])
+@pytest.mark.parametrize("panels", [True, False])
+def test_panels_at_the_widths_models_use(monkeypatch, per_channel, panels):
+    """Dv = 128 (two panels of 64) and 192 (three), float64 against the oracle, with panels
+    and without (as an AVX2 OpenBLAS runs it)."""
+    monkeypatch.setattr(decay, "PANELS", panels)
+    rng = np.random.default_rng(5)
+    for Dv in (128, 192):
+        q, k, v, g, S0 = problem(rng, 150, 16, Dv, per_channel, H=1)
+        o, S_T = decay.forward(q, k, v, g, scale=0.25, initial_state=S0, chunk=32)
+        o_ref, S_ref = R.decay_forward(q, k, v, g, scale=0.25, initial_state=S0)
+        close(o, o_ref, 1e-10)
+        close(S_T, S_ref, 1e-10)
+
+
+def test_panels_in_segments_give_the_bits_of_one_pass(monkeypatch):
+    rng = np.random.default_rng(8)
+    q, k, v, g, S0 = problem(rng, 300, 4, 6, False, dtype=np.float32)
+    monkeypatch.setattr(decay, "PANEL", 2)
+    monkeypatch.setattr(decay, "PANELS", True)
+    monkeypatch.setattr(decay, "SLAB_ROWS", 32)
+    whole = decay.forward(q, k, v, g, scale=0.5, initial_state=S0, chunk=8)
+    monkeypatch.setattr(decay, "SEGMENT_ROWS", 64)
+    parts = decay.forward(q, k, v, g, scale=0.5, initial_state=S0, chunk=8)
+    for a, b in zip(parts, whole):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("W", [1, 5])
+@pytest.mark.parametrize("forward", [True, False])
+def test_the_compiled_scan_gives_numpys_bits(monkeypatch, dtype, W, forward):
+    """decay_compiled.pass_states against the NumPy loop it replaces, bit for bit (states of
+    ±1e3 and decays across [0, 1], values and decays rounded as the kernel rounds them)."""
+    if not jit.enabled():
+        pytest.skip("numba (the fast extra) is not installed, or QKV_JIT=0")
+    rng = np.random.default_rng(W)
+    S = (1e3 * rng.standard_normal((3, 9, 2, 5, 4))).astype(dtype)
+    e = rng.random((3, 8, W)).astype(dtype)
+    compiled = S.copy()
+    decay._pass_states(compiled, e, forward)
+    monkeypatch.setattr(jit, "load", lambda name: None)
+    plain = S.copy()
+    decay._pass_states(plain, e, forward)
+    assert not np.array_equal(plain, S)
+    np.testing.assert_array_equal(compiled, plain)
+
+
+def test_the_blas_core_is_read():
+    """qkv.threads.blas_core names NumPy's OpenBLAS core (lower case) where it is OpenBLAS."""
+    from qkv import threads
+    info = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
+    core = threads.blas_core()
+    assert core == core.lower()
+    if "openblas" in info["name"]:
+        assert core, "NumPy's OpenBLAS did not give its core"
