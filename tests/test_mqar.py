@@ -93,9 +93,9 @@ def test_gpt_loss_leaves_out_targets_of_minus_one():
 
 
 def test_mixer_names_make_two_layer_patterns():
-    assert layers("mamba2") == "mamba2,mamba2" and layers("attention+rglru") == "rglru,attention"
+    assert layers("mamba2") == "mamba2,mamba2" and layers("attention+rglru") == "attention,rglru"
     assert layers("attention", 3) == "attention:conv=3,attention:conv=3" and layers("linear", 3) == "linear,linear"
-    assert layers("attention+mamba2", 4) == "mamba2,attention:conv=4"
+    assert layers("attention+mamba2", 4) == "attention:conv=4,mamba2"
     for bad in ("mamba2+attention", "attention+attention", "s4", "attention+linear+rglru"):
         with pytest.raises(qkv.ShapeError, match="mixers must be among"):
             layers(bad)
@@ -136,11 +136,11 @@ def test_the_recipe_trains_as_zoology_on_its_mixture_of_lengths():
     assert [cfg.schedule(s)[0] for s in range(10)] == [4, 8, 4, 16, 4, 32, 4, 64, 4, 4]
     model = cfg.model_config("attention+mamba2", 64)
     assert model.positions == cfg.positions and model.dropout == 0
-    assert cfg.attention_conv == 3 and model.layer_kinds == ("mamba2", "attention:conv=3")   # Zoology's BaseConv
+    assert cfg.attention_conv == 3 and model.layer_kinds == ("attention:conv=3", "mamba2")   # Zoology's BaseConv
     assert cfg.model_config("attention", 64).layer_kinds == ("attention:conv=3",) * 2
     assert cfg.train_config("attention", 64).layers == "attention:conv=3,attention:conv=3"
     plain = MQARConfig(attention_conv=0)
-    assert plain.model_config("attention+mamba2", 64).layer_kinds == ("mamba2", "attention")
+    assert plain.model_config("attention+mamba2", 64).layer_kinds == ("attention", "mamba2")
     assert plain.model_config("attention", 64).layers == ("attention", "attention")
     assert cfg.train_config("attention", 64).weight_decay == cfg.weight_decay
     quick = MQARConfig.quick()

@@ -43,6 +43,12 @@ class GatedDeltaNet(Layer):
 
         W_in (d_model, 2·Hk·Dk + 2·Hv·Dv + 2·Hv)   conv_weight (C, K)
         dt_bias (Hv,)  A_log (Hv,)  norm_weight (Dv,)  W_out (Hv·Dv, d_model)
+
+    Initial decay: ``A = exp(A_log)`` uniform in [1, 16] and ``softplus(dt_bias) = Δ`` log-uniform
+    in [1e-3, 0.1] (Mamba's time-step init, which the Gated DeltaNet paper's code uses), so a
+    step keeps ``exp(-A Δ)`` of the state, 0.2 to 0.999. transformers' ``dt_bias = 1`` (Δ = 1.31)
+    keeps at most 0.27 and as little as 1e-9: a layer trained from scratch with it forgets
+    the previous token, and the gradient that would lengthen its memory vanishes with the decay.
     """
 
     def __init__(self, d_model: int, n_k_heads: int, n_v_heads: int, d_k: int, d_v: int, *, conv_kernel: int = 4,
@@ -58,7 +64,9 @@ class GatedDeltaNet(Layer):
         Hv = self.n_v_heads
         self._add("W_in", (self.d_model, sum(self._widths)))
         self._add("conv_weight", (self.conv_dim, self.conv_kernel), std=1 / math.sqrt(self.conv_kernel))
-        for name, value in (("dt_bias", np.ones(Hv)), ("A_log", np.log(self.rng.uniform(1.0, 16.0, Hv))),
+        a_log = np.log(self.rng.uniform(1.0, 16.0, Hv))
+        dt = np.exp(self.rng.uniform(math.log(1e-3), math.log(0.1), Hv))  # Mamba's Δ init, as the paper's code
+        for name, value in (("dt_bias", dt + np.log(-np.expm1(-dt))), ("A_log", a_log),
                             ("norm_weight", np.ones(self.d_v))):
             self._add(name, value.shape, zero=True)
             self.params[name][...] = value
