@@ -37,7 +37,8 @@ model's own step at length L, the cache's lengths put back to L after each. Rows
 - ``ms_per_token``: the median over ``repeats`` rounds of the mean of ``STEPS_PER_ROUND`` steps;
   ``tokens_per_s`` = 1000 / that;
 - ``cache_bytes``: the bytes of every array of the cache of one sequence (``nbytes``, B = 1; a
-  KV cache is allocated for L + 1 tokens, the step's own included), split into
+  KV cache is allocated for L + 1 tokens, the step's own included, a windowed layer's for its
+  last W: Griffin's is flat past 64), split into
   ``attention_bytes`` (the KV caches) and ``state_bytes`` (the recurrent layers' conv windows and
   states): the second does not depend on L.
 """

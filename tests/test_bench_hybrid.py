@@ -1,12 +1,13 @@
 """`qkv bench --suite hybrid` and `--suite hybrid-decode`: quick runs end to end, every row has
-its keys, and the cache bytes follow what each layer keeps: the KV caches grow with the
-context, the recurrent layers' states do not (bytes, not time, so they can be asserted)."""
+its keys, and the cache bytes follow what each layer keeps: a full attention layer's KV cache
+grows with the context, a windowed one's (Griffin's) stops at its window, the recurrent layers'
+states do not grow (bytes, not time, so they can be asserted)."""
 import json
 
 import pytest
 
 from qkv import cli
-from qkv.models.hybrid import resolve
+from qkv.models.hybrid import parse_mixer, resolve
 
 LM_KEYS = {"part": str, "pattern": str, "n_layer": int, "kinds": list, "params": int, "steps": int,
            "ms_per_step": float, "tokens_per_s": float, "val_loss": float, "train_loss": float,
@@ -20,7 +21,7 @@ DECODE_KEYS = {"part": str, "pattern": str, "size": str, "n_layer": int, "n_embd
 def tiny(monkeypatch):
     from qkv_benchmarks import hybrid_suite
     monkeypatch.setitem(hybrid_suite.STEPS, "quick", 2)
-    monkeypatch.setitem(hybrid_suite.CONTEXTS, "quick", (16, 40, 100))
+    monkeypatch.setitem(hybrid_suite.CONTEXTS, "quick", (16, 80, 100))  # griffin's window: 64
     monkeypatch.setitem(hybrid_suite.SIZES, "quick", (("cpu", 16, 2),))
     return hybrid_suite
 
@@ -57,7 +58,7 @@ def test_hybrid_trains_every_pattern(tiny, tmp_path, capsys):
     assert shown == ["attention", "attention", "jamba"]
 
 
-def test_hybrid_decode_cache_bytes_grow_for_attention_only(tiny, tmp_path, capsys):
+def test_hybrid_decode_cache_bytes_grow_for_full_attention_only(tiny, tmp_path, capsys):
     data, path = _run(tmp_path, "hybrid-decode")
     text = capsys.readouterr().out
     rows = data["hybrid_decode"]
@@ -66,16 +67,20 @@ def test_hybrid_decode_cache_bytes_grow_for_attention_only(tiny, tmp_path, capsy
         _typed(r, DECODE_KEYS)
         assert r["part"] == "decode" and r["ms_per_token"] > 0 and r["tokens_per_s"] > 0
         assert r["cache_bytes"] == r["attention_bytes"] + r["state_bytes"]
-        n_attention = sum(k.startswith("attention") for k in r["kinds"])
-        # a KV cache: keys and values, every head, L + 1 tokens, float32
-        assert r["attention_bytes"] == n_attention * 2 * r["n_embd"] * (r["context"] + 1) * 4
+        # a KV cache: keys and values, every head, float32, of L + 1 tokens (a window of W: min(W, L + 1))
+        windows = [parse_mixer(k)[1].get("window") for k in r["kinds"] if k.startswith("attention")]
+        tokens = [r["context"] + 1 if w is None else min(w, r["context"] + 1) for w in windows]
+        assert r["attention_bytes"] == sum(2 * r["n_embd"] * n * 4 for n in tokens)
     for name, _, n_layer in tiny.PATTERNS:
         mine = [r for r in rows if (r["pattern"], r["n_layer"]) == (name, n_layer)]
-        assert [r["context"] for r in mine] == [16, 40, 100]
+        assert [r["context"] for r in mine] == [16, 80, 100]
         assert len({r["state_bytes"] for r in mine}) == 1  # the states: the same at every context
         assert (mine[0]["state_bytes"] > 0) == (name != "attention")
         kv = [r["attention_bytes"] for r in mine]
-        assert kv[0] < kv[1] < kv[2]
+        if name == "griffin":  # one local attention layer of window 64 in 4 blocks: flat past 64
+            assert kv[0] < kv[1] == kv[2] == 2 * 16 * 64 * 4
+        else:
+            assert kv[0] < kv[1] < kv[2]
     assert "decoding one token, batch 1" in text and "L=100" in text
 
 

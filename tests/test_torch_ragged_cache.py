@@ -66,9 +66,9 @@ def test_ragged_cache_equals_the_numpy_layer_step_by_step_and_each_sequence_alon
             full = mod(torch.from_numpy(whole)).numpy()  # (t + STEPS, d_model)
             np.testing.assert_allclose(prefill[b, :t], full[:t], atol=1e-12, rtol=0)
             np.testing.assert_allclose(np.stack([y[b, 0] for y in steps]), full[t:], atol=1e-12, rtol=0)
-    for name in ("k", "v"):  # what is stored matches, sequence by sequence
-        for b, t in enumerate(np_cache.lengths):
-            np.testing.assert_allclose(cache[name][b, :, :t].numpy(), np_cache[name][b, :, :t], atol=1e-12, rtol=0)
+    for name in ("k", "v"):  # what is stored matches, sequence by sequence (a window's: its last keys, in order)
+        for b, (t, h) in enumerate(zip(np_cache.lengths, np_cache.held)):
+            np.testing.assert_allclose(cache[name][b, :, t - h:t].numpy(), np_cache[name][b, :, :h], atol=1e-12, rtol=0)
 
 
 def test_ragged_float32_equals_the_numpy_layer():

@@ -112,6 +112,10 @@ def check_cache(cache, new_cache: Callable, *, causal, cross: bool = False) -> N
                 f"{want.dtype} (B, {', '.join(map(str, tuple(want.shape[1:-2]) + ('max_len',) + tuple(want.shape[-1:])))})"
             raise ShapeError(f"cache {name!r} must be {need} for this layer; got {got} "
                              f"(make the cache with this layer's new_cache(batch, max_len))")
+    if cache.window is not None and (mine.window is None or cache.window < mine.window):
+        sees = "every earlier key" if mine.window is None else f"the {mine.window} keys before its own"
+        raise ShapeError(f"cache keeps the last {cache.window} keys of each sequence, but this layer's query sees "
+                         f"{sees} (make the cache with this layer's new_cache(batch, max_len))")
     if not causal:
         raise ShapeError("cache= needs a causal layer (causal=True): a bidirectional layer cannot decode "
                          "one token at a time")
@@ -129,9 +133,17 @@ def cache_step(cache, t: int, kv_lengths, q_lengths):
         raise ShapeError("kv_lengths= is not taken with cache=: the cache knows each sequence's length "
                          "(pass q_lengths= for right-padded new tokens)")
     counts = cache.counts(t, q_lengths)
-    if not cache.ragged and (counts == t).all():
-        return cache.length, counts, None, None
-    return cache.lengths.copy(), counts, cache.lengths + counts, counts
+    held = cache.held  # the tokens before the new ones in what cache.write gives back (lengths, or a window's)
+    if held.min() == held.max() and (counts == t).all():
+        return (cache.lengths.copy() if cache.ragged else cache.length), counts, None, None
+    return cache.lengths.copy(), counts, held + counts, counts
+
+
+def keys_start(cache):
+    """Where a call's new keys begin in what ``cache.write`` gives back: ``held`` (the tokens
+    before them), an int when every sequence holds as many, else ``(B,)``."""
+    held = cache.held
+    return int(held.max()) if held.min() == held.max() else held.copy()
 
 
 def attention_options(*, causal, align, window, chunk, alibi, scale, gqa: bool,

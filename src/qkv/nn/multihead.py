@@ -26,7 +26,7 @@ from ..positional import alibi_slopes, rope, rope_backward
 from .attention_layer import AttentionLayer
 from .base import merge_heads, split_heads
 from .cache import KVCache
-from .checks import head_layout, rope_options
+from .checks import head_layout, keys_start, rope_options
 
 
 class MultiHeadAttention(AttentionLayer):
@@ -78,8 +78,18 @@ class MultiHeadAttention(AttentionLayer):
 
     # --- cache ---------------------------------------------------------------------------
     def new_cache(self, batch: int, max_len: int) -> KVCache:
-        """An empty :class:`KVCache` for ``batch`` sequences of up to ``max_len`` tokens."""
-        return KVCache(batch, self.n_kv_heads, max_len, self.d_head, self.dtype)
+        """An empty :class:`KVCache` for ``batch`` sequences of up to ``max_len`` tokens; a
+        causal layer with ``window=W`` (and no chunk) gets one that keeps the last W keys only
+        (a ring: :mod:`qkv.nn.cache`), as no later query can see the keys before them."""
+        return KVCache(batch, self.n_kv_heads, max_len, self.d_head, self.dtype, window=self.kept_keys())
+
+    def kept_keys(self) -> int | None:
+        """How many keys before the newest a cache must keep: ``left`` of a causal layer's
+        ``window=(left, right)``; None (every key) without a window, with an unbounded left,
+        or with a chunk (its boundaries count from key 0)."""
+        if not self.causal or self.window is None or self.chunk is not None:
+            return None
+        return parse_window(self.window)[0]
 
     def cache_bytes_per_token(self) -> int:
         """Bytes this layer's cache stores per token: ``2 * n_kv_heads * d_head * itemsize``."""
@@ -99,9 +109,11 @@ class MultiHeadAttention(AttentionLayer):
         together) are appended after its own stored ones, and its queries attend to what it
         has stored, bottom-right aligned to its own length, with RoPE positions counting
         from it. Needs ``causal`` (a bidirectional layer cannot decode incrementally). A full
-        cache raises :class:`~qkv.ShapeError` and stays unchanged.
+        cache raises :class:`~qkv.ShapeError` and stays unchanged. A windowed layer's cache
+        keeps the last W keys only; its queries see the same keys as without it.
 
-        Returns ``y (B, T, d_model)``, and ``weights (B, n_heads, T, Tk)`` if asked.
+        Returns ``y (B, T, d_model)``, and ``weights (B, n_heads, T, Tk)`` if asked (with a
+        cache, Tk covers the keys it holds, then the new ones).
         """
         x3, squeezed = self._input("x", x)
         cross = context is not None
@@ -116,8 +128,9 @@ class MultiHeadAttention(AttentionLayer):
         if self.rope:
             q = rope(q, offset=start, base=self.rope_base)
             k = rope(k, offset=start, base=self.rope_base)
-        first = 0
+        first = kstart = 0
         if cache is not None:
+            kstart = keys_start(cache)  # start, less the keys a window's cache no longer keeps
             stored = cache.write(k=k, v=v, counts=counts)
             first = 0 if return_weights else self._window_start(stored["k"].shape[2], x3.shape[1], kv_len)
             k, v = stored["k"][:, :, first:], stored["v"][:, :, first:]  # (B, Hkv, start+T-first, D)
@@ -127,7 +140,7 @@ class MultiHeadAttention(AttentionLayer):
             cache.advance(counts)
         y = self.o_proj.forward(merge_heads(out))  # (B,T,Hq*D) @ (Hq*D,d_model) -> (B,T,d_model)
         self._keep(dict(shape=x3.shape, cross=cross, squeezed=squeezed, q=q, k=k, v=v, out=out, lse=lse,
-                        opts=opts, start=start, first=first))
+                        opts=opts, start=start, kstart=kstart - first))
         return self._output(y, w, squeezed, return_weights)
 
     def _window_start(self, end: int, t: int, kv_len) -> int:
@@ -151,9 +164,8 @@ class MultiHeadAttention(AttentionLayer):
         dy = self._grad_sequences(dy, s["shape"], s["squeezed"])
         do = split_heads(self.o_proj.backward(dy), self.n_heads)  # (B,T,d_model) -> (B,T,Hq*D) -> (B,Hq,T,D)
         dq, dk, dv = self._attend_backward(do, s["q"], s["k"], s["v"], s["out"], s["lse"], s["opts"])
-        start = s["start"]
+        start, kstart = s["start"], s["kstart"]  # kstart: where this call's keys are in the keys attended to
         t = s["shape"][1]
-        kstart = start - s["first"]  # where this call's keys are in the keys attended to
         dk, dv = self._new_keys(dk, kstart, t), self._new_keys(dv, kstart, t)  # this call's keys only
         if self.rope:
             dq = rope_backward(dq, offset=start, base=self.rope_base)

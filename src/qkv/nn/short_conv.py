@@ -99,11 +99,11 @@ class BaseConv(Layer):
 
 class ConvKVCache(KVCache):
     """A :class:`~qkv.nn.KVCache` and ``conv (B, K-1, d_model)``, the last K - 1 inputs of each
-    sequence's convolution (zeros before its first token)."""
+    sequence's convolution (zeros before its first token); ``window``: the attention's kept keys."""
 
     def __init__(self, batch: int, n_kv_heads: int, max_len: int, d_head: int, d_model: int, kernel: int,
-                 dtype=np.float32):
-        super().__init__(batch, n_kv_heads, max_len, d_head, dtype)
+                 dtype=np.float32, *, window: int | None = None):
+        super().__init__(batch, n_kv_heads, max_len, d_head, dtype, window=window)
         self.conv = np.zeros((self.batch, kernel - 1, d_model), compute_dtype(dtype))
 
     @property
@@ -143,7 +143,8 @@ class ConvAttention(Layer):
     def new_cache(self, batch: int, max_len: int) -> ConvKVCache:
         """An empty :class:`ConvKVCache` for ``batch`` sequences of up to ``max_len`` tokens."""
         a = self.attn
-        return ConvKVCache(batch, a.n_kv_heads, max_len, a.d_head, self.d_model, self.kernel, a.dtype)
+        return ConvKVCache(batch, a.n_kv_heads, max_len, a.d_head, self.d_model, self.kernel, a.dtype,
+                           window=a.kept_keys())
 
     def forward(self, x, *, cache: ConvKVCache | None = None, q_lengths=None, kv_lengths=None) -> np.ndarray:
         """``x (B, T, d_model) -> (B, T, d_model)``; ``cache``, ``q_lengths``, ``kv_lengths`` as
