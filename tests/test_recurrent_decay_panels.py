@@ -102,3 +102,19 @@ def test_the_blas_core_is_read():
     assert core == core.lower()
     if "openblas" in info["name"]:
         assert core, "NumPy's OpenBLAS did not give its core"
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("W", [1, 6])
+def test_the_compiled_kgt_gives_numpys_bits(monkeypatch, dtype, W):
+    """The chunks' Kgᵀ (decay_compiled.scaled_transpose) against NumPy's strided product."""
+    if not jit.enabled():
+        pytest.skip("numba (the fast extra) is not installed, or QKV_JIT=0")
+    rng = np.random.default_rng(W)
+    q, k, v = (rng.standard_normal((2, 40, 6)).astype(dtype) for _ in range(3))
+    g = -3 * rng.random((2, 40, W)).astype(dtype)
+    compiled = decay._chunks(q, k, v, g, 16).KgT.copy()
+    monkeypatch.setattr(jit, "load", lambda name: None)
+    plain = decay._chunks(q, k, v, g, 16).KgT
+    assert plain.shape == (2, 3, 6, 16)
+    np.testing.assert_array_equal(compiled, plain)
