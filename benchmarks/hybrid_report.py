@@ -41,7 +41,7 @@ def decode_table(rows: list[dict], repeats: int | None = None, threads: int | No
         t.rows.append([f"{key[0]} (C={r0['n_embd']}, H={r0['n_head']})", key[1], _kinds(r0["kinds"]), *cells,
                        f"{r0['state_bytes'] / MIB:.3f}", fmt(growth, ".2f")])
     t.notes.append("each cell: tokens/s of GPT.forward(tok (1,1), cache=...), generate's cached step, at context L · "
-                   "the bytes of every cache array of the sequence (KV caches allocated for L+1 tokens)")
+                   "the bytes of every cache array of the sequence (KV caches allocated for L+1 tokens; a windowed layer's for its last W)")
     t.notes.append("the cache is filled synthetically (random keys, values and states, lengths set to L), not by "
                    "an L-token prefill; state MiB: the recurrent layers' conv windows and states, the same at every L")
     t.notes.append("+ms / attention layer: the step's ms at the longest L less at the shortest, over the attention "
