@@ -53,6 +53,8 @@ factor is within an ulp or two of ``exp`` of the exact difference.
 """
 from __future__ import annotations
 
+from functools import cached_property
+
 import numpy as np
 
 from .flash.tiles import DEFAULT, scratch
@@ -88,13 +90,23 @@ class HeadDecay:
 
     def __init__(self, G: np.ndarray, dtype):
         self.factored = bool((G[:, :, -1] >= -LIMIT).all())
+        self._G, self._dtype = G, dtype
         if self.factored:
-            Gam = G[:, :, -1:]                                          # (n,M,1,1)
-            self.u, self.w = _exp(G - Gam, dtype), _exp(Gam - G, dtype)  # in [1, e^LIMIT] and [e^-LIMIT, 1]
-            self.e_gam = _exp(-Gam, dtype)
-            self.upper = ~np.tri(G.shape[2], dtype=bool)
+            self.e_gam = _exp(-G[:, :, -1:], dtype)                     # exp(-Γ) (n,M,1,1)
         else:
             self.D = _lower(G, G, dtype)[..., 0]                        # (n,M,C,C)
+
+    @cached_property
+    def u(self):                                                        # exp(G - Γ), in [1, e^LIMIT]
+        return _exp(self._G - self._G[:, :, -1:], self._dtype)
+
+    @cached_property
+    def w(self):                                                        # exp(Γ - G), in [e^-LIMIT, 1]
+        return _exp(self._G[:, :, -1:] - self._G, self._dtype)
+
+    @cached_property
+    def upper(self):
+        return ~np.tri(self._G.shape[2], dtype=bool)
 
     def _masked(self, P):
         """``P ∘ D`` (factored: ``tril(P)``, the rank-one factors applied by the caller)."""
