@@ -152,6 +152,38 @@ def test_the_recipe_trains_as_zoology_on_its_mixture_of_lengths():
         MQARConfig(**dict(TINY, attention_conv=-1)).check()
 
 
+def test_each_mixer_trains_its_own_steps_at_its_own_lr_unless_overridden():
+    cfg = MQARConfig()
+    assert cfg.steps is None and cfg.lr is None
+    for m in cfg.mixers:
+        steps, lr = mqar.RECIPE[m]
+        tc = cfg.train_config(m, 64)
+        assert (cfg.steps_of(m), cfg.lr_of(m)) == (tc.steps, tc.lr) == (steps, lr)
+    assert set(mqar.RECIPE) == set(cfg.mixers)
+    assert cfg.steps_of("attention") < min(cfg.steps_of(m) for m in mqar.RECURRENT + mqar.HYBRIDS)
+    assert cfg.lr_of("gated_delta") > cfg.lr_of("attention")             # at 3e-3 it stays at chance
+    assert cfg.n_steps == 3 * sum(mqar.RECIPE[m][0] for m in cfg.mixers)
+    fixed = MQARConfig(steps=123, lr=1e-2)
+    assert {(fixed.steps_of(m), fixed.train_config(m, 32).lr) for m in fixed.mixers} == {(123, 1e-2)}
+    assert fixed.n_steps == 123 * 9 * 3
+    with pytest.raises(qkv.ShapeError, match="mixers must be among"):
+        cfg.steps_of("hyena")
+    with pytest.raises(qkv.OptionError, match="steps"):
+        MQARConfig(**dict(TINY, steps=0)).check()
+    with pytest.raises(qkv.ShapeError, match="lr"):
+        MQARConfig(**dict(TINY, lr=-1.0)).check()
+
+
+def test_a_run_records_the_steps_and_lr_it_trained_with(monkeypatch):
+    monkeypatch.setitem(mqar.RECIPE, "attention", (2, 5e-3))
+    monkeypatch.setitem(mqar.RECIPE, "attention+linear", (4, 1e-3))
+    calls = []
+    rec = mqar_experiment(MQARConfig(**dict(TINY, steps=None)), progress=lambda *a: calls.append(a))
+    assert [(r["mixer"], r["steps"], r["lr"]) for r in rec["runs"]] == [("attention", 2, 5e-3),
+                                                                       ("attention+linear", 4, 1e-3)]
+    assert calls[-1] == (6, 6) and rec["config"]["steps"] is None
+
+
 def test_workers_give_the_bits_of_one_process():
     cfg = MQARConfig(**dict(TINY, mixers=("attention", "mamba2"), widths=(8, 16), steps=4))
     calls = []
@@ -179,10 +211,11 @@ def test_the_command_takes_mixers_widths_and_steps(tmp_path, monkeypatch, capsys
     pytest.importorskip("matplotlib")
     monkeypatch.setattr(mqar.MQARConfig, "quick", classmethod(lambda cls: cls(**TINY)))
     argv = ["experiment", "mqar", "--quick", "--no-progress", "--out", str(tmp_path), "--mixers", "attention+rglru",
-            "--widths", "4", "--steps", "2"]
+            "--widths", "4", "--steps", "2", "--lr", "0.01"]
     assert main(argv) == 0
     rec = json.loads((tmp_path / "mqar.json").read_text())
     assert {(r["mixer"], r["width"]) for r in rec["rows"]} == {("attention+rglru", 4)} and rec["config"]["steps"] == 2
+    assert rec["config"]["lr"] == rec["runs"][0]["lr"] == 0.01 and rec["runs"][0]["steps"] == 2
     assert rec["config"]["attention_conv"] == 3
     assert main(argv + ["--attention-conv", "0"]) == 0
     plain = json.loads((tmp_path / "mqar.json").read_text())

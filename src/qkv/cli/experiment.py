@@ -68,7 +68,12 @@ def _mqar_arguments(parser) -> None:
                         help="only these mixers (attention, linear, mamba2, gated_delta, rglru, attention+X; "
                              "default all nine)")
     parser.add_argument("--widths", type=int, nargs="+", metavar="N", help="only these widths (default 32 64 128)")
-    parser.add_argument("--steps", type=int, metavar="N", help="training steps of each model (default 700)")
+    parser.add_argument("--steps", type=int, metavar="N",
+                        help="training steps of every model (default each mixer's own: attention 1000, the "
+                             "recurrences 2500, the hybrids 2000; --quick 300)")
+    parser.add_argument("--lr", type=float, metavar="LR",
+                        help="peak learning rate of every model (default each mixer's own: 3e-3 for attention and "
+                             "the hybrids, 1e-2 for the recurrences)")
     parser.add_argument("--workers", type=int, metavar="N",
                         help="models trained at once, a process of one thread each (default 1; the same results)")
     parser.add_argument("--attention-conv", type=int, metavar="K",
@@ -135,7 +140,7 @@ def _mqar(args) -> int:
     for name in ("mixers", "widths"):
         if getattr(args, name):
             setattr(cfg, name, tuple(getattr(args, name)))
-    for name in ("steps", "workers", "attention_conv"):
+    for name in ("steps", "lr", "workers", "attention_conv"):
         if getattr(args, name) is not None:
             setattr(cfg, name, getattr(args, name))
     return _record(args, "mqar", cfg, mqar_experiment, format_table, plot)

@@ -32,6 +32,19 @@ from .mqar_data import check_task, mqar_batch, query_accuracy
 MIXERS = ("attention", "linear", "mamba2", "gated_delta", "rglru")
 RECURRENT = MIXERS[1:]
 HYBRIDS = tuple(f"attention+{m}" for m in RECURRENT)
+RECIPE = {"attention": (1000, 3e-3), **{m: (2500, 1e-2) for m in RECURRENT}, **{m: (2000, 3e-3) for m in HYBRIDS}}
+"""``(steps, lr)`` of each mixer's models when ``MQARConfig.steps`` / ``lr`` are ``None``.
+
+From probes at width 64 on 4 pairs at T = 64 alone (batch 16, warm-up 50 then cosine): attention
+solves MQAR in 700 steps at lr 3e-3; the recurrences stay at chance at 3e-3 through 1000 steps,
+while at 1e-2 Gated DeltaNet learns (loss 3.56, accuracy 0.38 at step 1000 and falling fast) and
+RG-LRU starts to (accuracy 0.16 at 1500), Mamba-2 not within 1500 steps (loss 4.89); the hybrids
+(attention first) learn at 3e-3 (attention+mamba2: 0.96 at step 500 of 750), not at 1e-2 (0.10
+at 750). In the mixture half the steps are 4 pairs,
+hence 2500 steps for the recurrences, 2000 for the hybrids. The full grid (widths 32, 64, 128;
+mean ms a step over the mixture, measured in a 2-worker grid: 238 attention, 1316 the four
+recurrences, 830 the four hybrids, summed over the widths) costs about 5200 s of CPU: 43 minutes
+with ``workers = 2``."""
 
 
 @dataclass
@@ -42,9 +55,11 @@ class MQARConfig:
     20 000 each of 8 pairs at T = 128 and 16, 32, 64 pairs at T = 256), 32 to 64 epochs of
     batch 256, lr swept in [1e-3, 3e-2], widths 64 … 512. Here, for a CPU: the same mixture
     of lengths (:meth:`tasks`: a step's batch is one task, in the order of :meth:`schedule`),
-    vocabulary ``vocab_size``, ``steps`` steps of ``batch`` fresh sequences; evaluated at
-    ``seq_len`` for every pair count. ``workers``: models trained at once, in processes of one
-    thread each (the results are the same bits as one worker's: every model is made and fed
+    vocabulary ``vocab_size``, ``steps`` steps of ``batch`` fresh sequences at learning rate
+    ``lr``; evaluated at ``seq_len`` for every pair count. ``steps`` / ``lr`` ``None`` (the
+    defaults): each mixer's own from :data:`RECIPE` (:meth:`steps_of`, :meth:`lr_of`), as Zoology
+    tunes each mixer's lr; a number: that for every model. ``workers``: models trained at
+    once, in processes of one thread each (the results are the same bits as one worker's: every model is made and fed
     from ``seed`` alone, on one thread). ``attention_conv``: the taps of the short convolution
     before every attention layer (Zoology's BaseConv, kernel 3 as its models have it; 0 = plain
     attention).
@@ -57,9 +72,9 @@ class MQARConfig:
     vocab_size: int = 288
     n_head: int = 2
     positions: str = "rope"
-    steps: int = 700
+    steps: int | None = None
     batch: int = 16
-    lr: float = 3e-3
+    lr: float | None = None
     warmup: int = 50
     weight_decay: float = 0.0
     n_eval: int = 48
@@ -79,6 +94,14 @@ class MQARConfig:
         pairs, 128 for 8), at most ``seq_len``."""
         return [(int(p), min(self.seq_len, 16 * int(p))) for p in self.pairs]
 
+    def steps_of(self, mixer: str) -> int:
+        """Training steps of ``mixer``'s models: ``steps``, or :data:`RECIPE`'s for ``None``."""
+        return RECIPE[_known(mixer)][0] if self.steps is None else self.steps
+
+    def lr_of(self, mixer: str) -> float:
+        """Peak learning rate of ``mixer``'s models: ``lr``, or :data:`RECIPE`'s for ``None``."""
+        return RECIPE[_known(mixer)][1] if self.lr is None else self.lr
+
     def schedule(self, step: int) -> tuple[int, int]:
         """The task of training step ``step``: the fewest pairs every other step, the others in turn
         between them (for 4 … 64 pairs: 4, 8, 4, 16, 4, 32, 4, 64, 4, again; Zoology's 100 000
@@ -95,7 +118,8 @@ class MQARConfig:
         for m in self.mixers:
             layers(m)
         for name in ("n_head", "steps", "batch", "n_eval", "workers"):
-            positive_int(name, getattr(self, name))
+            if not (name == "steps" and self.steps is None):
+                positive_int(name, getattr(self, name))
         for w in self.widths:
             if positive_int("widths", w) % self.n_head:
                 raise ShapeError(f"widths must be multiples of n_head = {self.n_head}; got {w}")
@@ -103,7 +127,8 @@ class MQARConfig:
             check_task(p, t, self.vocab_size)
             check_task(p, self.seq_len, self.vocab_size)
         self.model_config(self.mixers[0], self.widths[0])
-        self.train_config(self.mixers[0], self.widths[0]).check()
+        for m in self.mixers:
+            self.train_config(m, self.widths[0]).check()
 
     def model_config(self, mixer: str, width: int):
         """The :class:`qkv.models.GPTConfig` of one (mixer, width) model: 2 layers, no dropout."""
@@ -115,18 +140,26 @@ class MQARConfig:
 
     def train_config(self, mixer: str, width: int):
         """The :class:`qkv.models.trainconfig.TrainConfig` of one (mixer, width) model (its
-        optimizer and schedule: AdamW, clipping at 1, warm-up then cosine to lr / 10)."""
+        optimizer and schedule: AdamW, clipping at 1, warm-up then cosine to lr / 10; the mixer's
+        :meth:`steps_of` and :meth:`lr_of`)."""
         from ..models.trainconfig import TrainConfig
 
         return TrainConfig(block_size=self.seq_len, batch_size=self.batch, n_layer=2, n_head=self.n_head,
-                           n_embd=int(width), lr=self.lr, warmup=self.warmup, steps=self.steps,
+                           n_embd=int(width), lr=self.lr_of(mixer), warmup=self.warmup, steps=self.steps_of(mixer),
                            weight_decay=self.weight_decay, seed=self.seed, vocab_size=self.vocab_size,
                            layers=layers(mixer, self.attention_conv))
 
     @property
     def n_steps(self) -> int:
         """Training steps in all (``progress`` counts them)."""
-        return len(self.mixers) * len(self.widths) * self.steps
+        return len(self.widths) * sum(self.steps_of(m) for m in self.mixers)
+
+
+def _known(mixer: str) -> str:
+    """``mixer`` if it is one of :data:`RECIPE`'s, else the ShapeError of :func:`layers`."""
+    if mixer not in RECIPE:
+        layers(mixer)
+    return mixer
 
 
 def layers(mixer: str, conv: int = 0) -> str:
@@ -191,7 +224,7 @@ def train_one(cfg: MQARConfig, mixer: str, width: int, progress=None) -> dict:
     run = Run(tc, model, make_optimizer(model, tc), np.random.default_rng((1, cfg.seed)), None, {"kind": "mqar"})
     start, losses = time.perf_counter(), []
     with threadpool_limits(limits=1, user_api="blas"), kernel_threads(1):
-        for step in range(cfg.steps):
+        for step in range(cfg.steps_of(mixer)):
             pairs, t = cfg.schedule(step)
             d = mqar_batch(run.rng, cfg.batch, pairs, t, cfg.vocab_size)
             losses.append(train_step(run, d["inputs"], d["targets"]))
@@ -201,7 +234,7 @@ def train_one(cfg: MQARConfig, mixer: str, width: int, progress=None) -> dict:
         accuracy = evaluate(model, cfg)
     last = losses[-5 * len(cfg.pairs):]
     return {"accuracy": accuracy, "final_loss": float(np.mean(last)), "seconds": round(seconds, 2),
-            "params": model.num_params()}
+            "params": model.num_params(), "steps": cfg.steps_of(mixer), "lr": cfg.lr_of(mixer)}
 
 
 def _train_job(job: tuple) -> dict:
@@ -224,7 +257,7 @@ def _each_model(cfg: MQARConfig, step):
     ctx = multiprocessing.get_context("spawn")  # no inherited thread pools or locks
     with ctx.Pool(min(cfg.workers, len(jobs))) as pool:
         for job, r in zip(order, pool.imap(_train_job, [(cfg, m, w) for m, w in order])):
-            for _ in range(cfg.steps):
+            for _ in range(cfg.steps_of(job[0])):
                 step()
             yield job, r
 
@@ -234,7 +267,7 @@ def mqar_experiment(cfg: MQARConfig | None = None, progress=None) -> dict:
 
     ``rows``: one ``{mixer, width, pairs, accuracy}`` per (mixer, width, pair count), in the
     order of ``mixers`` then ``widths``; ``runs``: one ``{mixer, width, final_loss, seconds,
-    params}`` per model; ``chance`` (1 / values); ``tasks`` (the training ``[pairs, T]``);
+    params, steps, lr}`` per model; ``chance`` (1 / values); ``tasks`` (the training ``[pairs, T]``);
     ``seconds`` (wall, all models); ``config``. ``progress(done, total)`` is called after every
     training step (with workers: a model's steps at once, when it is done).
     """
@@ -257,7 +290,7 @@ def mqar_experiment(cfg: MQARConfig | None = None, progress=None) -> dict:
             rows += [{"mixer": mixer, "width": int(width), "pairs": int(p), "accuracy": a}
                      for p, a in zip(cfg.pairs, r["accuracy"])]
             runs.append({"mixer": mixer, "width": int(width), "final_loss": r["final_loss"],
-                         "seconds": r["seconds"], "params": r["params"]})
+                         "seconds": r["seconds"], "params": r["params"], "steps": r["steps"], "lr": r["lr"]})
     config = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(cfg).items()}
     return {"rows": rows, "runs": runs, "chance": 1.0 / (cfg.vocab_size - cfg.vocab_size // 2),
             "tasks": [list(t) for t in cfg.tasks()], "seconds": round(time.perf_counter() - start, 1),

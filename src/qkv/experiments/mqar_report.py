@@ -21,13 +21,16 @@ def format_table(rec: dict) -> str:
     lines = [f"accuracy at the query positions, T = {c['seq_len']} (chance {rec['chance']:.4f}); 2 layers, "
              f"{c['n_head']} head(s), {attention}, {c.get('positions', 'learned')} positions, "
              f"vocabulary {c['vocab_size']}, "
-             f"{c['steps']} steps of {c['batch']} sequences (pairs at T: {tasks}), lr {c['lr']:g}", "",
-             "| mixer | width | " + " | ".join(f"{p} pairs" for p in pairs) + " |",
-             "|---|---:|" + "---:|" * len(pairs)]
+             f"batches of {c['batch']} sequences (pairs at T: {tasks}), warm-up {c['warmup']} steps then cosine", "",
+             "| mixer | width | steps | lr | " + " | ".join(f"{p} pairs" for p in pairs) + " |",
+             "|---|---:|---:|---:|" + "---:|" * len(pairs)]
+    run = {(r["mixer"], r["width"]): r for r in rec.get("runs", [])}
     for m in mixers:
         for w in widths:
+            r = run.get((m, w), {})                 # records made before per-mixer steps: the config's
             cells = [f"{acc[(m, w, p)]:.3f}" if (m, w, p) in acc else "-" for p in pairs]
-            lines.append(f"| {m} | {w} | " + " | ".join(cells) + " |")
+            lines.append(f"| {m} | {w} | {r.get('steps', c['steps'])} | {r.get('lr', c['lr']):g} | "
+                         + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -51,7 +54,7 @@ def plot(rec: dict, path) -> None:
     axes[0].set_ylabel("accuracy at the queries")
     axes[-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
     c = rec["config"]
-    fig.suptitle(f"qkv experiment mqar: 2-layer models, T = {c['seq_len']}, vocabulary {c['vocab_size']}, "
-                 f"{c['steps']} steps")
+    steps = "steps and lr per mixer" if c["steps"] is None else f"{c['steps']} steps"
+    fig.suptitle(f"qkv experiment mqar: 2-layer models, T = {c['seq_len']}, vocabulary {c['vocab_size']}, {steps}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
