@@ -178,3 +178,17 @@ def test_fresh_layers_remember_past_tokens(name):
     for seed in range(5):
         kept = INIT_DECAY[name](make(seed))
         assert kept.min() > 0.1, (seed, kept)
+
+
+def test_fresh_torch_gated_delta_remembers_past_tokens():
+    """qkv.torch.GatedDeltaNet starts as qkv.nn's: every head keeps more than a tenth of its
+    state a step (exp(-A · softplus(dt_bias)) at a zero input)."""
+    torch = pytest.importorskip("torch", reason="qkv.torch needs PyTorch (the torch extra)")
+    from qkv.torch import GatedDeltaNet
+
+    for seed in range(5):
+        torch.manual_seed(seed)
+        layer = GatedDeltaNet(16, 8, 8, 2, 2)
+        with torch.no_grad():
+            kept = torch.exp(-torch.exp(layer.A_log) * torch.nn.functional.softplus(layer.dt_bias))
+        assert float(kept.min()) > 0.1, (seed, kept)

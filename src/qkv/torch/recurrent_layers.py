@@ -170,10 +170,13 @@ class GatedDeltaNet(nn.Module):
                                 padding=conv_kernel - 1, **kw)
         self.in_proj_qkvz = nn.Linear(d_model, 2 * self.key_dim + 2 * self.value_dim, bias=False, **kw)
         self.in_proj_ba = nn.Linear(d_model, 2 * n_v_heads, bias=False, **kw)
-        self.dt_bias = nn.Parameter(torch.ones(n_v_heads, **kw))
-        self.A_log = nn.Parameter(torch.log(torch.empty(n_v_heads, **kw).uniform_(0.01, 16)))
+        self.dt_bias = nn.Parameter(torch.empty(n_v_heads, **kw))
+        self.A_log = nn.Parameter(torch.log(torch.empty(n_v_heads, **kw).uniform_(1, 16)))
         self.norm = NormWeight(d_v, **kw)
         self.out_proj = nn.Linear(self.value_dim, d_model, bias=False, **kw)
+        with torch.no_grad():   # as qkv.nn.GatedDeltaNet: Mamba's Δ, log-uniform in [1e-3, 1e-1], not dt_bias = 1
+            dt = torch.exp(torch.rand(n_v_heads, **kw) * math.log(100) + math.log(1e-3))
+            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, n_k_heads={self.n_k_heads}, n_v_heads={self.n_v_heads}, "
