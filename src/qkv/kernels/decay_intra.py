@@ -122,27 +122,25 @@ class HeadDecay:
         ``Qg_i · Kg_s = (q_i · k_s) exp(G_i - G_s) exp(Γ)``, so
         ``A = tril(Qg Kgᵀ) · exp(-Γ)``. Above the diagonal ``G_i - G_s <= -Γ``, so those
         entries are at most ``|q_i · k_s|``: the mask's 0 multiplies nothing infinite."""
+        if self.factored:
+            return self.scores_unrowed(Qg, KgT)                         # Qg's rows carry exp(G_i)
         n, M, C = q.shape[:3]
         A = scratch(n * M * C * C, q.dtype, DEFAULT, "decay_A").reshape(n, M, C, C)
-        if self.factored:
-            np.matmul(Qg, KgT, out=A)                                   # (n,M,C,Dk) @ (n,M,Dk,C) -> (n,M,C,C)
-            A *= np.tri(C, dtype=q.dtype)
-            A *= self.e_gam                                             # exp(-Γ) (n,M,1,1), at most e^LIMIT
-        else:
-            np.matmul(q, _t(k), out=A)                                  # (n,M,C,Dk) @ (n,M,Dk,C) -> (n,M,C,C)
-            A *= self.D
+        np.matmul(q, _t(k), out=A)                                      # (n,M,C,Dk) @ (n,M,Dk,C) -> (n,M,C,C)
+        A *= self.D
         return A
 
     def scores_unrowed(self, q, KgT):
         """Factored only: the forward's ``A`` without its rows' ``exp(G_i)``,
         ``tril(q Kgᵀ) · exp(-Γ)`` (entries ``(q_i · k_s) exp(-G_s)``, at most
         ``e^LIMIT |q_i · k_s|``): the forward multiplies whole output rows by ``exp(G_i)``
-        once, after both products, instead of making ``Qg``."""
+        once, after both products, instead of making ``Qg``. (Given ``Qg`` for q, the whole
+        ``A``: :meth:`scores`'s factored form.)"""
         n, M, C = q.shape[:3]
         A = scratch(n * M * C * C, q.dtype, DEFAULT, "decay_A").reshape(n, M, C, C)
         np.matmul(q, KgT, out=A)                                        # (n,M,C,Dk) @ (n,M,Dk,C) -> (n,M,C,C)
         A *= np.tri(C, dtype=q.dtype)
-        A *= self.e_gam
+        A *= self.e_gam                                                 # exp(-Γ) (n,M,1,1), at most e^LIMIT
         return A
 
     def rows(self, P, k):                                               # (n,M,C,C) @ (n,M,C,Dk) -> (n,M,C,Dk)
