@@ -115,11 +115,17 @@ def test_no_notice_and_no_cache_without_the_jit(tmp_path):
 
 
 def test_two_processes_compiling_at_once_into_an_empty_cache(tmp_path):
-    """Both compile (both say so), both compute right, and a third process loads what they left."""
+    """Both compute right (the snippet checks its result); each either compiled (and said so)
+    or, where the other had already written the kernel when it looked, loaded it without a
+    word: which one is a matter of timing, on a slow or busy machine the second process
+    starts late. At least one compiled, and a third process loads what they left."""
     cache = str(tmp_path / "cache")
     procs = [_run({"QKV_CACHE_DIR": cache}, tmp_path) for _ in range(2)]
+    compiled = []
     for out, err in map(_done, procs):
-        assert "add_layer_norm" in out and NOTICE in err
+        compiled.append("add_layer_norm" in out)
+        assert (NOTICE in err) == compiled[-1] and (compiled[-1] or out.strip() == "[]"), (out, err)
+    assert any(compiled)
     assert not list(Path(cache).rglob("*.tmp.*"))                        # no half-written file left
     out, err = _done(_run({"QKV_CACHE_DIR": cache}, tmp_path))
     assert out.strip() == "[]" and NOTICE not in err
