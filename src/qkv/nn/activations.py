@@ -23,7 +23,7 @@ import math
 
 import numpy as np
 
-from .fusion import chunked, compiled
+from .fusion import chunked, compiled, module
 
 SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 GELU_CUBIC = 0.044715
@@ -156,7 +156,16 @@ def sigmoid(a: np.ndarray) -> np.ndarray:
 
 
 def silu_forward(a: np.ndarray):
-    """``a σ(a)``; saves ``(a, σ(a))`` (:func:`sigmoid`, never overflowing)."""
+    """``a σ(a)``; saves ``(a, σ(a))`` (:func:`sigmoid`, never overflowing). float32 with the fast
+    extra: one compiled pass (σ by the flash kernel's ``2^x``), saving ``(a, None)``; the backward
+    computes σ again in its own pass."""
+    fast = module() if a.dtype == np.float32 else None
+    if fast is not None:
+        a = np.ascontiguousarray(a)                    # (a layer's z is a slice of its projection)
+        y = np.empty_like(a)
+        af, yf = a.reshape(-1), y.reshape(-1)
+        chunked(lambda i, j: fast.silu_forward32(af[i:j], yf[i:j]), a.size)
+        return y, (a, None)
     sig = sigmoid(a)
     return a * sig, (a, sig)
 
@@ -164,6 +173,16 @@ def silu_forward(a: np.ndarray):
 def silu_backward(dy: np.ndarray, saved) -> np.ndarray:
     """``dy σ(a) (1 + a (1 - σ(a)))``."""
     a, sig = saved
+    if sig is None:
+        dy = np.ascontiguousarray(dy, dtype=a.dtype)
+        fast = compiled(dy, a)
+        if fast is None:        # the fast extra gone since the forward (QKV_JIT toggled in one process)
+            sig = sigmoid(a)
+        else:
+            dh = np.empty_like(a)
+            af, df, hf = a.reshape(-1), dy.reshape(-1), dh.reshape(-1)
+            chunked(lambda i, j: fast.silu_backward32(df[i:j], af[i:j], hf[i:j]), a.size)
+            return dh
     g = 1.0 - sig
     g *= a
     g += 1.0

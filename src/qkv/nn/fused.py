@@ -163,3 +163,69 @@ def softmax_cross_entropy(logits, targets, dlogits):  # -> Σ_rows lse - logit[t
             dlogits[i, j] *= scale
         dlogits[i, targets[i]] -= inv_n
     return total * inv_n
+
+
+# --- the recurrent layers' SiLU and short convolution ------------------------------------------
+@numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _sigmoid32(x):  # float32 1 / (1 + 2^(-x log2 e)); pow2 clamps at 2^±127: 0 below x ≈ -88, 1 above 88
+    one = np.float32(1.0)
+    return one / (one + pow2(np.float32(-1.0 / math.log(2.0)) * x))
+
+
+@numba.njit(nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")
+def silu_forward32(a, y):  # float32: y = a σ(a)
+    wide_vectors()
+    for i in range(a.size):
+        x = a[i]
+        y[i] = x * _sigmoid32(x)
+
+
+@numba.njit(nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")
+def silu_backward32(dy, a, dh):  # float32, σ(a) computed again: dy σ (1 + a (1 - σ))
+    wide_vectors()
+    one = np.float32(1.0)
+    for i in range(a.size):
+        x = a[i]
+        s = _sigmoid32(x)
+        dh[i] = dy[i] * s * (one + x * (one - s))
+
+
+@numba.njit(nogil=True, cache=True, fastmath=FLAGS)
+def causal_conv(padded, wt, bias, y):  # y[b, t] = bias + Σ_j wt[j] ∘ padded[b, t + j]; padded (B, K-1+T, C)
+    wide_vectors()
+    B, T, C = y.shape
+    for b in range(B):
+        for t in range(T):
+            row = y[b, t]
+            for c in range(C):
+                row[c] = bias[c]
+            for j in range(wt.shape[0]):
+                src, w = padded[b, t + j], wt[j]
+                for c in range(C):
+                    row[c] += w[c] * src[c]
+
+
+@numba.njit(nogil=True, cache=True, fastmath=FLAGS)
+def causal_conv_backward(dy, padded, wt, du, dwt):  # du[b, s] = Σ_j wt[j] ∘ dy[b, s + K-1-j]; dwt[j] = Σ dy ∘ ũ_{+j}
+    # dwt: float64 (K, C), the taps' sums over B·T rows kept in float64 whatever dy's dtype
+    wide_vectors()
+    B, T, C = dy.shape
+    K = wt.shape[0]
+    dwt[...] = 0
+    for b in range(B):
+        for t in range(T):
+            g = dy[b, t]
+            for j in range(K):
+                src, acc = padded[b, t + j], dwt[j]
+                for c in range(C):
+                    acc[c] += g[c] * src[c]
+        for s in range(T):
+            row = du[b, s]
+            for c in range(C):
+                row[c] = 0
+            for j in range(K):
+                t = s + K - 1 - j
+                if t < T:
+                    g, w = dy[b, t], wt[j]
+                    for c in range(C):
+                        row[c] += w[c] * g[c]

@@ -27,6 +27,7 @@ import numpy as np
 
 from ..errors import ShapeError, as_float_array, fmt_shape
 from .activations import silu_backward, silu_forward
+from .fusion import compiled
 
 
 # --- elementwise ------------------------------------------------------------------------------
@@ -38,12 +39,19 @@ def softplus(x: np.ndarray) -> np.ndarray:
 # --- the short causal depthwise convolution ---------------------------------------------------
 def conv_forward(u: np.ndarray, w: np.ndarray, b: np.ndarray | None, prefix: np.ndarray | None):
     """``u (B, T, C)``, taps ``w (C, K)``, bias ``b (C,)`` or None, ``prefix (B, K-1, C)`` or None
-    (zeros). Returns ``(y (B, T, C), padded ũ (B, K-1+T, C))``; ``ũ[:, -(K-1):]`` is the next prefix."""
+    (zeros). Returns ``(y (B, T, C), padded ũ (B, K-1+T, C))``; ``ũ[:, -(K-1):]`` is the next prefix.
+    With the fast extra, one compiled pass (:func:`qkv.nn.fused.causal_conv`) instead of K."""
     B, T, C = u.shape
     K = w.shape[1]
     if prefix is None:
         prefix = np.zeros((B, K - 1, C), u.dtype)
     padded = np.concatenate([prefix.astype(u.dtype, copy=False), u], axis=1)  # (B, K-1+T, C)
+    fast = compiled(padded)
+    if fast is not None:
+        y = np.empty_like(padded, shape=u.shape)
+        bias = np.zeros(C, u.dtype) if b is None else b.astype(u.dtype)
+        fast.causal_conv(padded, np.ascontiguousarray(w.T, dtype=u.dtype), bias, y)
+        return y, padded
     y = np.zeros_like(u) if b is None else np.broadcast_to(b.astype(u.dtype), u.shape).copy()
     for j in range(K):
         y += w[:, j] * padded[:, j:j + T]                                      # (C,) ∘ (B,T,C)
@@ -53,6 +61,12 @@ def conv_forward(u: np.ndarray, w: np.ndarray, b: np.ndarray | None, prefix: np.
 def conv_backward(dy: np.ndarray, padded: np.ndarray, w: np.ndarray):
     """Gradients ``(du (B, T, C), dw (C, K), db (C,))`` of :func:`conv_forward`."""
     T, K = dy.shape[1], w.shape[1]
+    dy = np.ascontiguousarray(dy, dtype=padded.dtype)
+    fast = compiled(dy, padded)
+    if fast is not None:
+        du, dwt = np.empty_like(dy), np.zeros((K, dy.shape[-1]))
+        fast.causal_conv_backward(dy, padded, np.ascontiguousarray(w.T, dtype=dy.dtype), du, dwt)
+        return du, dwt.T.astype(dy.dtype), dy.sum(axis=(0, 1))
     dpadded = np.zeros_like(padded)
     dw = np.empty(w.shape, dy.dtype)
     for j in range(K):

@@ -1,0 +1,160 @@
+"""The recurrent layers' compiled passes (the ``fast`` extra): the short causal convolution
+(forward and backward, any dtype) and float32 SiLU (forward and backward, σ from the flash
+kernel's ``2^x``), against the NumPy passes and float64 formulas; and the three layers whole,
+compiled against NumPy."""
+import numpy as np
+import pytest
+
+from qkv import jit, nn
+from qkv.nn import activations, fusion, recurrent_parts
+
+needs_fast = pytest.mark.skipif(fusion.module() is None,
+                                reason="numba is not installed (pip install 'qkv[fast]') or QKV_JIT=0")
+
+
+def rng(seed=0):
+    return np.random.default_rng(seed)
+
+
+def numpy_path(monkeypatch):
+    monkeypatch.setitem(jit._loaded, fusion.MODULE, None)
+
+
+def silu64(a):
+    a = np.asarray(a, np.float64)
+    return a / (1.0 + np.exp(-a))
+
+
+@needs_fast
+def test_silu_float32_compiled_is_within_a_few_ulps_and_saves_no_sigmoid():
+    a = np.concatenate([np.linspace(-30, 30, 200001), [-200, -88.5, -87, -1e-30, 0, 1e-30, 88.5, 200]]).astype(np.float32)
+    y, saved = activations.silu_forward(a)
+    assert y.dtype == np.float32 and saved[1] is None             # σ is computed again by the backward
+    ref = silu64(a)
+    moderate = np.abs(a) < 20
+    assert np.max(np.abs(y - ref)[moderate] / np.maximum(np.abs(ref[moderate]), 1e-30)) < 2e-6
+    assert np.max(np.abs(y - ref)) < 4e-6                        # the far tail: 0 against ~1e-36
+    assert y[-1] == np.float32(200) and y[-8] <= 0 and y[-8] > -1e-30
+
+
+@needs_fast
+def test_silu_float32_backward_against_float64():
+    r = rng(1)
+    a = (r.standard_normal((3, 41, 17)) * 8).astype(np.float32)
+    dy = r.standard_normal(a.shape).astype(np.float32)
+    _, saved = activations.silu_forward(a)
+    dh = activations.silu_backward(dy, saved)
+    s = 1 / (1 + np.exp(-a.astype(np.float64)))
+    want = dy * s * (1 + a * (1 - s))
+    assert dh.dtype == np.float32
+    assert np.max(np.abs(dh - want)) < 3e-6 * max(1.0, np.max(np.abs(want)))
+
+
+@needs_fast
+def test_silu_keeps_nan_and_takes_a_strided_input():
+    a = np.zeros((4, 10), np.float32)
+    a[1, 3] = np.nan
+    y, _ = activations.silu_forward(a[:, ::2])                    # not contiguous: copied, then compiled
+    assert np.isnan(y[1]).sum() == 0 and y.shape == (4, 5)
+    y, saved = activations.silu_forward(a)
+    assert np.isnan(y[1, 3]) and np.isnan(activations.silu_backward(np.ones_like(a), saved)[1, 3])
+
+
+@needs_fast
+def test_silu_saved_by_the_compiled_pass_survives_jit_turned_off(monkeypatch):
+    a = rng(2).standard_normal((5, 7)).astype(np.float32)
+    dy = np.ones_like(a)
+    _, saved = activations.silu_forward(a)
+    compiled = activations.silu_backward(dy, saved)
+    numpy_path(monkeypatch)
+    assert np.allclose(activations.silu_backward(dy, saved), compiled, rtol=1e-5, atol=1e-6)
+
+
+def conv_oracle(u, w, b, prefix):
+    """The convolution written out, in float64: y_t = b + Σ_j w[:, j] ũ_{t+j}."""
+    B, T, C = u.shape
+    K = w.shape[1]
+    pad = np.concatenate([np.zeros((B, K - 1, C)) if prefix is None else prefix, u], axis=1).astype(np.float64)
+    y = np.zeros((B, T, C)) + (0 if b is None else b)
+    for t in range(T):
+        for j in range(K):
+            y[:, t] += w[:, j] * pad[:, t + j]
+    return y, pad
+
+
+@pytest.mark.parametrize("path", ["numpy", "fused"])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("K,T,bias,prefix", [(4, 19, True, True), (3, 1, False, False), (2, 7, False, True),
+                                             (5, 3, True, False)])
+def test_conv_forward_and_backward(path, dtype, K, T, bias, prefix, monkeypatch):
+    if path == "numpy":
+        numpy_path(monkeypatch)
+    elif fusion.module() is None:
+        pytest.skip("numba is not installed (pip install 'qkv[fast]') or QKV_JIT=0")
+    r = rng(K * 100 + T)
+    B, C = 2, 33
+    u, w = r.standard_normal((B, T, C)), r.standard_normal((C, K))
+    b = r.standard_normal(C) if bias else None
+    pre = r.standard_normal((B, K - 1, C)) if prefix else None
+    cast = lambda x: None if x is None else x.astype(dtype)  # noqa: E731
+    y, padded = recurrent_parts.conv_forward(cast(u), cast(w), cast(b), cast(pre))
+    want, pad = conv_oracle(u, w, b, pre)
+    tol = 1e-13 if dtype == np.float64 else 2e-5
+    assert y.dtype == dtype and np.max(np.abs(y - want)) < tol
+    assert np.array_equal(recurrent_parts.conv_tail(padded, K), pad[:, T:].astype(dtype))
+    dy = r.standard_normal((B, T, C))
+    du, dw, db = recurrent_parts.conv_backward(cast(dy)[:, ::1], padded, cast(w))
+    dpad = np.zeros_like(pad)
+    dw_want = np.zeros((C, K))
+    for t in range(T):
+        for j in range(K):
+            dw_want[:, j] += np.sum(dy[:, t] * pad[:, t + j], axis=0)
+            dpad[:, t + j] += w[:, j] * dy[:, t]
+    assert du.dtype == dw.dtype == dtype and du.shape == u.shape and dw.shape == w.shape
+    assert np.max(np.abs(du - dpad[:, K - 1:])) < tol * 10
+    assert np.max(np.abs(dw - dw_want)) < tol * 10
+    assert np.allclose(db, dy.sum(axis=(0, 1)), rtol=1e-5)
+
+
+@needs_fast
+def test_conv_backward_is_the_same_bits_every_call():
+    r = rng(7)
+    u = r.standard_normal((3, 300, 40)).astype(np.float32)
+    w = r.standard_normal((40, 4)).astype(np.float32)
+    dy = r.standard_normal(u.shape).astype(np.float32)
+    _, padded = recurrent_parts.conv_forward(u, w, None, None)
+    first = recurrent_parts.conv_backward(dy, padded, w)
+    for _ in range(3):
+        again = recurrent_parts.conv_backward(dy, padded, w)
+        assert all(np.array_equal(a, b) for a, b in zip(first, again))
+
+
+LAYERS = {
+    "mamba2": lambda dt: nn.Mamba2(24, 4, 12, 8, n_groups=2, dtype=dt, rng=rng(3)),
+    "gated_delta": lambda dt: nn.GatedDeltaNet(24, 2, 4, 8, 6, dtype=dt, rng=rng(3)),
+    "rglru": lambda dt: nn.RGLRU(24, 16, 4, dtype=dt, rng=rng(3)),
+}
+
+
+@needs_fast
+@pytest.mark.parametrize("kind", list(LAYERS))
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_layers_compiled_equal_their_numpy_passes(kind, dtype, monkeypatch):
+    """Forward and every gradient, through the compiled conv and SiLU and through NumPy's."""
+    x = rng(4).standard_normal((2, 37, 24)).astype(dtype)
+    dy = rng(5).standard_normal(x.shape).astype(dtype)
+
+    def run():
+        layer = LAYERS[kind](dtype)
+        y = layer.forward(x)
+        return y, layer.backward(dy), {k: g.copy() for k, g in layer.grads.items()}
+
+    y1, dx1, g1 = run()
+    numpy_path(monkeypatch)
+    y0, dx0, g0 = run()
+    tol = 1e-12 if dtype == np.float64 else 2e-4
+    scale = lambda a: max(1.0, float(np.max(np.abs(a))))  # noqa: E731
+    assert np.max(np.abs(y1 - y0)) < tol * scale(y0)
+    assert np.max(np.abs(dx1 - dx0)) < tol * scale(dx0)
+    for name in g0:
+        assert np.max(np.abs(g1[name] - g0[name])) < tol * scale(g0[name]), name
