@@ -222,3 +222,33 @@ def test_the_command_takes_mixers_widths_and_steps(tmp_path, monkeypatch, capsys
     assert plain["config"]["attention_conv"] == 0 and plain["runs"][0]["params"] < rec["runs"][0]["params"]
     assert main(["experiment", "mqar", "--no-progress", "--out", str(tmp_path), "--mixers", "hyena"]) == 2
     assert "mixers must be among" in capsys.readouterr().err
+
+
+def test_a_model_that_met_the_stop_loss_stops_and_says_so():
+    """A threshold every loss meets: each model stops after one cycle of the tasks (or the warm-up,
+    whichever is longer); the record keeps the steps taken and the most it could take, and the
+    progress still counts every step; 0 trains every step."""
+    base = dict(TINY, steps=20, warmup=2)
+    cfg = MQARConfig(**base, stop_loss=1e9)
+    assert cfg.cycle() == 3                                   # pairs (2, 4): 2, 4, 2, then again
+    calls = []
+    rec = mqar_experiment(cfg, progress=lambda *a: calls.append(a))
+    assert {(r["steps"], r["max_steps"]) for r in rec["runs"]} == {(3, 20)}
+    assert calls[-1] == (40, 40) and len(calls) == 40
+    late = mqar_experiment(MQARConfig(**dict(base, warmup=5), stop_loss=1e9))
+    assert {r["steps"] for r in late["runs"]} == {5}
+    full = mqar_experiment(MQARConfig(**base, stop_loss=0))
+    assert {(r["steps"], r["max_steps"]) for r in full["runs"]} == {(20, 20)}
+    assert MQARConfig().stop_loss == 0.03 and MQARConfig(stop_loss=None).cycle() == 9
+    for bad in (-1.0, float("nan"), float("inf"), "0.1"):
+        with pytest.raises(qkv.ShapeError, match="stop_loss must be a finite number >= 0"):
+            MQARConfig(**base, stop_loss=bad).check()
+
+
+def test_the_command_takes_a_stop_loss(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    monkeypatch.setattr(mqar.MQARConfig, "quick", classmethod(lambda cls: cls(**dict(TINY, steps=12, warmup=1))))
+    argv = ["experiment", "mqar", "--quick", "--no-progress", "--out", str(tmp_path), "--mixers", "attention"]
+    assert main(argv + ["--stop-loss", "1e9"]) == 0
+    rec = json.loads((tmp_path / "mqar.json").read_text())
+    assert rec["config"]["stop_loss"] == 1e9 and rec["runs"][0]["steps"] == 3 and rec["runs"][0]["max_steps"] == 12

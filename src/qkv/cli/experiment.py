@@ -79,6 +79,9 @@ def _mqar_arguments(parser) -> None:
     parser.add_argument("--attention-conv", type=int, metavar="K",
                         help="taps of the short convolution before every attention layer, as in Zoology's models "
                              "(default 3; 0 = plain attention)")
+    parser.add_argument("--stop-loss", type=float, metavar="L",
+                        help="a model stops once its mean loss over one cycle of the tasks is below L: it has "
+                             "solved MQAR (default 0.03; 0 = train every step)")
 
 
 def run(args) -> int:
@@ -140,7 +143,7 @@ def _mqar(args) -> int:
     for name in ("mixers", "widths"):
         if getattr(args, name):
             setattr(cfg, name, tuple(getattr(args, name)))
-    for name in ("steps", "lr", "workers", "attention_conv"):
+    for name in ("steps", "lr", "workers", "attention_conv", "stop_loss"):
         if getattr(args, name) is not None:
             setattr(cfg, name, getattr(args, name))
     return _record(args, "mqar", cfg, mqar_experiment, format_table, plot)
