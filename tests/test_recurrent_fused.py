@@ -158,3 +158,27 @@ def test_layers_compiled_equal_their_numpy_passes(kind, dtype, monkeypatch):
     assert np.max(np.abs(dx1 - dx0)) < tol * scale(dx0)
     for name in g0:
         assert np.max(np.abs(g1[name] - g0[name])) < tol * scale(g0[name]), name
+
+
+@pytest.mark.parametrize("path", ["numpy", "fused"])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_delta_chunks_unit_lower_inverse(path, dtype, monkeypatch):
+    """``(I + A)⁻¹`` of a strictly lower ``A``: the compiled forward substitution and NumPy's block
+    doubling, against ``np.linalg.inv``; what is on the diagonal is not read (above it: zeros, as
+    the kernel's ``A = β (K Kᵀ) ∘ D`` has)."""
+    from qkv.kernels import delta_chunks
+    if path == "numpy":
+        monkeypatch.setitem(jit._loaded, jit.DELTA, None)
+    elif jit.load(jit.DELTA) is None:
+        pytest.skip("numba is not installed (pip install 'qkv[fast]') or QKV_JIT=0")
+    r = rng(11)
+    for C in (1, 2, 15, 16, 17, 64):
+        k = r.standard_normal((3, 2, C, 8))
+        k /= np.linalg.norm(k, axis=-1, keepdims=True)
+        A = np.tril(k @ np.swapaxes(k, -1, -2) * r.uniform(0, 1, (3, 2, C, 1))).astype(dtype)  # β (K Kᵀ) ∘ D
+        want = np.linalg.inv(np.eye(C) + np.tril(A.astype(np.float64), -1))
+        X = delta_chunks.unit_lower_inverse(A.copy())
+        assert X.shape == A.shape and X.dtype == dtype
+        assert np.max(np.abs(X - want)) < (1e-12 if dtype == np.float64 else 2e-5), C
+        strided = np.swapaxes(np.swapaxes(A, -1, -2).copy(), -1, -2)          # not C-contiguous: NumPy's path
+        assert np.max(np.abs(delta_chunks.unit_lower_inverse(strided) - want)) < (1e-12 if dtype == np.float64 else 2e-5)

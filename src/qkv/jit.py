@@ -25,6 +25,7 @@ FLASH = "qkv.kernels.flash.compiled"
 ENCODER = "qkv.models.compiled"
 ROWS = "qkv.kernels.rows_compiled"
 DECAY = "qkv.kernels.decay_compiled"  # the decay kernel's scan of the states between chunks
+DELTA = "qkv.kernels.delta_compiled"  # the delta rule's (I + A)⁻¹ by forward substitution
 ROWS_FUSED = "qkv.kernels.rows_fused"   # the row kernel's whole call, one parallel loop over heads
 
 _lock = threading.Lock()

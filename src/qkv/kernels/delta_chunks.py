@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import jit
+
 CHUNK = 64          # positions a chunk when the caller gives none (measured: see delta.py)
 LOG_FLOOR = 1e4     # g below -LOG_FLOOR counts as -LOG_FLOOR (e^g is 0 either way)
 
@@ -73,8 +75,13 @@ def unit_lower_inverse(A: np.ndarray) -> np.ndarray:
 
     Each level reads its ``L21`` blocks before writing ``X21`` where they were; the blocks
     of later levels lie elsewhere, so they are still ``A``'s when their level comes.
+    With the ``fast`` extra, forward substitution instead (:mod:`qkv.kernels.delta_compiled`).
     """
     C = A.shape[-1]
+    mod = jit.load(jit.DELTA) if A.flags.c_contiguous and A.dtype in (np.float32, np.float64) else None
+    if mod is not None:
+        mod.unit_lower_inverse(A.reshape(-1, C, C))
+        return A
     P = 1 << max(C - 1, 0).bit_length()
     X = A if P == C else np.pad(A, [(0, 0)] * (A.ndim - 2) + [(0, P - C), (0, P - C)])
     idx = np.arange(P)
