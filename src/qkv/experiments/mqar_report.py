@@ -21,7 +21,9 @@ def format_table(rec: dict) -> str:
     lines = [f"accuracy at the query positions, T = {c['seq_len']} (chance {rec['chance']:.4f}); 2 layers, "
              f"{c['n_head']} head(s), {attention}, {c.get('positions', 'learned')} positions, "
              f"vocabulary {c['vocab_size']}, "
-             f"batches of {c['batch']} sequences (pairs at T: {tasks}), warm-up {c['warmup']} steps then cosine", "",
+             f"batches of {c['batch']} sequences (pairs at T: {tasks}), warm-up {c['warmup']} steps then cosine"
+             + (f"; a model stops once solved (mean loss of a cycle of tasks < {c['stop_loss']:g})"
+                if c.get("stop_loss") else ""), "",
              "| mixer | width | steps | lr | " + " | ".join(f"{p} pairs" for p in pairs) + " |",
              "|---|---:|---:|---:|" + "---:|" * len(pairs)]
     run = {(r["mixer"], r["width"]): r for r in rec.get("runs", [])}
