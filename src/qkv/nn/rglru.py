@@ -89,19 +89,22 @@ class RGLRU(Layer):
     def _gate(self, u: np.ndarray, name: str) -> np.ndarray:
         """``sigmoid`` of the block-diagonal product: ``(B, T, L) -> (B, T, L)``."""
         B, T, L = u.shape
-        uh = u.reshape(B, T, self.n_heads, L // self.n_heads)
-        pre = np.einsum("bthi,hij->bthj", uh, self._p(f"{name}_weight")) + self._p(f"{name}_bias")
-        return sigmoid(pre).reshape(B, T, L)                                   # (B,T,H,w) @ (H,w,w) -> (B,T,H,w)
+        H = self.n_heads
+        uh = u.reshape(B * T, H, L // H).transpose(1, 0, 2)                    # (H, BT, w)
+        pre = np.matmul(uh, self._p(f"{name}_weight")).transpose(1, 0, 2)      # (H,BT,w) @ (H,w,w) -> (BT,H,w)
+        pre = pre + self._p(f"{name}_bias")                                    # BLAS, where einsum's loop was
+        return sigmoid(pre).reshape(B, T, L)                                   # 40% of a width-128 MQAR step
 
     def _gate_backward(self, dgate: np.ndarray, gate: np.ndarray, u: np.ndarray, name: str) -> np.ndarray:
         """Fill the gate's grads from ``dgate (B, T, L)``; return its part of ``du``."""
         B, T, L = u.shape
         H, w = self.n_heads, L // self.n_heads
-        dpre = (dgate * gate * (1 - gate)).reshape(B, T, H, w)
-        uh = u.reshape(B, T, H, w)
-        self.grads[f"{name}_weight"][...] = np.einsum("bthi,bthj->hij", uh, dpre)  # (B,T,H,w)ᵀ(B,T,H,w) -> (H,w,w)
-        self.grads[f"{name}_bias"][...] = dpre.sum(axis=(0, 1))
-        return np.einsum("bthj,hij->bthi", dpre, self._p(f"{name}_weight")).reshape(B, T, L)
+        dpre = (dgate * gate * (1 - gate)).reshape(B * T, H, w).transpose(1, 0, 2)   # (H, BT, w)
+        uh = u.reshape(B * T, H, w).transpose(1, 0, 2)                                 # (H, BT, w)
+        self.grads[f"{name}_weight"][...] = np.matmul(uh.transpose(0, 2, 1), dpre)     # (H,w,BT) @ (H,BT,w) -> (H,w,w)
+        self.grads[f"{name}_bias"][...] = dpre.sum(axis=1)
+        du = np.matmul(dpre, self._p(f"{name}_weight").transpose(0, 2, 1))           # (H,BT,w) @ (H,w,w)ᵀ -> (H,BT,w)
+        return du.transpose(1, 0, 2).reshape(B, T, L)
 
     def forward(self, x, *, state: RecurrentState | None = None) -> np.ndarray:
         """``x (B, T, d_model)`` (or ``(T, d_model)``) -> ``(B, T, d_model)``; ``state`` continues a sequence."""
