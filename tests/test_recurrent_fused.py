@@ -32,7 +32,7 @@ def test_silu_float32_compiled_is_within_a_few_ulps_and_saves_no_sigmoid():
     assert y.dtype == np.float32 and saved[1] is None             # σ is computed again by the backward
     ref = silu64(a)
     moderate = np.abs(a) < 20
-    assert np.max(np.abs(y - ref)[moderate] / np.maximum(np.abs(ref[moderate]), 1e-30)) < 2e-6
+    assert np.max(np.abs(y - ref)[moderate] / np.maximum(np.abs(ref[moderate]), 1e-30)) < 4e-7
     assert np.max(np.abs(y - ref)) < 4e-6                        # the far tail: 0 against ~1e-36
     assert y[-1] == np.float32(200) and y[-8] <= 0 and y[-8] > -1e-30
 

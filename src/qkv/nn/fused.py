@@ -21,7 +21,7 @@ import math
 import numba
 import numpy as np
 
-from ..kernels.flash.compiled import FASTMATH, pow2, wide_vectors
+from ..kernels.flash.compiled import COEF, FASTMATH, pow2, wide_vectors
 
 FLAGS = {"nsz", "contract", "reassoc", "arcp"}  # reassociation lets LLVM vectorise the row sums
 SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -166,10 +166,21 @@ def softmax_cross_entropy(logits, targets, dlogits):  # -> Σ_rows lse - logit[t
 
 
 # --- the recurrent layers' SiLU and short convolution ------------------------------------------
+_E0, _E1, _E2, _E3, _E4, _E5, _E6 = (np.float32(c) for c in COEF)
+_NEG_LOG2E = -1.0 / math.log(2.0)
+
+
 @numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _sigmoid32(x):  # float32 1 / (1 + 2^(-x log2 e)); pow2 clamps at 2^±127: 0 below x ≈ -88, 1 above 88
+def _sigmoid32(x):  # float32 1 / (1 + 2^y), y = -x log2 e formed in float64 (clamped to ±127: σ = 0 below x ≈ -88)
+    # The flash kernel's 2^x polynomial (COEF), its argument split in float64: y = n + f exactly
+    # enough that σ keeps float32's few ulps where x log2 e rounded in float32 would cost |y| ulps.
+    y = min(max(np.float64(x) * _NEG_LOG2E, -127.0), 127.0)     # NaN passes through both
+    n = np.floor(y + 0.5)
+    f = np.float32(y - n)                                        # in [-1/2, 1/2]
+    p = ((((((_E6 * f + _E5) * f + _E4) * f + _E3) * f + _E2) * f + _E1) * f + _E0)
+    bits = (np.int32(n) + np.int32(127)) << np.int32(23)         # 2^n as float bits; n = -127 gives 0.0
     one = np.float32(1.0)
-    return one / (one + pow2(np.float32(-1.0 / math.log(2.0)) * x))
+    return one / (one + p * np.int32(bits).view(np.float32))
 
 
 @numba.njit(nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")
