@@ -35,6 +35,8 @@ def test_silu_float32_compiled_is_within_a_few_ulps_and_saves_no_sigmoid():
     assert np.max(np.abs(y - ref)[moderate] / np.maximum(np.abs(ref[moderate]), 1e-30)) < 4e-7
     assert np.max(np.abs(y - ref)) < 4e-6                        # the far tail: 0 against ~1e-36
     assert y[-1] == np.float32(200) and y[-8] <= 0 and y[-8] > -1e-30
+    far, _ = activations.silu_forward(np.array([-1e10, -1e30, -3e38, 1e10, 3e38], np.float32))
+    assert np.array_equal(far, np.array([0, 0, 0, 1e10, 3e38], np.float32)) and np.all(np.isfinite(far))  # exact
 
 
 @needs_fast

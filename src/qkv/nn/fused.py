@@ -171,16 +171,18 @@ _NEG_LOG2E = -1.0 / math.log(2.0)
 
 
 @numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _sigmoid32(x):  # float32 1 / (1 + 2^y), y = -x log2 e formed in float64 (clamped to ±127: σ = 0 below x ≈ -88)
+def _sigmoid32(x):  # float32 1 / (1 + 2^y), y = -x log2 e formed in float64 (σ = 0 below x ≈ -88, 1 above 88)
     # The flash kernel's 2^x polynomial (COEF), its argument split in float64: y = n + f exactly
     # enough that σ keeps float32's few ulps where x log2 e rounded in float32 would cost |y| ulps.
-    y = min(max(np.float64(x) * _NEG_LOG2E, -127.0), 127.0)     # NaN passes through both
+    raw = np.float64(x) * _NEG_LOG2E
+    y = min(max(raw, -127.0), 127.0)                             # NaN passes through both
     n = np.floor(y + 0.5)
     f = np.float32(y - n)                                        # in [-1/2, 1/2]
     p = ((((((_E6 * f + _E5) * f + _E4) * f + _E3) * f + _E2) * f + _E1) * f + _E0)
     bits = (np.int32(n) + np.int32(127)) << np.int32(23)         # 2^n as float bits; n = -127 gives 0.0
     one = np.float32(1.0)
-    return one / (one + p * np.int32(bits).view(np.float32))
+    s = one / (one + p * np.int32(bits).view(np.float32))
+    return np.float32(0.0) if raw > 127.0 else s                 # 2^y past float32's range: σ is 0 (NaN keeps s)
 
 
 @numba.njit(nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")

@@ -61,9 +61,9 @@ def conv_forward(u: np.ndarray, w: np.ndarray, b: np.ndarray | None, prefix: np.
 def conv_backward(dy: np.ndarray, padded: np.ndarray, w: np.ndarray):
     """Gradients ``(du (B, T, C), dw (C, K), db (C,))`` of :func:`conv_forward`."""
     T, K = dy.shape[1], w.shape[1]
-    dy = np.ascontiguousarray(dy, dtype=padded.dtype)
-    fast = compiled(dy, padded)
+    fast = compiled(padded)
     if fast is not None:
+        dy = np.ascontiguousarray(dy, dtype=padded.dtype)
         du, dwt = np.empty_like(dy), np.zeros((K, dy.shape[-1]))
         fast.causal_conv_backward(dy, padded, np.ascontiguousarray(w.T, dtype=dy.dtype), du, dwt)
         return du, dwt.T.astype(dy.dtype), dy.sum(axis=(0, 1))
