@@ -184,3 +184,59 @@ def test_delta_chunks_unit_lower_inverse(path, dtype, monkeypatch):
         assert np.max(np.abs(X - want)) < (1e-12 if dtype == np.float64 else 2e-5), C
         strided = np.swapaxes(np.swapaxes(A, -1, -2).copy(), -1, -2)          # not C-contiguous: NumPy's path
         assert np.max(np.abs(delta_chunks.unit_lower_inverse(strided) - want)) < (1e-12 if dtype == np.float64 else 2e-5)
+
+
+def _systems_oracle(scores, gamma, beta):
+    """float64 ``(D, P, Tinv)`` written out: ``D_ts = e^{γ_t - γ_s}`` (s <= t), ``P = (Q Kᵀ) ∘ D``,
+    ``Tinv = (I + strictly_lower(diag(β) (K Kᵀ) ∘ D))⁻¹``."""
+    C = gamma.shape[-1]
+    diff = gamma[..., :, None] - gamma[..., None, :]
+    D = np.where(np.tril(np.ones((C, C), bool)), np.exp(np.minimum(diff, 0)), 0.0)
+    KK, QK = scores[..., :C, :].astype(np.float64), scores[..., C:, :].astype(np.float64)
+    A = np.tril(KK * D * beta[..., :, None].astype(np.float64), -1)
+    return D, QK * D, np.linalg.inv(np.eye(C) + A)
+
+
+@pytest.mark.parametrize("path", ["numpy", "fused"])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_delta_chunk_systems_against_float64(path, dtype, monkeypatch):
+    """The delta rule's in-chunk quantities (:func:`qkv.kernels.delta_chunks._systems`): the decays,
+    the masked scores (in place) and ``(I + A)⁻¹``, on the compiled pass and NumPy's, against
+    float64, at steps down to -30 (decays underflow to 0, never NaN), no decay, C = 1 ... 64, with
+    D kept or not. float32 decays are at least as close to float64 as NumPy's own float32 exp."""
+    from qkv.kernels import delta_chunks
+    if path == "numpy":
+        monkeypatch.setitem(jit._loaded, jit.DELTA, None)
+    elif jit.load(jit.DELTA) is None:
+        pytest.skip("numba is not installed (pip install 'qkv[fast]') or QKV_JIT=0")
+    r = rng(12)
+    for C in (1, 2, 7, 16, 33, 64):
+        for steps in ("none", "mild", "steep"):
+            kq = r.standard_normal((2, 3, 2 * C, 8))
+            kq /= np.linalg.norm(kq, axis=-1, keepdims=True)
+            scores = (kq @ np.swapaxes(kq[..., :C, :], -1, -2)).astype(dtype)     # [K Kᵀ; Q Kᵀ]
+            beta = r.uniform(0, 1, (2, 3, C)).astype(dtype)
+            g = None if steps == "none" else -r.uniform(0, 0.2 if steps == "mild" else 30, (2, 3, C))
+            gamma = delta_chunks.cumulative(g)
+            D0, P0, T0 = _systems_oracle(scores, np.zeros((2, 3, C)) if gamma is None else gamma, beta)
+            for keep in (True, False):
+                got = scores.copy()
+                D, Tinv = delta_chunks._systems(got, gamma, beta, keep)
+                assert Tinv.dtype == dtype and Tinv.shape == (2, 3, C, C)
+                tol = 1e-13 if dtype == np.float64 else 3e-6
+                assert np.all(np.isfinite(got)) and np.all(np.isfinite(Tinv))
+                assert np.max(np.abs(got[..., C:, :] - P0)) < tol, (C, steps)
+                assert np.array_equal(got[..., :C, :], scores[..., :C, :])             # K Kᵀ is left as it was
+                assert np.max(np.abs(Tinv - T0)) < tol * 10, (C, steps)
+                if D is not None:
+                    # float32: the compiled pass about 2 ulps; NumPy's exp of the difference rounded to
+                    # float32 first, |γ_t - γ_s| ulps of the argument more
+                    gap = 0 if gamma is None else np.abs(gamma[..., :, None] - gamma[..., None, :])
+                    rel = 2.5e-7 if path == "fused" else 1.2e-7 * (2 + gap)
+                    # relative where D is a normal float32; below (1.2e-38), within that of 0
+                    err = np.abs(D - D0)
+                    ok = (err <= (1e-15 if dtype == np.float64 else rel) * D0) | (err <= np.finfo(np.float32).tiny)
+                    assert D.dtype == dtype and np.all(ok), (C, steps)
+                    assert np.all(np.triu(D, 1) == 0) and np.all(np.diagonal(D, axis1=-2, axis2=-1) == 1)
+                else:
+                    assert path == "fused" and not keep

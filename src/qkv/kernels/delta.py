@@ -153,7 +153,7 @@ def backward(dout, dstate, q, k, v, beta, g=None, *, scale, initial_state=None, 
 
 
 def _forward(q, k, v, beta, g, initial_state, *, scale, chunk):
-    ch = prepare(q, k, v, beta, g, chunk)
+    ch = prepare(q, k, v, beta, g, chunk, keep=False)
     run = pass_states(ch, start_state(q, v, initial_state))
     o = ch.P @ run.U                                                 # (B,H,N,C,C) @ (B,H,N,C,Dv) -> (B,H,N,C,Dv)
     o += run.QS

@@ -108,7 +108,7 @@ class Chunks:
     eg: np.ndarray         # (B, H, N, C)    e^{γ_t}
     eC: np.ndarray         # (B, H, N)       e^{γ_C}
     eCg: np.ndarray        # (B, H, N, C)    e^{γ_C - γ_t}
-    D: np.ndarray          # (B, H, N, C, C) e^{γ_t - γ_s}, zero above the diagonal
+    D: np.ndarray | None   # (B, H, N, C, C) e^{γ_t - γ_s}, zero above the diagonal (None: not kept)
     KK: np.ndarray         # (B, H, N, C, C) K Kᵀ
     P: np.ndarray          # (B, H, N, C, C) (Q Kᵀ) ∘ D
     Tinv: np.ndarray       # (B, H, N, C, C) (I + A)⁻¹
@@ -116,8 +116,8 @@ class Chunks:
     Kc: np.ndarray         # (B, H, N, C, Dk) diag(e^{γ_C - γ}) K
 
 
-def decays(g: np.ndarray | None, C: int, shape, dtype):
-    """``(e^γ, e^{γ_C}, e^{γ_C - γ}, D)`` from ``g (B, H, N, C)`` (None: no decay, all ones).
+def cumulative(g: np.ndarray | None) -> np.ndarray | None:
+    """``γ (B, H, N, C)`` in float64 from the chunked ``g`` (None: no decay).
 
     ``γ`` and its differences are formed in float64 whatever the dtype: ``γ_t - γ_s`` of two
     long sums in float32 would lose the small steps beside a large one (g = -30 then -0.01:
@@ -125,35 +125,67 @@ def decays(g: np.ndarray | None, C: int, shape, dtype):
     ``g`` is floored at ``-LOG_FLOOR``, where ``e^g`` is already 0 in float64, so that no
     sum of finite ``g`` overflows to ``-inf`` (and no ``-inf - -inf`` makes a NaN).
     """
-    lower = np.tril(np.ones((C, C), dtype=bool))
-    if g is None:
+    return None if g is None else np.cumsum(np.maximum(g, -LOG_FLOOR), axis=-1, dtype=np.float64)
+
+
+def decays(gamma: np.ndarray | None, shape, dtype):
+    """``(e^γ, e^{γ_C}, e^{γ_C - γ})`` in ``dtype`` (all ones without a decay)."""
+    if gamma is None:
         ones = np.ones(shape, dtype)
-        return ones, np.ones(shape[:-1], dtype), ones, np.broadcast_to(lower.astype(dtype), shape + (C,))
-    gamma = np.cumsum(np.maximum(g, -LOG_FLOOR), axis=-1, dtype=np.float64)  # (B,H,N,C)
+        return ones, np.ones(shape[:-1], dtype), ones
+    ex = lambda x: np.exp(x).astype(dtype, copy=False)              # noqa: E731
+    return ex(gamma), ex(gamma[..., -1]), ex(gamma[..., -1:] - gamma)
+
+
+def decay_matrix(gamma: np.ndarray | None, shape, dtype) -> np.ndarray:
+    """``D (B, H, N, C, C)``: ``e^{γ_t - γ_s}`` on and below the diagonal, 0 above."""
+    C = shape[-1]
+    lower = np.tril(np.ones((C, C), dtype=bool))
+    if gamma is None:
+        return np.broadcast_to(lower.astype(dtype), shape + (C,))
     D = np.empty(shape + (C,), dtype=dtype)
     np.subtract(gamma[..., :, None], gamma[..., None, :], out=D, casting="same_kind")  # (B,H,N,C,C) γ_t - γ_s
     np.minimum(D, np.where(lower, 0, -np.inf).astype(dtype), out=D)  # <= 0 below, -inf above the diagonal
-    np.exp(D, out=D)
-    ex = lambda x: np.exp(x).astype(dtype, copy=False)
-    return ex(gamma), ex(gamma[..., -1]), ex(gamma[..., -1:] - gamma), D
+    return np.exp(D, out=D)
 
 
-def prepare(q, k, v, beta, g, C: int) -> Chunks:
-    """The chunked inputs and every quantity that needs no state (batched over all chunks)."""
+def _systems(scores, gamma, beta, keep: bool):
+    """``(D or None, Tinv)``, ``P = (Q Kᵀ) ∘ D`` made in ``scores``' lower half, in place: with
+    the ``fast`` extra in one compiled pass a chunk (:func:`qkv.kernels.delta_compiled.chunk_systems`;
+    ``keep``: D kept for the backward), else NumPy's passes (D always made)."""
+    *lead, C2, C = scores.shape
+    dt = scores.dtype
+    KK, P = scores[..., :C, :], scores[..., C:, :]
+    mod = jit.load(jit.DELTA) if dt in (np.float32, np.float64) else None
+    if mod is None:
+        D = decay_matrix(gamma, beta.shape, dt)
+        A = KK * D                                                   # zero above the diagonal
+        A *= beta[..., :, None]
+        P *= D
+        return D, unit_lower_inverse(A)                              # (its diagonal is not A's)
+    M = int(np.prod(lead))
+    Tinv = np.empty(tuple(lead) + (C, C), dt)
+    D = np.empty(tuple(lead) + (C, C), dt) if keep else None
+    gam = np.zeros((M, C)) if gamma is None else np.ascontiguousarray(gamma).reshape(M, C)
+    mod.chunk_systems(scores.reshape(M, C2, C), gam, np.ascontiguousarray(beta, dtype=dt).reshape(M, C),
+                      Tinv.reshape(M, C, C), (D if keep else np.empty((0, C, C), dt)).reshape(-1, C, C))
+    return D, Tinv
+
+
+def prepare(q, k, v, beta, g, C: int, keep: bool = True) -> Chunks:
+    """The chunked inputs and every quantity that needs no state (batched over all chunks);
+    ``keep=False`` (the forward): ``D`` may be left out (None)."""
     T = q.shape[2]
     KQ = np.concatenate([to_chunks(k, C), to_chunks(q, C)], axis=-2)   # (B,H,N,2C,Dk): [K; Q]
     k, q = KQ[..., :C, :], KQ[..., C:, :]
     v, beta = to_chunks(v, C), to_chunks(beta, C)
-    eg, eC, eCg, D = decays(None if g is None else to_chunks(g, C), C, beta.shape, q.dtype)
+    gamma = cumulative(None if g is None else to_chunks(g, C))
+    eg, eC, eCg = decays(gamma, beta.shape, q.dtype)
     scores = KQ @ np.swapaxes(k, -1, -2)                             # (B,H,N,2C,Dk) @ (B,H,N,Dk,C) -> (B,H,N,2C,C)
+    D, Tinv = _systems(scores, gamma, beta, keep)
     KK, P = scores[..., :C, :], scores[..., C:, :]
-    A = KK * D                                                       # zero above the diagonal
-    A *= beta[..., :, None]
-    Tinv = unit_lower_inverse(A)                                     # (its diagonal is not A's)
-    P *= D
-    if g is None:
-        return Chunks(T, q, k, v, beta, False, eg, eC, eCg, D, KK, P, Tinv, KQ, k)
-    return Chunks(T, q, k, v, beta, True, eg, eC, eCg, D, KK, P, Tinv, KQ, k * eCg[..., None])
+    Kc = k if g is None else k * eCg[..., None]
+    return Chunks(T, q, k, v, beta, g is not None, eg, eC, eCg, D, KK, P, Tinv, KQ, Kc)
 
 
 @dataclass
