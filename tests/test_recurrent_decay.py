@@ -172,6 +172,31 @@ def test_no_nan_for_large_magnitudes_and_extreme_decays():
                 assert np.isfinite(x).all()
 
 
+def test_float32_head_decay_factors_are_never_subnormal():
+    """Steep head decays (steps near -20, Mamba-2 heads with a large ``A dt``) once left the
+    chunk's factors ``exp(G)``, ``exp(Γ - G)`` and the in-chunk ``D`` subnormal at some rows,
+    and the products reading them took Intel's slow path (3.3x the forward's time): in float32
+    a factor below 2^-60 is 0, none is subnormal, and the outputs keep float32's budget of
+    float64. float64's factors are as they were."""
+    from qkv.kernels import decay_intra
+    rng = np.random.default_rng(21)
+    G = np.cumsum(-rng.uniform(0, 40, (2, 3, 64, 1)), axis=2)                # past exp(-87) and far below
+    tiny = np.finfo(np.float32).tiny
+    for x64 in (G, G[:, :, -1:] - G, np.where(np.tri(64, dtype=bool)[:, :, None], G[:, :, :, None] - G[:, :, None], -np.inf)):
+        got = decay_intra.decayed(x64, np.float32)
+        assert got.dtype == np.float32 and not np.any((got > 0) & (got < tiny))
+        want = np.exp(x64)
+        size = np.where(np.isfinite(x64), np.abs(x64), 0)              # NumPy's float32 exp: |x| ulps of x
+        assert np.all(np.where(want < 2.0 ** -60, got == 0, np.abs(got - want) <= 2e-7 * want * (1 + size)))
+        assert np.array_equal(decay_intra.decayed(x64, np.float64), want)
+    q, k, v, g, S0, do, _ = problem(rng, 300, False, B=1, H=2, strength=40.0)
+    o64 = R.decay_forward(q, k, v, g, scale=0.5)[0]
+    x32 = [x.astype(np.float32) for x in (q, k, v, g)]
+    o_step = step32(*x32, 0.5)[0]
+    o = rec.decay_attention(*x32, scale=0.5)
+    assert rel_err(o, o64) <= FLOAT32_BUDGET * max(rel_err(o_step, o64), 2 * np.finfo(np.float32).eps)
+
+
 def test_the_bits_do_not_depend_on_the_thread_count():
     rng = np.random.default_rng(4)
     q, k, v, g, S0, do, dS = problem(rng, 300, True, B=2, H=3, dtype=np.float32)

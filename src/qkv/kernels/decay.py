@@ -166,10 +166,10 @@ def _chunks(q, k, v, g, C) -> _Chunks:
     dt = q.dtype
     G = np.cumsum(np.maximum(_split(g, C).astype(np.float64), FLOOR), axis=2)   # (n,Nc,C,W)
     Gam = G[:, :, -1:]                                                    # (n,Nc,1,W)
-    eG = np.exp(G.astype(dt))
-    eK = np.exp((Gam - G).astype(dt))
+    eG = decay_intra.decayed(G, dt)                                       # (float32: 0 below 2^-60)
+    eK = decay_intra.decayed(Gam - G, dt)
     a = np.exp(_split(g, C)) if g.shape[-1] > 1 else None                # (n,Nc,C,Dk): a decay a channel
-    return _Chunks(_split(q, C), _split(k, C), _split(v, C), G, eG, eK, np.exp(Gam[:, :, 0].astype(dt)), a)
+    return _Chunks(_split(q, C), _split(k, C), _split(v, C), G, eG, eK, decay_intra.decayed(Gam[:, :, 0], dt), a)
 
 
 def _panels(Dv: int) -> int:

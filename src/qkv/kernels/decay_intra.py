@@ -61,6 +61,7 @@ from .flash.tiles import DEFAULT, scratch
 
 SUB = 16      # rows of a diagonal sub-block (decay a key channel)
 LIMIT = 20.0  # a head's chunks decaying by at most exp(-LIMIT) take the rank-one factors
+FLUSH_LOG = -60 * 0.6931471805599453  # float32: a decay factor below 2^-60 is 0 (see decayed())
 
 
 def _t(x):
@@ -72,6 +73,19 @@ def _exp(x64: np.ndarray, dtype) -> np.ndarray:
     return np.exp(x64.astype(dtype, copy=False))
 
 
+def decayed(x64: np.ndarray, dtype) -> np.ndarray:
+    """``exp`` of a float64 log decay (``<= 0``) in the compute dtype; in float32 a factor below
+    ``2^-60`` (:data:`FLUSH_LOG`) is 0. Such a factor is ``2^-36`` below float32's resolution
+    of any sum it enters beside an undecayed term, and the product of two of them stays out of
+    float32's subnormal range, where Intel's cores take a microcode assist an operation (with
+    steps of about -20 a step the forward took 3.3x the time of mild decays, as AVX2)."""
+    x = x64.astype(dtype, copy=False)
+    if x.dtype == np.float32:                                           # a fresh array: astype copied
+        x[x < FLUSH_LOG] = -np.inf
+        return np.exp(x, out=x)
+    return np.exp(x)
+
+
 def _lower(G_rows: np.ndarray, G_cols: np.ndarray, dtype) -> np.ndarray:
     """``exp(G_i - G_s)`` where ``s <= i`` and 0 above the diagonal.
 
@@ -79,7 +93,7 @@ def _lower(G_rows: np.ndarray, G_cols: np.ndarray, dtype) -> np.ndarray:
     c = G_rows.shape[-2]
     diff = G_rows[..., :, None, :] - G_cols[..., None, :, :]          # (...,c,c,W)
     below = np.tri(c, dtype=bool)[:, :, None]
-    return _exp(np.where(below, diff, -np.inf), dtype)
+    return decayed(np.where(below, diff, -np.inf), dtype)
 
 
 class HeadDecay:
