@@ -102,3 +102,29 @@ def test_alibi_slopes_for_a_non_power_of_two():
     np.testing.assert_allclose(alibi_slopes(1), [2.0 ** -8])
     with pytest.raises(qkv.ShapeError, match="n_heads"):
         alibi_slopes(0)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_rope_compiled_pass_gives_numpys_bits(dtype, monkeypatch):
+    """With the ``fast`` extra RoPE is one compiled pass (``qkv.kernels.rope_compiled``); it rounds
+    as NumPy's six ufunc calls do, so both paths give the same bits: contiguous and strided
+    inputs (the heads of a ``(B, T, H, D)`` projection), offsets, positions, a ragged batch's
+    offsets, the backward's inverse rotation, long positions and large magnitudes."""
+    from qkv import jit
+    if jit.load(jit.ROPE) is None:
+        pytest.skip("numba is not installed (pip install 'qkv[fast]') or QKV_JIT=0")
+    rng = np.random.default_rng(5)
+    proj = (30 * rng.standard_normal((3, 17, 4, 16))).astype(dtype)            # (B, T, H, D)
+    heads = proj.transpose(0, 2, 1, 3)                                         # (B, H, T, D), strided
+    cases = [lambda f, x: f(x), lambda f, x: f(x, offset=100000),
+             lambda f, x: f(x, positions=rng_pos), lambda f, x: f(x, offset=np.array([0, 5, 3])),
+             lambda f, x: f(x[0, 0]), lambda f, x: f(x, base=500.0)]
+    rng_pos = np.random.default_rng(6).integers(0, 1 << 20, 17)
+    compiled = [[case(f, x) for case in cases for f in (rope, rope_backward)] for x in (heads, heads.copy())]
+    monkeypatch.setitem(jit._loaded, jit.ROPE, None)
+    plain = [[case(f, x) for case in cases for f in (rope, rope_backward)] for x in (heads, heads.copy())]
+    for got_set, want_set in zip(compiled, plain):
+        for got, want in zip(got_set, want_set):
+            assert got.dtype == dtype and got.shape == want.shape and np.array_equal(got, want)
+    half = rope(heads.astype(np.float16))                                     # float16: NumPy's path, float16 out
+    assert half.dtype == np.float16

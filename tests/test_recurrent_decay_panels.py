@@ -118,3 +118,26 @@ def test_the_compiled_kgt_gives_numpys_bits(monkeypatch, dtype, W):
     plain = decay._chunks(q, k, v, g, 16).KgT
     assert plain.shape == (2, 3, 6, 16)
     np.testing.assert_array_equal(compiled, plain)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("per_channel", [False, True], ids=["head", "channel"])
+@pytest.mark.parametrize("panel, Dv, T, chunk", [(None, 6, 64, 16), (None, 6, 100, 16), (2, 6, 100, 16), (2, 4, 64, 8)])
+def test_the_compiled_last_pass_gives_numpys_bits(monkeypatch, dtype, per_channel, panel, Dv, T, chunk):
+    """The forward's last pass (decay_compiled.finish: ``out = (o + AV) · row``, panels undone,
+    the padded rows dropped) against NumPy's ``o += AV`` and product, bit for bit, through the
+    whole forward: with and without panels, T a multiple of the chunk (the output written in
+    place) or not, a head's chunks factored and not, a decay a channel."""
+    if not jit.enabled():
+        pytest.skip("numba (the fast extra) is not installed, or QKV_JIT=0")
+    if panel:
+        monkeypatch.setattr(decay, "PANEL", panel)
+        monkeypatch.setattr(decay, "PANELS", True)
+    q, k, v, g, S0 = problem(np.random.default_rng(T + Dv), T, 5, Dv, per_channel, dtype=dtype)
+    args = (30 * q, k, v, g)
+    compiled = decay.forward(*args, scale=0.3, initial_state=S0, chunk=chunk)
+    monkeypatch.setattr(jit, "load", lambda name: None)
+    plain = decay.forward(*args, scale=0.3, initial_state=S0, chunk=chunk)
+    for got, want in zip(compiled, plain):
+        assert got.dtype == dtype and np.all(np.isfinite(got))
+        np.testing.assert_array_equal(got, want)

@@ -27,6 +27,7 @@ ROWS = "qkv.kernels.rows_compiled"
 DECAY = "qkv.kernels.decay_compiled"  # the decay kernel's scan of the states between chunks
 DELTA = "qkv.kernels.delta_compiled"  # the delta rule's (I + A)⁻¹ by forward substitution
 ROWS_FUSED = "qkv.kernels.rows_fused"   # the row kernel's whole call, one parallel loop over heads
+ROPE = "qkv.kernels.rope_compiled"      # rotary position embedding in one pass
 
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}

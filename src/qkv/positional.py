@@ -32,6 +32,7 @@ import math
 
 import numpy as np
 
+from . import jit
 from .errors import ShapeError, as_float_array, fmt_shape, positive_int
 
 
@@ -104,6 +105,11 @@ def _rotate(x, positions, offset: int, base: float, sign: float) -> np.ndarray:
     cos, sin = rope_angles(positions, d, base=base)
     cdt = np.float64 if x.dtype == np.float64 else np.float32
     cos, sin = cos.astype(cdt), (sign * sin).astype(cdt)
+    mod = jit.load(jit.ROPE) if x.dtype == cdt and x.size else None
+    if mod is not None:                                              # one pass, the same bits
+        out = np.empty(x.shape, cdt)
+        mod.rotate(x.reshape((-1, t, d)), cos, sin, out.reshape((-1, t, d)))
+        return out
     x1, x2 = x[..., : d // 2].astype(cdt, copy=False), x[..., d // 2:].astype(cdt, copy=False)
     out = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)  # (..., T, D)
     return out.astype(x.dtype, copy=False)

@@ -64,7 +64,9 @@ scale, where ``Qg`` would be a pass of its own. Where NumPy's OpenBLAS has small
 kernels (its AVX-512 cores) and Dv is a larger multiple of :data:`PANEL`, the values, states
 and outputs are cut into panels of :data:`PANEL` columns, so that each product is one those
 kernels take (:data:`PANEL`'s comment); the states between chunks are passed by a compiled
-loop where the ``fast`` extra is (:func:`_pass_states`), the same bits as NumPy's.
+loop where the ``fast`` extra is (:func:`_pass_states`), and the last pass, the two parts of
+the output summed, scaled and written out of the panels, is one compiled loop a slab
+(``decay_compiled.finish``); both give the same bits as NumPy's passes.
 
 **Work.** The ``B·H`` heads are cut into units (a whole number of heads, at least
 :data:`UNIT_ROWS` positions where T is short), which run on the kernel threads with BLAS
@@ -242,6 +244,7 @@ def _forward_unit(q, k, v, g, S0, scale, C, out):
     o = _view(out, (n, Nc, 1, C, Dv)) if direct else _buffer((n, Nc, p, C, w), dt, "o")
     np.matmul((c.q if head else c.Qg)[:, :, None], S[:, :Nc], out=o)     # (n,Nc,1,C,Dk) @ (n,Nc,p,Dk,w)
     row = c.eG * dt.type(scale) if head else None                        # (n,Nc,C,1)
+    mod = jit.load(jit.DECAY) if dt in (np.float32, np.float64) else None  # the last pass compiled
     for a, b in _slabs(n, Nc, C, c.G.shape[-1]):
         dec = decay_intra.decay(c.G[:, a:b], None if c.a is None else c.a[:, a:b], dt)
         if head and dec.factored:
@@ -251,7 +254,13 @@ def _forward_unit(q, k, v, g, S0, scale, C, out):
                 o[:, a:b] *= c.eG[:, a:b, None]
                 row[:, a:b] = scale
             A = dec.scores(c.q[:, a:b], c.k[:, a:b], None, None)
-        o[:, a:b] += np.matmul(A[:, :, None], vp[:, a:b], out=_buffer((n, b - a, p, C, w), dt, "AV"))
+        AV = np.matmul(A[:, :, None], vp[:, a:b], out=_buffer((n, b - a, p, C, w), dt, "AV"))
+        if mod is None:
+            o[:, a:b] += AV
+        else:                                                             # out = (o + AV) · row, this slab
+            mod.finish(o[:, a:b], AV, row[:, a:b] if head else np.empty((0, 0, 0, 1), dt), dt.type(scale), out, a)
+    if mod is not None:
+        return S[:, Nc, 0] if p == 1 else S[:, Nc].swapaxes(1, 2).reshape(n, Dk, Dv)
     if direct:                                                            # (n,M,1,C,C) @ (n,M,p,C,w) above
         np.multiply(o, row[:, :, None] if head else dt.type(scale), out=o)
         return S[:, Nc, 0]
