@@ -108,7 +108,8 @@ def _rotate(x, positions, offset: int, base: float, sign: float) -> np.ndarray:
     mod = jit.load(jit.ROPE) if x.dtype == cdt and x.size else None
     if mod is not None:                                              # one pass, the same bits
         out = np.empty(x.shape, cdt)
-        mod.rotate(x.reshape((-1, t, d)), cos, sin, out.reshape((-1, t, d)))
+        four = (1,) * (4 - x.ndim) + x.shape[-4:] if x.ndim <= 4 else (-1,) + x.shape[-3:]
+        mod.rotate(x.reshape(four), cos, sin, out.reshape(four))     # (B, H, T, D): strided heads read in place
         return out
     x1, x2 = x[..., : d // 2].astype(cdt, copy=False), x[..., d // 2:].astype(cdt, copy=False)
     out = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)  # (..., T, D)

@@ -15,14 +15,16 @@ import numba
 
 @numba.njit(nogil=True, cache=True)
 def rotate(x, cos, sin, out):
-    """``x (M, T, D)`` (any strides), ``cos, sin (T, D/2)`` and ``out (M, T, D)`` of x's dtype
-    (float32 or float64): row t of each ``x[m]`` rotated by the angles of row t."""
-    M, T, D = x.shape
-    h = D // 2
-    for m in range(M):
-        for t in range(T):
-            c, s, xr, o = cos[t], sin[t], x[m, t], out[m, t]
-            for i in range(h):
-                a, b = xr[i], xr[h + i]
-                o[i] = a * c[i] - b * s[i]
-                o[h + i] = b * c[i] + a * s[i]
+    """``x (B, H, T, D)`` (any strides: the heads of a ``(B, T, H, D)`` projection are read where
+    they lie), ``cos, sin (T, D/2)`` and ``out (B, H, T, D)`` of x's dtype (float32 or float64):
+    row t of each ``x[b, h]`` rotated by the angles of row t."""
+    B, H, T, D = x.shape
+    h2 = D // 2
+    for b in range(B):
+        for hh in range(H):
+            for t in range(T):
+                c, s, xr, o = cos[t], sin[t], x[b, hh, t], out[b, hh, t]
+                for i in range(h2):
+                    u, w = xr[i], xr[h2 + i]
+                    o[i] = u * c[i] - w * s[i]
+                    o[h2 + i] = w * c[i] + u * s[i]
