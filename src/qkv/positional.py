@@ -131,7 +131,8 @@ def rope(x, positions=None, *, offset: int = 0, base: float = 10000.0) -> np.nda
     Token t is at ``positions[t]`` if given (int ``(T,)``), else at ``offset + t`` (the
     offset is the number of tokens already in a KV cache; an int array ``(B,)`` gives each
     sequence of ``x (B, ..., T, D)`` its own); give one of the two, not both. ``D`` must be even. Returns an
-    array of x's shape and dtype; the rotation is computed in float32 (float64 for float64).
+    array of x's shape and dtype; the rotation is computed in float32 (float64 for float64), with
+    the ``fast`` extra in one compiled pass that gives NumPy's bits (:mod:`qkv.kernels.rope_compiled`).
 
     >>> q = np.array([[1.0, 0.0]])          # one token, D = 2: theta_0 = 1
     >>> rope(q, offset=1).round(4)           # rotated by 1 radian

@@ -63,15 +63,12 @@ raised to it before the sums (its exp is 0 either way), so no sum of them reache
 scale, where ``Qg`` would be a pass of its own. Where NumPy's OpenBLAS has small-matrix
 kernels (its AVX-512 cores) and Dv is a larger multiple of :data:`PANEL`, the values, states
 and outputs are cut into panels of :data:`PANEL` columns, so that each product is one those
-kernels take (:data:`PANEL`'s comment); the states between chunks are passed by a compiled
-loop where the ``fast`` extra is (:func:`_pass_states`), and the last pass, the two parts of
-the output summed, scaled and written out of the panels, is one compiled loop a slab
-(``decay_compiled.finish``); both give the same bits as NumPy's passes.
+kernels take (:data:`PANEL`'s comment); with the ``fast`` extra the states' scan
+(:func:`_pass_states`) and the last pass (``decay_compiled.finish``) are compiled, NumPy's bits.
 
 **Work.** The ``B·H`` heads are cut into units (a whole number of heads, at least
-:data:`UNIT_ROWS` positions where T is short), which run on the kernel threads with BLAS
-held to one thread; the units depend on the problem alone, so the bits do not depend on the
-thread count. float32 inputs compute in float32, float64 in float64; the cumulative log
+:data:`UNIT_ROWS` positions where T is short) that run on the kernel threads, BLAS held to one
+thread; units depend on the problem alone, so the bits do not depend on the thread count. float32 inputs compute in float32, float64 in float64; the cumulative log
 decays are summed in float64 (see :mod:`qkv.kernels.decay_intra`).
 """
 from __future__ import annotations
@@ -257,13 +254,12 @@ def _forward_unit(q, k, v, g, S0, scale, C, out):
         AV = np.matmul(A[:, :, None], vp[:, a:b], out=_buffer((n, b - a, p, C, w), dt, "AV"))
         if mod is None:
             o[:, a:b] += AV
-        else:                                                             # out = (o + AV) · row, this slab
-            mod.finish(o[:, a:b], AV, row[:, a:b] if head else np.empty((0, 0, 0, 1), dt), dt.type(scale), out, a)
-    if mod is not None:
+            continue
+        mod.finish(o[:, a:b], AV, row[:, a:b] if head else np.empty((0, 0, 0, 1), dt), dt.type(scale), out, a)
+    if mod is not None or direct:                                         # direct: o is out
+        if mod is None:
+            np.multiply(o, row[:, :, None] if head else dt.type(scale), out=o)
         return S[:, Nc, 0] if p == 1 else S[:, Nc].swapaxes(1, 2).reshape(n, Dk, Dv)
-    if direct:                                                            # (n,M,1,C,C) @ (n,M,p,C,w) above
-        np.multiply(o, row[:, :, None] if head else dt.type(scale), out=o)
-        return S[:, Nc, 0]
     res = o.swapaxes(2, 3)                                                # (n,Nc,C,p,w)
     fac = row[..., None] if head else dt.type(scale)
     if T % C == 0:
