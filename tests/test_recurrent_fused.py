@@ -20,6 +20,14 @@ def numpy_path(monkeypatch):
     monkeypatch.setitem(jit._loaded, fusion.MODULE, None)
 
 
+def delta_path(path, monkeypatch):
+    """The delta rule's NumPy passes (``path == "numpy"``) or its compiled ones (skipped without)."""
+    if path == "numpy":
+        monkeypatch.setitem(jit._loaded, jit.DELTA, None)
+    elif jit.load(jit.DELTA) is None:
+        pytest.skip("numba is not installed (pip install 'qkv[fast]') or QKV_JIT=0")
+
+
 def silu64(a):
     a = np.asarray(a, np.float64)
     return a / (1.0 + np.exp(-a))
@@ -169,10 +177,7 @@ def test_delta_chunks_unit_lower_inverse(path, dtype, monkeypatch):
     doubling, against ``np.linalg.inv``; what is on the diagonal is not read (above it: zeros, as
     the kernel's ``A = β (K Kᵀ) ∘ D`` has)."""
     from qkv.kernels import delta_chunks
-    if path == "numpy":
-        monkeypatch.setitem(jit._loaded, jit.DELTA, None)
-    elif jit.load(jit.DELTA) is None:
-        pytest.skip("numba is not installed (pip install 'qkv[fast]') or QKV_JIT=0")
+    delta_path(path, monkeypatch)
     r = rng(11)
     for C in (1, 2, 15, 16, 17, 64):
         k = r.standard_normal((3, 2, C, 8))
@@ -206,10 +211,7 @@ def test_delta_chunk_systems_against_float64(path, dtype, monkeypatch):
     D kept or not. float32 decays are at least as close to float64 as NumPy's own float32 exp."""
     from qkv.kernels import delta_chunks
     flush = delta_chunks.FLUSH
-    if path == "numpy":
-        monkeypatch.setitem(jit._loaded, jit.DELTA, None)
-    elif jit.load(jit.DELTA) is None:
-        pytest.skip("numba is not installed (pip install 'qkv[fast]') or QKV_JIT=0")
+    delta_path(path, monkeypatch)
     r = rng(12)
     for C in (1, 2, 7, 16, 33, 64):
         for steps in ("none", "mild", "steep"):
