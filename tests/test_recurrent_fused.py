@@ -272,6 +272,8 @@ def test_delta_float32_keeps_out_of_subnormals():
         x = np.abs(getattr(ch, name))
         assert not np.any((x > 0) & (x < tiny)), name
     assert np.count_nonzero(np.abs(ch.Tinv) < delta_chunks.FLUSH) > 0     # the steep heads do flush
+    from qkv.kernels import delta_compiled
+    assert delta_compiled.FLUSH == delta_chunks.FLUSH                     # the compiled and NumPy sides agree
     o32 = recurrent.delta_rule(*f32)
     o64 = recurrent.delta_rule(q, k, v, beta, g)
     assert np.max(np.abs(o32 - o64)) < 1e-5 * np.max(np.abs(o64))

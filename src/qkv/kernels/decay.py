@@ -66,10 +66,10 @@ and outputs are cut into panels of :data:`PANEL` columns, so that each product i
 kernels take (:data:`PANEL`'s comment); with the ``fast`` extra the states' scan
 (:func:`_pass_states`) and the last pass (``decay_compiled.finish``) are compiled, NumPy's bits.
 
-**Work.** The ``B·H`` heads are cut into units (a whole number of heads, at least
-:data:`UNIT_ROWS` positions where T is short) that run on the kernel threads, BLAS held to one
-thread; units depend on the problem alone, so the bits do not depend on the thread count. float32 inputs compute in float32, float64 in float64; the cumulative log
-decays are summed in float64 (see :mod:`qkv.kernels.decay_intra`).
+**Work.** The ``B·H`` heads are cut into units (whole heads, at least :data:`UNIT_ROWS`
+positions where T is short) on the kernel threads, BLAS held to one thread; units depend on the
+problem alone, so the bits do not depend on the thread count. float32 inputs compute in float32,
+float64 in float64; the cumulative log decays are summed in float64 (:mod:`qkv.kernels.decay_intra`).
 """
 from __future__ import annotations
 

@@ -61,7 +61,8 @@ from .flash.tiles import DEFAULT, scratch
 
 SUB = 16      # rows of a diagonal sub-block (decay a key channel)
 LIMIT = 20.0  # a head's chunks decaying by at most exp(-LIMIT) take the rank-one factors
-FLUSH_LOG = -60 * 0.6931471805599453  # float32: a decay factor below 2^-60 is 0 (see decayed())
+FLUSH = 2.0 ** -60  # float32: a decay factor below is 0 (see decayed(); delta_compiled.FLUSH is the same)
+FLUSH_LOG = -60 * 0.6931471805599453  # log(FLUSH)
 
 
 def _t(x):

@@ -38,10 +38,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import jit
+from .decay_intra import FLUSH  # float32 decay factors below are 0 (the compiled side: delta_compiled)
 
 CHUNK = 64          # positions a chunk when the caller gives none (measured: see delta.py)
 LOG_FLOOR = 1e4     # g below -LOG_FLOOR counts as -LOG_FLOOR (e^g is 0 either way)
-FLUSH = 2.0 ** -60  # float32 decay factors below are 0 (qkv.kernels.delta_compiled: subnormals)
 
 
 def to_chunks(x: np.ndarray, C: int) -> np.ndarray:
@@ -134,7 +134,7 @@ def decays(gamma: np.ndarray | None, shape, dtype):
     if gamma is None:
         ones = np.ones(shape, dtype)
         return ones, np.ones(shape[:-1], dtype), ones
-    def ex(x):
+    def ex(x):                                                       # exp in float64, then rounded once
         e = np.exp(x).astype(dtype, copy=False)
         if dtype == np.float32:
             e[e < FLUSH] = 0                                         # as qkv.kernels.delta_compiled does

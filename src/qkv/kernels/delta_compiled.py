@@ -11,8 +11,7 @@ float32 they were 8 of its 60 ms as AVX2).
 The decays in float32 are the flash kernel's ``2^x`` polynomial (:data:`COEF`, about 1 ulp),
 its argument ``(γ_t - γ_s) log2 e`` formed and split in float64: NumPy's ``exp`` of the
 difference rounded to float32 first loses ``|γ_t - γ_s|`` ulps of it (at a difference of -30,
-about 8 ulps of the decay). ``D_tt = 1`` exactly; a decay below ``2^-127`` is 0. float64 takes
-``math.exp``.
+about 8 ulps of the decay). ``D_tt = 1`` exactly; float64 takes ``math.exp``.
 
 **Subnormals.** In float32 a decay, an entry of ``A`` or of ``(I + A)⁻¹`` below :data:`FLUSH`
 (``2^-60``) is taken as 0. Each is ``2^-36`` below float32's resolution of the sums it enters
@@ -38,7 +37,8 @@ from .flash.compiled import COEF, wide_vectors
 
 _E0, _E1, _E2, _E3, _E4, _E5, _E6 = (np.float32(c) for c in COEF)
 _LOG2E = 1.4426950408889634
-FLUSH = 2.0 ** -60  # float32: a decay, an entry of A or of (I + A)⁻¹ below it is 0 (module docstring)
+FLUSH = 2.0 ** -60  # float32: a decay, an entry of A or of (I + A)⁻¹ below it is 0 (module docstring);
+                    # decay_intra.FLUSH, the NumPy side's, is the same (a test holds them equal)
 
 
 @numba.njit(inline="always", fastmath={"contract", "nsz"})
@@ -53,7 +53,7 @@ def _decay(x, single):
     n = np.floor(y + 0.5)
     f = np.float32(y - n)                                        # in [-1/2, 1/2]
     p = ((((((_E6 * f + _E5) * f + _E4) * f + _E3) * f + _E2) * f + _E1) * f + _E0)
-    bits = (np.int32(n) + np.int32(127)) << np.int32(23)         # 2^n as float bits; n = -127 gives 0.0
+    bits = (np.int32(n) + np.int32(127)) << np.int32(23)         # 2^n as float bits (n >= -60)
     return p * np.int32(bits).view(np.float32)
 
 
