@@ -272,7 +272,9 @@ def _each_model(cfg: MQARConfig, step):
 
     order = sorted(jobs, key=lambda j: -j[1])
     ctx = multiprocessing.get_context("spawn")  # no inherited thread pools or locks
-    with ctx.Pool(min(cfg.workers, len(jobs))) as pool:
+    from ..heap import keep_freed_memory
+
+    with ctx.Pool(min(cfg.workers, len(jobs)), initializer=keep_freed_memory) as pool:
         for job, r in zip(order, pool.imap(_train_job, [(cfg, m, w) for m, w in order])):
             for _ in range(cfg.steps_of(job[0])):
                 step()
