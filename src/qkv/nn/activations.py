@@ -143,13 +143,16 @@ def gelu_tanh_backward(dy: np.ndarray, saved) -> np.ndarray:
 def sigmoid(a: np.ndarray) -> np.ndarray:
     """``σ(a) = 1 / (1 + e^{-a})`` in a's dtype, never overflowing: with ``e = e^{-|a|}`` in
     (0, 1], ``σ = 1 / (1 + e)`` for ``a >= 0`` and ``e / (1 + e)`` below (the same value, and
-    each side to a few ulps, small σ included). Five passes of plain ufuncs: about six times
-    faster than ``exp(-logaddexp(0, -a))`` in float32, which Mamba-2's and Gated DeltaNet's
-    forward spent a third of their time in."""
+    each side to a few ulps, small σ included). Plain ufuncs: about six times faster than
+    ``exp(-logaddexp(0, -a))`` in float32, which Mamba-2's and Gated DeltaNet's forward spent
+    a third of their time in. The numerator is ``max(a >= 0, e)``: 1 or e exactly (e <= 1, and
+    NaN stays NaN), ``np.where(a >= 0, 1, e)``'s bits at an eighth of its cost (NumPy's
+    masked selection is not vectorised: 3.8 ms against 0.5 on 2^19 float32)."""
     e = np.abs(a)
     np.negative(e, out=e)
     np.exp(e, out=e)                                   # e^{-|a|}
-    sig = np.where(a >= 0, a.dtype.type(1), e)
+    sig = np.greater_equal(a, 0, out=np.empty_like(e))  # 1.0 where a >= 0, else 0.0
+    np.maximum(sig, e, out=sig)
     e += 1
     sig /= e
     return sig
