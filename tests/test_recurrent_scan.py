@@ -109,3 +109,42 @@ def test_backward_arrays_have_forward_strides_at_every_length():
         x, h0 = rng.standard_normal((2, T, 3)), rng.standard_normal((2, 3))
         for g in linear_scan_backward(x, x, -np.abs(x), initial_state=h0, dstate=h0):
             assert min(g.strides) >= 0 and g.flags.c_contiguous
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_compiled_step_loop_gives_numpys_bits(dtype, monkeypatch):
+    """With the ``fast`` extra the step loop and its backward are one compiled pass each
+    (``qkv.kernels.scan_compiled``), rounding as NumPy's ufunc calls round: the same bits, with
+    and without an initial state and a final state's gradient, decays down to exp(-30), signed
+    zeros, T = 1 and odd T, strided inputs, float16 in (computed in float32)."""
+    from qkv import jit
+    if jit.load(jit.SCAN) is None:
+        pytest.skip("numba is not installed (pip install 'qkv[fast]') or QKV_JIT=0")
+    monkeypatch.setattr(scan, "BLOCKED_WIDTH", 0)
+    rng = np.random.default_rng(11)
+    cases = []
+    for T, strong, state in ((1, False, True), (37, True, False), (64, True, True), (129, False, False)):
+        x, la = _inputs(rng, 3, T, 20, strong)
+        x.flat[::7] = -0.0
+        dh = rng.standard_normal(x.shape)
+        dh.flat[::11] = -0.0
+        h0 = rng.standard_normal((3, 20)) if state else None
+        ds = rng.standard_normal((3, 20)) if state else None
+        cases.append([z if z is None else z.astype(dtype) for z in (x, la, dh, h0, ds)])
+    x, la, dh, h0, ds = cases[1]
+    cases.append([x[:, ::-1], la[:, ::-1], dh.transpose(0, 1, 2)[:, ::-1], None, None])      # strided
+    cases.append([z if z is None else z.astype(np.float16) for z in cases[0]])             # float16 in
+
+    def run():
+        out = []
+        for x, la, dh, h0, ds in cases:
+            out += [*scan.forward(x, la, initial_state=h0), *scan.backward(dh, ds, x, la, initial_state=h0)]
+        return out
+
+    compiled = run()
+    monkeypatch.setitem(jit._loaded, jit.SCAN, None)
+    plain = run()
+    assert len(compiled) == len(plain) == 5 * len(cases)
+    for got, want in zip(compiled, plain):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(got.view(f"u{got.itemsize}"), want.view(f"u{want.itemsize}"))

@@ -28,6 +28,7 @@ DECAY = "qkv.kernels.decay_compiled"  # the decay kernel's scan of the states be
 DELTA = "qkv.kernels.delta_compiled"  # the delta rule's (I + A)⁻¹ by forward substitution
 ROWS_FUSED = "qkv.kernels.rows_fused"   # the row kernel's whole call, one parallel loop over heads
 ROPE = "qkv.kernels.rope_compiled"      # rotary position embedding in one pass
+SCAN = "qkv.kernels.scan_compiled"      # Griffin's diagonal recurrence, forward and backward, one pass each
 
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}

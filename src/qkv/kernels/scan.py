@@ -51,10 +51,24 @@ def _blocks(x: np.ndarray, C: int) -> np.ndarray:
     return x.reshape(B, N, C, D)
 
 
+def _compiled():
+    """:mod:`qkv.kernels.scan_compiled`, or None (no numba, or ``QKV_JIT=0``)."""
+    from .. import jit
+
+    return jit.load(jit.SCAN)
+
+
 def _steps(x: np.ndarray, log_a: np.ndarray, h0):
-    """``(h, h_T)`` step by step, in place, each step over all ``B·D`` channels."""
+    """``(h, h_T)`` step by step, in place, each step over all ``B·D`` channels (with the fast
+    extra one compiled pass, the same bits)."""
     a = np.exp(log_a)
     h = np.empty_like(x)
+    fast = _compiled()
+    if fast is not None and x.shape[1]:
+        B, _, D = x.shape
+        fast.forward(np.ascontiguousarray(a), np.ascontiguousarray(x),
+                     np.zeros((B, D), x.dtype) if h0 is None else np.ascontiguousarray(h0), h)
+        return h, h[:, -1].copy()
     prev = np.zeros(x.shape[::2], x.dtype) if h0 is None else h0
     for t in range(x.shape[1]):
         np.multiply(a[:, t], prev, out=h[:, t])
@@ -106,6 +120,14 @@ def backward(dout, dstate, x, log_a, *, initial_state=None):
     x, la, dh = (z.astype(dt, copy=False) for z in (x, log_a, dout))
     B, T, D = x.shape
     h0 = np.zeros((B, D), dt) if initial_state is None else initial_state.astype(dt)
+    fast = _compiled() if B * D > BLOCKED_WIDTH and T else None
+    if fast is not None:                                            # the same bits in one pass
+        h, _ = _scan(x, la, h0)
+        a = np.exp(la)
+        c, dla, dh0 = np.empty_like(x), np.empty_like(x), np.empty_like(h0)
+        fast.backward(a, h, np.ascontiguousarray(h0), np.ascontiguousarray(dh),
+                      np.zeros((B, D), dt) if dstate is None else np.ascontiguousarray(dstate, dtype=dt), c, dla, dh0)
+        return tuple(z.astype(out_dtype, copy=False) for z in (c, dla, dh0))
     back_decay = np.zeros_like(la)                                  # a_{t+1} reversed: 1, a_T, ..., a_2
     back_decay[:, 1:] = la[:, :0:-1]
     ds = None if dstate is None else dstate.astype(dt)
