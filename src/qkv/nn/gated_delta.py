@@ -117,7 +117,7 @@ class GatedDeltaNet(Layer):
         qn, rq = l2norm_forward(self._heads(act[..., :ends[0]], Hk))           # (B, Hk, T, Dk)
         kn, rk = l2norm_forward(self._heads(act[..., ends[0]:ends[1]], Hk))    # (B, Hk, T, Dk)
         v = self._heads(act[..., ends[1]:], Hv)                                 # (B, Hv, T, Dv)
-        q, k = np.repeat(qn, r, axis=1), np.repeat(kn, r, axis=1)               # (B, Hv, T, Dk)
+        q, k = (qn, kn) if r == 1 else (np.repeat(qn, r, axis=1), np.repeat(kn, r, axis=1))  # (B, Hv, T, Dk)
         beta = sigmoid(b).transpose(0, 2, 1)                                   # (B, Hv, T)
         raw = a + self._p("dt_bias")
         neg_a = -np.exp(self._p("A_log"))
@@ -151,12 +151,13 @@ class GatedDeltaNet(Layer):
         dq, dk, dv, dbeta, dg, _ = recurrent.delta_rule_backward(
             do.transpose(0, 2, 1, 3), s["q"], s["k"], s["v"], s["beta"], s["g"], scale=1 / math.sqrt(self.d_k),
             initial_state=s["s0"])
-        dqn = dq.reshape(Bsz, Hk, r, T, self.d_k).sum(axis=2)                  # undo the repeat over r heads
-        dkn = dk.reshape(Bsz, Hk, r, T, self.d_k).sum(axis=2)
-        dq_act = l2norm_backward(dqn, s["qn"], s["rq"])
-        dk_act = l2norm_backward(dkn, s["kn"], s["rk"])
-        merge = lambda d: d.transpose(0, 2, 1, 3).reshape(Bsz, T, -1)  # noqa: E731  (B,H,T,D) -> (B,T,H·D)
-        dact = np.concatenate([merge(dq_act), merge(dk_act), merge(dv)], axis=-1)
+        if r > 1:                                                              # undo the repeat over r heads
+            dq, dk = (d.reshape(Bsz, Hk, r, T, self.d_k).sum(axis=2) for d in (dq, dk))
+        ends = np.cumsum(self._widths)
+        dact = np.empty((Bsz, T, ends[2]), dtype=dq.dtype)                     # [dq | dk | dv], heads written in place
+        l2norm_backward(dq, s["qn"], s["rq"], out=self._heads(dact[..., :ends[0]], Hk))
+        l2norm_backward(dk, s["kn"], s["rk"], out=self._heads(dact[..., ends[0]:ends[1]], Hk))
+        self._heads(dact[..., ends[1]:], Hv)[...] = dv
         dqkv, self.grads["conv_weight"][...], _ = conv_backward(silu_backward(dact, s["silu"]), s["padded"],
                                                                 self._p("conv_weight"))
         db = (dbeta * s["beta"] * (1 - s["beta"])).transpose(0, 2, 1)           # (B, T, Hv)

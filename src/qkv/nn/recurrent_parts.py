@@ -135,9 +135,9 @@ def l2norm_forward(x: np.ndarray, eps: float = 1e-6):
     return x * r, r
 
 
-def l2norm_backward(dy: np.ndarray, y: np.ndarray, r: np.ndarray) -> np.ndarray:
-    """``dx = r (dy - y Σ(dy ∘ y))``."""
-    return r * (dy - y * np.sum(dy * y, axis=-1, keepdims=True))
+def l2norm_backward(dy: np.ndarray, y: np.ndarray, r: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """``dx = r (dy - y Σ(dy ∘ y))``, written into ``out`` when given (a view of a larger array)."""
+    return np.multiply(r, dy - y * np.sum(dy * y, axis=-1, keepdims=True), out=out)
 
 
 # --- decoding state ---------------------------------------------------------------------------
