@@ -12,9 +12,9 @@ and a quarter of its time in them; with both thresholds raised, 70 000 (most of 
 first step's) and the step about 25% faster. ``np.exp(-np.abs(a))`` on a ``(16, 256, 128)``
 float32 array: 4.2 ms before, 1.1-1.4 ms after (0.35 ms for ``exp`` alone).
 
-The cost is memory: the heap keeps its high-water mark instead of shrinking between steps,
-which is what a caching allocator does. Blocks above the mmap threshold (32 MiB, glibc's
-largest) are still mapped and unmapped each time.
+The cost is memory: the heap keeps up to 1 GiB of freed memory for later arrays instead of
+returning it between steps, as a caching allocator does. Blocks of 32 MiB and more (the mmap
+threshold, glibc's largest) are still mapped and unmapped each time.
 
 This is a setting of the whole process, so importing qkv never makes it: the ``qkv``
 command's training, sampling and experiment subcommands do, and the MQAR experiment's worker
