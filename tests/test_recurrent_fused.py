@@ -280,3 +280,34 @@ def test_delta_float32_keeps_out_of_subnormals():
     f32[2][0, 1, 100, 3] = np.nan
     o = recurrent.delta_rule(*f32)
     assert np.isnan(o[0, 1, 100:, 3]).all() and np.isfinite(o[0, 0]).all()   # (value columns are independent)
+
+
+@needs_fast
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_rglru_backward_pass_gives_numpys_bits(dtype, monkeypatch):
+    """The RG-LRU's element-wise backward (``fused.rglru_backward``: the gates' pre-activation
+    gradients, ``du``'s direct part, ``dlog a`` through ``m = sqrt(1 - a²)``) rounds as the NumPy
+    path does: the same bits, with the reset at position 0 and without (a continued sequence),
+    the square root's derivative at its bound (a → 1) and NaN in the upstream gradient."""
+    r = rng(4)
+    layer = nn.RGLRU(24, 36, 3, rng=r, dtype=dtype)
+    layer.params["recurrent_param"][:4] = -30.0                      # a = 1 - tiny: 1 - a² at the bound
+    x = (3 * r.standard_normal((2, 21, 24))).astype(dtype)
+    outs = {}
+    for reset in (True, False):
+        state = None if reset else layer.new_state(2)
+        if state is not None:
+            layer.forward(x[:, :4], state=state)
+        layer.forward(x, state=state)
+        saved = layer._need_saved()
+        dxin = r.standard_normal((2, 21, 36)).astype(dtype)
+        dxin[0, 3, 5] = np.nan
+        dla = r.standard_normal((2, 21, 36)).astype(dtype)
+        outs[reset] = (saved, dxin, dla)
+    got = {k: layer._gates_backward(*v) for k, v in outs.items()}
+    numpy_path(monkeypatch)
+    want = {k: layer._gates_backward(*v) for k, v in outs.items()}
+    for k in got:
+        for a, b in zip(got[k], want[k], strict=True):
+            assert a.dtype == dtype and a.shape == b.shape
+            np.testing.assert_array_equal(a.view(f"u{a.itemsize}"), b.view(f"u{b.itemsize}"))

@@ -242,3 +242,31 @@ def causal_conv_backward(dy, padded, wt, du, dwt):  # du[b, s] = Σ_j wt[j] ∘ 
                     g, w = dy[b, t], wt[j]
                     for c in range(C):
                         row[c] += w[c] * g[c]
+
+
+@numba.njit(nogil=True, cache=True)
+def rglru_backward(dxin, dla, m, gi, gr, u, one_minus, e2, csp, consts, reset, du, dpi, dpr):
+    """The RG-LRU's element-wise backward (:meth:`qkv.nn.RGLRU.backward`) in one pass over
+    ``(B, T, L)``, each product in the NumPy path's order and without contraction, so the
+    bits are NumPy's: ``du = dxin m gi``; the input gate's ``dpi = dgi gi (1 - gi)`` with
+    ``dgi = dxin m u``; ``dm = dxin gi u`` (0 at a reset position 0), ``dla -= (dm / sqrt(max(4 (1 -
+    a²), lim))) 2 e2`` in place (``e2 = a²``, NumPy's exp); the recurrent gate's ``dpr = dla csp
+    gr (1 - gr)`` with ``csp = -c softplus(Λ)``. ``consts = [1, 2, 4, lim, 0]`` in the arrays' dtype."""
+    B, T, L = dxin.shape
+    one, two, four, lim, zero = consts[0], consts[1], consts[2], consts[3], consts[4]
+    for b in range(B):
+        for t in range(T):
+            for j in range(L):
+                x, mm, i, uu, r = dxin[b, t, j], m[b, t, j], gi[b, t, j], u[b, t, j], gr[b, t, j]
+                xm = x * mm
+                du[b, t, j] = xm * i
+                dpi[b, t, j] = xm * uu * i * (one - i)
+                dm = x * i * uu
+                if reset and t == 0:
+                    dm = zero
+                v = four * one_minus[b, t, j]
+                if v < lim:
+                    v = lim
+                g = dla[b, t, j] - dm / np.sqrt(v) * two * e2[b, t, j]
+                dla[b, t, j] = g
+                dpr[b, t, j] = g * csp[j] * r * (one - r)

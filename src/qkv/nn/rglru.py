@@ -28,6 +28,7 @@ import numpy as np
 
 from .. import recurrent
 from ..errors import ShapeError, positive_int
+from . import fusion
 from .activations import gelu_tanh_backward, gelu_tanh_forward, sigmoid
 from .base import Layer, check_input, linear_grad
 from .recurrent_parts import (RecurrentState, check_state, compute_dtype, conv_backward, conv_forward, conv_tail,
@@ -94,11 +95,11 @@ class RGLRU(Layer):
         pre = np.matmul(uh, self._p(f"{name}_weight")).transpose(1, 0, 2)      # (H,BT,w) @ (H,w,w) -> (BT,H,w)
         return sigmoid(pre + self._p(f"{name}_bias")).reshape(B, T, L)
 
-    def _gate_backward(self, dgate: np.ndarray, gate: np.ndarray, u: np.ndarray, name: str) -> np.ndarray:
-        """Fill the gate's grads from ``dgate (B, T, L)``; return its part of ``du``."""
+    def _gate_backward(self, dpre: np.ndarray, u: np.ndarray, name: str) -> np.ndarray:
+        """Fill the gate's grads from its pre-activation's gradient ``dpre (B, T, L)``; return its part of ``du``."""
         B, T, L = u.shape
         H, w = self.n_heads, L // self.n_heads
-        dpre = (dgate * gate * (1 - gate)).reshape(B * T, H, w).transpose(1, 0, 2)   # (H, BT, w)
+        dpre = dpre.reshape(B * T, H, w).transpose(1, 0, 2)                          # (H, BT, w)
         uh = u.reshape(B * T, H, w).transpose(1, 0, 2)                                 # (H, BT, w)
         self.grads[f"{name}_weight"][...] = np.matmul(uh.transpose(0, 2, 1), dpre)     # (H,w,BT) @ (H,BT,w) -> (H,w,w)
         self.grads[f"{name}_bias"][...] = dpre.sum(axis=1)
@@ -139,6 +140,33 @@ class RGLRU(Layer):
         out = out.astype(self.dtype, copy=False)
         return out[0] if squeezed else out
 
+    def _gates_backward(self, s: dict, dxin: np.ndarray, dlog_a: np.ndarray):
+        """``(du, dpre_i, dpre_r, dlog_a)``: the gradients through ``xin = m ∘ i ∘ u`` and ``log a``
+        to ``u``'s direct use, the two gates' pre-activations and ``log a`` (with the fast extra
+        one compiled pass, :func:`qkv.nn.fused.rglru_backward`, NumPy's bits)."""
+        lim = 1 / MAX_SQRT_GRADIENT ** 2
+        e2 = np.exp(2 * s["log_a"])                                            # a²: d(1 - a²)/dlog a = -2a²
+        csp = -C_EXPONENT * s["sp"]
+        arrays = [np.ascontiguousarray(s[n]) for n in ("m", "gi", "gr", "u", "one_minus")]
+        dxin, dlog_a = np.ascontiguousarray(dxin), np.array(dlog_a, order="C")
+        mod = fusion.compiled(dxin, dlog_a, *arrays, e2)
+        if mod is not None:
+            out = [np.empty_like(dxin) for _ in range(3)]
+            consts = np.array([1, 2, 4, lim, 0], dtype=dxin.dtype)
+            mod.rglru_backward(dxin, dlog_a, *arrays, e2, np.ascontiguousarray(csp, dtype=dxin.dtype), consts,
+                               bool(s["reset"]), *out)
+            return (*out, dlog_a)
+        m, gi, gr, u, one_minus = arrays
+        du = dxin * m * gi
+        dgi = dxin * m * u
+        dm = dxin * gi * u
+        if s["reset"]:
+            dm[:, 0] = 0.0                                                      # m = 1 there, a constant
+        d_one_minus = dm / np.sqrt(np.maximum(4 * one_minus, lim))
+        dlog_a = dlog_a - d_one_minus * 2 * e2
+        dgr = dlog_a * csp
+        return du, dgi * gi * (1 - gi), dgr * gr * (1 - gr), dlog_a
+
     def backward(self, dy) -> np.ndarray:
         """Fill ``grads`` from ``dy`` (the output's shape); return ``dx``."""
         s = self._need_saved()
@@ -151,18 +179,11 @@ class RGLRU(Layer):
         dhy = (dy.reshape(-1, self.d_model) @ self._p("W_out").T).reshape(Bsz, T, L)  # (BT,d) @ (d,L) -> (BT,L)
         dh, dypre = dhy * s["ybr"], gelu_tanh_backward(dhy * s["h"], s["gelu"])
         dxin, dlog_a, _ = recurrent.linear_scan_backward(dh, s["xin"], s["log_a"], initial_state=s["h0"])
-        du = dxin * s["m"] * s["gi"]
-        dgi = dxin * s["m"] * s["u"]
-        dm = dxin * s["gi"] * s["u"]
-        if s["reset"]:
-            dm[:, 0] = 0.0                                                      # m = 1 there, a constant
-        d_one_minus = dm / np.sqrt(np.maximum(4 * s["one_minus"], 1 / MAX_SQRT_GRADIENT ** 2))
-        dlog_a = dlog_a - d_one_minus * 2 * np.exp(2 * s["log_a"])             # d(1 - a²)/dlog a = -2a²
-        dgr = dlog_a * (-C_EXPONENT * s["sp"])
+        du, dpi, dpr, dlog_a = self._gates_backward(s, dxin, dlog_a)
         self.grads["recurrent_param"][...] = np.einsum("btl,btl->l", dlog_a, s["gr"]) * (
             -C_EXPONENT * sigmoid(self._p("recurrent_param")))
-        du += self._gate_backward(dgi, s["gi"], s["u"], "input_gate")
-        du += self._gate_backward(dgr, s["gr"], s["u"], "recurrent_gate")
+        du += self._gate_backward(dpi, s["u"], "input_gate")
+        du += self._gate_backward(dpr, s["u"], "recurrent_gate")
         dxpre, self.grads["conv_weight"][...], self.grads["conv_bias"][...] = conv_backward(
             du, s["padded"], self._p("conv_weight"))
         for name, d in (("y", dypre), ("x", dxpre)):
