@@ -171,9 +171,10 @@ class Mamba2(Layer):
         sp = softplus(s["raw"])
         draw = ddelta * ((sp >= lo) & (sp <= hi)) * sigmoid(s["raw"])
         self.grads["dt_bias"][...] = draw.sum(axis=(0, 1))
-        dact = np.concatenate([dxh.transpose(0, 2, 1, 3).reshape(Bsz, T, I),
-                               _group_sum(dk, G).transpose(0, 2, 1, 3).reshape(Bsz, T, G * N),
-                               _group_sum(dq, G).transpose(0, 2, 1, 3).reshape(Bsz, T, G * N)], axis=-1)
+        dact = np.empty((Bsz, T, I + 2 * G * N), dtype=dxh.dtype)              # [dx | dB | dC], heads in place
+        for part, (lo, n) in ((dxh, (0, H)), (_group_sum(dk, G), (I, G)), (_group_sum(dq, G), (I + G * N, G))):
+            width = part.shape[-1] * n
+            dact[..., lo:lo + width].reshape(Bsz, T, n, part.shape[-1])[...] = part.transpose(0, 2, 1, 3)
         dxbc, self.grads["conv_weight"][...], dcb = conv_backward(silu_backward(dact, s["silu"]), s["padded"],
                                                                  self._p("conv_weight"))
         if self.conv_bias:
