@@ -252,6 +252,7 @@ def rglru_backward(dxin, dla, m, gi, gr, u, one_minus, e2, csp, consts, reset, d
     ``dgi = dxin m u``; ``dm = dxin gi u`` (0 at a reset position 0), ``dla -= (dm / sqrt(max(4 (1 -
     a²), lim))) 2 e2`` in place (``e2 = a²``, NumPy's exp); the recurrent gate's ``dpr = dla csp
     gr (1 - gr)`` with ``csp = -c softplus(Λ)``. ``consts = [1, 2, 4, lim, 0]`` in the arrays' dtype."""
+    wide_vectors()
     B, T, L = dxin.shape
     one, two, four, lim, zero = consts[0], consts[1], consts[2], consts[3], consts[4]
     for b in range(B):
