@@ -141,3 +141,58 @@ def test_the_compiled_last_pass_gives_numpys_bits(monkeypatch, dtype, per_channe
     for got, want in zip(compiled, plain):
         assert got.dtype == dtype and np.all(np.isfinite(got))
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("panels", [True, False])
+@pytest.mark.parametrize("T, Dk, Dv, chunk, slab", [(300, 8, 12, 16, 32), (256, 16, 16, None, 2048),
+                                                    (130, 32, 128, 64, 128), (1, 4, 6, None, 2048)])
+def test_the_compiled_forward_gives_numpys_bits(monkeypatch, panels, T, Dk, Dv, chunk, slab):
+    """The whole float32 forward of a decay a head in one compiled loop (decay_fused, BLAS called
+    from numba) against the NumPy path, bit for bit: panels or not, T a multiple of the chunk
+    or not, slabs whose chunks take the rank-one factors and slabs that take the mask (decays
+    down to -30 a step), q of size 30, with and without an initial state, several heads a
+    unit, and inputs seen through a (B, T, H, D) transpose; T = 1 (a chunk of one row, which the
+    loop leaves to NumPy's gemv) too."""
+    if not jit.enabled():
+        pytest.skip("numba (the fast extra) is not installed, or QKV_JIT=0")
+    from qkv.kernels import decay_fused
+    monkeypatch.setattr(decay, "PANEL", 4 if Dv % 4 == 0 and Dv < 64 else decay.PANEL)
+    monkeypatch.setattr(decay, "PANELS", panels)
+    monkeypatch.setattr(decay, "SLAB_ROWS", slab)
+    rng = np.random.default_rng(T + Dk + Dv)
+    q, k, v, g, S0 = problem(rng, T, Dk, Dv, False, H=3, dtype=np.float32)
+    q = np.ascontiguousarray(np.swapaxes(30 * q, 1, 2)).swapaxes(1, 2)     # (B, T, H, D) seen as (B, H, T, D)
+    ran, real = [], decay_fused.forward
+
+    def spy(*a):
+        got = real(*a)
+        ran.append(got is not None)
+        return got
+    monkeypatch.setattr(decay_fused, "forward", spy)
+    for state in (S0, None):
+        ran.clear()
+        fused = decay.forward(q, k, v, g, scale=0.3, initial_state=state, chunk=chunk)
+        assert ran and (all(ran) if T > 1 else not any(ran))
+        with monkeypatch.context() as m:
+            m.setattr(decay_fused, "forward", lambda *a: None)
+            plain = decay.forward(q, k, v, g, scale=0.3, initial_state=state, chunk=chunk)
+        for got, want in zip(fused, plain):
+            assert got.dtype == np.float32 and np.all(np.isfinite(got))
+            np.testing.assert_array_equal(got, want)
+        o_ref, S_ref = R.decay_forward(*(x.astype(np.float64) for x in (q, k, v, g)), scale=0.3,
+                                       initial_state=None if state is None else state.astype(np.float64))
+        close(fused[0], o_ref, 2e-5)
+        close(fused[1], S_ref, 2e-5)
+
+
+def test_the_compiled_forward_leaves_q_is_k_to_numpy(monkeypatch):
+    """q and k the same array: NumPy's q kᵀ is then syrk, whose bits the compiled loop's sgemm
+    need not give; the loop steps aside and the NumPy path gives the result."""
+    if not jit.enabled():
+        pytest.skip("numba (the fast extra) is not installed, or QKV_JIT=0")
+    from qkv.kernels import decay_fused
+    q, _, v, g, _ = problem(np.random.default_rng(3), 200, 8, 8, False, dtype=np.float32)
+    both = decay.forward(q, q, v, g, scale=0.5)
+    monkeypatch.setattr(decay_fused, "forward", lambda *a: None)
+    for got, want in zip(both, decay.forward(q, q, v, g, scale=0.5)):
+        np.testing.assert_array_equal(got, want)

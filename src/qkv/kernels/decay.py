@@ -60,11 +60,11 @@ raised to it before the sums (its exp is 0 either way), so no sum of them reache
 **The forward's layout.** For a decay a head, ``O = scale · (Qg S + A V)`` is computed as
 ``scale · exp(G) ∘ (Q S + A' V)`` with ``A' = tril(Q Kgᵀ) · exp(-Γ)`` (decay_intra's
 ``scores_unrowed``): the rows' ``exp(G_i)`` multiply the finished output once, with the
-scale, where ``Qg`` would be a pass of its own. Where NumPy's OpenBLAS has small-matrix
-kernels (its AVX-512 cores) and Dv is a larger multiple of :data:`PANEL`, the values, states
-and outputs are cut into panels of :data:`PANEL` columns, so that each product is one those
-kernels take (:data:`PANEL`'s comment); with the ``fast`` extra the states' scan
-(:func:`_pass_states`) and the last pass (``decay_compiled.finish``) are compiled, NumPy's bits.
+scale. Where NumPy's OpenBLAS has small-matrix kernels (its AVX-512 cores) and Dv is a larger
+multiple of :data:`PANEL`, values, states and outputs are cut into panels of :data:`PANEL`
+columns, each product one those kernels take. With the ``fast`` extra, float32 and a decay a
+head run chunk after chunk in one compiled loop (:mod:`qkv.kernels.decay_fused`), else the
+states' scan and the last pass are compiled; NumPy's bits either way.
 
 **Work.** The ``B·H`` heads are cut into units (whole heads, at least :data:`UNIT_ROWS`
 positions where T is short) on the kernel threads, BLAS held to one thread; units depend on the
@@ -80,7 +80,7 @@ from functools import cached_property
 import numpy as np
 
 from .. import jit, threads
-from . import decay_intra
+from . import decay_fused, decay_intra
 from .flash.tiles import DEFAULT, Workers, scratch
 
 CHUNK = 64          # rows a chunk by default where Dk > 64; 32 for Dk <= 64 (measured: 3.5 and 1.9x
@@ -92,8 +92,7 @@ KEEP = 1 << 21      # elements of the largest work array a thread keeps between 
 PANEL = 64          # columns of a value panel (see _forward_unit): OpenBLAS's small-matrix kernels
                     # (AVX-512) take a product of M·N·K <= 10^6 only, and at D = 128, C = 64 the
                     # state's two products are 64·128·128; in panels of 64 each is half that
-PANELS = None       # True/False: panels or not; None: as the BLAS core (measured, D = 128: 0.85x
-                    # the time on SkylakeX, 1.05x on Haswell, which has no such kernels)
+PANELS = None       # True/False: panels or not; None: as the BLAS core (D = 128: 0.85x the time on SkylakeX, 1.05x on Haswell)
 SMALL_PRODUCT_CORES = ("skylakex", "cooperlake", "sapphirerapids")
 SEGMENT_ROWS = 4096 # positions of a head whose chunks the forward works at once; a longer
                     # sequence runs segment after segment, the state passed on, so its work
@@ -229,6 +228,8 @@ def _forward_unit(q, k, v, g, S0, scale, C, out):
     Dv, dt, head = c.v.shape[-1], q.dtype, c.G.shape[-1] == 1
     p = _panels(Dv)
     w = Dv // p
+    if head and (S_T := decay_fused.forward(c, S0, scale, out, p, _slabs(n, Nc, C, 1))) is not None:
+        return S_T                                                        # compiled: the same bits
     vp = c.v[:, :, None]                                                  # (n,Nc,p,C,w)
     if p > 1:
         vp = _buffer((n, Nc, p, C, w), dt, "vp")
@@ -269,8 +270,7 @@ def _forward_unit(q, k, v, g, S0, scale, C, out):
     return S[:, Nc].swapaxes(1, 2).reshape(n, Dk, Dv)
 
 
-def _view(x: np.ndarray, shape: tuple) -> np.ndarray:
-    """``x`` seen with ``shape`` (its axes split), never a copy: writing into it writes ``x``."""
+def _view(x: np.ndarray, shape: tuple) -> np.ndarray:  # x seen with shape (axes split), never a copy
     y = x.view()
     y.shape = shape
     return y

@@ -8,11 +8,16 @@ memory where NumPy takes two calls and a temporary a chunk (at T = 4096 and C = 
 number is rounded as NumPy's ``S[j+1] += e * S[j]`` rounds it (the product, then the sum),
 so the two paths give the same bits. :func:`scaled_transpose`: the chunks' ``Kgᵀ``.
 :func:`finish`: the output, ``(Q S + A V) · row`` out of the panels, one pass a slab (NumPy
-took ``o += AV`` and a transposing product: at (1, 8, 4096, 128) about 14 against 5 ms).
+took ``o += AV`` and a transposing product: at (1, 8, 4096, 128) about 14 against 5 ms). :func:`forward_chunks`: the
+whole forward of float32 and a decay a head, chunk after chunk, BLAS called from the loop
+(driven by :mod:`qkv.kernels.decay_fused`; where it runs, the three passes above do not).
 """
 from __future__ import annotations
 
 import numba
+import numpy as np
+
+from .blas_compiled import ILP64, SGEMM, _gemm  # noqa: F401  (SGEMM, ILP64: the forward's BLAS, read by decay_fused)
 
 
 @numba.njit(cache=True)
@@ -72,3 +77,76 @@ def finish(o, av, row, scale, out, j0):
                     src, add = o[h, j, pp, c], av[h, j, pp, c]
                     for x in range(w):
                         dst[pp * w + x] = (src[x] + add[x]) * f
+
+
+@numba.njit(nogil=True, cache=True)
+def forward_chunks(addr, q, k, v, eG, eK, row, e_gam, em_gam, mode, D, tri, S, out, scale):
+    """The forward of a decay a head, float32, chunk after chunk with BLAS's ``sgemm`` between
+    the passes (:mod:`qkv.kernels.blas_compiled`): what :func:`qkv.kernels.decay._forward_unit`
+    computes, the same products and the same roundings in the same order, each chunk's arrays
+    made and used while they are in cache, where the NumPy path makes each for every chunk of
+    a segment before the next step reads them back from memory.
+
+    ``q, k (n, Nc, C, Dk)``, ``v (n, Nc, C, Dv)``; ``eG, eK, row (n, Nc, C, 1)``: ``exp(G)``,
+    ``exp(Γ - G)`` and ``exp(G) · scale``; ``e_gam (n, Nc, 1)`` ``exp(Γ)``; ``em_gam (n, Nc)``
+    ``exp(-Γ)``; ``mode (Nc,)``: 1 where the chunk's slab takes the rank-one factors
+    (``A = tril(q Kgᵀ) · exp(-Γ)``, rows times ``row``), 0 where it takes the mask ``D (n, Nc, C, C)``
+    (``A = (q kᵀ) ∘ D``, the state's part times ``exp(G)``, rows times ``scale``); ``tri (C, C)``
+    the lower triangle's ones; ``S (n, p, Dk, w)`` the state entering the first chunk in ``p``
+    panels of ``w`` columns, the state after the last on return; ``out (n, T, Dv)``."""
+    n, Nc, C, Dk = q.shape
+    p, w = S.shape[1], S.shape[3]
+    T = out.shape[1]
+    N_, T_ = 78, 84
+    kt = np.empty((Dk, C), np.float32)
+    A = np.empty((C, C), np.float32)
+    qs = np.empty((p, C, w), np.float32)
+    av = np.empty((p, C, w), np.float32)
+    spare = np.empty((p, Dk, w), np.float32)
+    for h in range(n):
+        cur, nxt = S[h], spare                                          # the state in and the one made, in turn
+        for j in range(Nc):
+            qj, kj, vj = q[h, j], k[h, j], v[h, j]
+            for a in range(p):                                          # Q S
+                _gemm(addr, N_, N_, C, w, Dk, qj, cur[a], 0, qs[a])
+            for s in range(C):                                          # Kgᵀ
+                f = eK[h, j, s, 0]
+                for d in range(Dk):
+                    kt[d, s] = kj[s, d] * f
+            factored = mode[j] != 0
+            if factored:                                                # tril(q Kgᵀ) · exp(-Γ)
+                _gemm(addr, N_, N_, C, C, Dk, qj, kt, 0, A)
+                e = em_gam[h, j]
+                for i in range(C):
+                    for s in range(C):
+                        A[i, s] = (A[i, s] * tri[i, s]) * e
+            else:                                                       # (q kᵀ) ∘ D; the state's part times exp(G)
+                _gemm(addr, N_, T_, C, C, Dk, qj, kj, 0, A)
+                for i in range(C):
+                    for s in range(C):
+                        A[i, s] *= D[h, j, i, s]
+                for a in range(p):
+                    for i in range(C):
+                        f = eG[h, j, i, 0]
+                        for x in range(w):
+                            qs[a, i, x] *= f
+            for a in range(p):                                          # A V
+                _gemm(addr, N_, N_, C, w, C, A, vj[:, a * w:(a + 1) * w], 0, av[a])
+            for i in range(C):                                          # (Q S + A V) · row
+                t = j * C + i
+                if t >= T:
+                    break
+                f = row[h, j, i, 0] if factored else scale
+                dst = out[h, t]
+                for a in range(p):
+                    for x in range(w):
+                        dst[a * w + x] = (qs[a, i, x] + av[a, i, x]) * f
+            e = e_gam[h, j, 0]
+            for a in range(p):                                          # S' = exp(Γ) ∘ S + Kgᵀ V
+                _gemm(addr, N_, N_, Dk, w, C, kt, vj[:, a * w:(a + 1) * w], 0, nxt[a])
+                for d in range(Dk):
+                    for x in range(w):
+                        nxt[a, d, x] += e * cur[a, d, x]
+            cur, nxt = nxt, cur
+        if Nc % 2:
+            S[h] = cur
