@@ -293,3 +293,39 @@ def test_empty_sequences_and_batches(shape):
     assert [x.shape for x in grads] == [shape] * 3 + [shape[:3]] * 2 + [S0.shape]
     if shape[2] == 0:
         assert np.array_equal(grads[-1], S0)          # dS_0 = dstate through no steps
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
+@pytest.mark.parametrize("keep", [True, False], ids=["backward", "forward"])
+@pytest.mark.parametrize("B, H, T, Dk, Dv, C", [(1, 2, 200, 16, 24, 64), (2, 3, 70, 32, 128, 32), (1, 1, 5, 4, 6, 2)])
+def test_the_compiled_state_pass_gives_numpys_bits(monkeypatch, gated, keep, B, H, T, Dk, Dv, C):
+    """delta_chunks.pass_states in one compiled loop (BLAS's sgemm called from numba) against
+    its NumPy loop on the same chunks, bit for bit: corrections, reads, start states and the
+    final state; decays down to -30 a step, q of size 30, an initial state, T not a multiple
+    of C."""
+    from qkv import jit
+    from qkv.kernels import delta_chunks
+    if not jit.enabled():
+        pytest.skip("numba (the fast extra) is not installed, or QKV_JIT=0")
+    rng = np.random.default_rng(T + Dv)
+    q, k = (rng.standard_normal((B, H, T, Dk), dtype=np.float32) for _ in range(2))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal((B, H, T, Dv), dtype=np.float32)
+    beta = rng.uniform(0, 1, (B, H, T)).astype(np.float32)
+    g = (-30 * rng.random((B, H, T)) ** 3).astype(np.float32) if gated else None
+    S0 = rng.standard_normal((B, H, Dk, Dv), dtype=np.float32)
+    ch = delta_chunks.prepare(30 * q, k, v, beta, g, C, keep=keep)
+    mod, calls = jit.load(jit.DELTA), []
+    real = mod.pass_chunks
+    monkeypatch.setattr(mod, "pass_chunks", lambda *a: calls.append(1) or real(*a))
+    fused = delta_chunks.pass_states(ch, S0, keep=keep)
+    assert calls, "the compiled pass did not run"
+    monkeypatch.setattr(jit, "load", lambda name: None)
+    plain = delta_chunks.pass_states(ch, S0, keep=keep)
+    for name in ("U", "KS", "QS", "starts", "S"):
+        got, want = getattr(fused, name), getattr(plain, name)
+        if want is None:
+            assert got is None and not keep
+            continue
+        assert got.dtype == np.float32 and np.all(np.isfinite(got))
+        np.testing.assert_array_equal(got, want, err_msg=name)

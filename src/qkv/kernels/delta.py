@@ -46,7 +46,9 @@ once a chunk, three products (:func:`qkv.kernels.delta_chunks.pass_states`)::
     U_n             = Tinv_n diag(beta) (V_n - diag(e^γ) K S_n)   (C,C) @ (C,Dv)
     S_{n+1}         = e^{γ_C} S_n + Kc_nᵀ U_n               (Dk,C) @ (C,Dv)
 
-and the outputs ``O = scale · (diag(e^γ) Q S + P U)`` are one more batched product. Applying
+and the outputs ``O = scale · (diag(e^γ) Q S + P U)`` are one more batched product. With the
+``fast`` extra, float32's pass is one compiled loop calling BLAS's ``sgemm`` chunk after chunk
+(:func:`qkv.kernels.delta_compiled.pass_chunks`), NumPy's bits without Python between chunks. Applying
 ``Tinv`` to ``V - ...`` in the pass, not precomputing ``U0`` and ``W``, saves the ``C²·Dk``
 product of ``W`` (the backward needs no ``W`` either). Time ``O(T·C·D + T·D²)``, memory
 ``O(T·(C + D))`` (``(T/C)·Dk·Dv`` more in the backward, the chunk start states), never a

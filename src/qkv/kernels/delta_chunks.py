@@ -204,12 +204,19 @@ class Passed:
 
 
 def pass_states(ch: Chunks, S0: np.ndarray, keep: bool = False) -> Passed:
-    """The state through the chunks, once a chunk (``keep``: also every chunk's start state)."""
+    """The state through the chunks, once a chunk (``keep``: also every chunk's start state);
+    float32 in one compiled loop where the ``fast`` extra is (``delta_compiled.pass_chunks``)."""
     B, H, N, C, Dk = ch.k.shape
     S = S0
     starts = np.empty((B, H, N, Dk, S0.shape[-1]), dtype=S0.dtype) if keep else None
     reads = np.empty((B, H, N, 2 * C, S0.shape[-1]), dtype=S0.dtype)
     U = np.empty(ch.v.shape, dtype=S0.dtype)
+    mod = jit.load(jit.DELTA) if S0.dtype == np.float32 and min(C, Dk, S0.shape[-1]) > 1 else None
+    if mod is not None and mod.SGEMM:                                # compiled: NumPy's bits (gemv cases left out)
+        S = np.array(S0, dtype=np.float32, order="C")
+        mod.pass_chunks((mod.SGEMM, int(mod.ILP64)), ch.KQ, ch.v, ch.beta, ch.eg, ch.eC, ch.Kc, ch.Tinv, ch.gated, S,
+                        reads, U, starts if keep else np.empty((B, H, 0, Dk, S0.shape[-1]), np.float32))
+        return Passed(U, reads[..., :C, :], reads[..., C:, :], starts, S)
     eg2 = np.concatenate([ch.eg, ch.eg], axis=-1)[..., None]         # (B,H,N,2C,1): e^γ on both halves
     for n in range(N):
         if keep:

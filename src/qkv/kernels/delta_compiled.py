@@ -33,6 +33,7 @@ import math
 import numba
 import numpy as np
 
+from .blas_compiled import ILP64, SGEMM, _gemm  # noqa: F401  (SGEMM, ILP64: read by delta_chunks)
 from .flash.compiled import COEF, wide_vectors
 
 _E0, _E1, _E2, _E3, _E4, _E5, _E6 = (np.float32(c) for c in COEF)
@@ -114,3 +115,43 @@ def chunk_systems(scores, gamma, beta, A, D):
             if keep:
                 D[m, t] = d
         _invert(x, a, FLUSH if single else 0.0)
+
+
+@numba.njit(nogil=True, cache=True)
+def pass_chunks(addr, KQ, v, beta, eg, eC, Kc, Tinv, gated, S, reads, U, starts):
+    """:func:`qkv.kernels.delta_chunks.pass_states` for float32, chunk after chunk with BLAS's
+    ``sgemm`` called from the loop (:mod:`qkv.kernels.blas_compiled`): the same three products
+    on the same operands and the same element-wise roundings in the same order (no fast-math),
+    so NumPy's bits, with no Python and no temporaries between chunks. ``KQ (B,H,N,2C,Dk)``,
+    ``v, reads[..., :C, :], U (B,H,N,C,Dv)``, ``beta, eg (B,H,N,C)``, ``eC (B,H,N)``,
+    ``Kc (B,H,N,C,Dk)``, ``Tinv (B,H,N,C,C)``; ``S (B,H,Dk,Dv)`` the start state in, the final
+    state out; ``starts (B,H,N,Dk,Dv)`` each chunk's start state, or of length 0 (not kept)."""
+    B, H, N, C2, Dk = KQ.shape
+    C, Dv = C2 // 2, v.shape[-1]
+    N_, T_ = 78, 84
+    R = np.empty((C, Dv), np.float32)
+    X = np.empty((Dk, Dv), np.float32)
+    keep = starts.shape[2] > 0
+    for b in range(B):
+        for h in range(H):
+            st = S[b, h]
+            for n in range(N):
+                if keep:
+                    starts[b, h, n] = st
+                rd = reads[b, h, n]
+                _gemm(addr, N_, N_, C2, Dv, Dk, KQ[b, h, n], st, 0, rd)        # [K S_0; Q S_0]
+                if gated:
+                    for i in range(C2):
+                        f = eg[b, h, n, i % C]
+                        for x in range(Dv):
+                            rd[i, x] *= f
+                for i in range(C):                                          # beta (V - Kg S_0)
+                    f = beta[b, h, n, i]
+                    for x in range(Dv):
+                        R[i, x] = f * (v[b, h, n, i, x] - rd[i, x])
+                _gemm(addr, N_, N_, C, Dv, C, Tinv[b, h, n], R, 0, U[b, h, n])  # U = Tinv R
+                _gemm(addr, T_, N_, Dk, Dv, C, Kc[b, h, n], U[b, h, n], 0, X)   # Kcᵀ U
+                e = eC[b, h, n]
+                for d in range(Dk):                                         # S = e^{γ_C} S + Kcᵀ U
+                    for x in range(Dv):
+                        st[d, x] = e * st[d, x] + X[d, x]
