@@ -33,6 +33,7 @@ import importlib.util
 import os
 import statistics
 
+from . import recurrent_products
 from .timing import rounds
 
 PASSES = ("fwd", "fwd+bwd")
@@ -147,7 +148,8 @@ def _peer_side(kern, q, k, v, dout, params, backward):
 def decay_products(q, k, v, dout, backward: bool, chunk: int | None = None):
     """A no-argument callable running only the matrix products of the chunked decay form
     (one decay a head), in the kernel's chunks, work units and threads, BLAS held to one
-    thread: forward ``U = Kgᵀ V``, ``Q S``, ``Q Kᵀ``, ``A V`` (in the forward's value panels);
+    thread: forward ``U = Kgᵀ V``, ``Q S``, ``Q Kᵀ``, ``A V`` (in the forward's value panels;
+    float32: chunk after chunk from a compiled loop as the kernel runs them, :mod:`.recurrent_products`);
     backward adds ``U``, ``Qgᵀ dO``, ``dO Sᵀ``, ``V dSᵀ``, ``Kg dS``, ``Q Kᵀ``, ``Aᵀ dO``, ``dO Vᵀ``, ``dA K``,
     ``dAᵀ Q``. The results are garbage; only the time counts."""
     import numpy as np
@@ -163,13 +165,18 @@ def decay_products(q, k, v, dout, backward: bool, chunk: int | None = None):
     kTf = np.ascontiguousarray(t(kf))                    # the kernel's KgT: Kgᵀ stored (n,Nc,D,C)
     p = decay._panels(D)                                 # the forward's value panels (n,Nc,p,C,D/p)
     vpf = np.ascontiguousarray(vf.reshape(vf.shape[:3] + (p, D // p)).swapaxes(2, 3))
+    compiled = recurrent_products.loop() if q.dtype == np.float32 and min(C, D // p) > 1 else None
+    states = np.zeros((B * H, p, D, D // p), q.dtype)
 
     def unit(a, b):
         qa, ka, kTa, va, da = qf[a:b], kf[a:b], kTf[a:b], vf[a:b], df[a:b]
-        S = kTa[:, :, None] @ vpf[a:b]                   # (n,Nc,1,D,C) @ (n,Nc,p,C,w): the states' U
-        o = qa[:, :, None] @ S                           # q S
-        A = qa @ kTa                                     # (n,Nc,C,C)
-        o += A[:, :, None] @ vpf[a:b]
+        if compiled is not None:                         # as the kernel's compiled forward runs them
+            compiled(qa, kTa, va, states[a:b])
+        else:
+            S = kTa[:, :, None] @ vpf[a:b]               # (n,Nc,1,D,C) @ (n,Nc,p,C,w): the states' U
+            o = qa[:, :, None] @ S                       # q S
+            A = qa @ kTa                                 # (n,Nc,C,C)
+            o += A[:, :, None] @ vpf[a:b]
         if backward:
             S = kTa @ va
             dS = t(qa) @ da                              # R = Qgᵀ dO'
