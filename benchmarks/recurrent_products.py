@@ -16,7 +16,7 @@ def loop():
     ``S (n, p, Dk, w)`` the panels), or None without numba or NumPy's ``sgemm``."""
     from qkv import jit
     mod = jit.load(jit.DECAY)
-    if mod is None or not mod.SGEMM:
+    if mod is None or not (mod.SGEMM and mod.ILP64):
         return None
     import numba
 

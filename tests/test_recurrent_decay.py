@@ -197,9 +197,12 @@ def test_float32_head_decay_factors_are_never_subnormal():
     assert rel_err(o, o64) <= FLOAT32_BUDGET * max(rel_err(o_step, o64), 2 * np.finfo(np.float32).eps)
 
 
-def test_the_bits_do_not_depend_on_the_thread_count():
+@pytest.mark.parametrize("per_channel", [True, False], ids=["channel", "head"])
+def test_the_bits_do_not_depend_on_the_thread_count(per_channel):
+    """A decay a head takes the compiled chunk loop in float32 (with the fast extra): its units
+    on two threads call BLAS from two threads at once (T = 2048: three units of two heads)."""
     rng = np.random.default_rng(4)
-    q, k, v, g, S0, do, dS = problem(rng, 300, True, B=2, H=3, dtype=np.float32)
+    q, k, v, g, S0, do, dS = problem(rng, 300 if per_channel else 2048, per_channel, B=2, H=3, dtype=np.float32)
     runs = []
     for n in (1, 2):
         with threads.kernel_threads(n):

@@ -32,7 +32,7 @@ def forward(c, S0, scale: float, out: np.ndarray, p: int, slabs) -> np.ndarray |
     if c.q.dtype != np.float32 or c.a is not None or min(C, Dk, w) < 2 or np.may_share_memory(c.q, c.k):
         return None                                                      # (*)
     mod = jit.load(jit.DECAY)
-    if mod is None or not mod.SGEMM:
+    if mod is None or not (mod.SGEMM and mod.ILP64):                  # NumPy's own sgemm only: its bits
         return None
     mode = np.zeros(Nc, np.int8)
     em_gam = np.zeros((n, Nc), np.float32)

@@ -212,7 +212,7 @@ def pass_states(ch: Chunks, S0: np.ndarray, keep: bool = False) -> Passed:
     reads = np.empty((B, H, N, 2 * C, S0.shape[-1]), dtype=S0.dtype)
     U = np.empty(ch.v.shape, dtype=S0.dtype)
     mod = jit.load(jit.DELTA) if S0.dtype == np.float32 and min(C, Dk, S0.shape[-1]) > 1 else None
-    if mod is not None and mod.SGEMM:                                # compiled: NumPy's bits (gemv cases left out)
+    if mod is not None and mod.SGEMM and mod.ILP64:                  # compiled, NumPy's own sgemm: its bits (not gemv's)
         S = np.array(S0, dtype=np.float32, order="C")
         mod.pass_chunks((mod.SGEMM, int(mod.ILP64)), ch.KQ, ch.v, ch.beta, ch.eg, ch.eC, ch.Kc, ch.Tinv, ch.gated, S,
                         reads, U, starts if keep else np.empty((B, H, 0, Dk, S0.shape[-1]), np.float32))
