@@ -26,6 +26,25 @@ def close(got, want, tol):
     np.testing.assert_allclose(got, want, rtol=0, atol=tol * max(1.0, float(np.abs(want).max())))
 
 
+def merged_products_round_as_apart() -> bool:
+    """Whether NumPy's BLAS rounds products made side by side (``Q [S | K]``, ``[A ; K] V``: the
+    compiled decay loop's one-panel form) as it rounds them apart. OpenBLAS's AVX-512 kernels
+    do; its Haswell kernels do not always."""
+    rng = np.random.default_rng(0)
+    Q, S, K, A, V = (rng.standard_normal(s, dtype=np.float32) for s in ((64, 48), (48, 40), (48, 64), (64, 64), (64, 40)))
+    return (np.array_equal(Q @ np.concatenate([S, K], 1), np.concatenate([Q @ S, Q @ K], 1))
+            and np.array_equal(np.concatenate([A, K], 0) @ V, np.concatenate([A @ V, K @ V], 0)))
+
+
+def same_as_numpy(got, want, one_panel: bool):
+    """The compiled decay forward against the NumPy path: the same bits, or, in one panel where
+    the BLAS rounds merged products otherwise, within float32's rounding of them."""
+    if one_panel and not merged_products_round_as_apart():
+        close(got, want, 1e-5)
+    else:
+        np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("per_channel", [False, True], ids=["head", "channel"])
 @pytest.mark.parametrize("panel, Dv", [(2, 6), (3, 6), (2, 5), (4, 12)])
 @pytest.mark.parametrize("T, chunk", [(100, 16), (64, 8), (7, None)])
@@ -138,9 +157,10 @@ def test_the_compiled_last_pass_gives_numpys_bits(monkeypatch, dtype, per_channe
     compiled = decay.forward(*args, scale=0.3, initial_state=S0, chunk=chunk)
     monkeypatch.setattr(jit, "load", lambda name: None)
     plain = decay.forward(*args, scale=0.3, initial_state=S0, chunk=chunk)
+    one_panel = dtype == np.float32 and not per_channel and decay._panels(Dv) == 1
     for got, want in zip(compiled, plain):
         assert got.dtype == dtype and np.all(np.isfinite(got))
-        np.testing.assert_array_equal(got, want)
+        same_as_numpy(got, want, one_panel)
 
 
 @pytest.mark.parametrize("panels", [True, False])
@@ -148,7 +168,8 @@ def test_the_compiled_last_pass_gives_numpys_bits(monkeypatch, dtype, per_channe
                                                     (130, 32, 128, 64, 128), (1, 4, 6, None, 2048)])
 def test_the_compiled_forward_gives_numpys_bits(monkeypatch, panels, T, Dk, Dv, chunk, slab):
     """The whole float32 forward of a decay a head in one compiled loop (decay_fused, BLAS called
-    from numba) against the NumPy path, bit for bit: panels or not, T a multiple of the chunk
+    from numba) against the NumPy path, bit for bit (in one panel: where the BLAS rounds merged
+    products as apart, see same_as_numpy): panels or not, T a multiple of the chunk
     or not, slabs whose chunks take the rank-one factors and slabs that take the mask (decays
     down to -30 a step), q of size 30, with and without an initial state, several heads a
     unit, and inputs seen through a (B, T, H, D) transpose; T = 1 (a chunk of one row, which the
@@ -178,7 +199,7 @@ def test_the_compiled_forward_gives_numpys_bits(monkeypatch, panels, T, Dk, Dv, 
             plain = decay.forward(q, k, v, g, scale=0.3, initial_state=state, chunk=chunk)
         for got, want in zip(fused, plain):
             assert got.dtype == np.float32 and np.all(np.isfinite(got))
-            np.testing.assert_array_equal(got, want)
+            same_as_numpy(got, want, decay._panels(Dv) == 1)
         o_ref, S_ref = R.decay_forward(*(x.astype(np.float64) for x in (q, k, v, g)), scale=0.3,
                                        initial_state=None if state is None else state.astype(np.float64))
         close(fused[0], o_ref, 2e-5)
@@ -186,13 +207,16 @@ def test_the_compiled_forward_gives_numpys_bits(monkeypatch, panels, T, Dk, Dv, 
 
 
 def test_the_compiled_forward_leaves_q_is_k_to_numpy(monkeypatch):
-    """q and k the same array: NumPy's q kᵀ is then syrk, whose bits the compiled loop's sgemm
-    need not give; the loop steps aside and the NumPy path gives the result."""
+    """q and k the same array (T a whole number of chunks, so the chunks are views of it): NumPy's
+    q kᵀ is then syrk, whose bits the compiled loop's sgemm need not give; the loop steps aside."""
     if not jit.enabled():
         pytest.skip("numba (the fast extra) is not installed, or QKV_JIT=0")
     from qkv.kernels import decay_fused
-    q, _, v, g, _ = problem(np.random.default_rng(3), 200, 8, 8, False, dtype=np.float32)
-    both = decay.forward(q, q, v, g, scale=0.5)
-    monkeypatch.setattr(decay_fused, "forward", lambda *a: None)
-    for got, want in zip(both, decay.forward(q, q, v, g, scale=0.5)):
+    q, _, v, g, _ = problem(np.random.default_rng(3), 192, 8, 8, False, dtype=np.float32)
+    ran, real = [], decay_fused.forward
+    monkeypatch.setattr(decay_fused, "forward", lambda *a: ran.append(real(*a)) or ran[-1])
+    both = decay.forward(q, q, v, g, scale=0.5, chunk=32)
+    assert ran and all(r is None for r in ran)
+    monkeypatch.setattr(jit, "load", lambda name: None)
+    for got, want in zip(both, decay.forward(q, q, v, g, scale=0.5, chunk=32)):
         np.testing.assert_array_equal(got, want)
