@@ -300,8 +300,8 @@ def test_empty_sequences_and_batches(shape):
 @pytest.mark.parametrize("B, H, T, Dk, Dv, C", [(1, 2, 200, 16, 24, 64), (2, 3, 70, 32, 128, 32), (1, 1, 5, 4, 6, 2)])
 def test_the_compiled_state_pass_gives_numpys_bits(monkeypatch, gated, keep, B, H, T, Dk, Dv, C):
     """delta_chunks.pass_states in one compiled loop (BLAS's sgemm called from numba) against
-    its NumPy loop on the same chunks, bit for bit: corrections, reads, start states and the
-    final state; decays down to -30 a step, q of size 30, an initial state, T not a multiple
+    its NumPy loop on the same chunks, bit for bit: corrections, reads, start states, the final
+    state and the outputs it makes given the scale; decays down to -30 a step, q of size 30, an initial state, T not a multiple
     of C."""
     from qkv import jit
     from qkv.kernels import delta_chunks
@@ -318,10 +318,15 @@ def test_the_compiled_state_pass_gives_numpys_bits(monkeypatch, gated, keep, B, 
     mod, calls = jit.load(jit.DELTA), []
     real = mod.pass_chunks
     monkeypatch.setattr(mod, "pass_chunks", lambda *a: calls.append(1) or real(*a))
-    fused = delta_chunks.pass_states(ch, S0, keep=keep)
+    fused = delta_chunks.pass_states(ch, S0, keep=keep, scale=0.3)
     assert calls, "the compiled pass did not run"
     monkeypatch.setattr(jit, "load", lambda name: None)
-    plain = delta_chunks.pass_states(ch, S0, keep=keep)
+    plain = delta_chunks.pass_states(ch, S0, keep=keep, scale=0.3)
+    assert plain.O is None
+    want = ch.P @ plain.U                                               # the forward's NumPy lines
+    want += plain.QS
+    want *= 0.3
+    np.testing.assert_array_equal(fused.O, want)
     for name in ("U", "KS", "QS", "starts", "S"):
         got, want = getattr(fused, name), getattr(plain, name)
         if want is None:

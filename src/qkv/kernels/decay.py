@@ -63,8 +63,8 @@ raised to it before the sums (its exp is 0 either way), so no sum of them reache
 scale. Where NumPy's OpenBLAS has small-matrix kernels (its AVX-512 cores) and Dv is a larger
 multiple of :data:`PANEL`, values, states and outputs are cut into panels of :data:`PANEL`
 columns, each product one those kernels take. With the ``fast`` extra, float32 and a decay a
-head run chunk after chunk in one compiled loop (:mod:`qkv.kernels.decay_fused`), else the
-states' scan and the last pass are compiled; NumPy's bits either way.
+head run chunk after chunk in one compiled loop (:mod:`qkv.kernels.decay_fused`: NumPy's bits
+but where its Haswell kernels round merged products), else the scan and last pass, NumPy's bits.
 
 **Work.** The ``B·H`` heads are cut into units (whole heads, at least :data:`UNIT_ROWS`
 positions where T is short) on the kernel threads, BLAS held to one thread; units depend on the

@@ -156,7 +156,9 @@ def backward(dout, dstate, q, k, v, beta, g=None, *, scale, initial_state=None, 
 
 def _forward(q, k, v, beta, g, initial_state, *, scale, chunk):
     ch = prepare(q, k, v, beta, g, chunk, keep=False)
-    run = pass_states(ch, start_state(q, v, initial_state))
+    run = pass_states(ch, start_state(q, v, initial_state), scale=scale)
+    if run.O is not None:                                            # made in the compiled pass, the same bits
+        return from_chunks(run.O, ch.T), run.S
     o = ch.P @ run.U                                                 # (B,H,N,C,C) @ (B,H,N,C,Dv) -> (B,H,N,C,Dv)
     o += run.QS
     o *= scale

@@ -201,11 +201,13 @@ class Passed:
     QS: np.ndarray         # (B, H, N, C, Dv) diag(e^γ) Q S_0, the reads of the start states
     starts: np.ndarray | None  # (B, H, N, Dk, Dv) each chunk's S_0 (kept for the backward)
     S: np.ndarray          # (B, H, Dk, Dv) the final state
+    O: np.ndarray | None = None  # (B, H, N, C, Dv) the outputs, where the compiled pass made them
 
 
-def pass_states(ch: Chunks, S0: np.ndarray, keep: bool = False) -> Passed:
+def pass_states(ch: Chunks, S0: np.ndarray, keep: bool = False, scale: float | None = None) -> Passed:
     """The state through the chunks, once a chunk (``keep``: also every chunk's start state);
-    float32 in one compiled loop where the ``fast`` extra is (``delta_compiled.pass_chunks``)."""
+    float32 in one compiled loop where the ``fast`` extra is (``delta_compiled.pass_chunks``),
+    which given ``scale`` makes the outputs too (``Passed.O``)."""
     B, H, N, C, Dk = ch.k.shape
     S = S0
     starts = np.empty((B, H, N, Dk, S0.shape[-1]), dtype=S0.dtype) if keep else None
@@ -214,9 +216,11 @@ def pass_states(ch: Chunks, S0: np.ndarray, keep: bool = False) -> Passed:
     mod = jit.load(jit.DELTA) if S0.dtype == np.float32 and min(C, Dk, S0.shape[-1]) > 1 else None
     if mod is not None and mod.SGEMM and mod.ILP64:                  # compiled, NumPy's own sgemm: its bits (not gemv's)
         S = np.array(S0, dtype=np.float32, order="C")
+        O = np.empty(ch.v.shape if scale is not None else (B, H, 0, C, S0.shape[-1]), np.float32)
         mod.pass_chunks((mod.SGEMM, int(mod.ILP64)), ch.KQ, ch.v, ch.beta, ch.eg, ch.eC, ch.Kc, ch.Tinv, ch.gated, S,
-                        reads, U, starts if keep else np.empty((B, H, 0, Dk, S0.shape[-1]), np.float32))
-        return Passed(U, reads[..., :C, :], reads[..., C:, :], starts, S)
+                        reads, U, starts if keep else np.empty((B, H, 0, Dk, S0.shape[-1]), np.float32), ch.P, O,
+                        np.float32(1.0 if scale is None else scale))
+        return Passed(U, reads[..., :C, :], reads[..., C:, :], starts, S, O if scale is not None else None)
     eg2 = np.concatenate([ch.eg, ch.eg], axis=-1)[..., None]         # (B,H,N,2C,1): e^γ on both halves
     for n in range(N):
         if keep:

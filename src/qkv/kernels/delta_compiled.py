@@ -118,20 +118,23 @@ def chunk_systems(scores, gamma, beta, A, D):
 
 
 @numba.njit(nogil=True, cache=True)
-def pass_chunks(addr, KQ, v, beta, eg, eC, Kc, Tinv, gated, S, reads, U, starts):
+def pass_chunks(addr, KQ, v, beta, eg, eC, Kc, Tinv, gated, S, reads, U, starts, P, O, scale):
     """:func:`qkv.kernels.delta_chunks.pass_states` for float32, chunk after chunk with BLAS's
     ``sgemm`` called from the loop (:mod:`qkv.kernels.blas_compiled`): the same three products
     on the same operands and the same element-wise roundings in the same order (no fast-math),
     so NumPy's bits, with no Python and no temporaries between chunks. ``KQ (B,H,N,2C,Dk)``,
     ``v, reads[..., :C, :], U (B,H,N,C,Dv)``, ``beta, eg (B,H,N,C)``, ``eC (B,H,N)``,
     ``Kc (B,H,N,C,Dk)``, ``Tinv (B,H,N,C,C)``; ``S (B,H,Dk,Dv)`` the start state in, the final
-    state out; ``starts (B,H,N,Dk,Dv)`` each chunk's start state, or of length 0 (not kept)."""
+    state out; ``starts (B,H,N,Dk,Dv)`` each chunk's start state, or of length 0 (not kept);
+    ``O (B,H,N,C,Dv)``, unless of length 0, the outputs ``(P U + Qg S_0) · scale`` of
+    ``P (B,H,N,C,C)``, as the forward's NumPy lines round them."""
     B, H, N, C2, Dk = KQ.shape
     C, Dv = C2 // 2, v.shape[-1]
     N_, T_ = 78, 84
     R = np.empty((C, Dv), np.float32)
     X = np.empty((Dk, Dv), np.float32)
     keep = starts.shape[2] > 0
+    emit = O.shape[2] > 0
     for b in range(B):
         for h in range(H):
             st = S[b, h]
@@ -150,6 +153,12 @@ def pass_chunks(addr, KQ, v, beta, eg, eC, Kc, Tinv, gated, S, reads, U, starts)
                     for x in range(Dv):
                         R[i, x] = f * (v[b, h, n, i, x] - rd[i, x])
                 _gemm(addr, N_, N_, C, Dv, C, Tinv[b, h, n], R, 0, U[b, h, n])  # U = Tinv R
+                if emit:                                                    # O = (P U + Qg S_0) · scale
+                    o = O[b, h, n]
+                    _gemm(addr, N_, N_, C, Dv, C, P[b, h, n], U[b, h, n], 0, o)
+                    for i in range(C):
+                        for x in range(Dv):
+                            o[i, x] = (o[i, x] + rd[C + i, x]) * scale
                 _gemm(addr, T_, N_, Dk, Dv, C, Kc[b, h, n], U[b, h, n], 0, X)   # Kcᵀ U
                 e = eC[b, h, n]
                 for d in range(Dk):                                         # S = e^{γ_C} S + Kcᵀ U
