@@ -79,6 +79,23 @@ def finish(o, av, row, scale, out, j0):
                         dst[pp * w + x] = (src[x] + add[x]) * f
 
 
+@numba.njit(inline="always")
+def _scaled_t(x, e, out):
+    """``out (D, C) = (x ∘ e)ᵀ`` for ``x (C, D)``, ``e (C, 1)``: one product a number."""
+    for s in range(x.shape[0]):
+        f = e[s, 0]
+        for d in range(x.shape[1]):
+            out[d, s] = x[s, d] * f
+
+
+@numba.njit(inline="always")
+def _times(a, b):
+    """``a *= b``, element by element."""
+    for i in range(a.shape[0]):
+        for s in range(a.shape[1]):
+            a[i, s] *= b[i, s]
+
+
 @numba.njit(nogil=True, cache=True)
 def forward_chunks(addr, q, k, v, eG, eK, row, e_gam, em_gam, mode, D, tri, S, out, scale):
     """The forward of a decay a head, float32, chunk after chunk with BLAS's ``sgemm`` between
@@ -109,10 +126,7 @@ def forward_chunks(addr, q, k, v, eG, eK, row, e_gam, em_gam, mode, D, tri, S, o
             qj, kj, vj = q[h, j], k[h, j], v[h, j]
             for a in range(p):                                          # Q S
                 _gemm(addr, N_, N_, C, w, Dk, qj, cur[a], 0, qs[a])
-            for s in range(C):                                          # Kgᵀ
-                f = eK[h, j, s, 0]
-                for d in range(Dk):
-                    kt[d, s] = kj[s, d] * f
+            _scaled_t(kj, eK[h, j], kt)                                 # Kgᵀ
             factored = mode[j] != 0
             if factored:                                                # tril(q Kgᵀ) · exp(-Γ)
                 _gemm(addr, N_, N_, C, C, Dk, qj, kt, 0, A)
@@ -122,9 +136,7 @@ def forward_chunks(addr, q, k, v, eG, eK, row, e_gam, em_gam, mode, D, tri, S, o
                         A[i, s] = (A[i, s] * tri[i, s]) * e
             else:                                                       # (q kᵀ) ∘ D; the state's part times exp(G)
                 _gemm(addr, N_, T_, C, C, Dk, qj, kj, 0, A)
-                for i in range(C):
-                    for s in range(C):
-                        A[i, s] *= D[h, j, i, s]
+                _times(A, D[h, j])
                 for a in range(p):
                     for i in range(C):
                         f = eG[h, j, i, 0]
@@ -132,12 +144,9 @@ def forward_chunks(addr, q, k, v, eG, eK, row, e_gam, em_gam, mode, D, tri, S, o
                             qs[a, i, x] *= f
             for a in range(p):                                          # A V
                 _gemm(addr, N_, N_, C, w, C, A, vj[:, a * w:(a + 1) * w], 0, av[a])
-            for i in range(C):                                          # (Q S + A V) · row
-                t = j * C + i
-                if t >= T:
-                    break
+            for i in range(min(C, T - j * C)):                          # (Q S + A V) · row
                 f = row[h, j, i, 0] if factored else scale
-                dst = out[h, t]
+                dst = out[h, j * C + i]
                 for a in range(p):
                     for x in range(w):
                         dst[a * w + x] = (qs[a, i, x] + av[a, i, x]) * f
@@ -178,10 +187,7 @@ def forward_merged(addr, q, k, v, eG, eK, row, e_gam, em_gam, mode, D, tri, S, o
         St[:] = S[h, 0]
         for j in range(Nc):
             qj, kj, vj = q[h, j], k[h, j], v[h, j]
-            for s in range(C):                                          # Kgᵀ
-                f = eK[h, j, s, 0]
-                for d in range(Dk):
-                    kt[d, s] = kj[s, d] * f
+            _scaled_t(kj, eK[h, j], kt)                                 # Kgᵀ
             factored = mode[j] != 0
             if factored:                                                # tril(q Kgᵀ) · exp(-Γ)
                 _gemm(addr, N_, N_, C, Dv + C, Dk, qj, W[C:], 0, O2)
@@ -192,20 +198,15 @@ def forward_merged(addr, q, k, v, eG, eK, row, e_gam, em_gam, mode, D, tri, S, o
             else:                                                       # (q kᵀ) ∘ D; the state's part times exp(G)
                 _gemm(addr, N_, N_, C, Dv, Dk, qj, St, 0, O2[:, :Dv])
                 _gemm(addr, N_, T_, C, C, Dk, qj, kj, 0, A)
-                for i in range(C):
-                    for s in range(C):
-                        A[i, s] *= D[h, j, i, s]
+                _times(A, D[h, j])
                 for i in range(C):
                     f = eG[h, j, i, 0]
                     for x in range(Dv):
                         O2[i, x] *= f
             _gemm(addr, N_, N_, C + Dk, Dv, C, W[:, Dv:], vj, 0, O1)
-            for i in range(C):                                          # (Q S + A V) · row
-                t = j * C + i
-                if t >= T:
-                    break
+            for i in range(min(C, T - j * C)):                          # (Q S + A V) · row
                 f = row[h, j, i, 0] if factored else scale
-                dst = out[h, t]
+                dst = out[h, j * C + i]
                 for x in range(Dv):
                     dst[x] = (O2[i, x] + O1[i, x]) * f
             e = e_gam[h, j, 0]
