@@ -197,19 +197,33 @@ def test_compiled_model_matches_eager_fullgraph(backend, twins):
         assert (logits(compiled, ids, mask) - logits(eager, ids, mask))[mask.bool()].abs().max().item() <= 1e-4
 
 
-def test_falcon_refuses_qkv_by_name():
-    """Falcon's attention does not call transformers' AttentionInterface: qkv would never run."""
+def test_falcon_on_qkv_as_its_attention_allows():
+    """Falcon's attention called no AttentionInterface before transformers 5.25 (qkv would never
+    run: building or switching it raises, naming qkv and the model); from 5.25 it does, and on
+    qkv it gives eager attention's logits. Which one holds is transformers' own sign."""
     if not hasattr(transformers, "FalconForCausalLM"):
         pytest.skip(f"transformers {transformers.__version__} has no Falcon")
     config = transformers.FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
-    config._attn_implementation = NAME
-    with pytest.raises(ValueError, match=r"qkv.*FalconForCausalLM"):
-        transformers.FalconForCausalLM(config)
     config._attn_implementation = "eager"
-    model = transformers.FalconForCausalLM(config)
-    with pytest.raises(ValueError, match=r"qkv.*Falcon"):
-        model.set_attn_implementation(NAME)
-    assert model.config._attn_implementation == "eager"
+    torch.manual_seed(0)
+    model = transformers.FalconForCausalLM(config).eval()
+    if not transformers.FalconForCausalLM._can_set_attn_implementation():
+        refused = copy.deepcopy(config)
+        refused._attn_implementation = NAME
+        with pytest.raises(ValueError, match=r"qkv.*FalconForCausalLM"):
+            transformers.FalconForCausalLM(refused)
+        with pytest.raises(ValueError, match=r"qkv.*Falcon"):
+            model.set_attn_implementation(NAME)
+        assert model.config._attn_implementation == "eager"
+        return
+    ids = torch.randint(0, VOCAB, (2, T))
+    with torch.no_grad():
+        want = model(ids).logits
+        on_qkv = copy.deepcopy(model)
+        on_qkv.set_attn_implementation(NAME)
+        assert on_qkv.config._attn_implementation == NAME
+        got = on_qkv(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_gemma2_default_config_caps_its_logits_at_50():

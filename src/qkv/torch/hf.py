@@ -21,7 +21,7 @@
 The window is the mask function's own (the one eager attention applies), read from its
 closure; a layer's ``sliding_window`` attribute or argument is not consulted.
 
-A model whose attention layers do not call the ``AttentionInterface`` (Falcon, Bloom, ...)
+A model whose attention layers do not call the ``AttentionInterface`` (Bloom, Falcon before 5.25)
 cannot run on qkv: building it with ``attn_implementation="qkv"``, or switching it with
 ``set_attn_implementation``, raises a ``ValueError`` naming qkv and the model.
 
