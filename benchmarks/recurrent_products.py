@@ -1,7 +1,8 @@
-"""The decay forward's matrix products alone, as its compiled loop runs them
-(:func:`qkv.kernels.decay_compiled.forward_chunks`): chunk after chunk from one compiled
-function, the same ``sgemm`` calls on operands of the same shapes and layouts, and none of
-the element-wise work. :func:`benchmarks.recurrent_suite.decay_products` times this for the
+"""The decay forward's four matrix products alone, chunk after chunk from one compiled function
+as :func:`qkv.kernels.decay_compiled.forward_chunks` calls them (``sgemm`` on operands of the
+same shapes and layouts), and none of the element-wise work. In one value panel the kernel
+makes them as two merged products (:func:`qkv.kernels.decay_compiled.forward_merged`), so
+there it can come in under this bound. :func:`benchmarks.recurrent_suite.decay_products` times this for the
 forward where the kernel takes that loop: NumPy's batched products would read each chunk's
 operands back from memory, which the loop does not, and could come out slower than the
 whole kernel.

@@ -24,8 +24,8 @@ Each row: ``kernel``, ``shape``, ``pass`` (fwd, fwd+bwd, decode), ``qkv_s``, ``p
 (medians), ``ratio`` (median over repeats of peer ÷ qkv within a repeat: above 1, qkv is
 faster), ``peer`` (what the peer is), and for ``decay`` ``products_s`` and ``bound``: the
 chunked form's matrix products alone (:func:`decay_products`) in the kernel's chunks,
-units and threads, and peer ÷ products, the most the ratio could be if everything else
-cost nothing. Timing: ``timing.rounds``, sides alternating, first side rotating.
+units and threads, and peer ÷ products: what the ratio would be if everything else cost
+nothing and the products were made four a chunk (the one-panel kernel merges them into two). Timing: ``timing.rounds``, sides alternating, first side rotating.
 """
 from __future__ import annotations
 

@@ -41,8 +41,8 @@ from pathlib import Path
 
 # Every module whose numba code is compiled or inlined into a compiled kernel; the source hash covers them all.
 COMPILED = ("qkv.kernels.flash.compiled", "qkv.kernels.blas_compiled", "qkv.kernels.rows_compiled",
-            "qkv.kernels.rows_fused", "qkv.kernels.decay_compiled", "qkv.kernels.delta_compiled", "qkv.kernels.rope_compiled", "qkv.kernels.scan_compiled",
-            "qkv.models.compiled", "qkv.nn.fused")
+            "qkv.kernels.rows_fused", "qkv.kernels.decay_compiled", "qkv.kernels.delta_compiled",
+            "qkv.kernels.rope_compiled", "qkv.kernels.scan_compiled", "qkv.models.compiled", "qkv.nn.fused")
 # What compiling costs, measured (docs/speed.md, "The first call: compiling the fast kernels").
 COMPILE_ABOUT = ("under a second a kernel; the row kernel's forward and backward about 10 and 13 s of CPU "
                  "for each softcap/dropout case a job runs")

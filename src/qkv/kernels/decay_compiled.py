@@ -8,9 +8,10 @@ memory where NumPy takes two calls and a temporary a chunk (at T = 4096 and C = 
 number is rounded as NumPy's ``S[j+1] += e * S[j]`` rounds it (the product, then the sum),
 so the two paths give the same bits. :func:`scaled_transpose`: the chunks' ``Kgᵀ``.
 :func:`finish`: the output, ``(Q S + A V) · row`` out of the panels, one pass a slab (NumPy
-took ``o += AV`` and a transposing product: at (1, 8, 4096, 128) about 14 against 5 ms). :func:`forward_chunks`: the
-whole forward of float32 and a decay a head, chunk after chunk, BLAS called from the loop
-(driven by :mod:`qkv.kernels.decay_fused`; where it runs, the three passes above do not).
+took ``o += AV`` and a transposing product: at (1, 8, 4096, 128) about 14 against 5 ms).
+:func:`forward_chunks` and :func:`forward_merged` (one value panel): the whole forward of
+float32 and a decay a head, chunk after chunk, BLAS called from the loop (driven by
+:mod:`qkv.kernels.decay_fused`; where they run, the three passes above do not).
 """
 from __future__ import annotations
 
@@ -38,19 +39,24 @@ def pass_states(S, e_gam, forward):
                         S[h, dst, a, d, x] += e * S[h, src, a, d, x]
 
 
+@numba.njit(inline="always")
+def _scaled_t(x, e, out):
+    """``out (D, C) = (x ∘ e)ᵀ`` for ``x (C, D)``, ``e (C, W)`` (W = 1 or D): one product a number."""
+    W = e.shape[1]
+    for s in range(x.shape[0]):
+        for d in range(x.shape[1]):
+            out[d, s] = x[s, d] * e[s, d if W > 1 else 0]
+
+
 @numba.njit(cache=True)
 def scaled_transpose(k, e, out):
     """``out[h, j] = (k[h, j] ∘ e[h, j])ᵀ``: ``k (n, Nc, C, Dk)``, ``e (n, Nc, C, W)`` with W = 1
     or Dk, ``out (n, Nc, Dk, C)`` (the chunks' ``Kgᵀ``), one product a number as NumPy's
     ``np.multiply(kᵀ, eᵀ)``, in one pass over a chunk that fits the first cache where NumPy's
     strided one runs at a third of a copy's speed."""
-    n, Nc, C, Dk = k.shape
-    W = e.shape[3]
-    for h in range(n):
-        for j in range(Nc):
-            for s in range(C):
-                for d in range(Dk):
-                    out[h, j, d, s] = k[h, j, s, d] * e[h, j, s, d if W > 1 else 0]
+    for h in range(k.shape[0]):
+        for j in range(k.shape[1]):
+            _scaled_t(k[h, j], e[h, j], out[h, j])
 
 
 @numba.njit(nogil=True, cache=True)
@@ -77,15 +83,6 @@ def finish(o, av, row, scale, out, j0):
                     src, add = o[h, j, pp, c], av[h, j, pp, c]
                     for x in range(w):
                         dst[pp * w + x] = (src[x] + add[x]) * f
-
-
-@numba.njit(inline="always")
-def _scaled_t(x, e, out):
-    """``out (D, C) = (x ∘ e)ᵀ`` for ``x (C, D)``, ``e (C, 1)``: one product a number."""
-    for s in range(x.shape[0]):
-        f = e[s, 0]
-        for d in range(x.shape[1]):
-            out[d, s] = x[s, d] * f
 
 
 @numba.njit(inline="always")
