@@ -14,8 +14,9 @@ Rows, float32, ``(B, H, T, D)`` with ``Dk = Dv = D``:
   chunk form of GLA; the peer is its step loop, so only short T).
 - ``delta`` (Gated DeltaNet): ``qkv.recurrent.delta_rule`` against transformers'
   ``torch_chunk_gated_delta_rule`` (Qwen3-Next), k L2-normalised, scale ``D^-1/2`` both.
-- ``growth``: ``decay`` forward at T = 2k ... 16k; ``slope_qkv`` and ``slope_peer`` are the
-  least-squares slopes of log time against log T (1: linear).
+- ``growth``: ``decay`` forward at T = 2k ... 16k, every T timed once in each round;
+  ``slope_qkv`` and ``slope_peer``: the median over rounds of the least-squares slope of log
+  time against log T (1: linear).
 - ``decode``: one token with a state, ``decay_attention`` at T = 1 from a ``(B, H, D, D)``
   state, against a softmax attention decode step ``qkv.attention`` over a KV cache of L
   keys: the first flat in L, the second linear.
@@ -241,6 +242,32 @@ def _slope(ts, secs) -> float:
     return float(np.polyfit(np.log(ts), np.log(secs), 1)[0])
 
 
+def _growth_rows(rng, gr, repeats, say):
+    """The ``decay`` forward at every T of ``gr``, measured together: each round times every
+    T once on each side, in rotating order, so a host whose speed drifts over the minutes a
+    row takes moves all T alike. ``slope_qkv``, ``slope_peer``: the median over rounds of the
+    slope of that round's times (the rows' seconds and ratios are medians as elsewhere)."""
+    fns, shapes = {}, {}
+    for t in gr["ts"]:
+        say(f"growth T={t}")
+        shapes[t] = (gr["b"], gr["h"], t, gr["d"])
+        q, k, v, dout, params = _inputs(rng, "decay", shapes[t])
+        fns[f"qkv@{t}"] = _qkv_side("decay", q, k, v, dout, params, False)
+        fns[f"peer@{t}"] = _peer_side("decay", q, k, v, dout, params, False)
+        fns[f"products@{t}"] = decay_products(q, k, v, dout, False)
+    runs = rounds(fns, repeats, rotate=True)
+    walls = {m: [w for w, _ in r] for m, r in runs.items()}
+    ts = list(gr["ts"])
+    slope = {side: statistics.median(_slope(ts, [walls[f"{side}@{t}"][r] for t in ts]) for r in range(repeats))
+             for side in ("qkv", "peer")}
+    med = lambda side, t: statistics.median(walls[f"{side}@{t}"])  # noqa: E731
+    per = lambda side, t: statistics.median(  # noqa: E731
+        a / b for a, b in zip(walls[f"peer@{t}"], walls[f"{side}@{t}"]))
+    return [dict(kernel="decay", group="growth", shape=list(shapes[t]), **{"pass": "fwd"}, qkv_s=med("qkv", t),
+                 peer_s=med("peer", t), ratio=per("qkv", t), peer=PEERS["decay"], products_s=med("products", t),
+                 bound=per("products", t), slope_qkv=slope["qkv"], slope_peer=slope["peer"]) for t in ts]
+
+
 def measure(repeats: int, quick: bool, progress=None, *, kernels=KERNELS, layers: bool = True,
             seed: int = 0) -> list[dict]:
     """Every row (see the module docstring); the caller sets the threads of both sides."""
@@ -253,16 +280,7 @@ def measure(repeats: int, quick: bool, progress=None, *, kernels=KERNELS, layers
     for kern, shape, pass_ in cases(quick, kernels):
         say(f"{kern} {shape} {pass_}")
         rows.append(_kernel_row(rng, kern, shape, pass_, repeats))
-    gr = sizes["growth"]
-    growth = []
-    for t in gr["ts"]:
-        say(f"growth T={t}")
-        growth.append(_kernel_row(rng, "decay", (gr["b"], gr["h"], t, gr["d"]), "fwd", repeats, group="growth"))
-    ts = [r["shape"][2] for r in growth]
-    for r in growth:
-        r["slope_qkv"] = _slope(ts, [x["qkv_s"] for x in growth])
-        r["slope_peer"] = _slope(ts, [x["peer_s"] for x in growth])
-    rows += growth
+    rows += _growth_rows(rng, sizes["growth"], repeats, say)
     for L in sizes["decode"]["ls"]:
         say(f"decode L={L}")
         rows.append(_decode_row(rng, sizes["decode"], L, repeats))

@@ -61,3 +61,26 @@ def test_the_products_bound_runs_the_chunked_forms_products():
     from qkv_benchmarks.recurrent_suite import decay_products
     q = np.random.default_rng(0).standard_normal((1, 2, 100, 8)).astype(np.float32)
     decay_products(q, q, q, q, backward=True, chunk=16)()
+
+
+def test_growth_slopes_are_taken_within_rounds(tiny, monkeypatch):
+    """Every round times every T; a host whose speed swings between rounds (here 1x to 8x)
+    leaves each round's slope, and so their median, at the work's own slope (here 1)."""
+    pytest.importorskip("torch", reason="the growth rows' peer needs PyTorch")
+    if tiny.peer_missing():
+        pytest.skip(tiny.peer_missing())
+    import numpy as np
+    ts, drift = (64, 128, 256), (1.0, 8.0, 2.0, 5.0, 1.5)
+    seen = {}
+
+    def fake_rounds(fns, repeats, rotate):
+        seen["names"] = sorted(fns)
+        return {m: [(drift[r] * int(m.split("@")[1]) * (2.0 if m.startswith("peer") else 1.0), 0.0)
+                    for r in range(repeats)] for m in fns}
+    monkeypatch.setattr(tiny, "rounds", fake_rounds)
+    rows = tiny._growth_rows(np.random.default_rng(0), dict(b=1, h=1, d=8, ts=ts), len(drift), lambda label: None)
+    assert seen["names"] == sorted(f"{s}@{t}" for s in ("qkv", "peer", "products") for t in ts)
+    assert [r["shape"][2] for r in rows] == list(ts)
+    for r in rows:
+        assert r["slope_qkv"] == pytest.approx(1.0) and r["slope_peer"] == pytest.approx(1.0)
+        assert r["ratio"] == pytest.approx(2.0) and r["qkv_s"] == pytest.approx(2.0 * r["shape"][2])
