@@ -220,3 +220,25 @@ def test_the_compiled_forward_leaves_q_is_k_to_numpy(monkeypatch):
     monkeypatch.setattr(jit, "load", lambda name: None)
     for got, want in zip(both, decay.forward(q, q, v, g, scale=0.5, chunk=32)):
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("C, sub, Dk", [(64, 16, 64), (64, 16, 128), (50, 16, 24), (32, 7, 5), (16, 16, 1)])
+def test_the_compiled_channel_scores_give_einsums_bits(monkeypatch, dtype, C, sub, Dk):
+    """A decay a key channel: the scores' diagonal blocks made in one compiled pass, their
+    decays multiplied row by row as it goes (decay_compiled.channel_scores), against NumPy's
+    einsum over the stored (c, c, Dk) products, bit for bit: slab views (not contiguous),
+    scores of ±30 magnitude, decays down to exp(-30) a step (products that underflow)."""
+    if not jit.enabled():
+        pytest.skip("numba (the fast extra) is not installed, or QKV_JIT=0")
+    from qkv.kernels import decay_intra
+    rng = np.random.default_rng(C + Dk)
+    g = -30 * rng.random((3, 6, C, Dk)) ** 3
+    a = np.exp(g).astype(dtype)[:, 1:-1]
+    q, k = ((30 * rng.standard_normal((3, 6, C, Dk))).astype(dtype)[:, 1:-1] for _ in range(2))
+    compiled = decay_intra.ChannelDecay(a, sub).scores(q, k)
+    monkeypatch.setattr(jit, "load", lambda name: None)
+    plain = decay_intra.ChannelDecay(a, sub).scores(q, k)
+    assert np.all(np.diagonal(plain, axis1=-2, axis2=-1) != 0)                 # E_ii = 1: every row made
+    assert np.all(np.triu(plain, 1) == 0) and np.all(np.isfinite(plain))
+    np.testing.assert_array_equal(compiled, plain)

@@ -12,6 +12,8 @@ took ``o += AV`` and a transposing product: at (1, 8, 4096, 128) about 14 agains
 :func:`forward_chunks` and :func:`forward_merged` (one value panel): the whole forward of
 float32 and a decay a head, chunk after chunk, BLAS called from the loop (driven by
 :mod:`qkv.kernels.decay_fused`; where they run, the three passes above do not).
+:func:`channel_scores`: with a decay a key channel, the scores' diagonal sub-blocks, their
+``(c, c, Dk)`` decays made row by row in the first cache instead of stored (einsum's bits).
 """
 from __future__ import annotations
 
@@ -211,3 +213,38 @@ def forward_merged(addr, q, k, v, eG, eK, row, e_gam, em_gam, mode, D, tri, S, o
                 for x in range(Dv):
                     St[d, x] = O1[C + d, x] + e * St[d, x]
         S[h, 0] = St
+
+
+@numba.njit(nogil=True, cache=True)
+def channel_scores(q, k, a, A, sub):
+    """The diagonal sub-blocks of the scores with a decay a key channel, without their
+    ``(c, c, Dk)`` factor: for the rows i of each block ``[r0, r1)`` of ``sub`` rows and
+    ``r0 <= s <= i``, ``A[h, j, i, s] = Σ_d q_id k_sd E_isd`` with ``E_isd = Π_{s < t <= i} a_td``
+    made row by row as :func:`qkv.kernels.decay_intra._products` makes it
+    (``E_is = E_{i-1,s} a_i``, ``E_ii = 1``), kept for one block in the first cache.
+    ``q, k, a (n, M, C, Dk)``, ``A (n, M, C, C)`` (the rest of A untouched). The sum over d
+    runs in order; NumPy's ``einsum`` sums otherwise, so the bits are this loop's own."""
+    n, M, C, Dk = q.shape
+    kt = np.empty((Dk, sub), A.dtype)                 # the block's keys, transposed: s contiguous
+    et = np.empty((Dk, sub), A.dtype)                 # E_i·d for the block's columns s <= i
+    acc = np.empty(sub, A.dtype)
+    for h in range(n):
+        for j in range(M):
+            for r0 in range(0, C, sub):
+                c = min(sub, C - r0)
+                for s in range(c):
+                    for d in range(Dk):
+                        kt[d, s] = k[h, j, r0 + s, d]
+                for x in range(c):                    # row i = r0 + x
+                    for d in range(Dk):
+                        ad = a[h, j, r0 + x, d]
+                        for s in range(x):
+                            et[d, s] *= ad
+                        et[d, x] = 1
+                    acc[:x + 1] = 0
+                    for d in range(Dk):
+                        qd = q[h, j, r0 + x, d]
+                        for s in range(x + 1):
+                            acc[s] += qd * kt[d, s] * et[d, s]
+                    for s in range(x + 1):
+                        A[h, j, r0 + x, r0 + s] = acc[s]

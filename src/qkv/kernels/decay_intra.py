@@ -57,6 +57,7 @@ from functools import cached_property
 
 import numpy as np
 
+from .. import jit
 from .flash.tiles import DEFAULT, scratch
 
 SUB = 16      # rows of a diagonal sub-block (decay a key channel)
@@ -171,33 +172,49 @@ class HeadDecay:
 
 class ChannelDecay:
     """A decay a key channel: per sub-block I (rows ``r0:r1``) the diagonal block
-    ``E_I = exp(G_i - G_s)`` ``(n, M, c, c, Dk)`` and, below the diagonal, the factors about
+    ``E_I = exp(G_i - G_s)`` ``(n, M, c, c, Dk)`` (made when first asked for: the compiled
+    forward's scores make its rows as they go) and, below the diagonal, the factors about
     row ``r = r0 - 1``: ``eq_I = exp(G_I - G_r)`` ``(n, M, c, Dk)`` and
     ``ek_I = exp(G_r - G_<I)`` ``(n, M, r0, Dk)``."""
 
     def __init__(self, a: np.ndarray, sub: int = SUB):
-        n, M, C, Dk = a.shape
-        cuts = [(r0, min(r0 + sub, C)) for r0 in range(0, C, sub)]
-        buf = scratch(sum(n * M * (r1 - r0) ** 2 * Dk for r0, r1 in cuts), a.dtype, DEFAULT, "decay_E")
-        buf.fill(0)
-        self.blocks, at = [], 0
-        for r0, r1 in cuts:
-            size = n * M * (r1 - r0) ** 2 * Dk
-            E = _products(a[:, :, r0:r1], buf[at:at + size].reshape(n, M, r1 - r0, r1 - r0, Dk))
-            at += size
+        C = a.shape[2]
+        self.a, self.sub = a, sub
+        self.cuts = [(r0, min(r0 + sub, C)) for r0 in range(0, C, sub)]
+        self.below = []
+        for r0, r1 in self.cuts:
             eq = ek = None
             if r0:
                 eq = np.cumprod(a[:, :, r0:r1], axis=2)                  # Π_{r < j <= i} a_j  (n,M,c,Dk)
                 ek = np.ones(a.shape[:2] + (r0,) + a.shape[3:], a.dtype)  # Π_{s < j <= r} a_j  (n,M,r0,Dk)
                 if r0 > 1:
                     ek[:, :, :-1] = np.cumprod(a[:, :, r0 - 1:0:-1], axis=2)[:, :, ::-1]
-            self.blocks.append((r0, r1, E, eq, ek))
+            self.below.append((eq, ek))
+
+    @cached_property
+    def blocks(self):
+        """``(r0, r1, E, eq, ek)`` a sub-block."""
+        n, M, _, Dk = self.a.shape
+        buf = scratch(sum(n * M * (r1 - r0) ** 2 * Dk for r0, r1 in self.cuts), self.a.dtype, DEFAULT, "decay_E")
+        buf.fill(0)
+        out, at = [], 0
+        for (r0, r1), (eq, ek) in zip(self.cuts, self.below):
+            size = n * M * (r1 - r0) ** 2 * Dk
+            out.append((r0, r1, _products(self.a[:, :, r0:r1], buf[at:at + size].reshape(n, M, r1 - r0, r1 - r0, Dk)),
+                        eq, ek))
+            at += size
+        return out
 
     def scores(self, q, k, Qg=None, KgT=None):
         n, M, C = q.shape[:3]
         A = np.zeros((n, M, C, C), q.dtype)
-        for r0, r1, E, eq, ek in self.blocks:
-            A[:, :, r0:r1, r0:r1] = np.einsum("nmid,nmsd,nmisd->nmis", q[:, :, r0:r1], k[:, :, r0:r1], E)
+        mod = jit.load(jit.DECAY) if q.dtype in (np.float32, np.float64) else None
+        if mod is not None:                                              # the diagonal blocks, E made as it goes
+            mod.channel_scores(q, k, self.a, A, self.sub)
+        for b, ((r0, r1), (eq, ek)) in enumerate(zip(self.cuts, self.below)):
+            if mod is None:
+                E = self.blocks[b][2]
+                A[:, :, r0:r1, r0:r1] = np.einsum("nmid,nmsd,nmisd->nmis", q[:, :, r0:r1], k[:, :, r0:r1], E)
             if r0:                                                       # (n,M,c,Dk) @ (n,M,Dk,r0) -> (n,M,c,r0)
                 A[:, :, r0:r1, :r0] = (q[:, :, r0:r1] * eq) @ _t(k[:, :, :r0] * ek)
         return A
