@@ -242,3 +242,21 @@ def test_the_compiled_channel_scores_give_einsums_bits(monkeypatch, dtype, C, su
     assert np.all(np.diagonal(plain, axis1=-2, axis2=-1) != 0)                 # E_ii = 1: every row made
     assert np.all(np.triu(plain, 1) == 0) and np.all(np.isfinite(plain))
     np.testing.assert_array_equal(compiled, plain)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("W", [1, 7])
+def test_the_compiled_cumulative_decay_gives_numpys_bits(monkeypatch, dtype, W):
+    """``G = cumsum(max(g, FLOOR))`` over each chunk in float64 (decay_compiled.chunk_cumsum)
+    against NumPy's three calls, bit for bit: steep decays, one below the floor, -inf and NaN
+    (kept, as np.maximum keeps it), a strided slab view."""
+    if not jit.enabled():
+        pytest.skip("numba (the fast extra) is not installed, or QKV_JIT=0")
+    from qkv.kernels import decay_intra
+    g = (-30 * np.random.default_rng(W).random((3, 6, 64, W)) ** 3).astype(dtype)
+    g[0, 1, 3, 0], g[1, 2, 5, -1], g[2, 3, 1, 0], g[2, 4, 0, -1] = np.nan, -1e5, -np.inf, -2e3
+    compiled = decay_intra.cumulative(g[:, 1:], decay.FLOOR)
+    monkeypatch.setattr(jit, "load", lambda name: None)
+    plain = decay_intra.cumulative(g[:, 1:], decay.FLOOR)
+    assert compiled.dtype == plain.dtype == np.float64 and np.isnan(plain).any() and np.nanmin(plain) < -1000
+    np.testing.assert_array_equal(compiled, plain)

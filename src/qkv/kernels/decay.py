@@ -162,7 +162,7 @@ def _split(x: np.ndarray, C: int) -> np.ndarray:
 
 def _chunks(q, k, v, g, C) -> _Chunks:
     dt = q.dtype
-    G = np.cumsum(np.maximum(_split(g, C).astype(np.float64), FLOOR), axis=2)   # (n,Nc,C,W)
+    G = decay_intra.cumulative(_split(g, C), FLOOR)                       # (n,Nc,C,W) float64
     Gam = G[:, :, -1:]                                                    # (n,Nc,1,W)
     eG = decay_intra.decayed(G, dt)                                       # (float32: 0 below 2^-60)
     eK = decay_intra.decayed(Gam - G, dt)

@@ -248,3 +248,42 @@ def channel_scores(q, k, a, A, sub):
                             acc[s] += qd * kt[d, s] * et[d, s]
                     for s in range(x + 1):
                         A[h, j, r0 + x, r0 + s] = acc[s]
+
+
+@numba.njit(nogil=True, cache=True)
+def channel_factors(a, r0, eq, ek):
+    """A decay a key channel, the factors of a sub-block (rows ``r0 …``) below the diagonal,
+    about row ``r = r0 - 1``: ``eq[.., x, :] = Π_{r < j <= r0 + x} a_j`` and
+    ``ek[.., s, :] = Π_{s < j <= r} a_j`` (``ek[.., r, :] = 1``), each a running product as
+    NumPy's ``cumprod`` makes it (the same bits). ``a (n, M, C, Dk)``, ``eq (n, M, c, Dk)``,
+    ``ek (n, M, r0, Dk)``."""
+    n, M, c, Dk = eq.shape
+    for h in range(n):
+        for j in range(M):
+            for d in range(Dk):
+                eq[h, j, 0, d] = a[h, j, r0, d]
+            for x in range(1, c):
+                for d in range(Dk):
+                    eq[h, j, x, d] = eq[h, j, x - 1, d] * a[h, j, r0 + x, d]
+            for d in range(Dk):
+                ek[h, j, r0 - 1, d] = 1
+            for s in range(r0 - 2, -1, -1):
+                for d in range(Dk):
+                    ek[h, j, s, d] = ek[h, j, s + 1, d] * a[h, j, s + 1, d]
+
+
+@numba.njit(nogil=True, cache=True)
+def chunk_cumsum(g, floor, G):
+    """``G[h, j] = cumsum(max(g[h, j], floor))`` over each chunk's rows in float64, one pass
+    where NumPy makes three (the float64 copy, the maximum, the sum), each number rounded as
+    NumPy rounds it (NaN kept as ``np.maximum`` keeps it). ``g (n, Nc, C, W)``, ``G`` float64."""
+    n, Nc, C, W = g.shape
+    for h in range(n):
+        for j in range(Nc):
+            for w in range(W):
+                x = np.float64(g[h, j, 0, w])
+                G[h, j, 0, w] = floor if x < floor else x
+            for i in range(1, C):
+                for w in range(W):
+                    x = np.float64(g[h, j, i, w])
+                    G[h, j, i, w] = G[h, j, i - 1, w] + (floor if x < floor else x)

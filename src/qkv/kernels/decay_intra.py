@@ -88,6 +88,17 @@ def decayed(x64: np.ndarray, dtype) -> np.ndarray:
     return np.exp(x)
 
 
+def cumulative(g: np.ndarray, floor: float) -> np.ndarray:
+    """``G = cumsum(max(g, floor))`` over each chunk's rows (axis 2) in float64, ``g (n, Nc, C, W)``:
+    compiled where the ``fast`` extra is (:func:`qkv.kernels.decay_compiled.chunk_cumsum`, the same bits)."""
+    mod = jit.load(jit.DECAY) if g.dtype in (np.float32, np.float64) else None
+    if mod is None:
+        return np.cumsum(np.maximum(g.astype(np.float64), floor), axis=2)
+    G = np.empty(g.shape, np.float64)
+    mod.chunk_cumsum(g, floor, G)
+    return G
+
+
 def _lower(G_rows: np.ndarray, G_cols: np.ndarray, dtype) -> np.ndarray:
     """``exp(G_i - G_s)`` where ``s <= i`` and 0 above the diagonal.
 
@@ -182,9 +193,14 @@ class ChannelDecay:
         self.a, self.sub = a, sub
         self.cuts = [(r0, min(r0 + sub, C)) for r0 in range(0, C, sub)]
         self.below = []
+        mod = jit.load(jit.DECAY) if a.dtype in (np.float32, np.float64) else None
         for r0, r1 in self.cuts:
             eq = ek = None
-            if r0:
+            if r0 and mod is not None:                                   # the same running products, one pass
+                eq = np.empty(a.shape[:2] + (r1 - r0,) + a.shape[3:], a.dtype)
+                ek = np.empty(a.shape[:2] + (r0,) + a.shape[3:], a.dtype)
+                mod.channel_factors(a, r0, eq, ek)
+            elif r0:
                 eq = np.cumprod(a[:, :, r0:r1], axis=2)                  # Π_{r < j <= i} a_j  (n,M,c,Dk)
                 ek = np.ones(a.shape[:2] + (r0,) + a.shape[3:], a.dtype)  # Π_{s < j <= r} a_j  (n,M,r0,Dk)
                 if r0 > 1:
