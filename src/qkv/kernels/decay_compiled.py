@@ -222,8 +222,9 @@ def channel_scores(q, k, a, A, sub):
     ``r0 <= s <= i``, ``A[h, j, i, s] = Σ_d q_id k_sd E_isd`` with ``E_isd = Π_{s < t <= i} a_td``
     made row by row as :func:`qkv.kernels.decay_intra._products` makes it
     (``E_is = E_{i-1,s} a_i``, ``E_ii = 1``), kept for one block in the first cache.
-    ``q, k, a (n, M, C, Dk)``, ``A (n, M, C, C)`` (the rest of A untouched). The sum over d
-    runs in order; NumPy's ``einsum`` sums otherwise, so the bits are this loop's own."""
+    ``q, k, a (n, M, C, Dk)``, ``A (n, M, C, C)`` (the rest of A untouched). Each term is
+    ``(q k) E`` and the sum over d runs in order, as NumPy's three-operand ``einsum`` makes
+    them: its bits (tested)."""
     n, M, C, Dk = q.shape
     kt = np.empty((Dk, sub), A.dtype)                 # the block's keys, transposed: s contiguous
     et = np.empty((Dk, sub), A.dtype)                 # E_i·d for the block's columns s <= i
