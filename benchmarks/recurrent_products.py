@@ -1,7 +1,7 @@
 """The decay forward's four matrix products alone, chunk after chunk from one compiled function
-as :func:`qkv.kernels.decay_compiled.forward_chunks` calls them (``sgemm`` on operands of the
+as :func:`qkv.recurrent.decay.compiled.forward_chunks` calls them (``sgemm`` on operands of the
 same shapes and layouts), and none of the element-wise work. In one value panel the kernel
-makes them as two merged products (:func:`qkv.kernels.decay_compiled.forward_merged`), so
+makes them as two merged products (:func:`qkv.recurrent.decay.compiled.forward_merged`), so
 there it can come in under this bound. :func:`benchmarks.recurrent_suite.decay_products` times this for the
 forward where the kernel takes that loop: NumPy's batched products would read each chunk's
 operands back from memory, which the loop does not, and could come out slower than the
@@ -21,7 +21,7 @@ def loop():
         return None
     import numba
 
-    from qkv.kernels.blas_compiled import _gemm
+    from qkv.kernels.blas_compiled import gemm
 
     @numba.njit(nogil=True)
     def products(addr, q, kT, v, S):
@@ -35,11 +35,11 @@ def loop():
             for j in range(Nc):
                 qj, kt, vj = q[h, j], kT[h, j], v[h, j]
                 for a in range(p):
-                    _gemm(addr, 78, 78, C, w, Dk, qj, S[h, a], 0, qs[a])                     # Q S
-                _gemm(addr, 78, 78, C, C, Dk, qj, kt, 0, A)                                  # Q Kgᵀ
+                    gemm(addr, 78, 78, C, w, Dk, qj, S[h, a], 0, qs[a])                     # Q S
+                gemm(addr, 78, 78, C, C, Dk, qj, kt, 0, A)                                  # Q Kgᵀ
                 for a in range(p):
-                    _gemm(addr, 78, 78, C, w, C, A, vj[:, a * w:(a + 1) * w], 0, av[a])     # A V
-                    _gemm(addr, 78, 78, Dk, w, C, kt, vj[:, a * w:(a + 1) * w], 0, nxt[a])  # Kgᵀ V
+                    gemm(addr, 78, 78, C, w, C, A, vj[:, a * w:(a + 1) * w], 0, av[a])     # A V
+                    gemm(addr, 78, 78, Dk, w, C, kt, vj[:, a * w:(a + 1) * w], 0, nxt[a])  # Kgᵀ V
 
     addr = (mod.SGEMM, int(mod.ILP64))
     return lambda q, kT, v, S: products(addr, q, kT, v, S)

@@ -155,7 +155,7 @@ def decay_products(q, k, v, dout, backward: bool, chunk: int | None = None):
     ``dAᵀ Q``. The results are garbage; only the time counts."""
     import numpy as np
 
-    from qkv.kernels import decay
+    from qkv.recurrent.decay import chunk as decay
 
     B, H, T, D = q.shape
     C = decay._chunk_size(chunk, T, D)

@@ -48,7 +48,7 @@ def flops(shape, causal: bool, pass_: str) -> float:
 
 
 class _Free:
-    """:mod:`qkv.kernels.rows_fused` with its row passes left out (``passes=False``)."""
+    """:mod:`qkv.kernels.rows.kernel.fused` with its row passes left out (``passes=False``)."""
 
     def __init__(self, real):
         self.real = real
@@ -69,7 +69,7 @@ def products_only(fn):
     """``fn`` (a runner of ``method="auto"``) run with the row kernel's element-wise passes
     left out, or None without the fast extra (the NumPy row kernel has no such switch). The
     results are garbage; only the time counts."""
-    from qkv.kernels import rows
+    from qkv.kernels.rows import kernel as rows
     if rows._fused() is None:
         return None
     from qkv import jit

@@ -18,7 +18,7 @@ attention weights, as nanoGPT's; the two models draw different masks).
 - :func:`make_adamw` ``(torch_model, lr, ...)``: ``torch.optim.AdamW`` with qkv's groups
   (decay on matrices, none on the embeddings, norms and biases).
 
-The tests (tests/test_gpt.py) and the ``gpt`` bench suite import this module as
+The tests (tests/layers/test_gpt.py) and the ``gpt`` bench suite import this module as
 ``qkv_benchmarks.torch_gpt``; torch is imported here at the top, so import it only where
 torch is installed.
 """

@@ -26,7 +26,7 @@ DIFFERENTIAL = pytest.StashKey[dict]()
 
 @pytest.fixture(scope="session")
 def differential_counts(request):
-    """Cases run per entry point by tests/test_differential.py, printed in the summary."""
+    """Cases run per entry point by tests/attention/test_differential.py, printed in the summary."""
     return request.config.stash.setdefault(DIFFERENTIAL, {})
 
 

@@ -1,4 +1,4 @@
-"""The differential harness's judge, shared by tests/test_differential.py and the MPI worker
+"""The differential harness's judge, shared by tests/attention/test_differential.py and the MPI worker
 tests/mpi_differential.py (the problems are tests/problems.py, the oracle tests/oracle.py).
 
 For every result, against the float64 oracle on the same inputs (DESIGN.md, "Numerics
@@ -11,7 +11,7 @@ policy"):
   twice the error of the plain float32 dense computation (the oracle's own code run in
   float32, results rounded to the output dtype) on the same inputs, with a floor of 4 ulps of
   the result's size (below it an error is rounding of the result, and a ratio of two such
-  errors measures luck). Norms over whole arrays, as tests/test_adversarial.py measures.
+  errors measures luck). Norms over whole arrays, as tests/attention/test_adversarial.py measures.
 
 The layers are judged the same way, their sizes carried through each product from the
 attention's own. An option that does not fit the compute dtype (a window or chunk past
@@ -192,7 +192,8 @@ def every_kernel(spec, dtype) -> dict:
     the registered ones (``method=``) and ``method="auto"``'s own choices (the stacked dense
     kernel, the row kernel with the fast extra, its NumPy form), where each applies."""
     from qkv import api, kernels
-    from qkv.kernels import rows, rows_numpy, stacked
+    from qkv.kernels import stacked
+    from qkv.kernels.rows import kernel as rows, numpy_rows as rows_numpy
 
     found = {name: kernels.lookup(name) for name in kernels.names()}
     if stacked.applies(spec):

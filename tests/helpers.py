@@ -56,3 +56,20 @@ def worst(errors: dict) -> tuple:
     """``(largest error, its name)`` of a ``{name: error}`` dict (the gradient checks' report)."""
     name = max(errors, key=errors.get)
     return errors[name], name
+
+
+# --- a training text (the GPT tests: layers/, distributed/) ---------------------------------
+
+WORDS = ("the king my lord and of to a you is that in not me it his with be your for this but he "
+         "have thou so him what by shall will do no all are we our as sir good now o if come more").split()
+
+
+def text_corpus(n_lines: int = 400, seed: int = 0) -> str:
+    """A small play-like text: speaker names and lines of common words (about 50 characters a line)."""
+    rng = np.random.default_rng(seed)
+    names = ["KING", "QUEEN", "FOOL"]
+    lines = []
+    for i in range(n_lines):
+        words = rng.choice(WORDS, size=rng.integers(4, 12))
+        lines.append(f"{names[i % 3]}:\n{' '.join(words).capitalize()}.\n")
+    return "\n".join(lines)

@@ -1,5 +1,5 @@
 """Run under ``mpiexec -n W python -m mpi4py tests/mpi_differential.py SEED N_RING N_LAYER``;
-driven by tests/test_differential.py.
+driven by tests/attention/test_differential.py.
 
 Every rank draws the same problems (tests/problems.py, kinds ``"ring"`` and
 ``"ring_layer"``), runs ring attention (forward, lse, backward) or RingMultiHeadAttention

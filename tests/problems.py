@@ -1,4 +1,4 @@
-"""The differential harness's problems (tests/test_differential.py, tests/mpi_differential.py).
+"""The differential harness's problems (tests/attention/test_differential.py, tests/mpi_differential.py).
 
 ``make_case(seed, index, kind)`` draws one problem from ``np.random.default_rng([seed,
 index, kind, world])``, so ``(seed, index, kind)`` is a complete reproduction. Kinds:

@@ -52,7 +52,7 @@ def float64():
     """While active, transformers' recurrent modules compute a float64 module in float64: a float64
     tensor cast to float32 (``.float()``, ``.to``, ``.type``) stays float64, the modeling modules'
     ``torch.float32`` is float64, and RecurrentGemma's scan accumulates in float64. The one float64
-    patch of the tests (tests/test_recurrent_layers.py and tests/test_torch_recurrent_layers.py)."""
+    patch of the tests (tests/layers/test_recurrent_layers.py and tests/torch_hf/test_torch_recurrent_layers.py)."""
     t = _torch()
     real_float, real_to, real_type = t.Tensor.float, t.Tensor.to, t.Tensor.type
     modules = _modeling_modules()

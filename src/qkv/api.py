@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import kernels
-from .kernels import bias_grad, rows, rows_numpy, stacked
+from .kernels import bias_grad, stacked
+from .kernels.rows import kernel as rows, numpy_rows as rows_numpy
 from .kernels.registry import Kernel
 from . import options as opts
 from .errors import ShapeError, as_float_array, fmt_shape
@@ -56,7 +57,7 @@ class _WeightsBeside:
 # 256, 16); at T = 512 0.76-1.17 (left to the tiles). Below AUTO_FLASH_MIN the dense path
 # over all heads at once is as fast or faster ((12, 4, 64, 32) fwd+bwd 2.3 against 2.8 ms).
 AUTO_STACK_MAX = 256 * 256
-# With the fast extra, float32, method="auto" takes qkv.kernels.rows (the stacked products with
+# With the fast extra, float32, method="auto" takes qkv.kernels.rows.kernel (the stacked products with
 # one compiled softmax pass a row, causal rows in blocks that skip the keys they cannot see)
 # at any size up to this many entries a head, before all of the above. Measured (Zen 4) in
 # CPU time on one thread, fwd+bwd, torch SDPA / rows, AVX-512: 1.04-1.18 full and 1.10-1.53
@@ -64,7 +65,7 @@ AUTO_STACK_MAX = 256 * 256
 # the tiled kernel is 0.90 / 1.01; at T = 4096 the rows lose to the tiles in the backward
 # (2.0 against 1.5 s). Two threads, the shapes suite: docs/speed.md.
 AUTO_ROWS_MAX = 1024 * 1024
-# Without the fast extra, float32 plain scores: qkv.kernels.rows_numpy from this many entries
+# Without the fast extra, float32 plain scores: qkv.kernels.rows.numpy_rows from this many entries
 # (B·H·Tq·Tk) on. Measured (Zen 4, fwd+bwd causal): 103 µs against the reference's 81 at
 # (1, 1, 8, 8), 279 against 286 at (4, 4, 32, 32); the shapes suite: docs/speed.md.
 AUTO_ROWS_NUMPY_MIN = 2 ** 14

@@ -4,8 +4,8 @@ Each part keeps its numba code beside it, in a module that imports numba and is 
 from here: :func:`flash` gives :mod:`qkv.kernels.flash.compiled` (the score tiles'
 exponential, the decoding rows' products), :func:`encoder` gives :mod:`qkv.models.compiled`
 (the encoder's bias + GELU and residual + LayerNorm); :data:`ROWS` names
-:mod:`qkv.kernels.rows_compiled` (short sequences' attention, a query row a pass) and
-:data:`ROWS_FUSED` :mod:`qkv.kernels.rows_fused` (those passes and the products, a call's every head in one
+:mod:`qkv.kernels.rows.compiled` (short sequences' attention, a query row a pass) and
+:data:`ROWS_FUSED` :mod:`qkv.kernels.rows.fused` (those passes and the products, a call's every head in one
 parallel loop). Every pass there is a module-level
 ``njit`` with ``cache=True``: compiled once per machine into qkv's kernel cache (a user
 cache folder keyed by qkv's version, the CPU and the kernels' source; see
@@ -23,12 +23,12 @@ from types import ModuleType
 
 FLASH = "qkv.kernels.flash.compiled"
 ENCODER = "qkv.models.compiled"
-ROWS = "qkv.kernels.rows_compiled"
-DECAY = "qkv.kernels.decay_compiled"  # the decay kernel's scan of the states between chunks
-DELTA = "qkv.kernels.delta_compiled"  # the delta rule's (I + A)⁻¹ by forward substitution
-ROWS_FUSED = "qkv.kernels.rows_fused"   # the row kernel's whole call, one parallel loop over heads
+ROWS = "qkv.kernels.rows.compiled"
+DECAY = "qkv.recurrent.decay.compiled"  # the decay kernel's scan of the states between chunks
+DELTA = "qkv.recurrent.delta.compiled"  # the delta rule's (I + A)⁻¹ by forward substitution
+ROWS_FUSED = "qkv.kernels.rows.fused"   # the row kernel's whole call, one parallel loop over heads
 ROPE = "qkv.kernels.rope_compiled"      # rotary position embedding in one pass
-SCAN = "qkv.kernels.scan_compiled"      # Griffin's diagonal recurrence, forward and backward, one pass each
+SCAN = "qkv.recurrent.scan.compiled"      # Griffin's diagonal recurrence, forward and backward, one pass each
 
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}

@@ -4,8 +4,8 @@ numba compiles a ``cache=True`` function at its first call for a signature and k
 machine code on disk. Its own cache sits in ``__pycache__`` beside each module and is
 stamped with that file's modification time, so every checkout or virtual environment
 compiles anew (about two CPU-minutes for a training run), and a change in a helper that a
-kernel *inlines* from another file (:mod:`qkv.kernels.rows_compiled` into
-:mod:`qkv.kernels.rows_fused`) leaves the stale kernel in place. Here instead every module
+kernel *inlines* from another file (:mod:`qkv.kernels.rows.compiled` into
+:mod:`qkv.kernels.rows.fused`) leaves the stale kernel in place. Here instead every module
 of :data:`COMPILED` is cached under one folder::
 
     $QKV_CACHE_DIR/numba/<version>-<cpu>-<build>-<source>/<module>/
@@ -40,9 +40,9 @@ import time
 from pathlib import Path
 
 # Every module whose numba code is compiled or inlined into a compiled kernel; the source hash covers them all.
-COMPILED = ("qkv.kernels.flash.compiled", "qkv.kernels.blas_compiled", "qkv.kernels.rows_compiled",
-            "qkv.kernels.rows_fused", "qkv.kernels.decay_compiled", "qkv.kernels.delta_compiled",
-            "qkv.kernels.rope_compiled", "qkv.kernels.scan_compiled", "qkv.models.compiled", "qkv.nn.fused")
+COMPILED = ("qkv.kernels.flash.compiled", "qkv.kernels.blas_compiled", "qkv.kernels.rows.compiled",
+            "qkv.kernels.rows.fused", "qkv.recurrent.decay.compiled", "qkv.recurrent.delta.compiled",
+            "qkv.kernels.rope_compiled", "qkv.recurrent.scan.compiled", "qkv.models.compiled", "qkv.nn.fused")
 # What compiling costs, measured (docs/speed.md, "The first call: compiling the fast kernels").
 COMPILE_ABOUT = ("under a second a kernel; the row kernel's forward and backward about 10 and 13 s of CPU "
                  "for each softcap/dropout case a job runs")

@@ -7,7 +7,7 @@ doc), the entry points that take them, and the parsing of the scalar ones (``cau
 call goes through :func:`bind`, which fills the defaults and refuses an unknown keyword by
 name. The ring functions, linear attention, ``qkv.torch.attention`` and its operator schema
 derive theirs too or are checked against the table; an entry point that does not take an
-option says why in :data:`LACKS`, and ``tests/test_options.py`` fails for any public entry
+option says why in :data:`LACKS`, and ``tests/attention/test_options.py`` fails for any public entry
 point that neither takes an option nor says why. So a new option is a row here, a rule in
 :mod:`qkv.masks` (or the kernels) and a rule in the tests' oracle.
 
@@ -79,7 +79,7 @@ PROBLEM = tuple(o.name for o in OPTIONS if o.kind in ("mask", "problem"))
 OUTPUT = tuple(o.name for o in OPTIONS if o.kind == "output")
 KERNEL = tuple(o.name for o in OPTIONS if o.kind == "kernel")
 
-# What each public entry point does not take, and why (tests/test_options.py holds every
+# What each public entry point does not take, and why (tests/attention/test_options.py holds every
 # entry point to: takes the option, or says here why not).
 _LAYER_CALL = "a per-call array: the layer's forward takes kv_lengths= and q_lengths=; a layer has no dense mask or bias"
 LACKS = {

@@ -19,7 +19,7 @@ the hold calls its ``openblas_set_num_threads`` directly: 1.7 µs a hold and rel
 threadpoolctl's 10, a cost every kernel call pays.
 
 **What a result's bits depend on**: the inputs, the options and the thread count, never on
-earlier calls, the process or timing (``tests/test_same_bits.py`` runs every kernel in fresh
+earlier calls, the process or timing (``tests/attention/test_same_bits.py`` runs every kernel in fresh
 processes after shuffled histories). The reference, the stacked kernel, both row kernels and
 the tiled kernel's forward give the same bits on every thread count of this module; the
 tiled backward one set of bits per count (each thread adds dQ in a buffer of its own). The
@@ -62,7 +62,7 @@ def set_num_threads(n: int | None) -> None:
 
 def get_num_threads(compiled: bool = False) -> int:
     """Threads the tiled kernels called from here use now. ``compiled=True``: for a kernel whose
-    threads are numba's own (:mod:`qkv.kernels.rows_fused`), which a ``pools_only`` limit
+    threads are numba's own (:mod:`qkv.kernels.rows.fused`), which a ``pools_only`` limit
     leaves alone."""
     n = _here.get() or _state["threads"] or os.cpu_count() or 1
     pooled = None if compiled else _pooled.get()
@@ -117,7 +117,7 @@ def _controller():
 
 def blas_libraries() -> list[str]:
     """The file paths of the BLAS libraries loaded in this process (threadpoolctl's view): where
-    a kernel that calls a BLAS function directly (:mod:`qkv.kernels.rows_fused`) looks for it."""
+    a kernel that calls a BLAS function directly (:mod:`qkv.kernels.rows.fused`) looks for it."""
     return [lib.filepath for lib in _controller().lib_controllers if lib.user_api == "blas"]
 
 

@@ -1,7 +1,7 @@
 """BLAS's ``sgemm`` called from compiled code (numba), NumPy's own where it can be found.
 
-Load it through a compiled module that imports it (:mod:`qkv.kernels.rows_fused`,
-:mod:`qkv.kernels.decay_compiled`). :func:`_gemm` is a row-major product on 2-D views read in
+Load it through a compiled module that imports it (:mod:`qkv.kernels.rows.fused`,
+:mod:`qkv.recurrent.decay.compiled`). :func:`gemm` is a row-major product on 2-D views read in
 place (each operand's leading dimension is its row stride), with no Python between calls: the
 kernels that call it run a whole loop of small products and the passes between them in one
 compiled function. NumPy's ``matmul`` calls the same ``sgemm`` for a blasable matrix, so a
@@ -90,7 +90,7 @@ def _ld(x):
 
 
 @numba.njit(inline="always")
-def _gemm(addr, ta, tb, m, n, k, a, b, beta, c):
+def gemm(addr, ta, tb, m, n, k, a, b, beta, c):
     """Row-major ``c (m, n) = op(a) op(b) (+ c where beta = 1)``; ``op(a)`` is ``m × k``. ``addr``
     ``(address, ilp64)``: the sgemm and its integer width (:func:`_find_sgemm`)."""
     if addr[1]:

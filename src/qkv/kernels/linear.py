@@ -38,7 +38,7 @@ row without a key ``b = u = 0`` (it adds nothing). A query that sees no key gets
 and the error of the running sum grows with the number of additions. Here every sum of
 chunk states is *compensated* (Kahan): the rounding error of each addition is kept in a
 second array and subtracted from the next term, so the state stays accurate to a few
-ulp whatever T (at T = 65536 float32 against float64: see tests/test_linear.py).
+ulp whatever T (at T = 65536 float32 against float64: see tests/attention/test_linear.py).
 
 **Backward.** With ``g_i = ∂L/∂y_i = [dout_i / den_i, -(dout_i·out_i) / den_i]``
 (``den_i = y_i[Dv]``; the quotient rule) the three gradients are sums of the same kind,

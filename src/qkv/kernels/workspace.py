@@ -4,7 +4,7 @@ A row kernel's work unit makes the same few temporaries for each block of rows (
 scores, dP, the gradient products), 64 KiB to a few MiB each. Here a temporary is a view of
 a buffer its thread keeps while it runs its share of a call (:func:`take`, grown to the
 largest block it needs) and lets go of at the end (:func:`release`, called by
-:func:`qkv.kernels.rows._run`): a call allocates each once, not once a block, and keeps
+:func:`qkv.kernels.rows.kernel._run`): a call allocates each once, not once a block, and keeps
 nothing after it (a training step's peak memory stays what it was).
 
 What makes allocation cheap between calls is glibc's dynamic mmap threshold: until a process

@@ -35,7 +35,7 @@ PREPARED = "_prepared"  # the key of a forward's prepared call (qkv.api.Prepared
 # Right after the layer's projections OpenBLAS's threads spin on and hold the second core, so
 # a kernel thread started then costs more than it saves (nanoGPT's CPU recipe, (12, 4, 64,
 # 32), inside the training step); a bare qkv.attention call of that size takes the kernel
-# threads (qkv.kernels.rows.SERIAL_WORK).
+# threads (qkv.kernels.rows.kernel.SERIAL_WORK).
 LAYER_SERIAL_WORK = 1 << 18
 
 

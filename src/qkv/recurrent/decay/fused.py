@@ -1,0 +1,60 @@
+"""The decay forward's compiled path (float32, a decay a head): every chunk of a work unit in
+one compiled loop, BLAS called from it (:func:`qkv.recurrent.decay.compiled.forward_chunks`).
+
+:func:`qkv.recurrent.decay.chunk._forward_unit` makes each of its steps for every chunk of a segment
+at once: the chunks' ``Kgᵀ``, then ``U = Kgᵀ V``, the states' scan, ``Q S``, the scores, ``A V``
+and the last pass, each a pass over megabytes that the next reads back from memory. The
+compiled loop takes a chunk through all of them while its arrays are in cache, and keeps one
+state where the NumPy path stores every chunk's. It makes the same products (NumPy's own
+``sgemm``) and the same element-wise roundings in the same order. In panels
+(``forward_chunks``) its bits are the NumPy path's; in one panel (``forward_merged``, every
+Dv on OpenBLAS's Haswell kernels, Dv <= 64 on its AVX-512 ones) products that share an
+operand are made as one, two a chunk where there were four, which OpenBLAS's AVX-512 kernels
+round as the NumPy path's four and its Haswell kernels within float32's rounding of them
+(measured as AVX2: 1.12x at D = 128, 1.19x at D = 64; tested). Where numba or NumPy's BLAS cannot be had,
+or the inputs are float64 or decay a key channel, :func:`forward` gives None and the NumPy
+path runs. So it does (*) where NumPy's ``matmul`` would not call ``sgemm``, whose bits the
+loop could not give: a product with one row or one column (NumPy calls ``gemv``: chunks of
+one row, a decoding step's) and ``q`` the same memory as ``k`` (``q kᵀ`` is then ``syrk``).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ... import jit
+from . import intra as decay_intra
+
+
+def forward(c, S0, scale: float, out: np.ndarray, p: int, slabs) -> np.ndarray | None:
+    """The state after the last chunk ``(n, Dk, Dv)``, the outputs written into ``out (n, T, Dv)``;
+    or None where this path does not apply. ``c``: the unit's :class:`qkv.recurrent.decay.chunk._Chunks`
+    (a decay a head); ``p``: the value panels; ``slabs``: the chunk ranges whose decays choose
+    between the rank-one factors and the mask, as the NumPy path's slabs do."""
+    n, Nc, C, Dk = c.q.shape
+    Dv = c.v.shape[-1]
+    w = Dv // p
+    if c.q.dtype != np.float32 or c.a is not None or min(C, Dk, w) < 2 or np.may_share_memory(c.q, c.k):
+        return None                                                      # (*)
+    mod = jit.load(jit.DECAY)
+    if mod is None or not (mod.SGEMM and mod.ILP64):                  # NumPy's own sgemm only: its bits
+        return None
+    mode = np.zeros(Nc, np.int8)
+    em_gam = np.zeros((n, Nc), np.float32)
+    D = np.zeros((0, 0, 0, 0), np.float32)
+    for a, b in slabs:
+        dec = decay_intra.decay(c.G[:, a:b], None, np.dtype(np.float32))
+        if dec.factored:
+            mode[a:b] = 1
+            em_gam[:, a:b] = dec.e_gam[:, :, 0, 0]
+        else:
+            if not D.size:
+                D = np.zeros((n, Nc, C, C), np.float32)
+            D[:, a:b] = dec.D
+    S = np.zeros((n, p, Dk, w), np.float32)
+    if S0 is not None:
+        S[:] = S0.reshape(n, Dk, p, w).swapaxes(1, 2)
+    f = np.float32(scale)
+    loop = mod.forward_merged if p == 1 else mod.forward_chunks          # one panel: two products a chunk
+    loop((mod.SGEMM, int(mod.ILP64)), c.q, c.k, c.v, c.eG, c.eK, c.eG * f, c.eGam, em_gam, mode, D,
+         np.tri(C, dtype=np.float32), S, out, f)
+    return S[:, 0] if p == 1 else S.swapaxes(1, 2).reshape(n, Dk, Dv)

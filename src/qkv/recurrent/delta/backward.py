@@ -1,0 +1,119 @@
+"""The chunked delta rule's backward (the forward and its names: :mod:`qkv.recurrent.delta.chunk`).
+
+A chunk maps its start state ``S_0`` and its inputs to its outputs and end state::
+
+    X   = V - diag(e^γ) K S_0                   the residuals before the write strength
+    U   = Tinv diag(beta) X
+    O   = scale · (Qg S_0 + P U)                 Qg = diag(e^γ) Q,   P = (Q Kᵀ) ∘ D
+    S_C = e^{γ_C} S_0 + Kcᵀ U                    Kc = diag(e^{γ_C - γ}) K
+
+**The state's gradient, chunk by chunk backwards.** With ``dO`` and ``dS_C`` (the gradient
+reaching the chunk's end state: ``dstate`` for the last chunk)::
+
+    dU   = scale · Pᵀ dO + Kc dS_C               (C, Dv)
+    dR   = Tinvᵀ dU                              R = diag(beta) X,  U = Tinv R
+    dX   = diag(beta) dR
+    dS_0 = scale · Qgᵀ dO + e^{γ_C} dS_C - Kᵀ diag(e^γ) dX
+         = scale · Qgᵀ dO + e^{γ_C} dS_C - Kbᵀ dR       Kb = diag(beta e^γ) K
+
+The terms without ``dS_C`` (``scale · Pᵀ dO``, ``scale · Qgᵀ dO``) are batched over all
+chunks before the loop; the loop then costs three products a chunk, the forward's pass in
+reverse (``Kc_n dS`` (C,Dk) @ (Dk,Dv), ``Tinv_nᵀ dU_n`` (C,C) @ (C,Dv), ``Kb_nᵀ dR_n``
+(Dk,C) @ (C,Dv)), and keeps each chunk's ``dR`` and ``dS_C`` (``(T/C)·Dk·Dv``). The chunk
+start states ``S_0`` come from the forward's state pass, run again
+(:func:`qkv.recurrent.delta.chunk_parts.pass_states` with ``keep``).
+
+**The inputs' gradients**, all chunks at once, from ``dR``, ``dX``, ``U``, ``S_0``, ``dS_C``:
+
+* through the triangular solve: ``dA = -strictly_lower(dR Uᵀ)`` (``dL = -L⁻ᵀ dU Uᵀ``);
+* through ``A = beta_t (K Kᵀ) ∘ D`` (strict): ``G = dA ∘ beta_t D`` gives
+  ``dK += (G + Gᵀ) K``, ``dbeta_t += Σ_s dA_ts (k_t·k_s) D_ts``;
+* through ``P``: ``dP = scale · dO Uᵀ``, ``dQ += (dP ∘ D) K``, ``dK += (dP ∘ D)ᵀ Q``;
+* through the reads of ``S_0``: ``dQ += diag(e^γ) scale · dO S_0ᵀ``,
+  ``dK -= diag(e^γ) dX S_0ᵀ``;
+* through ``Kc``: ``dK += diag(e^{γ_C - γ}) U dS_Cᵀ``;
+* ``dV = dX``, ``dbeta_t += dR_t · X_t``.
+
+**The decay.** Every decay factor is ``e^{γ_a - γ_b}`` of some cumulative ``γ``; a factor
+``f = e^{γ_a - γ_b}`` multiplying ``x`` with upstream gradient ``dx'`` adds ``x·dx'·f`` to
+``dγ_a`` and takes it from ``dγ_b``. Collected: ``E = dA ∘ A`` and ``F = dP ∘ P`` add
+``rowsum - colsum``; ``Qg`` adds ``rowsum(dQg ∘ Qg)``; ``X`` adds ``-rowsum(dX ∘ e^γ K S_0)``;
+``Kc`` adds ``-rowsum(dKc ∘ Kc)`` to each ``t`` and its total to ``γ_C``; ``e^{γ_C} S_0`` adds
+``e^{γ_C} Σ dS_C ∘ S_0`` to ``γ_C``. Then ``dg_i = Σ_{t >= i} dγ_t`` within the chunk
+(``γ_t`` sums ``g_1..g_t``). Without a decay (DeltaNet) none of this is computed.
+
+Cost: the forward's products again, plus about twice as many of the same shapes; memory as
+the forward's plus the ``(T/C)·Dk·Dv`` chunk-end gradients.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .chunk_parts import CHUNK, Chunks, from_chunks, pass_states, prepare, to_chunks
+
+
+def _tr(x):
+    return np.swapaxes(x, -1, -2)
+
+
+def _state_grads(ch: Chunks, dO, dS, scale):
+    """Backwards over the chunks: ``(dR (B,H,N,C,Dv), ends (B,H,N,Dk,Dv), dS_0)``, ``ends[n]``
+    the gradient reaching chunk n's end state, ``dS`` the one reaching the last (dstate)."""
+    B, H, N, C, Dk = ch.k.shape
+    PdO = scale * (_tr(ch.P) @ dO)                                  # (B,H,N,C,C) @ (B,H,N,C,Dv) -> (B,H,N,C,Dv)
+    QdO = scale * (_tr(ch.q) @ (ch.eg[..., None] * dO if ch.gated else dO))  # (B,H,N,Dk,C) @ (B,H,N,C,Dv)
+    Kb = (ch.beta * ch.eg)[..., None] * ch.k                        # diag(beta e^γ) K
+    ends = np.empty(QdO.shape, dtype=dO.dtype)
+    dR = np.empty_like(PdO)
+    for n in reversed(range(N)):
+        ends[:, :, n] = dS
+        dU = PdO[:, :, n] + ch.Kc[:, :, n] @ dS                     # (B,H,C,Dk) @ (B,H,Dk,Dv) -> (B,H,C,Dv)
+        np.matmul(_tr(ch.Tinv[:, :, n]), dU, out=dR[:, :, n])      # (B,H,C,C) @ (B,H,C,Dv) -> (B,H,C,Dv)
+        dS = QdO[:, :, n] + ch.eC[:, :, n, None, None] * dS - _tr(Kb[:, :, n]) @ dR[:, :, n]  # (B,H,Dk,C) @ (B,H,C,Dv)
+    return dR, ends, dS
+
+
+def _decay_grad(ch: Chunks, E, F, readQ, dX, KS, dKc, ends, starts):
+    """``dg (B, H, N, C)`` from the factors ``e^{γ_a - γ_b}`` (the module docstring);
+    ``E = dA ∘ A``, ``F = dP ∘ P``, ``readQ = scale · dO ∘ Qg S_0``."""
+    dgam = E.sum(-1) - E.sum(-2) + F.sum(-1) - F.sum(-2) + readQ.sum(-1)
+    dgam -= (dX * KS).sum(-1)
+    kc = (dKc * ch.Kc).sum(-1)                                      # (B,H,N,C)
+    dgam -= kc
+    dgam[..., -1] += kc.sum(-1) + ch.eC * (ends * starts).sum((-1, -2))
+    dg = np.cumsum(dgam[..., ::-1], axis=-1, dtype=np.float64)[..., ::-1]  # dg_i = Σ_{t >= i} dγ_t
+    return dg.astype(dgam.dtype, copy=False)
+
+
+def backward(dout, dstate, q, k, v, beta, g=None, *, scale, initial_state=None, chunk=None):
+    """``(dq, dk, dv, dbeta, dg, dinitial_state)`` of :func:`qkv.recurrent.delta.chunk.forward`, in q's
+    dtype (``dg`` None without ``g``, ``dinitial_state`` None without ``initial_state``)."""
+    C = CHUNK if chunk is None else chunk
+    ch = prepare(q, k, v, beta, g, C)
+    B, H, _, Dk = q.shape
+    zeros = np.zeros((B, H, Dk, v.shape[-1]), dtype=q.dtype)
+    run = pass_states(ch, zeros if initial_state is None else np.asarray(initial_state, q.dtype), keep=True)
+    dO = to_chunks(dout, C)
+    dR, ends, dS0 = _state_grads(ch, dO, zeros if dstate is None else np.asarray(dstate, q.dtype), scale)
+
+    starts, U = run.starts, run.U
+    dX = ch.beta[..., None] * dR                                    # = dV
+    strict = np.tril(np.ones((C, C), dtype=bool), -1)
+    dAD = np.where(strict, -(dR @ _tr(U)), 0) * ch.D                # (B,H,N,C,Dv) @ (B,H,N,Dv,C) -> (B,H,N,C,C)
+    G = ch.beta[..., None] * dAD                                    # dL/d(K Kᵀ), strictly lower
+    dbeta = (dR * (ch.v - run.KS)).sum(-1) + (dAD * ch.KK).sum(-1)
+    dP = scale * (dO @ _tr(U))                                      # (B,H,N,C,Dv) @ (B,H,N,Dv,C) -> (B,H,N,C,C)
+    dPD = dP * ch.D
+    dQg = scale * (dO @ _tr(starts))                                # (B,H,N,C,Dv) @ (B,H,N,Dv,Dk) -> (B,H,N,C,Dk)
+    dq = dPD @ ch.k + ch.eg[..., None] * dQg                        # (B,H,N,C,C) @ (B,H,N,C,Dk) -> (B,H,N,C,Dk)
+    dKc = U @ _tr(ends)                                             # (B,H,N,C,Dv) @ (B,H,N,Dv,Dk) -> (B,H,N,C,Dk)
+    dk = _tr(dPD) @ ch.q + (G + _tr(G)) @ ch.k                      # (B,H,N,C,C) @ (B,H,N,C,Dk) -> (B,H,N,C,Dk)
+    dk -= (ch.eg[..., None] * dX) @ _tr(starts)                     # (B,H,N,C,Dv) @ (B,H,N,Dv,Dk) -> (B,H,N,C,Dk)
+    dk += ch.eCg[..., None] * dKc if ch.gated else dKc
+    dg = None
+    if g is not None:
+        dg = from_chunks(_decay_grad(ch, G * ch.KK, dP * ch.P, scale * dO * run.QS, dX, run.KS, dKc,
+                                     ends, starts), ch.T)
+    T = ch.T
+    return (from_chunks(dq, T), from_chunks(dk, T), from_chunks(dX, T), from_chunks(dbeta, T), dg,
+            None if initial_state is None else dS0)

@@ -1,0 +1,59 @@
+"""The step-by-step oracle of :func:`qkv.recurrent.delta_rule` (Gated DeltaNet), in float64::
+
+    S' = exp(g_t) S_{t-1},  S_t = S' + k_t (beta_t (v_t - S'ᵀ k_t))ᵀ
+
+one step a loop iteration, the backward reverse mode through the same loop (the conventions
+and the read ``o_t = scale · S_tᵀ q_t``: :mod:`qkv.recurrent.steps`). The fast path it is
+tested against sits beside it: :mod:`.chunk`.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..steps import read_grad, run_steps
+
+
+def delta_forward(q, k, v, beta, g=None, *, scale, initial_state=None, keep=False):
+    """``S' = exp(g_t) S_{t-1}``, ``S_t = S' + k_t (beta_t (v_t - S'ᵀ k_t))ᵀ``: ``(o, S_T)``."""
+    k, v, beta = (x.astype(np.float64) for x in (k, v, beta))
+    e = np.ones(beta.shape) if g is None else np.exp(g.astype(np.float64))     # (B,H,T)
+
+    def step(t, S):
+        Sp = e[:, :, t, None, None] * S
+        u = beta[:, :, t, None] * (v[:, :, t] - np.einsum("bhkv,bhk->bhv", Sp, k[:, :, t]))
+        return Sp + np.einsum("bhk,bhv->bhkv", k[:, :, t], u)
+
+    o, S, before = run_steps(step, q, v, scale, initial_state, keep)
+    return (o, S, before) if keep else (o, S)
+
+
+def delta_backward(do, dstate, q, k, v, beta, g=None, *, scale, initial_state=None):
+    """Gradients ``(dq, dk, dv, dbeta, dg, dinitial_state)`` of :func:`delta_forward` (dg None without g).
+
+    Step ``S' = e S``, ``r = v - S'ᵀk``, ``u = beta r``, ``S_t = S' + k uᵀ``::
+
+        du = dS_tᵀ k          dk = dS_t u - beta S' du       dv = beta du
+        dbeta = du·r          dS' = dS_t - beta k duᵀ        dg = Σ dS'∘S'     dS_{t-1} = e dS'
+    """
+    do, k, v, beta = (x.astype(np.float64) for x in (do, k, v, beta))
+    e = np.ones(beta.shape) if g is None else np.exp(g.astype(np.float64))
+    o, S_T, before = delta_forward(q, k, v, beta, g, scale=scale, initial_state=initial_state, keep=True)
+    dq, dk, dv = (np.zeros(x.shape) for x in (q, k, v))
+    dbeta, dg = np.zeros(beta.shape), np.zeros(beta.shape)
+    dS = np.zeros_like(S_T) if dstate is None else np.array(dstate, dtype=np.float64)
+    S = S_T
+    for t in reversed(range(q.shape[2])):
+        dS = read_grad(dS, q, do, t, scale)
+        dq[:, :, t] = scale * np.einsum("bhkv,bhv->bhk", S, do[:, :, t])
+        kt, bt = k[:, :, t], beta[:, :, t, None]
+        Sp = e[:, :, t, None, None] * before[t]
+        r = v[:, :, t] - np.einsum("bhkv,bhk->bhv", Sp, kt)               # (B,H,Dv)
+        du = np.einsum("bhkv,bhk->bhv", dS, kt)
+        dk[:, :, t] = np.einsum("bhkv,bhv->bhk", dS, bt * r) - bt * np.einsum("bhkv,bhv->bhk", Sp, du)
+        dv[:, :, t] = bt * du
+        dbeta[:, :, t] = np.einsum("bhv,bhv->bh", du, r)
+        dSp = dS - np.einsum("bhk,bhv->bhkv", bt * kt, du)
+        dg[:, :, t] = np.einsum("bhkv,bhkv->bh", dSp, Sp)
+        dS = e[:, :, t, None, None] * dSp
+        S = before[t]
+    return dq, dk, dv, dbeta, (None if g is None else dg), dS

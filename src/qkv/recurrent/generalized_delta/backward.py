@@ -1,0 +1,136 @@
+"""The chunked dplr backward: reverse mode through the three passes of :mod:`qkv.recurrent.generalized_delta.chunk`.
+
+Recompute the chunk-entry states ``S_in`` (passes (a), (b)): ``N·Dk·Dv`` numbers a head, not
+a state a step; then, a group of chunks at a time from the last, recompute its pass (a). Then, with ``dO = scale · dout`` and ``Qe = qt + A_qb W``::
+
+    (b') the state backwards, one product a chunk, from dS_out[N-1] = dstate:
+         dS_in[n] = Qeᵀ dO + Mᵀ dS_out[n],     dS_out[n-1] = dS_in[n],     dS_0 = dS_in[0]
+
+and every chunk at once (each line the derivative of one forward line, ``u = U + W S_in``)::
+
+    o = A_qk v + A_qb u + qt S_in:      dA_qk = dO vᵀ,  dA_qb = dO uᵀ,  dv = A_qkᵀ dO,
+                                        du = A_qbᵀ dO,  dqt = dO S_inᵀ,  dW = du S_inᵀ
+    S_out = M S_in + Hc:                dM = dS_out S_inᵀ,  dHc = dS_out
+    M = diag(eC) + btᵀ W:               deC = diag(dM),  dbt = W dMᵀ,  dW += bt dM
+    Hc = ktᵀ v + btᵀ U:                 dkt = v dHcᵀ,  dv += kt dHc,  dbt += U dHcᵀ,  dU = du + bt dHc
+    U = P A_ak v, W = P at:             dRv = Pᵀ dU,  dRa = Pᵀ dW,  dat = dRa,
+                                        dA_ak = dRv vᵀ,  dv += A_akᵀ dRv,
+                                        dA_ab = dRv Uᵀ + dRa Wᵀ     (from d(L⁻¹) = -L⁻¹ dL L⁻¹)
+
+(masked to the products' triangles by :func:`qkv.recurrent.generalized_delta.scores.scores_backward`, which
+also gives the products' own ``dq, da, dk, db`` and decay gradients). The decay factors are
+exponentials, so each gives its decay's gradient as ``factor-scaled input ∘ its gradient``::
+
+    qt = q ∘ exp G:          dq += dqt ∘ exp G,          dG += qt ∘ dqt
+    at = a ∘ exp G_{t-1}:    da += dat ∘ exp G_{t-1},    dG_{t-1} += at ∘ dat
+    kt = k ∘ exp(G_C - G):   dk += dkt ∘ exp(G_C - G),   dG_C += Σ_t kt ∘ dkt,  dG -= kt ∘ dkt (b alike)
+    eC = exp G_C:            dG_C += eC ∘ deC
+
+and ``G_t = Σ_{s <= t} g_s`` turns them into ``dg_s = Σ_{t >= s} dG_t + Σ_{t > s} dG_{t-1} + dG_C``
+(a reverse running sum in the chunk; summed over the channels for one decay a head).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .chunk_parts import Chunks, from_chunks, groups, prepare, states, to_chunks
+from .scores import scores_backward
+
+
+def _swap(x):
+    return np.swapaxes(x, -1, -2)
+
+
+def _state_backward(ch: Chunks, Qe, dO, S_in, dstate):
+    """``(dS_out (B, H, N, Dk, Dv), dS_0)``: pass (b') of the module docstring."""
+    B, H, N, Dk, Dv = S_in.shape
+    X = _swap(Qe) @ dO                                                 # (…,Dk,C) @ (…,C,Dv) -> (…,Dk,Dv)
+    dS = np.zeros((B, H, Dk, Dv), dO.dtype) if dstate is None else dstate.astype(dO.dtype)
+    dS_out = np.empty_like(S_in)
+    for n in reversed(range(N)):
+        dS_out[:, :, n] = dS
+        dS = X[:, :, n] + _swap(ch.M[:, :, n]) @ dS                    # (B,H,Dk,Dk) @ (B,H,Dk,Dv)
+    return dS_out, dS
+
+
+def _chunk_grads(ch: Chunks, dO, S_in, dS_out):
+    """Every chunk's ``dA (…, 2, 2, C, C)``, ``dv`` and the factor gradients ``dqt, dat, dkt, dbt, deC``."""
+    A_qk, A_qb, A_ak = ch.A[..., 0, 0, :, :], ch.A[..., 0, 1, :, :], ch.A[..., 1, 0, :, :]
+    u = ch.U + ch.W @ S_in                                             # (…,C,Dk) @ (…,Dk,Dv) -> (…,C,Dv)
+    dA = np.empty_like(ch.A)
+    dA[..., 0, 0, :, :] = dO @ _swap(ch.v)                             # (…,C,Dv) @ (…,Dv,C) -> (…,C,C)
+    dA[..., 0, 1, :, :] = dO @ _swap(u)
+    du = _swap(A_qb) @ dO                                              # (…,C,C) @ (…,C,Dv) -> (…,C,Dv)
+    dqt = dO @ _swap(S_in)                                             # (…,C,Dv) @ (…,Dv,Dk) -> (…,C,Dk)
+    dM = dS_out @ _swap(S_in)                                          # (…,Dk,Dv) @ (…,Dv,Dk) -> (…,Dk,Dk)
+    deC = np.einsum("...ii->...i", dM)
+    dW = du @ _swap(S_in) + ch.bt @ dM                                 # (…,C,Dk) @ (…,Dk,Dk)
+    dbt = ch.W @ _swap(dM) + ch.U @ _swap(dS_out)                      # (…,C,Dv) @ (…,Dv,Dk) -> (…,C,Dk)
+    dkt = ch.v @ _swap(dS_out)
+    dU = du + ch.bt @ dS_out                                           # (…,C,Dk) @ (…,Dk,Dv) -> (…,C,Dv)
+    PT = _swap(ch.P)
+    dRv, dat = PT @ dU, PT @ dW                                        # (…,C,C) @ (…,C,·)
+    dA[..., 1, 0, :, :] = dRv @ _swap(ch.v)
+    dA[..., 1, 1, :, :] = dRv @ _swap(ch.U) + dat @ _swap(ch.W)
+    dv = _swap(A_qk) @ dO + ch.kt @ dS_out + _swap(A_ak) @ dRv        # (…,C,C) @ (…,C,Dv), (…,C,Dk) @ (…,Dk,Dv)
+    return dA, dv, dqt, dat, dkt, dbt, deC
+
+
+def _decay_grad(ch: Chunks, dGX, dGs, factors):
+    """``dg (…, C[, Dk])`` from the products' ``dGX, dGs`` and the factors' ``(scaled, grad)`` pairs."""
+    red = (lambda x: x.sum(-1)) if ch.per_head else (lambda x: x)
+    (qt, dqt), (at, dat), (kt, dkt), (bt, dbt), (eC, deC) = factors
+    axis = -1 if ch.per_head else -2
+    end = red(kt * dkt + bt * dbt)                                      # through exp(G_C - G)
+    dG = dGs + dGX[..., 0, :, :] if not ch.per_head else dGs + dGX[..., 0, :]
+    dGex = dGX[..., 1, :, :] if not ch.per_head else dGX[..., 1, :]
+    dG = dG + red(qt * dqt) - end
+    dGex = dGex + red(at * dat)
+    dGC = red(eC[..., None, :] * deC[..., None, :]) + end.sum(axis, keepdims=True)
+    shifted = np.zeros_like(dGex)                                       # dG_{t-1} lands on G_{t-1}
+    if ch.per_head:
+        shifted[..., :-1] = dGex[..., 1:]
+    else:
+        shifted[..., :-1, :] = dGex[..., 1:, :]
+    total = dG + shifted
+    return np.flip(np.cumsum(np.flip(total, axis), axis), axis) + dGC
+
+
+def _group_grads(ch: Chunks, dO, S_in, dS_end):
+    """One group's ``(dq, dk, dv, da, db, dg)`` (chunked) and the gradient at its start."""
+    Qe = ch.qt + ch.A[..., 0, 1, :, :] @ ch.W                          # (…,C,C) @ (…,C,Dk) -> (…,C,Dk)
+    dS_out, dS_start = _state_backward(ch, Qe, dO, S_in, dS_end)
+    dA, dv, dqt, dat, dkt, dbt, deC = _chunk_grads(ch, dO, S_in, dS_out)
+    dX, dY, dGX, dGs = scores_backward(dA, ch.X, ch.Y, ch.GX, ch.G, ch.e)
+    dq = dX[..., 0, :, :] + dqt * ch.fG
+    da = dX[..., 1, :, :] + dat * ch.fGex
+    dk = dY[..., 0, :, :] + dkt * ch.end
+    db = dY[..., 1, :, :] + dbt * ch.end
+    dg = _decay_grad(ch, dGX, dGs, [(ch.qt, dqt), (ch.at, dat), (ch.kt, dkt), (ch.bt, dbt), (ch.eC, deC)])
+    return (dq, dk, dv, da, db, dg), dS_start
+
+
+def backward(dout, dstate, q, k, v, a, b, g, *, scale, initial_state=None, chunk):
+    """``(dq, dk, dv, da, db, dg, dinitial_state)`` in q's dtype, chunks of ``chunk`` steps.
+
+    A group of chunks at a time (:func:`qkv.recurrent.generalized_delta.chunk_parts.groups`): forwards, keeping
+    only the chunk-entry states ``S_in``; then backwards, each group's pass (a) recomputed.
+    """
+    B, H, T, Dk = q.shape
+    dtype = q.dtype
+    inputs = (q, k, v, a, b, g)
+    parts = groups(T, chunk, B * H, Dk)
+    S = np.zeros((B, H, Dk, v.shape[-1]), dtype) if initial_state is None else initial_state.astype(dtype)
+    entry = []
+    for part in parts:
+        S_in, S = states(prepare(*(x[:, :, part] for x in inputs), chunk), S)
+        entry.append(S_in)
+    grads = [np.empty(x.shape, dtype) for x in inputs]
+    dS = np.zeros_like(S) if dstate is None else dstate.astype(dtype)
+    for part, S_in in zip(reversed(parts), reversed(entry)):
+        ch = prepare(*(x[:, :, part] for x in inputs), chunk)
+        dO = to_chunks(dout[:, :, part].astype(dtype, copy=False), chunk) * dtype.type(scale)
+        chunk_grads, dS = _group_grads(ch, dO, S_in, dS)
+        for out, x in zip(grads, chunk_grads):
+            out[:, :, part] = from_chunks(x, part.stop - part.start)
+    return (*grads, dS)

@@ -1,0 +1,171 @@
+"""The masked, decayed products inside a chunk of the dplr recurrence (:mod:`qkv.recurrent.generalized_delta.chunk`).
+
+Two row kinds ``x`` (the queries ``q`` read the state after step t; the removal keys ``a``
+read it before step t's decay) against two column kinds ``y`` (the keys ``k`` and the
+in-context keys ``b``), in one chunk of C steps::
+
+    A[x, y, t, s] = Σ_i x_t[i] y_s[i] exp(Gx_t[i] - G_s[i])      s <= t (x = q), s < t (x = a)
+
+with ``G`` the chunk's running sum of the log decays (``G_t = g_1 + ... + g_t``, so
+``G_t - G_s`` is the decay from step s to step t) and ``Gx = G`` for q, ``Gx_t = G_{t-1}``
+for a. Every kept exponent is ``<= 0``: the entries are bounded however strong the decay.
+
+**Per-channel decays** (``G (…, C, Dk)``). Writing the sum as one matrix product needs
+``exp(Gx_t - G_s) = exp(Gx_t - G_r) · exp(G_r - G_s)``, and ``exp(-G_s)`` alone overflows
+(a decay of ``exp(-30)`` a step passes float32's range in three steps). Here every product
+is split at a *reference point* ``r`` between its rows and its columns: the rows ``t`` after
+``r`` and the columns ``s`` at or before it, so both factors are ``<= 1``::
+
+    A[t >= m, s < m] = (x_t ∘ exp(Gx_t - G_{m-1})) · (y_s ∘ exp(G_{m-1} - G_s))   one matmul
+
+(``Gx_t <= G_{m-1}`` for ``t >= m``, for both row kinds; ``G_{m-1} <= G_s`` for ``s < m``).
+A factor underflows only where the product it belongs to is below the smallest float:
+the error is absolute and that small. The chunk's lower triangle is cut in two at its
+middle ``m``, the lower-left block is that one product, and the two diagonal halves are cut
+again, down to blocks of at most :data:`LEAF` steps, where the exact ``(c, c, Dk)``
+elementwise form is used. The factors are running products of the steps' decays
+``e = exp(g)`` (each ``<= 1``), not exponentials of differences of running sums: no
+exponential beyond ``e`` and no cancellation. Work: ``C·Dk·log(C)`` multiplications for the
+factors, ``C·LEAF·Dk`` for the leaves, the rest ``C²·Dk`` in BLAS.
+
+**One decay a head** (``G (…, C)``): ``A = (x yᵀ) ∘ exp(Gx_t - G_s)``, the masked
+``(C, C)`` exponent formed as differences (of G summed in float64, so they do not cancel
+float32's digits away) and clamped: one matmul and one ``(C, C)`` exp.
+
+**Backward.** Given ``dA`` (zero above the masks), ``dx_t = Σ_s dA[t,s] y_s ∘ exp(Gx_t - G_s)``
+and ``dy_s = Σ_t dA[t,s] x_t ∘ exp(Gx_t - G_s)``, through the same split (the transposed
+products) or the same leaves; the decays' gradients follow without more work, since
+``A`` depends on ``Gx_t[i]`` as on ``log x_t[i]``: ``dGx = x ∘ dx`` and ``dG = -y ∘ dy``
+(summed over the channels for one decay a head).
+
+Layout: ``X (…, 2, C, Dk)`` = [q, a], ``Y (…, 2, C, Dk)`` = [k, b]; one decay a head:
+``G (…, C)``, ``GX`` = [G, G shifted] ``(…, 2, C)``; a decay a channel: ``e (…, C, Dk)``;
+``A (…, 2, 2, C, C)`` = [[qk, qb], [ak, ab]].
+"""
+from __future__ import annotations
+
+import numpy as np
+
+LEAF = 4    # steps of the diagonal blocks computed elementwise (measured: 4 beat 8 and 16)
+
+
+def _masks(c: int) -> np.ndarray:
+    """``(2, c, c)``: s <= t for the q rows, s < t for the a rows."""
+    return np.stack([np.tri(c, dtype=bool), np.tri(c, k=-1, dtype=bool)])
+
+
+def running_product(x: np.ndarray, reverse: bool = False) -> np.ndarray:
+    """Inclusive running products along axis -2 (from the end when ``reverse``), by doubling:
+    ``log2(n)`` multiplications of shifted slices (``np.cumprod`` along an inner axis is an
+    order of magnitude slower here)."""
+    out = x[..., ::-1, :].copy() if reverse else x.copy()
+    shift = 1
+    while shift < out.shape[-2]:
+        out[..., shift:, :] = out[..., shift:, :] * out[..., :-shift, :]   # the right side is read first
+        shift *= 2
+    return out[..., ::-1, :] if reverse else out
+
+
+def _leaf_decays(e, lo, hi):
+    """``E (…, 2, c, c, Dk) = exp(Gx_t - G_s)`` on the masks, 0 above, as products of the
+    steps' decays ``e_t = exp(g_t) <= 1`` (row t = row t-1 times ``e_t``); the a rows are
+    the q rows one step later (``Gx_t = G_{t-1}``)."""
+    c = hi - lo
+    E = np.zeros(e.shape[:-2] + (2, c, c, e.shape[-1]), e.dtype)
+    Eq = E[..., 0, :, :, :]
+    Eq[..., 0, 0, :] = 1
+    for t in range(1, c):
+        np.multiply(Eq[..., t - 1, :t, :], e[..., lo + t, None, :], out=Eq[..., t, :t, :])
+        Eq[..., t, t, :] = 1
+    E[..., 1, 1:, :, :] = Eq[..., :-1, :, :]
+    return E
+
+
+def _split(X, Y, e, lo, mid, hi):
+    """The rows ``mid:hi`` and columns ``lo:mid`` scaled to the reference ``G_{mid-1}``:
+    ``(Xs (…, 2·m2, Dk), fq, Ys (…, 2·m1, Dk), fy)`` with the factors (<= 1)
+    ``fq_t = exp(G_t - G_{mid-1}) = e_mid ⋯ e_t`` of the q rows and
+    ``fy_s = exp(G_{mid-1} - G_s) = e_{s+1} ⋯ e_{mid-1}`` of the columns, running products
+    of the steps' decays (no exponential, no cancellation); an a row's factor is the q row's
+    one step earlier (``Gx_t = G_{t-1}``), 1 on the first row."""
+    fq = running_product(e[..., mid:hi, :])                                 # (…,m2,Dk)
+    fy = np.ones(e.shape[:-2] + (mid - lo, e.shape[-1]), e.dtype)          # (…,m1,Dk)
+    fy[..., :-1, :] = running_product(e[..., lo + 1:mid, :], reverse=True)
+    fy = fy[..., None, :, :]
+    Xs = _scale_rows(X[..., mid:hi, :], fq)
+    Ys = Y[..., lo:mid, :] * fy
+    return Xs.reshape(X.shape[:-3] + (-1, X.shape[-1])), fq, Ys.reshape(Y.shape[:-3] + (-1, Y.shape[-1])), fy
+
+
+def _scale_rows(Z, fq):
+    """``Z (…, 2, m, Dk)`` times the row factors: ``fq`` for the q rows, ``fq`` one step
+    earlier for the a rows (their first row is not scaled)."""
+    out = np.empty_like(Z)
+    np.multiply(Z[..., 0, :, :], fq, out=out[..., 0, :, :])
+    out[..., 1, 0, :] = Z[..., 1, 0, :]
+    np.multiply(Z[..., 1, 1:, :], fq[..., :-1, :], out=out[..., 1, 1:, :])
+    return out
+
+
+def _blocks(C: int):
+    """The recursion's cuts ``(lo, mid, hi)`` and leaves ``(lo, hi)`` of ``[0, C)``."""
+    cuts, leaves, todo = [], [], [(0, C)]
+    while todo:
+        lo, hi = todo.pop()
+        if hi - lo <= LEAF:
+            leaves.append((lo, hi))
+            continue
+        mid = (lo + hi) // 2
+        cuts.append((lo, mid, hi))
+        todo += [(lo, mid), (mid, hi)]
+    return cuts, leaves
+
+
+def _pairs(P, m2, m1):
+    """``(…, 2·m2, 2·m1) -> (…, 2, 2, m2, m1)``: the product of stacked rows and columns by kinds."""
+    return np.swapaxes(P.reshape(P.shape[:-2] + (2, m2, 2, m1)), -3, -2)
+
+
+def scores(X, Y, GX, G, e):
+    """``A (…, 2, 2, C, C)`` of the module docstring: with one decay a head from ``G (…, C)``
+    and ``GX (…, 2, C)``; with a decay a channel from the steps' decays ``e = exp(g) (…, C, Dk)``."""
+    C = X.shape[-2]
+    if G is not None:                                               # one decay a head
+        D = (np.exp(np.minimum(GX[..., :, None] - G[..., None, None, :], 0)) * _masks(C)).astype(X.dtype)
+        XY = X.reshape(X.shape[:-3] + (2 * C, -1)) @ np.swapaxes(Y.reshape(Y.shape[:-3] + (2 * C, -1)), -1, -2)
+        return _pairs(XY, C, C) * D[..., :, None, :, :]                    # (…,2C,Dk) @ (…,Dk,2C)
+    A = np.zeros(X.shape[:-3] + (2, 2, C, C), X.dtype)
+    cuts, leaves = _blocks(C)
+    for lo, mid, hi in cuts:
+        Xs, _, Ys, _ = _split(X, Y, e, lo, mid, hi)
+        A[..., mid:hi, lo:mid] = _pairs(Xs @ np.swapaxes(Ys, -1, -2), hi - mid, mid - lo)   # (…,2m2,Dk) @ (…,Dk,2m1)
+    for lo, hi in leaves:
+        XE = X[..., lo:hi, None, :] * _leaf_decays(e, lo, hi)          # (…,2,c,c,Dk)
+        A[..., lo:hi, lo:hi] = np.einsum("...xtsi,...ysi->...xyts", XE, Y[..., lo:hi, :])
+    return A
+
+
+def scores_backward(dA, X, Y, GX, G, e):
+    """``(dX, dY, dGX, dG)`` from ``dA (…, 2, 2, C, C)`` (read on the masks only)."""
+    C = X.shape[-2]
+    if G is not None:
+        D = (np.exp(np.minimum(GX[..., :, None] - G[..., None, None, :], 0)) * _masks(C)).astype(X.dtype)
+        dAD = np.swapaxes(dA * D[..., :, None, :, :], -3, -2).reshape(dA.shape[:-4] + (2 * C, 2 * C))
+        dX = (dAD @ Y.reshape(Y.shape[:-3] + (2 * C, -1))).reshape(X.shape)                  # (…,2C,2C) @ (…,2C,Dk)
+        dY = (np.swapaxes(dAD, -1, -2) @ X.reshape(X.shape[:-3] + (2 * C, -1))).reshape(Y.shape)
+        return dX, dY, (X * dX).sum(-1), -(Y * dY).sum((-1, -3))
+    dX, dY = np.zeros_like(X), np.zeros_like(Y)
+    cuts, leaves = _blocks(C)
+    for lo, mid, hi in cuts:
+        Xs, fq, Ys, fy = _split(X, Y, e, lo, mid, hi)
+        m2, m1 = hi - mid, mid - lo
+        dblk = np.swapaxes(dA[..., mid:hi, lo:mid], -3, -2).reshape(dA.shape[:-4] + (2 * m2, 2 * m1))
+        dX[..., mid:hi, :] += _scale_rows((dblk @ Ys).reshape(X.shape[:-2] + (m2, -1)), fq)   # (…,2m2,2m1) @ (…,2m1,Dk)
+        dY[..., lo:mid, :] += (np.swapaxes(dblk, -1, -2) @ Xs).reshape(Y.shape[:-2] + (m1, -1)) * fy
+    for lo, hi in leaves:
+        E = _leaf_decays(e, lo, hi)                                        # (…,2,c,c,Dk)
+        dAY = np.einsum("...xyts,...ysi->...xtsi", dA[..., lo:hi, lo:hi], Y[..., lo:hi, :])
+        dX[..., lo:hi, :] += (dAY * E).sum(-2)
+        XE = X[..., lo:hi, None, :] * E
+        dY[..., lo:hi, :] += np.einsum("...xyts,...xtsi->...ysi", dA[..., lo:hi, lo:hi], XE)
+    return dX, dY, X * dX, -(Y * dY).sum(-3)
