@@ -35,22 +35,19 @@ passes on (``dstate`` for the last). Reversing the three products::
     dQg  = dO' Sᵀ          dKg = V dS'ᵀ          dV = Kg dS' + Aᵀ dO'
     dA   = dO' Vᵀ (lower triangle)
 
-so the states' gradients run one scan backwards, ``dS_c = exp(Γ_c) ∘ dS_{c+1} + R_c`` with
-``R_c = Qg_cᵀ dO'_c``, and ``dinitial_state = dS_0``. Through A (decay_intra's rows and
-cols)::
+so the states' gradients run one scan backwards, ``dS_c = exp(Γ_c) ∘ dS_{c+1} + Qg_cᵀ dO'_c``,
+``dinitial_state = dS_0``. Through A (decay_intra's rows and cols) ``dq_i += Σ_{s <= i} dA_is
+(k_s ∘ exp(G_i - G_s))``, ``dk_s += Σ_{i >= s} dA_is (q_i ∘ exp(G_i - G_s))``; through the
+decays, each factor ``exp(G_a - G_b)`` (``a >= b``) depends on the steps ``b < j <= a`` it
+crosses and adds ``x · dx`` of the term x it multiplies to ``dg_j`` for exactly those j
+(:mod:`qkv.recurrent.crossing`)::
 
-    dq_i += Σ_{s <= i} dA_is (k_s ∘ exp(G_i - G_s))      dk_s += Σ_{i >= s} dA_is (q_i ∘ exp(G_i - G_s))
+    dg_j = Σ_{i >= j} dQg_i ∘ Qg_i + Σ_{s < j} dKg_s ∘ Kg_s + exp(Γ) ∘ Σ_v dS'_v S_v
+           + Σ_{s < j <= i} dA_is q_i ∘ k_s ∘ exp(G_i - G_s)
 
-and through the decays: ``∂A_is/∂G_id = q_id k_sd exp(G_id - G_sd) = -∂A_is/∂G_sd``, so
-A's share of ``dG`` is ``q ∘ dq_A - k ∘ dk_A`` (with ``dq_A``, ``dk_A`` the two sums above).
-The factors add theirs: ``Qg = q ∘ exp(G)`` gives ``dq += dQg ∘ exp(G)``,
-``dG += dQg ∘ Qg``; ``Kg = k ∘ exp(Γ - G)`` gives ``dk += dKg ∘ exp(Γ - G)``,
-``dG -= dKg ∘ Kg``, ``dΓ += Σ_s dKg_s ∘ Kg_s``; ``exp(Γ) ∘ S`` gives
-``dΓ_d += exp(Γ_d) Σ_v dS'_dv S_dv``. Last, ``G_i = Σ_{j <= i} g_j`` and ``Γ = G_C``::
-
-    dg_j = Σ_{i >= j} dG_i + dΓ          (a reversed cumulative sum in the chunk)
-
-summed over the key channels for a decay a head.
+(over the key channels too for a decay a head): every summand carries the decays crossing j,
+so a steep decay's tiny ``dg_j`` is a sum of tiny terms, not what is left of undecayed terms
+that cancel (``Σ_{i >= j} dG_i`` of ``dG = q ∘ dq - k ∘ dk + ...``).
 
 **Padding.** T is padded to whole chunks with ``q = k = v = 0`` and ``g = 0`` at the end:
 the padded rows add nothing to the state and decay nothing, so ``S_T`` and every real row
@@ -80,6 +77,7 @@ from functools import cached_property
 import numpy as np
 
 from ... import jit, threads
+from .. import crossing
 from . import fused as decay_fused, intra as decay_intra
 from ...kernels.flash.tiles import DEFAULT, Workers, scratch
 
@@ -304,19 +302,20 @@ def _backward_unit(dout, dstate, q, k, v, g, S0, scale, C):
     dKg = c.v @ _t(dS_out)                                                # (n,Nc,C,Dv) @ (n,Nc,Dv,Dk) -> (n,Nc,C,Dk)
     dv = Kg @ dS_out                                                      # (n,Nc,C,Dk) @ (n,Nc,Dk,Dv) -> (n,Nc,C,Dv)
     dq, dk = dQg * c.eG, dKg * c.eK
-    dKK = dKg * Kg
-    dG = _to_width(dQg * Qg - dKK, W)                                     # (n,Nc,C,W)
-    dGam = _to_width(np.einsum("ncdv,ncdv->ncd", dS_out, S[:, :Nc]), W) * c.eGam + _to_width(dKK.sum(2), W)
+    rows_after = _to_width(dQg * Qg, W)                                  # Qg_i's exp(G_i): Σ_{i >= j} (crossing.py)
+    rows_before = _to_width(dKg * Kg, W)                                 # Kg_s's exp(Γ - G_s): Σ_{s < j}
+    dGam = _to_width(np.einsum("ncdv,ncdv->ncd", dS_out, S[:, :Nc]), W) * c.eGam  # exp(Γ) ∘ S: every j
+    pairs = np.zeros(c.G.shape, q.dtype)                                 # Σ_{s < j <= i} of A's pairs
     for a, b in _slabs(n, Nc, C, c.G.shape[-1]):
         dec = decay_intra.decay(c.G[:, a:b], None if c.a is None else c.a[:, a:b], q.dtype)
         qa, ka, dOa = c.q[:, a:b], c.k[:, a:b], dO[:, a:b]
-        dv[:, a:b] += _t(dec.scores(qa, ka, Qg[:, a:b], c.KgT[:, a:b])) @ dOa  # Aᵀ dO': (n,M,C,C) @ (n,M,C,Dv)
+        A = dec.scores(qa, ka, Qg[:, a:b], c.KgT[:, a:b])
+        dv[:, a:b] += _t(A) @ dOa                                          # Aᵀ dO': (n,M,C,C) @ (n,M,C,Dv)
         dA = dOa @ _t(c.v[:, a:b])                                         # (n,M,C,Dv) @ (n,M,Dv,C) -> (n,M,C,C)
-        dqA, dkA = dec.rows(dA, ka), dec.cols(dA, qa)
+        dqA, dkA, pairs[:, a:b] = dec.grads(dA, qa, ka, A)                 # A's share of dq, dk and dg
         dq[:, a:b] += dqA
         dk[:, a:b] += dkA
-        dG[:, a:b] += _to_width(qa * dqA - ka * dkA, W)
-    dg = np.cumsum(dG[:, :, ::-1], axis=2)[:, :, ::-1] + dGam[:, :, None]  # Σ_{i >= j} dG_i + dΓ
+    dg = crossing.later(rows_after, 2) + crossing.earlier(rows_before, 2) + pairs + dGam[:, :, None]
     cut = lambda x: x.reshape((n, Nc * C) + x.shape[3:])[:, :T]           # noqa: E731
     return cut(dq), cut(dk), cut(dv), cut(dg), dS[:, 0]
 

@@ -58,6 +58,7 @@ from functools import cached_property
 import numpy as np
 
 from ... import jit
+from .. import crossing
 from ...kernels.flash.tiles import DEFAULT, scratch
 
 SUB = 16      # rows of a diagonal sub-block (decay a key channel)
@@ -180,6 +181,11 @@ class HeadDecay:
             return (_t(self._masked(P)) @ (q * self.u)) * self.w
         return _t(self._masked(P)) @ q
 
+    def grads(self, P, q, k, A):
+        """``(rows(P, k), cols(P, q), pairs (n, M, C, 1))``: with one decay a head the pair
+        ``(i, s)`` adds ``P_is A_is`` (A the scores) to ``dg_j`` for ``s < j <= i``."""
+        return self.rows(P, k), self.cols(P, q), crossing.crossing(P * A)[..., None]
+
 
 class ChannelDecay:
     """A decay a key channel: per sub-block I (rows ``r0:r1``) the diagonal block
@@ -250,6 +256,32 @@ class ChannelDecay:
             if r0:                                                       # (n,M,r0,c) @ (n,M,c,Dk) -> (n,M,r0,Dk)
                 Y[:, :, :r0] += (_t(P[:, :, r0:r1, :r0]) @ (q[:, :, r0:r1] * eq)) * ek
         return Y
+
+
+    def grads(self, P, q, k, A=None):
+        """``(rows(P, k), cols(P, q), pairs)`` in one pass over the blocks, ``pairs (n, M, C, Dk)``
+        the in-chunk scores' share of ``dg``: ``Σ_{s < j <= i} P_is q_id k_sd exp(G_id - G_sd)``
+        (:mod:`qkv.recurrent.crossing`), each pair where its factor crosses j. On a diagonal
+        block the ``(c, c, Dk)`` terms themselves; below it the factor about row r splits the
+        pairs by where j lies: in block I (the ``exp(G_i - G_r)`` side: ``Σ_{i >= j}`` of
+        ``q ∘ eq ∘ (P Kek)``), or before it (the ``exp(G_r - G_s)`` side: ``Σ_{s < j}`` of
+        ``k ∘ ek ∘ (Pᵀ Qeq)``). rows and cols are :meth:`rows`' and :meth:`cols`' bits."""
+        X, Y = np.empty(k.shape, k.dtype), np.zeros(q.shape, q.dtype)
+        pairs = np.zeros(q.shape, q.dtype)
+        for r0, r1, E, eq, ek in self.blocks:
+            Pd, qI, kI = P[:, :, r0:r1, r0:r1], q[:, :, r0:r1], k[:, :, r0:r1]
+            X[:, :, r0:r1] = np.einsum("nmis,nmsd,nmisd->nmid", Pd, kI, E)
+            Y[:, :, r0:r1] += np.einsum("nmis,nmid,nmisd->nmsd", Pd, qI, E)
+            terms = Pd[..., None] * qI[:, :, :, None] * kI[:, :, None] * E     # (n,M,c,c,Dk)
+            pairs[:, :, r0:r1] += np.moveaxis(crossing.crossing(np.moveaxis(terms, -1, 2)), 2, -1)
+            if r0:
+                Xb = P[:, :, r0:r1, :r0] @ (k[:, :, :r0] * ek)                  # (n,M,c,r0) @ (n,M,r0,Dk)
+                X[:, :, r0:r1] += Xb * eq
+                Yb = _t(P[:, :, r0:r1, :r0]) @ (qI * eq)                        # (n,M,r0,c) @ (n,M,c,Dk)
+                Y[:, :, :r0] += Yb * ek
+                pairs[:, :, r0:r1] += crossing.later(qI * eq * Xb, 2)            # j in I: Σ_{i >= j}
+                pairs[:, :, :r0] += crossing.earlier(k[:, :, :r0] * ek * Yb, 2)  # j before I: Σ_{s < j}
+        return X, Y, pairs
 
 
 def _products(a: np.ndarray, E: np.ndarray) -> np.ndarray:

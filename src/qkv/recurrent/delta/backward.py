@@ -40,7 +40,13 @@ start states ``S_0`` come from the forward's state pass, run again
 ``rowsum - colsum``; ``Qg`` adds ``rowsum(dQg ∘ Qg)``; ``X`` adds ``-rowsum(dX ∘ e^γ K S_0)``;
 ``Kc`` adds ``-rowsum(dKc ∘ Kc)`` to each ``t`` and its total to ``γ_C``; ``e^{γ_C} S_0`` adds
 ``e^{γ_C} Σ dS_C ∘ S_0`` to ``γ_C``. Then ``dg_i = Σ_{t >= i} dγ_t`` within the chunk
-(``γ_t`` sums ``g_1..g_t``). Without a decay (DeltaNet) none of this is computed.
+(``γ_t`` sums ``g_1..g_t``). That sum is taken term by term over the steps each factor
+crosses (:mod:`qkv.recurrent.crossing`): a pair ``(t, s)`` of E or F adds to ``dg_i`` for
+``s < i <= t``, a row of ``Qg`` or of ``X`` for ``i <= t``, a row of ``Kc`` for ``i > t``,
+``e^{γ_C} S_0`` to all; written as rowsum - colsum and a reversed sum, the undecayed terms
+(F's diagonal, the chunk's last ``Kc`` row) would enter twice and cancel, leaving their
+rounding far above the true ``dg`` at steep decays. Without a decay (DeltaNet) none of this
+is computed.
 
 Cost: the forward's products again, plus about twice as many of the same shapes; memory as
 the forward's plus the ``(T/C)·Dk·Dv`` chunk-end gradients.
@@ -49,6 +55,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import crossing
 from .chunk_parts import CHUNK, Chunks, from_chunks, pass_states, prepare, to_chunks
 
 
@@ -73,16 +80,17 @@ def _state_grads(ch: Chunks, dO, dS, scale):
     return dR, ends, dS
 
 
-def _decay_grad(ch: Chunks, E, F, readQ, dX, KS, dKc, ends, starts):
-    """``dg (B, H, N, C)`` from the factors ``e^{γ_a - γ_b}`` (the module docstring);
-    ``E = dA ∘ A``, ``F = dP ∘ P``, ``readQ = scale · dO ∘ Qg S_0``."""
-    dgam = E.sum(-1) - E.sum(-2) + F.sum(-1) - F.sum(-2) + readQ.sum(-1)
-    dgam -= (dX * KS).sum(-1)
-    kc = (dKc * ch.Kc).sum(-1)                                      # (B,H,N,C)
-    dgam -= kc
-    dgam[..., -1] += kc.sum(-1) + ch.eC * (ends * starts).sum((-1, -2))
-    dg = np.cumsum(dgam[..., ::-1], axis=-1, dtype=np.float64)[..., ::-1]  # dg_i = Σ_{t >= i} dγ_t
-    return dg.astype(dgam.dtype, copy=False)
+def _decay_grad(ch: Chunks, M, readQ, dX, KS, dKc, ends, starts):
+    """``dg (B, H, N, C)`` from the factors ``e^{γ_a - γ_b}`` (the module docstring), each term
+    summed over the steps its factor crosses (:mod:`qkv.recurrent.crossing`: no two terms of
+    an undecayed size cancel); ``M = dA ∘ A + dP ∘ P`` the pairs, ``readQ = scale · dO ∘ Qg S_0``."""
+    f64 = np.float64
+    after = (readQ.sum(-1) - (dX * KS).sum(-1)).astype(f64)             # e^{γ_t} on row t: Σ_{t >= i}
+    before = (dKc * ch.Kc).sum(-1, dtype=f64)                          # e^{γ_C - γ_t} on row t: Σ_{t < i}
+    whole = ch.eC * (ends * starts).sum((-1, -2), dtype=f64)          # e^{γ_C} S_0: every step
+    dg = crossing.later(after, -1) + crossing.earlier(before, -1) + whole[..., None]
+    dg += crossing.crossing(M)                                         # pairs s < i <= t
+    return dg.astype(M.dtype, copy=False)
 
 
 def backward(dout, dstate, q, k, v, beta, g=None, *, scale, initial_state=None, chunk=None):
@@ -112,7 +120,7 @@ def backward(dout, dstate, q, k, v, beta, g=None, *, scale, initial_state=None, 
     dk += ch.eCg[..., None] * dKc if ch.gated else dKc
     dg = None
     if g is not None:
-        dg = from_chunks(_decay_grad(ch, G * ch.KK, dP * ch.P, scale * dO * run.QS, dX, run.KS, dKc,
+        dg = from_chunks(_decay_grad(ch, G * ch.KK + dP * ch.P, scale * dO * run.QS, dX, run.KS, dKc,
                                      ends, starts), ch.T)
     T = ch.T
     return (from_chunks(dq, T), from_chunks(dk, T), from_chunks(dX, T), from_chunks(dbeta, T), dg,
