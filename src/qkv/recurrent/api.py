@@ -4,6 +4,7 @@ chunked form (:mod:`.decay.chunk`, :mod:`.delta.chunk`, :mod:`.generalized_delta
 :mod:`.scan.chunk`). The recurrences and their conventions: :mod:`qkv.recurrent`."""
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -70,6 +71,23 @@ class _Call:
                              f"got {fmt_shape(s.shape)}")
         return np.ascontiguousarray(s, dtype=self.dtype)
 
+    def plan(self, *more):
+        """``(chunk, errstate)``: the caller's chunk size, or 1 where an input holds a NaN or an inf,
+        and the NumPy error state to run in (where the inputs are not finite, ``inf - inf`` and
+        ``0 · inf`` are what the recurrence carries, not news: no warning, as for a NaN).
+
+        A chunk's products mix its rows before the causal mask zeroes what a row may not
+        see, and ``0 · NaN`` is NaN: a NaN in ``k_10`` would reach the outputs of rows 0-9 of
+        its chunk (and, backwards, a NaN in ``q_10`` the key gradients of rows 11 on). Chunks
+        of one step have no such products: the NaN reaches what the recurrence carries it
+        to (later steps and the state; backwards, earlier steps), as the step loop does. Two
+        reductions a array find it; finite inputs keep their chunk and their bits."""
+        arrays = [self.q, self.k, self.v, self.state, self.dstate, *self.params, *more]
+        for x in arrays:
+            if x is not None and x.size and not (np.isfinite(x.min()) and np.isfinite(x.max())):
+                return 1, np.errstate(invalid="ignore", over="ignore")
+        return self.chunk, contextlib.nullcontext()
+
     def dout(self, dout):
         dout = as_float_array("dout", dout)
         if dout.shape != self.v.shape:
@@ -133,7 +151,9 @@ def decay_attention(q, k, v, log_decay, *, scale=None, initial_state=None, retur
     reject_options(decay_attention, unknown)
     c = _checked("decay_attention", q, k, v, [("log_decay", log_decay, _shapes(q, "both"))],
                  initial_state, None, scale, chunk_size)
-    o, S = _decay.forward(c.q, c.k, c.v, *c.params, scale=c.scale, initial_state=c.state, chunk=c.chunk)
+    chunk, errstate = c.plan()
+    with errstate:
+        o, S = _decay.forward(c.q, c.k, c.v, *c.params, scale=c.scale, initial_state=c.state, chunk=chunk)
     return (c.out(o), S) if return_state else c.out(o)
 
 
@@ -148,8 +168,11 @@ def decay_attention_backward(dout, q, k, v, log_decay, *, scale=None, initial_st
     reject_options(decay_attention_backward, unknown)
     c = _checked("decay_attention_backward", q, k, v, [("log_decay", log_decay, _shapes(q, "both"))],
                  initial_state, dstate, scale, chunk_size)
-    grads = _decay.backward(c.dout(dout), c.dstate, c.q, c.k, c.v, *c.params, scale=c.scale,
-                            initial_state=c.state, chunk=c.chunk)
+    do = c.dout(dout)
+    chunk, errstate = c.plan(do)
+    with errstate:
+        grads = _decay.backward(do, c.dstate, c.q, c.k, c.v, *c.params, scale=c.scale, initial_state=c.state,
+                            chunk=chunk)
     return c.grads(grads, (q, k, v, log_decay, initial_state))
 
 
@@ -174,7 +197,9 @@ def delta_rule(q, k, v, beta, log_decay=None, *, scale=None, initial_state=None,
     c = _checked("delta_rule", q, k, v, [("beta", beta, _shapes(q, "head")),
                                          ("log_decay", log_decay, _shapes(q, "optional head"))],
                  initial_state, None, scale, chunk_size)
-    o, S = _delta.forward(c.q, c.k, c.v, *c.params, scale=c.scale, initial_state=c.state, chunk=c.chunk)
+    chunk, errstate = c.plan()
+    with errstate:
+        o, S = _delta.forward(c.q, c.k, c.v, *c.params, scale=c.scale, initial_state=c.state, chunk=chunk)
     return (c.out(o), S) if return_state else c.out(o)
 
 
@@ -186,8 +211,11 @@ def delta_rule_backward(dout, q, k, v, beta, log_decay=None, *, scale=None, init
     c = _checked("delta_rule_backward", q, k, v, [("beta", beta, _shapes(q, "head")),
                                                   ("log_decay", log_decay, _shapes(q, "optional head"))],
                  initial_state, dstate, scale, chunk_size)
-    grads = _delta.backward(c.dout(dout), c.dstate, c.q, c.k, c.v, *c.params, scale=c.scale,
-                            initial_state=c.state, chunk=c.chunk)
+    do = c.dout(dout)
+    chunk, errstate = c.plan(do)
+    with errstate:
+        grads = _delta.backward(do, c.dstate, c.q, c.k, c.v, *c.params, scale=c.scale, initial_state=c.state,
+                            chunk=chunk)
     return c.grads(grads, (q, k, v, beta, log_decay, initial_state))
 
 
@@ -212,7 +240,9 @@ def dplr(q, k, v, a, b, log_decay, *, scale=None, initial_state=None, return_sta
     c = _checked("dplr", q, k, v, [("a", a, _shapes(q, "chan")), ("b", b, _shapes(q, "chan")),
                                    ("log_decay", log_decay, _shapes(q, "both"))],
                  initial_state, None, scale, chunk_size)
-    o, S = _dplr.forward(c.q, c.k, c.v, *c.params, scale=c.scale, initial_state=c.state, chunk=c.chunk)
+    chunk, errstate = c.plan()
+    with errstate:
+        o, S = _dplr.forward(c.q, c.k, c.v, *c.params, scale=c.scale, initial_state=c.state, chunk=chunk)
     return (c.out(o), S) if return_state else c.out(o)
 
 
@@ -223,8 +253,11 @@ def dplr_backward(dout, q, k, v, a, b, log_decay, *, scale=None, initial_state=N
     c = _checked("dplr_backward", q, k, v, [("a", a, _shapes(q, "chan")), ("b", b, _shapes(q, "chan")),
                                             ("log_decay", log_decay, _shapes(q, "both"))],
                  initial_state, dstate, scale, chunk_size)
-    grads = _dplr.backward(c.dout(dout), c.dstate, c.q, c.k, c.v, *c.params, scale=c.scale,
-                           initial_state=c.state, chunk=c.chunk)
+    do = c.dout(dout)
+    chunk, errstate = c.plan(do)
+    with errstate:
+        grads = _dplr.backward(do, c.dstate, c.q, c.k, c.v, *c.params, scale=c.scale, initial_state=c.state,
+                            chunk=chunk)
     return c.grads(grads, (q, k, v, a, b, log_decay, initial_state))
 
 
