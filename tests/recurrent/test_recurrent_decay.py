@@ -323,9 +323,11 @@ def test_steep_decays_float32_within_a_budget_of_the_float32_step_loop(per_chann
 
 
 @pytest.mark.parametrize("per_channel", [False, True], ids=["head", "channel"])
-def test_a_reset_step_gives_dg_exactly_zero_there(per_channel):
-    """exp(-1e4) is 0 in every dtype: the step's decay gradient a_t · Σ dS ∘ S is 0 exactly, not
-    the rounding left by terms that cancel."""
+def test_a_reset_step_gives_dg_of_zero_there(per_channel):
+    """exp(-1e4) is 0 in every dtype: the step's decay gradient a_t · Σ dS ∘ S is 0. With one
+    decay a head every term of dg carries it, so dg is exactly 0; with a decay a channel the
+    pairs inside one sub-block of rows may leave their rounding (about eps of the largest
+    gradient), never the terms of undecayed size that cancelled before."""
     rng = np.random.default_rng(7)
     q, k, v, _, S0, do, dS = problem(rng, 70, per_channel)
     g = -rng.random((1, 2, 70, DK) if per_channel else (1, 2, 70))
@@ -334,4 +336,5 @@ def test_a_reset_step_gives_dg_exactly_zero_there(per_channel):
         args = [x.astype(dtype) for x in (q, k, v, g)]
         dg = rec.decay_attention_backward(do.astype(dtype), *args, initial_state=S0.astype(dtype),
                                           dstate=dS.astype(dtype))[3]
-        assert (dg[:, :, [5, 31, 32, 63]] == 0).all()
+        at_resets = np.abs(dg[:, :, [5, 31, 32, 63]]).max()
+        assert at_resets <= (8 * np.finfo(dtype).eps * np.abs(dg).max() if per_channel else 0)

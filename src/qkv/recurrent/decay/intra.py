@@ -259,21 +259,26 @@ class ChannelDecay:
 
 
     def grads(self, P, q, k, A=None):
-        """``(rows(P, k), cols(P, q), pairs)`` in one pass over the blocks, ``pairs (n, M, C, Dk)``
-        the in-chunk scores' share of ``dg``: ``Σ_{s < j <= i} P_is q_id k_sd exp(G_id - G_sd)``
-        (:mod:`qkv.recurrent.crossing`), each pair where its factor crosses j. On a diagonal
-        block the ``(c, c, Dk)`` terms themselves; below it the factor about row r splits the
-        pairs by where j lies: in block I (the ``exp(G_i - G_r)`` side: ``Σ_{i >= j}`` of
-        ``q ∘ eq ∘ (P Kek)``), or before it (the ``exp(G_r - G_s)`` side: ``Σ_{s < j}`` of
-        ``k ∘ ek ∘ (Pᵀ Qeq)``). rows and cols are :meth:`rows`' and :meth:`cols`' bits."""
+        """``(rows(P, k), cols(P, q), pairs)``, ``pairs (n, M, C, Dk)`` the in-chunk scores' share
+        of ``dg``: ``Σ_{s < j <= i} P_is q_id k_sd exp(G_id - G_sd)`` (:mod:`qkv.recurrent.crossing`).
+        Below a diagonal block the factor about row r splits the pairs by where j lies: in block
+        I (the ``exp(G_i - G_r)`` side, ``Σ_{i >= j}`` of ``q ∘ eq ∘ (P Kek)``) or before it (the
+        ``exp(G_r - G_s)`` side, ``Σ_{s < j}`` of ``k ∘ ek ∘ (Pᵀ Qeq)``): each term where its
+        factor crosses j. In a diagonal block, ``Σ_{i >= j}`` of its rows and cols without the
+        diagonal (``exp(0)``, crossing nothing): only pairs of one block of c rows can cancel
+        there, and at steep decays they are as small as what they leave."""
         X, Y = np.empty(k.shape, k.dtype), np.zeros(q.shape, q.dtype)
         pairs = np.zeros(q.shape, q.dtype)
         for r0, r1, E, eq, ek in self.blocks:
-            Pd, qI, kI = P[:, :, r0:r1, r0:r1], q[:, :, r0:r1], k[:, :, r0:r1]
-            X[:, :, r0:r1] = np.einsum("nmis,nmsd,nmisd->nmid", Pd, kI, E)
-            Y[:, :, r0:r1] += np.einsum("nmis,nmid,nmisd->nmsd", Pd, qI, E)
-            terms = Pd[..., None] * qI[:, :, :, None] * kI[:, :, None] * E     # (n,M,c,c,Dk)
-            pairs[:, :, r0:r1] += np.moveaxis(crossing.crossing(np.moveaxis(terms, -1, 2)), 2, -1)
+            qI, kI = q[:, :, r0:r1], k[:, :, r0:r1]
+            Pd = P[:, :, r0:r1, r0:r1].copy()
+            diag = np.diagonal(Pd, axis1=-2, axis2=-1).copy()[..., None]
+            np.einsum("...ii->...i", Pd)[...] = 0
+            Xd = np.einsum("nmis,nmsd,nmisd->nmid", Pd, kI, E)
+            Yd = np.einsum("nmis,nmid,nmisd->nmsd", Pd, qI, E)
+            X[:, :, r0:r1] = Xd + diag * kI
+            Y[:, :, r0:r1] += Yd + diag * qI
+            pairs[:, :, r0:r1] += crossing.later(qI * Xd - kI * Yd, 2)       # pairs inside block I
             if r0:
                 Xb = P[:, :, r0:r1, :r0] @ (k[:, :, :r0] * ek)                  # (n,M,c,r0) @ (n,M,r0,Dk)
                 X[:, :, r0:r1] += Xb * eq
@@ -282,7 +287,6 @@ class ChannelDecay:
                 pairs[:, :, r0:r1] += crossing.later(qI * eq * Xb, 2)            # j in I: Σ_{i >= j}
                 pairs[:, :, :r0] += crossing.earlier(k[:, :, :r0] * ek * Yb, 2)  # j before I: Σ_{s < j}
         return X, Y, pairs
-
 
 def _products(a: np.ndarray, E: np.ndarray) -> np.ndarray:
     """``E_is = Π_{s < j <= i} a_j`` for ``s <= i`` (1 on the diagonal), into ``E`` (zeros):
