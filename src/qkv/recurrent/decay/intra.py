@@ -278,7 +278,8 @@ class ChannelDecay:
             Yd = np.einsum("nmis,nmid,nmisd->nmsd", Pd, qI, E)
             X[:, :, r0:r1] = Xd + diag * kI
             Y[:, :, r0:r1] += Yd + diag * qI
-            pairs[:, :, r0:r1] += crossing.later(qI * Xd - kI * Yd, 2)       # pairs inside block I
+            if r1 - r0 > 1:                                                 # pairs inside block I (a row alone has
+                pairs[:, :, r0:r1] += crossing.later(qI * Xd - kI * Yd, 2)   # none: no 0 · NaN from a NaN input)
             if r0:
                 Xb = P[:, :, r0:r1, :r0] @ (k[:, :, :r0] * ek)                  # (n,M,c,r0) @ (n,M,r0,Dk)
                 X[:, :, r0:r1] += Xb * eq
