@@ -60,6 +60,9 @@ class _Call:
         if name == "log_decay" and not (np.isfinite(x).all() and (x <= 0).all()):
             bad = x[~(np.isfinite(x) & (x <= 0))].ravel()[0]
             raise ShapeError(f"log_decay must be finite and <= 0 (a decay exp(g) in (0, 1] each step); got {bad}")
+        if name == "beta" and not np.isfinite(x).all():
+            raise ShapeError(f"beta must be finite (a write strength, in (0, 1) in the layers); "
+                             f"got {x[~np.isfinite(x)].ravel()[0]}")
         return x
 
     def _state(self, name, s):
@@ -97,6 +100,24 @@ class _Call:
 
     def out(self, o):
         return o.astype(self.in_dtype, copy=False)
+
+    @property
+    def empty(self) -> bool:
+        """T = 0: no step to take (the chunked forms need one)."""
+        return self.v.shape[2] == 0
+
+    def empty_forward(self, return_state: bool):
+        """T = 0: ``o (B, H, 0, Dv)`` and the final state = the initial state (zeros without one)."""
+        o = self.out(np.empty(self.v.shape, self.dtype))
+        S = np.zeros(self.state_shape, self.dtype) if self.state is None else self.state.copy()
+        return (o, S) if return_state else o
+
+    def empty_backward(self, dout, originals):
+        """T = 0: zero gradients for the (empty) per-step inputs; ``dinitial_state = dstate``."""
+        self.dout(dout)
+        dS0 = np.zeros(self.state_shape, self.dtype) if self.dstate is None else self.dstate.copy()
+        zeros = [None if x is None else np.zeros(np.shape(x), self.dtype) for x in originals[:-1]]
+        return self.grads(zeros + [dS0], originals)
 
     def grads(self, grads, originals):
         """Each gradient in its input's dtype; ``None`` where the input was ``None``."""
@@ -151,6 +172,8 @@ def decay_attention(q, k, v, log_decay, *, scale=None, initial_state=None, retur
     reject_options(decay_attention, unknown)
     c = _checked("decay_attention", q, k, v, [("log_decay", log_decay, _shapes(q, "both"))],
                  initial_state, None, scale, chunk_size)
+    if c.empty:
+        return c.empty_forward(return_state)
     chunk, errstate = c.plan()
     with errstate:
         o, S = _decay.forward(c.q, c.k, c.v, *c.params, scale=c.scale, initial_state=c.state, chunk=chunk)
@@ -168,6 +191,8 @@ def decay_attention_backward(dout, q, k, v, log_decay, *, scale=None, initial_st
     reject_options(decay_attention_backward, unknown)
     c = _checked("decay_attention_backward", q, k, v, [("log_decay", log_decay, _shapes(q, "both"))],
                  initial_state, dstate, scale, chunk_size)
+    if c.empty:
+        return c.empty_backward(dout, (q, k, v, log_decay, initial_state))
     do = c.dout(dout)
     chunk, errstate = c.plan(do)
     with errstate:
@@ -197,6 +222,8 @@ def delta_rule(q, k, v, beta, log_decay=None, *, scale=None, initial_state=None,
     c = _checked("delta_rule", q, k, v, [("beta", beta, _shapes(q, "head")),
                                          ("log_decay", log_decay, _shapes(q, "optional head"))],
                  initial_state, None, scale, chunk_size)
+    if c.empty:
+        return c.empty_forward(return_state)
     chunk, errstate = c.plan()
     with errstate:
         o, S = _delta.forward(c.q, c.k, c.v, *c.params, scale=c.scale, initial_state=c.state, chunk=chunk)
@@ -211,6 +238,8 @@ def delta_rule_backward(dout, q, k, v, beta, log_decay=None, *, scale=None, init
     c = _checked("delta_rule_backward", q, k, v, [("beta", beta, _shapes(q, "head")),
                                                   ("log_decay", log_decay, _shapes(q, "optional head"))],
                  initial_state, dstate, scale, chunk_size)
+    if c.empty:
+        return c.empty_backward(dout, (q, k, v, beta, log_decay, initial_state))
     do = c.dout(dout)
     chunk, errstate = c.plan(do)
     with errstate:
@@ -240,6 +269,8 @@ def dplr(q, k, v, a, b, log_decay, *, scale=None, initial_state=None, return_sta
     c = _checked("dplr", q, k, v, [("a", a, _shapes(q, "chan")), ("b", b, _shapes(q, "chan")),
                                    ("log_decay", log_decay, _shapes(q, "both"))],
                  initial_state, None, scale, chunk_size)
+    if c.empty:
+        return c.empty_forward(return_state)
     chunk, errstate = c.plan()
     with errstate:
         o, S = _dplr.forward(c.q, c.k, c.v, *c.params, scale=c.scale, initial_state=c.state, chunk=chunk)
@@ -253,6 +284,8 @@ def dplr_backward(dout, q, k, v, a, b, log_decay, *, scale=None, initial_state=N
     c = _checked("dplr_backward", q, k, v, [("a", a, _shapes(q, "chan")), ("b", b, _shapes(q, "chan")),
                                             ("log_decay", log_decay, _shapes(q, "both"))],
                  initial_state, dstate, scale, chunk_size)
+    if c.empty:
+        return c.empty_backward(dout, (q, k, v, a, b, log_decay, initial_state))
     do = c.dout(dout)
     chunk, errstate = c.plan(do)
     with errstate:
@@ -270,11 +303,13 @@ def linear_scan(x, log_a, *, initial_state=None, return_state=False, **unknown):
         return_state: also return ``h_T``.
 
     Returns:
-        ``h (B, T, D)`` in x's dtype; with ``return_state``, ``(h, h_T)``.
+        ``h (B, T, D)`` in x's dtype; with ``return_state``, ``(h, h_T)``, h_T in the compute
+        dtype (float32 for float16 inputs, as :func:`decay_attention`).
     """
     reject_options(linear_scan, unknown)
-    x, log_a, h0 = _scan_checked(x, log_a, initial_state, None)[:3]
-    h, hT = _scan.forward(x, log_a, initial_state=h0)
+    x2, la, h0 = _scan_checked(x, log_a, initial_state, None)[:3]
+    h, hT = _scan.forward(x2, la, initial_state=h0)
+    h = h.astype(np.result_type(x), copy=False)
     return (h, hT) if return_state else h
 
 
@@ -286,7 +321,8 @@ def linear_scan_backward(dh, x, log_a, *, initial_state=None, dstate=None, **unk
     if dh.shape != x2.shape:
         raise ShapeError(f"dh must have x's shape (B, T, D) = {fmt_shape(x2.shape)}; got {fmt_shape(dh.shape)}")
     dx, dla, dh0 = _scan.backward(np.ascontiguousarray(dh, dtype=x2.dtype), ds, x2, la, initial_state=h0)
-    return dx, dla, (None if initial_state is None else dh0)
+    return (dx.astype(np.result_type(x), copy=False), dla.astype(np.result_type(log_a), copy=False),
+            None if initial_state is None else dh0.astype(np.result_type(initial_state), copy=False))
 
 
 def _scan_checked(x, log_a, h0, dstate):
@@ -295,9 +331,11 @@ def _scan_checked(x, log_a, h0, dstate):
         raise ShapeError(f"x must have shape (B, T, D); got {fmt_shape(x.shape)}")
     if log_a.shape != x.shape:
         raise ShapeError(f"log_a must have x's shape (B, T, D) = {fmt_shape(x.shape)}; got {fmt_shape(log_a.shape)}")
-    if not (np.isfinite(log_a).all() and (log_a <= 0).all()):
-        raise ShapeError("log_a must be finite and <= 0 (a decay exp(log_a) in (0, 1] each step)")
-    dtype = np.result_type(x, log_a)
+    ok = np.isfinite(log_a) & (log_a <= 0)
+    if not ok.all():
+        raise ShapeError(f"log_a must be finite and <= 0 (a decay exp(log_a) in (0, 1] each step); "
+                         f"got {log_a[~ok].ravel()[0]}")
+    dtype = np.float64 if np.result_type(x, log_a) == np.float64 else np.float32   # as the other ops
     out = [np.ascontiguousarray(x, dtype=dtype), np.ascontiguousarray(log_a, dtype=dtype)]
     for name, s in (("initial_state", h0), ("dstate", dstate)):
         if s is not None:
