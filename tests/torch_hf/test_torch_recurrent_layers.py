@@ -242,6 +242,26 @@ def test_bad_inputs_and_states_raise(layer):
         layer(torch.zeros(2, 1, 8), state.recurrent)
 
 
+@pytest.mark.parametrize("make", [lambda: qt.Mamba2(8, 2, 4, state_size=3, n_groups=2, dtype=DT),
+                                  lambda: qt.GatedDeltaNet(8, 1, 2, 3, 2, dtype=DT),
+                                  lambda: qt.RGLRU(8, 4, 2, dtype=DT)], ids=["mamba2", "delta", "griffin"])
+def test_an_empty_sequence_gives_the_empty_result(make):
+    """T = 0 (it raised a bare reshape or conv1d error): y is (B, 0, d_model), the state comes
+    back unchanged, every parameter's gradient is zero and the state's gradient passes through."""
+    layer = _perturb(make(), 1)
+    _, state = layer(torch.randn(2, 4, 8, dtype=DT), return_state=True)
+    conv0, rec0 = (t.detach().clone().requires_grad_() for t in (state.conv, state.recurrent))
+    x = torch.zeros(2, 0, 8, dtype=DT, requires_grad=True)
+    y, new = layer(x, qt.RecurrentState(conv0, rec0), return_state=True)
+    assert y.shape == (2, 0, 8)
+    assert torch.equal(new.conv, conv0) and torch.equal(new.recurrent, rec0)
+    dconv, drec = torch.randn_like(conv0), torch.randn_like(rec0)
+    (y.sum() + (new.conv * dconv).sum() + (new.recurrent * drec).sum()).backward()
+    assert all(p.grad is not None and not p.grad.any() for p in layer.parameters())
+    assert torch.equal(conv0.grad, dconv) and torch.equal(rec0.grad, drec)
+    assert layer(torch.zeros(2, 0, 8, dtype=DT)).shape == (2, 0, 8)   # a fresh sequence
+
+
 def test_compiled_module_equals_eager():
     layer = _perturb(qt.GatedDeltaNet(8, 1, 2, 3, 2), 0)
     x = torch.randn(2, 5, 8)

@@ -155,13 +155,15 @@ class Layer:
         return self._saved
 
 
-def check_input(name: str, x, d_model: int, *, batch_first: bool = True) -> tuple[np.ndarray, bool]:
-    """``x`` as a float array ``(B, T, d_model)``; a 2-D ``(T, d_model)`` gets B = 1.
+def check_input(name: str, x, d_model: int, *, batch_first: bool = True,
+                empty: bool = False) -> tuple[np.ndarray, bool]:
+    """``x`` as a float array ``(B, T, d_model)``; a 2-D ``(T, d_model)`` gets B = 1; T = 0 only
+    with ``empty``.
 
     Returns ``(x3, squeezed)`` where ``squeezed`` says the caller gave 2-D.
     """
     x = as_float_array(name, x)
-    squeezed = check_sequences(name, x.shape, d_model)
+    squeezed = check_sequences(name, x.shape, d_model, empty=empty)
     x = x[None] if squeezed else x
     return x, squeezed
 

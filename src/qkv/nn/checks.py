@@ -71,15 +71,16 @@ def check_tokens(name: str, shape: tuple, d_model: int) -> None:
         raise ShapeError(f"{name} must have shape (..., T, d_model) = (..., T, {d_model}); got {fmt_shape(shape)}")
 
 
-def check_sequences(name: str, shape: tuple, d_model: int) -> bool:
-    """``shape`` is ``(B, T, d_model)`` or ``(T, d_model)`` with ``T >= 1``; returns True for
-    the 2-D form (one sequence, which a layer gives back 2-D)."""
+def check_sequences(name: str, shape: tuple, d_model: int, *, empty: bool = False) -> bool:
+    """``shape`` is ``(B, T, d_model)`` or ``(T, d_model)`` with ``T >= 1`` (``T >= 0`` with
+    ``empty``: a recurrent layer's T = 0 is its state unchanged); returns True for the 2-D form
+    (one sequence, which a layer gives back 2-D)."""
     if len(shape) not in (2, 3):
         raise ShapeError(f"{name} must have shape (B, T, d_model) or (T, d_model) with d_model = {d_model}; "
                          f"got {fmt_shape(shape)}")
     if shape[-1] != d_model:
         raise ShapeError(f"{name} must have shape (B, T, d_model) = (..., {d_model}); got {fmt_shape(shape)}")
-    if shape[-2] == 0:
+    if shape[-2] == 0 and not empty:
         raise ShapeError(f"{name} must have T >= 1; got {fmt_shape(shape)}")
     return len(shape) == 2
 

@@ -103,12 +103,12 @@ class GatedDeltaNet(Layer):
 
     def forward(self, x, *, state: RecurrentState | None = None) -> np.ndarray:
         """``x (B, T, d_model)`` (or ``(T, d_model)``) -> ``(B, T, d_model)``; ``state`` continues a sequence."""
-        x3, squeezed = check_input("x", x, self.d_model)
+        x3, squeezed = check_input("x", x, self.d_model, empty=True)
         x3 = x3.astype(self._cd, copy=False)
         Bsz, T, _ = x3.shape
         check_state(self, state, Bsz)
         Hk, Hv, r = self.n_k_heads, self.n_v_heads, self.n_v_heads // self.n_k_heads
-        proj = (x3.reshape(-1, self.d_model) @ self._p("W_in")).reshape(Bsz, T, -1)  # (BT,d) @ (d,W) -> (B,T,W)
+        proj = (x3.reshape(-1, self.d_model) @ self._p("W_in")).reshape(Bsz, T, self.params["W_in"].shape[1])  # (BT,d) @ (d,W) -> (B,T,W)
         ends = np.cumsum(self._widths)
         qkv, z, b, a = proj[..., :ends[2]], proj[..., ends[2]:ends[3]], proj[..., ends[3]:ends[4]], proj[..., ends[4]:]
         prefix = None if state is None else state.conv.copy()
@@ -128,7 +128,7 @@ class GatedDeltaNet(Layer):
         zh = z.reshape(Bsz, T, Hv, self.d_v)
         normed, norm_saved = norm_then_gate_forward(o.transpose(0, 2, 1, 3), zh, self._p("norm_weight"), self.eps)
         flat = normed.reshape(Bsz, T, Hv * self.d_v)
-        out = (flat.reshape(Bsz * T, -1) @ self._p("W_out")).reshape(Bsz, T, self.d_model)  # (BT,HvDv) @ (HvDv,d)
+        out = (flat.reshape(Bsz * T, Hv * self.d_v) @ self._p("W_out")).reshape(Bsz, T, self.d_model)  # (BT,HvDv) @ (HvDv,d)
         if state is not None:
             state.conv[...] = conv_tail(padded, self.conv_kernel)
             state.recurrent[...] = s_T
@@ -146,7 +146,7 @@ class GatedDeltaNet(Layer):
         Hk, Hv, r = self.n_k_heads, self.n_v_heads, self.n_v_heads // self.n_k_heads
         dy = grad_output(dy, x3.shape, s["squeezed"]).astype(self._cd, copy=False)
         self.grads["W_out"][...] = linear_grad(s["flat"], dy)
-        dflat = (dy.reshape(Bsz * T, -1) @ self._p("W_out").T).reshape(Bsz, T, Hv, self.d_v)  # (BT,d) @ (d,HvDv)
+        dflat = (dy.reshape(Bsz * T, self.d_model) @ self._p("W_out").T).reshape(Bsz, T, Hv, self.d_v)  # (BT,d) @ (d,HvDv)
         do, dz, self.grads["norm_weight"][...] = norm_then_gate_backward(dflat, s["norm"], self._p("norm_weight"))
         dq, dk, dv, dbeta, dg, _ = recurrent.delta_rule_backward(
             do.transpose(0, 2, 1, 3), s["q"], s["k"], s["v"], s["beta"], s["g"], scale=1 / math.sqrt(self.d_k),
@@ -165,9 +165,9 @@ class GatedDeltaNet(Layer):
         self.grads["A_log"][...] = np.einsum("bth,bth->h", dgt, s["g"].transpose(0, 2, 1))  # dg/dA_log = g
         da = dgt * s["neg_a"] * sigmoid(s["raw"])
         self.grads["dt_bias"][...] = da.sum(axis=(0, 1))
-        dproj = np.concatenate([dqkv, dz.reshape(Bsz, T, -1), db, da], axis=-1)  # (B, T, W)
+        dproj = np.concatenate([dqkv, dz.reshape(Bsz, T, Hv * self.d_v), db, da], axis=-1)  # (B, T, W)
         self.grads["W_in"][...] = linear_grad(x3, dproj)
-        dx = (dproj.reshape(Bsz * T, -1) @ self._p("W_in").T).reshape(x3.shape).astype(self.dtype, copy=False)
+        dx = (dproj.reshape(Bsz * T, dproj.shape[-1]) @ self._p("W_in").T).reshape(x3.shape).astype(self.dtype, copy=False)
         return dx[0] if s["squeezed"] else dx
 
     # --- transformers --------------------------------------------------------------------------

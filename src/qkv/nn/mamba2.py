@@ -105,7 +105,7 @@ class Mamba2(Layer):
 
     def forward(self, x, *, state: RecurrentState | None = None) -> np.ndarray:
         """``x (B, T, d_model)`` (or ``(T, d_model)``) -> ``(B, T, d_model)``; ``state`` continues a sequence."""
-        x3, squeezed = check_input("x", x, self.d_model)
+        x3, squeezed = check_input("x", x, self.d_model, empty=True)
         x3 = x3.astype(self._cd, copy=False)
         Bsz, T, _ = x3.shape
         check_state(self, state, Bsz)
@@ -113,7 +113,7 @@ class Mamba2(Layer):
         proj = x3.reshape(-1, self.d_model) @ self._p("W_in")                 # (BT,d) @ (d,I+C+H) -> (BT,I+C+H)
         if self.bias:
             proj += self._p("b_in")
-        proj = proj.reshape(Bsz, T, -1)
+        proj = proj.reshape(Bsz, T, proj.shape[-1])
         z, xbc, dt = proj[..., :I], proj[..., I:I + self.conv_dim], proj[..., I + self.conv_dim:]
         prefix = None if state is None else state.conv.copy()
         conv, padded = conv_forward(xbc, self._p("conv_weight"), self._p("conv_bias"), prefix)
@@ -183,7 +183,7 @@ class Mamba2(Layer):
         self.grads["W_in"][...] = linear_grad(x3, dproj)
         if self.bias:
             self.grads["b_in"][...] = dproj.reshape(-1, dproj.shape[-1]).sum(axis=0)
-        dx = (dproj.reshape(Bsz * T, -1) @ self._p("W_in").T).reshape(x3.shape)  # (BT,I+C+H) @ (I+C+H,d)
+        dx = (dproj.reshape(Bsz * T, dproj.shape[-1]) @ self._p("W_in").T).reshape(x3.shape)  # (BT,I+C+H) @ (I+C+H,d)
         dx = dx.astype(self.dtype, copy=False)
         return dx[0] if s["squeezed"] else dx
 

@@ -108,14 +108,14 @@ class RGLRU(Layer):
 
     def forward(self, x, *, state: RecurrentState | None = None) -> np.ndarray:
         """``x (B, T, d_model)`` (or ``(T, d_model)``) -> ``(B, T, d_model)``; ``state`` continues a sequence."""
-        x3, squeezed = check_input("x", x, self.d_model)
+        x3, squeezed = check_input("x", x, self.d_model, empty=True)
         x3 = x3.astype(self._cd, copy=False)
         Bsz, T, _ = x3.shape
         check_state(self, state, Bsz)
         flat = x3.reshape(-1, self.d_model)
-        ypre = (flat @ self._p("W_y") + self._p("b_y")).reshape(Bsz, T, -1)     # (BT,d) @ (d,L) -> (B,T,L)
+        ypre = (flat @ self._p("W_y") + self._p("b_y")).reshape(Bsz, T, self.lru_width)     # (BT,d) @ (d,L) -> (B,T,L)
         ybr, gelu_saved = gelu_tanh_forward(ypre)
-        xpre = (flat @ self._p("W_x") + self._p("b_x")).reshape(Bsz, T, -1)     # (BT,d) @ (d,L) -> (B,T,L)
+        xpre = (flat @ self._p("W_x") + self._p("b_x")).reshape(Bsz, T, self.lru_width)     # (BT,d) @ (d,L) -> (B,T,L)
         prefix = None if state is None else state.conv.copy()
         u, padded = conv_forward(xpre, self._p("conv_weight"), self._p("conv_bias"), prefix)
         gi, gr = self._gate(u, "input_gate"), self._gate(u, "recurrent_gate")
@@ -125,7 +125,7 @@ class RGLRU(Layer):
         m = np.sqrt(one_minus)
         start = 0 if state is None else state.length
         if start == 0:
-            m[:, 0] = 1.0                                                       # the reset at position 0
+            m[:, :1] = 1.0                                                      # the reset at position 0
         xin = m * gi * u
         h0 = None if state is None else state.recurrent.copy()
         h, h_T = recurrent.linear_scan(xin, log_a, initial_state=h0, return_state=True)
@@ -161,7 +161,7 @@ class RGLRU(Layer):
         dgi = dxin * m * u
         dm = dxin * gi * u
         if s["reset"]:
-            dm[:, 0] = 0.0                                                      # m = 1 there, a constant
+            dm[:, :1] = 0.0                                                     # m = 1 there, a constant
         d_one_minus = dm / np.sqrt(np.maximum(4 * one_minus, lim))
         dlog_a = dlog_a - d_one_minus * 2 * e2
         dgr = dlog_a * csp

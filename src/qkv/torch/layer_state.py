@@ -92,7 +92,9 @@ def causal_conv(x: torch.Tensor, conv: nn.Conv1d, window: torch.Tensor | None) -
     if window is None:
         window = xt.new_zeros(B, C, K - 1)
     full = torch.cat([window.to(xt.dtype), xt], dim=-1)        # (B, C, K-1+T)
-    y = F.conv1d(full, conv.weight, conv.bias, groups=C)       # (B, C, K-1+T) * (C, 1, K) -> (B, C, T)
+    # (B, C, K-1+T) * (C, 1, K) -> (B, C, T); at T = 0 one padded column, cut (conv1d refuses an
+    # input shorter than K): no output, the weights' gradients zeros, the window passed through
+    y = F.conv1d(F.pad(full, (1, 0)) if T == 0 else full, conv.weight, conv.bias, groups=C)[..., :T]
     return y.transpose(1, 2).to(x.dtype), full[..., full.shape[-1] - (K - 1):]
 
 

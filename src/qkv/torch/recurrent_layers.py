@@ -40,7 +40,7 @@ from .recurrent_ops import decay_attention, delta_rule
 def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     """``(B, T, heads·D) -> (B, heads, T, D)``."""
     B, T, _ = x.shape
-    return x.reshape(B, T, heads, -1).transpose(1, 2)
+    return x.reshape(B, T, heads, x.shape[-1] // heads).transpose(1, 2)
 
 
 def _result(out, conv_window, final, return_state: bool):
@@ -121,7 +121,7 @@ class Mamba2(nn.Module):
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """``rms_G(y · silu(z)) · w``: RMS over each of the G groups of channels."""
         h = wide(y) * F.silu(wide(z))
-        g = h.reshape(*h.shape[:-1], self.n_groups, -1)                       # (B, T, G, d_inner/G)
+        g = h.reshape(*h.shape[:-1], self.n_groups, self.d_inner // self.n_groups)   # (B, T, G, d_inner/G)
         g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.norm.weight * g.reshape(h.shape).to(y.dtype)
 
@@ -188,11 +188,12 @@ class GatedDeltaNet(nn.Module):
         ``r = n_v / n_k`` (transformers' ``fix_query_key_value_ordering``)."""
         B, T, _ = x.shape
         Hk, r = self.n_k_heads, self.n_v_heads // self.n_k_heads
-        q, k, v, z = self.in_proj_qkvz(x).view(B, T, Hk, -1).split([self.d_k, self.d_k, r * self.d_v,
-                                                                    r * self.d_v], dim=-1)
+        split = [self.d_k, self.d_k, r * self.d_v, r * self.d_v]
+        q, k, v, z = self.in_proj_qkvz(x).view(B, T, Hk, sum(split)).split(split, dim=-1)
         b, a = self.in_proj_ba(x).view(B, T, Hk, 2 * r).split([r, r], dim=-1)
-        qkv = torch.cat([t.reshape(B, T, -1) for t in (q, k, v)], dim=-1)
-        return qkv, z.reshape(B, T, self.n_v_heads, self.d_v), b.reshape(B, T, -1), a.reshape(B, T, -1)
+        qkv = torch.cat([t.reshape(B, T, Hk * t.shape[-1]) for t in (q, k, v)], dim=-1)
+        Hv = self.n_v_heads
+        return qkv, z.reshape(B, T, Hv, self.d_v), b.reshape(B, T, Hv), a.reshape(B, T, Hv)
 
     def forward(self, x, state: RecurrentState | None = None, *, return_state: bool = False):
         """``y (B, T, d_model)``; with ``return_state``, ``(y, state)`` to continue from."""
@@ -213,7 +214,7 @@ class GatedDeltaNet(nn.Module):
         o = o.transpose(1, 2)                                                          # (B, T, Hv, d_v)
         h = wide(o) * torch.rsqrt(wide(o).pow(2).mean(-1, keepdim=True) + self.eps)
         y = (self.norm.weight * h.to(o.dtype)) * F.silu(wide(z))
-        return _result(self.out_proj(y.to(o.dtype).reshape(B, T, -1)), window, final, return_state)
+        return _result(self.out_proj(y.to(o.dtype).reshape(B, T, self.value_dim)), window, final, return_state)
 
     @classmethod
     def from_hf(cls, layer) -> "GatedDeltaNet":

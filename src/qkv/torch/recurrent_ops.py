@@ -26,7 +26,7 @@ an empty tensor in the backward operator's result (an operator returns a fixed n
 tensors) and None to autograd.
 
 **Dtypes.** As :mod:`qkv.recurrent`: the output has the promoted dtype of ``q, k, v`` (``x``,
-``log_a`` for the scan); the state is float32 (float64 for float64), the scan's the output's.
+``log_a`` for the scan); the state is float32 (float64 for float64), for every op.
 bfloat16, which NumPy lacks, computes in float32 and is cast back; each gradient has its
 input's dtype.
 """
@@ -81,8 +81,7 @@ class Recurrence:
         return functools.reduce(torch.promote_types, [t.dtype for t in lead])
 
     def state_dtype(self, out_dtype: torch.dtype) -> torch.dtype:
-        if not self.options:  # the scan keeps its dtype (bfloat16 computes in float32)
-            return torch.float32 if out_dtype == torch.bfloat16 else out_dtype
+        """The compute dtype, as :mod:`qkv.recurrent` returns it (the scan's too)."""
         return torch.float64 if out_dtype == torch.float64 else torch.float32
 
     def state_shape(self, tensors) -> tuple:

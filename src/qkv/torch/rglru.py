@@ -65,7 +65,7 @@ class RealGatedLRU(nn.Module):
 
     def _gate(self, u: torch.Tensor, weight, bias) -> torch.Tensor:
         B, T, W = u.shape
-        uh = u.reshape(B, T, self.n_heads, -1)
+        uh = u.reshape(B, T, self.n_heads, W // self.n_heads)
         return torch.sigmoid(torch.einsum("bthi,hij->bthj", uh, weight) + bias).reshape(B, T, W)  # (B,T,H,w)·(H,w,w)
 
     def forward(self, u: torch.Tensor, h0: torch.Tensor | None) -> tuple:
