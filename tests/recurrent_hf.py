@@ -37,7 +37,8 @@ def _modeling_modules():
     """transformers' modeling modules of the three recurrent families (those installed)."""
     import importlib
 
-    names = ("mamba2.modeling_mamba2", "qwen3_next.modeling_qwen3_next", "recurrent_gemma.modeling_recurrent_gemma")
+    names = ("mamba2.modeling_mamba2", "qwen3_next.modeling_qwen3_next", "recurrent_gemma.modeling_recurrent_gemma",
+             "falcon_h1.modeling_falcon_h1")
     found = []
     for name in names:
         try:
@@ -133,6 +134,30 @@ def mamba2(*, hidden=16, heads=4, head_dim=8, state=8, groups=1, conv=4, bias=Fa
     return m, cfg
 
 
+def falcon_h1(*, hidden=16, heads=4, head_dim=8, state=8, groups=1, conv=4, rms_norm=True, before_gate=True,
+              multipliers=(0.5, 1.5, 0.75, 1.25, 0.9), in_multiplier=1.3, proj_bias=False, out_bias=False, seed=0):
+    """Falcon-H1's Mamba-2 mixer with its own settings: the norm after the gate or before it or
+    none (``mamba_rms_norm``), the µP multipliers (the ``mup_vector`` buffer FalconH1Model gives
+    each mixer) and in_proj's and out_proj's biases apart."""
+    t = _torch()
+    from transformers.models.falcon_h1.configuration_falcon_h1 import FalconH1Config
+    from transformers.models.falcon_h1 import modeling_falcon_h1 as fh
+    t.manual_seed(seed)
+    cfg = FalconH1Config(hidden_size=hidden, mamba_n_heads=heads, mamba_d_head=head_dim, mamba_d_ssm=heads * head_dim,
+                         mamba_d_state=state, mamba_n_groups=groups, mamba_d_conv=conv, mamba_rms_norm=rms_norm,
+                         mamba_norm_before_gate=before_gate, ssm_multipliers=list(multipliers),
+                         ssm_in_multiplier=in_multiplier, mamba_proj_bias=proj_bias, projectors_bias=out_bias,
+                         mamba_chunk_size=8, num_hidden_layers=1, vocab_size=11, num_attention_heads=2,
+                         num_key_value_heads=1)
+    m = fh.FalconH1Mixer(cfg, layer_idx=0).eval()
+    m.register_buffer("mup_vector", fh.compute_mup_vector(cfg), persistent=False)
+    perturb(m, seed)
+    with t.no_grad():
+        m.A_log.copy_(t.log(t.linspace(0.5, 3.0, heads)))
+        m.dt_bias.copy_(t.linspace(-2.0, 1.0, heads))
+    return m, cfg
+
+
 def gated_delta(*, hidden=16, k_heads=2, v_heads=4, k_dim=8, v_dim=8, conv=4, seed=0):
     t = _torch()
     from transformers.models.qwen3_next.configuration_qwen3_next import Qwen3NextConfig
@@ -205,4 +230,4 @@ def hf_grads(layer_class, module) -> dict:
                 p.copy_(w)
 
 
-BUILD = {"mamba2": mamba2, "gated_delta": gated_delta, "rglru": rglru}
+BUILD = {"mamba2": mamba2, "falcon_h1": falcon_h1, "gated_delta": gated_delta, "rglru": rglru}

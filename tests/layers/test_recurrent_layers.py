@@ -17,13 +17,17 @@ import recurrent_hf as R  # noqa: E402
 
 from qkv import nn  # noqa: E402
 
-LAYERS = {"mamba2": nn.Mamba2, "gated_delta": nn.GatedDeltaNet, "rglru": nn.RGLRU}
+LAYERS = {"mamba2": nn.Mamba2, "falcon_h1": nn.Mamba2, "gated_delta": nn.GatedDeltaNet, "rglru": nn.RGLRU}
 CONFIGS = [  # (kind, config, B, T): head counts, groups, state sizes, Hk < Hv, conv widths, T = 37 and 1
     ("mamba2", dict(), 2, 37),
     ("mamba2", dict(groups=2, heads=4, state=6, conv=3, bias=True, seed=1), 1, 37),
     ("mamba2", dict(heads=2, head_dim=6, hidden=12, state=4, conv=2, conv_bias=False, limit=(0.05, 0.6), seed=2),
      2, 11),
     ("mamba2", dict(seed=3), 2, 1),
+    # Falcon-H1's mixer: its norm after the gate (default), before it, or none; µP multipliers; biases apart
+    ("falcon_h1", dict(), 2, 37),
+    ("falcon_h1", dict(before_gate=False, groups=2, proj_bias=True, seed=1), 1, 19),
+    ("falcon_h1", dict(rms_norm=False, out_bias=True, seed=2), 2, 11),
     ("gated_delta", dict(), 2, 37),
     ("gated_delta", dict(k_heads=2, v_heads=2, k_dim=6, v_dim=4, conv=3, seed=1), 1, 37),
     ("gated_delta", dict(k_heads=1, v_heads=3, conv=2, seed=2), 2, 11),
@@ -124,7 +128,7 @@ def test_prefill_then_steps_equal_the_whole_sequence_and_transformers_cached_dec
 
 def test_from_hf_refuses_what_it_cannot_place():
     module, _ = R.mamba2()
-    with pytest.raises(nn_errors(), match="Mamba2.from_hf needs a transformers Mamba2Mixer; got Qwen3NextGated"):
+    with pytest.raises(nn_errors(), match="Mamba2.from_hf needs a transformers Mamba-2 mixer; got Qwen3NextGated"):
         nn.Mamba2.from_hf(R.gated_delta()[0])
     with pytest.raises(nn_errors(), match="RGLRU.from_hf needs a transformers RecurrentGemmaRecurrentBlock"):
         nn.RGLRU.from_hf(module)
@@ -133,7 +137,8 @@ def test_from_hf_refuses_what_it_cannot_place():
         nn.Mamba2.from_hf(module)
     gdn, _ = R.gated_delta()
     del gdn.norm.weight
-    with pytest.raises(nn_errors(), match=r"GatedDeltaNet.from_hf: the module has no weight norm.weight"):
+    with pytest.raises(nn_errors(), match=r"GatedDeltaNet.from_hf: Qwen3NextGatedDeltaNet has the norm "
+                                          r"Qwen3NextRMSNormGated \(qkv's is a gated RMSNorm\)"):
         nn.GatedDeltaNet.from_hf(gdn)
     block, _ = R.rglru()
     block.act_fn = torch.nn.ReLU()
@@ -174,3 +179,33 @@ def test_float32_parameter_gradients_within_twice_transformers_float32_error(kin
         ours = R.rel(layer32.grads[name], want[name])
         assert layer32.grads[name].dtype == np.float32
         assert ours <= 2 * R.rel(theirs[name], want[name]) + 1e-6, (name, ours, R.rel(theirs[name], want[name]))
+
+
+def test_from_hf_refuses_by_name_each_setting_it_does_not_compute():
+    """A module is taken for what it computes: each setting qkv's layer does not compute is
+    refused with the module's class and the setting (Falcon-H1's mixer was taken as a plain
+    Mamba-2 one and gave errors of 0.6-1.6, or an AttributeError without its RMSNorm)."""
+    falcon, _ = R.falcon_h1(groups=2)
+    falcon.norm.n_groups = 1
+    with pytest.raises(nn_errors(), match=r"Mamba2.from_hf: FalconH1Mixer normalises over groups .* \(1 groups\), "
+                                          r"not its n_groups = 2"):
+        nn.Mamba2.from_hf(falcon)
+    falcon, _ = R.falcon_h1()
+    falcon.activation = "relu"
+    with pytest.raises(nn_errors(), match=r"FalconH1Mixer has the conv activation 'relu'"):
+        nn.Mamba2.from_hf(falcon)
+    falcon, _ = R.falcon_h1()
+    falcon.mup_vector = torch.ones(5)
+    with pytest.raises(nn_errors(), match=r"FalconH1Mixer.mup_vector must have the projection's width"):
+        nn.Mamba2.from_hf(falcon)
+    gdn, _ = R.gated_delta()
+    gdn.norm.activation = "gelu"
+    with pytest.raises(nn_errors(), match=r"Qwen3NextGatedDeltaNet gates its norm with 'gelu'"):
+        nn.GatedDeltaNet.from_hf(gdn)
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+    cfg = Qwen3_5TextConfig(hidden_size=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                            linear_value_head_dim=8, num_hidden_layers=1, layer_types=["linear_attention"],
+                            vocab_size=11, num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    with pytest.raises(nn_errors(), match=r"got Qwen3_5GatedDeltaNet \(no in_proj_qkvz, in_proj_ba\)"):
+        nn.GatedDeltaNet.from_hf(Qwen3_5GatedDeltaNet(cfg, layer_idx=0))

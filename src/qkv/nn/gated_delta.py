@@ -31,6 +31,7 @@ from .. import recurrent
 from ..errors import ShapeError, positive_int
 from .activations import sigmoid, silu_backward, silu_forward
 from .base import Layer, check_input, linear_grad
+from .hf_variants import gated_delta_settings
 from .recurrent_parts import (RecurrentState, check_state, compute_dtype, conv_backward, conv_forward, conv_tail,
                               grad_output, hf_tensors, l2norm_backward, l2norm_forward, load_hf,
                               norm_then_gate_backward, norm_then_gate_forward, softplus)
@@ -174,13 +175,9 @@ class GatedDeltaNet(Layer):
     @classmethod
     def from_hf(cls, module, *, dtype=np.float32) -> GatedDeltaNet:
         """The layer of a transformers ``Qwen3NextGatedDeltaNet``, weight for weight (shapes checked)."""
-        t = hf_tensors(module, "GatedDeltaNet.from_hf", "Qwen3NextGatedDeltaNet",
-                       ("hidden_size", "num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "conv_kernel_size",
-                        "activation", "norm"))
-        if module.activation not in ("silu", "swish"):
-            raise ShapeError(f"GatedDeltaNet.from_hf: the conv activation must be silu; got {module.activation!r}")
-        layer = cls(module.hidden_size, module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim,
-                    conv_kernel=module.conv_kernel_size, eps=module.norm.variance_epsilon, dtype=dtype)
+        settings = gated_delta_settings(module, "GatedDeltaNet.from_hf")
+        t = hf_tensors(module, "GatedDeltaNet.from_hf", "Qwen3NextGatedDeltaNet", ())
+        layer = cls(**settings, dtype=dtype)
         Hk, r, Dk, Dv = layer.n_k_heads, layer.n_v_heads // layer.n_k_heads, layer.d_k, layer.d_v
         d = layer.d_model
 

@@ -31,6 +31,7 @@ from ..errors import ShapeError, positive_int
 from . import fusion
 from .activations import gelu_tanh_backward, gelu_tanh_forward, sigmoid
 from .base import Layer, check_input, linear_grad
+from .hf_variants import RGLRU_NEEDS
 from .recurrent_parts import (RecurrentState, check_state, compute_dtype, conv_backward, conv_forward, conv_tail,
                               grad_output, hf_tensors, load_hf, softplus)
 
@@ -197,8 +198,7 @@ class RGLRU(Layer):
     @classmethod
     def from_hf(cls, module, *, dtype=np.float32) -> RGLRU:
         """The layer of a transformers ``RecurrentGemmaRecurrentBlock``, weight for weight (shapes checked)."""
-        t = hf_tensors(module, "RGLRU.from_hf", "RecurrentGemmaRecurrentBlock",
-                       ("hidden_size", "lru_width", "rg_lru", "conv1d_width", "act_fn"))
+        t = hf_tensors(module, "RGLRU.from_hf", "RecurrentGemmaRecurrentBlock", RGLRU_NEEDS)
         import torch
         probe = np.linspace(-3, 3, 13)
         got = module.act_fn(torch.tensor(probe)).numpy()

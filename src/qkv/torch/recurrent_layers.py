@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import ShapeError, positive_int
+from ..errors import OptionError, ShapeError, positive_int
+from ..nn.hf_variants import NORMS, gated_delta_settings, mamba2_settings
 from .layer_state import (NormWeight, RecurrentState, activation as activation_fn, causal_conv, check_input,
                           check_state, load_hf, wide)
 from .recurrent_ops import decay_attention, delta_rule
@@ -57,6 +58,10 @@ class Mamba2(nn.Module):
         conv_kernel: the causal convolution's width. conv_bias, bias: biases of the conv and
             of the projections. eps: the norm's. time_step_limit: ``(lo, hi)`` clamp of Δ.
         activation: the conv's (a transformers name). chunk_size: qkv's chunk (None: default).
+        out_bias: out_proj's bias (None: as ``bias``). norm: ``"gate_then_norm"`` (Mamba-2's
+            ``rms_G(y · silu(z)) · w``), ``"norm_then_gate"`` (``rms_G(y) · w · silu(z)``, Falcon-H1's
+            default) or ``"none"`` (``y · silu(z)``). ssm_in_multiplier, mup_vector: Falcon-H1's µP
+            factors, ``in_proj(x · m) · mup_vector`` (a constant buffer ``(I + C + H,)``, None: ones).
 
     ``forward(x (B, T, d_model), state=None, *, return_state=False)``; ``state`` (a
     :class:`RecurrentState` from an earlier call) continues a sequence, None starts one.
@@ -68,8 +73,12 @@ class Mamba2(nn.Module):
     def __init__(self, d_model: int, n_heads: int, head_dim: int, *, state_size: int = 128, n_groups: int = 1,
                  conv_kernel: int = 4, conv_bias: bool = True, bias: bool = False, eps: float = 1e-5,
                  time_step_limit=(0.0, math.inf), activation: str = "silu", chunk_size: int | None = None,
-                 dtype=None, device=None):
+                 out_bias: bool | None = None, norm: str = "gate_then_norm", ssm_in_multiplier: float = 1.0,
+                 mup_vector=None, dtype=None, device=None):
         super().__init__()
+        if norm not in NORMS:
+            raise OptionError(f"norm must be one of {NORMS}; got {norm!r}")
+        self.norm_kind, self.ssm_in_multiplier = norm, float(ssm_in_multiplier)
         self.d_model, self.n_heads, self.head_dim = (positive_int(n, v) for n, v in
                                                      (("d_model", d_model), ("n_heads", n_heads),
                                                       ("head_dim", head_dim)))
@@ -87,8 +96,16 @@ class Mamba2(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(n_heads, **kw))
         self.A_log = nn.Parameter(torch.log(torch.arange(1, n_heads + 1, **kw)))   # A = -1, -2, ..., -H
         self.D = nn.Parameter(torch.ones(n_heads, **kw))
-        self.norm = NormWeight(self.d_inner, **kw)
-        self.out_proj = nn.Linear(self.d_inner, d_model, bias=bias, **kw)
+        if norm != "none":
+            self.norm = NormWeight(self.d_inner, **kw)
+        self.out_proj = nn.Linear(self.d_inner, d_model, bias=bias if out_bias is None else out_bias, **kw)
+        width = self.d_inner + self.conv_dim + n_heads
+        if mup_vector is not None:
+            mup_vector = torch.as_tensor(mup_vector, **kw).reshape(-1)
+            if mup_vector.shape != (width,):
+                raise ShapeError(f"mup_vector must have shape (I + C + H,) = ({width},); "
+                                 f"got {tuple(mup_vector.shape)}")
+        self.register_buffer("mup_vector", mup_vector, persistent=False)
         with torch.no_grad():   # Δ log-uniform in [1e-3, 1e-1] at dt = 0: dt_bias = softplus⁻¹(Δ)
             dt = torch.exp(torch.rand(n_heads, **kw) * math.log(100) + math.log(1e-3)).clamp(min=1e-4)
             self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
@@ -103,7 +120,10 @@ class Mamba2(nn.Module):
         window = check_state(state, x.shape[0], self.conv1d)
         B, T, _ = x.shape
         H, P, G, N = self.n_heads, self.head_dim, self.n_groups, self.state_size
-        z, xbc, dt = self.in_proj(x).split([self.d_inner, self.conv_dim, H], dim=-1)
+        proj = self.in_proj(x * self.ssm_in_multiplier if self.ssm_in_multiplier != 1.0 else x)
+        if self.mup_vector is not None:
+            proj = proj * self.mup_vector
+        z, xbc, dt = proj.split([self.d_inner, self.conv_dim, H], dim=-1)
         xbc, window = causal_conv(xbc, self.conv1d, window)
         xs, Bs, Cs = self.act(xbc).split([self.d_inner, G * N, G * N], dim=-1)
         dt = F.softplus(dt + self.dt_bias).clamp(*self.time_step_limit)      # Δ (B, T, H)
@@ -119,23 +139,33 @@ class Mamba2(nn.Module):
         return _result(self.out_proj(self._gated_norm(y, z)), window, final, return_state)
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """``rms_G(y · silu(z)) · w``: RMS over each of the G groups of channels."""
-        h = wide(y) * F.silu(wide(z))
+        """``rms_G(y · silu(z)) · w`` (RMS over each of the G groups of channels), ``rms_G(y) · w ·
+        silu(z)`` or ``y · silu(z)``, as ``norm`` says."""
+        if self.norm_kind == "none":
+            return y * F.silu(z)
+        gate_first = self.norm_kind == "gate_then_norm"
+        h = wide(y) * F.silu(wide(z)) if gate_first else wide(y)
         g = h.reshape(*h.shape[:-1], self.n_groups, self.d_inner // self.n_groups)   # (B, T, G, d_inner/G)
         g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.norm.weight * g.reshape(h.shape).to(y.dtype)
+        if gate_first:
+            return self.norm.weight * g.reshape(h.shape).to(y.dtype)
+        return (self.norm.weight * g.reshape(h.shape) * F.silu(wide(z))).to(y.dtype)
 
     @classmethod
     def from_hf(cls, mixer) -> "Mamba2":
-        """This layer with the weights of transformers' ``Mamba2Mixer`` (copied, shape-checked)."""
-        if type(mixer).__name__ != "Mamba2Mixer":
-            raise ShapeError(f"mixer must be a transformers Mamba2Mixer; got {type(mixer).__name__}")
+        """This layer with the weights of a transformers Mamba-2 mixer (``Mamba2Mixer``, and
+        Bamba's, Nemotron-H's, Zamba-2's, Granite's and Falcon-H1's with its norm variants and µP
+        multipliers), copied and shape-checked; a setting it does not compute is refused by name
+        (:func:`qkv.nn.hf_variants.mamba2_settings`)."""
+        st = mamba2_settings(mixer, "qkv.torch.Mamba2.from_hf")
         w = mixer.in_proj.weight
-        layer = cls(mixer.hidden_size, mixer.num_heads, mixer.head_dim, state_size=mixer.ssm_state_size,
-                    n_groups=mixer.n_groups, conv_kernel=mixer.conv_kernel_size, conv_bias=mixer.use_conv_bias,
-                    bias=mixer.use_bias, eps=mixer.norm.variance_epsilon, time_step_limit=mixer.time_step_limit,
-                    activation=mixer.activation, dtype=w.dtype, device=w.device)
-        load_hf(layer, mixer, "Mamba2Mixer")
+        layer = cls(st["d_model"], st["n_heads"], st["head_dim"], state_size=st["state_size"],
+                    n_groups=st["n_groups"], conv_kernel=st["conv_kernel"], conv_bias=st["conv_bias"],
+                    bias=st["bias"], out_bias=st["out_bias"], eps=st["eps"], time_step_limit=st["dt_limit"],
+                    activation=mixer.activation, norm=st["norm"], ssm_in_multiplier=st["in_multiplier"],
+                    mup_vector=None if st["proj_scale"] is None else mixer.mup_vector.reshape(-1),
+                    dtype=w.dtype, device=w.device)
+        load_hf(layer, mixer, type(mixer).__name__)
         return layer
 
 
@@ -218,12 +248,12 @@ class GatedDeltaNet(nn.Module):
 
     @classmethod
     def from_hf(cls, layer) -> "GatedDeltaNet":
-        """This layer with the weights of transformers' ``Qwen3NextGatedDeltaNet``."""
-        if type(layer).__name__ != "Qwen3NextGatedDeltaNet":
-            raise ShapeError(f"layer must be a transformers Qwen3NextGatedDeltaNet; got {type(layer).__name__}")
+        """This layer with the weights of transformers' ``Qwen3NextGatedDeltaNet`` (a layer of
+        other projections or settings is refused by name: :func:`qkv.nn.hf_variants.gated_delta_settings`)."""
+        st = gated_delta_settings(layer, "qkv.torch.GatedDeltaNet.from_hf")
         w = layer.in_proj_qkvz.weight
-        ours = cls(layer.hidden_size, layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim,
-                   conv_kernel=layer.conv_kernel_size, eps=layer.norm.variance_epsilon, activation=layer.activation,
+        ours = cls(st["d_model"], st["n_k_heads"], st["n_v_heads"], st["d_k"], st["d_v"],
+                   conv_kernel=st["conv_kernel"], eps=st["eps"], activation=layer.activation,
                    dtype=w.dtype, device=w.device)
-        load_hf(ours, layer, "Qwen3NextGatedDeltaNet")
+        load_hf(ours, layer, type(layer).__name__)
         return ours

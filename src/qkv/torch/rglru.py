@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ShapeError, positive_int
+from ..nn.hf_variants import RGLRU_NEEDS, require
 from .layer_state import RecurrentState, activation as activation_fn, causal_conv, check_input, check_state, load_hf
 from .recurrent_ops import linear_scan
 
@@ -123,13 +124,12 @@ class RGLRU(nn.Module):
     @classmethod
     def from_hf(cls, block) -> "RGLRU":
         """This block with the weights of transformers' ``RecurrentGemmaRecurrentBlock``."""
-        if type(block).__name__ != "RecurrentGemmaRecurrentBlock":
-            raise ShapeError(f"block must be a transformers RecurrentGemmaRecurrentBlock; got {type(block).__name__}")
+        require(block, "qkv.torch.RGLRU.from_hf", "RecurrentGemmaRecurrentBlock", RGLRU_NEEDS)
         w = block.linear_x.weight
         ours = cls(block.hidden_size, block.lru_width, block.rg_lru.num_attention_heads,
                    conv_width=block.conv1d_width, activation=_hf_activation_name(block.act_fn),
                    dtype=w.dtype, device=w.device)
-        load_hf(ours, block, "RecurrentGemmaRecurrentBlock")
+        load_hf(ours, block, type(block).__name__)
         return ours
 
 
