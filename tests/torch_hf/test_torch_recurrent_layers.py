@@ -75,6 +75,11 @@ GRIFFIN = {
     "w8_h4": dict(hidden_size=8, lru_width=8, num_attention_heads=4, conv1d_width=2),
     "w4_h1_silu": dict(hidden_size=6, lru_width=4, num_attention_heads=1, conv1d_width=3, hidden_activation="silu"),
 }
+FALCON = {  # Falcon-H1's mixer: its norm after the gate (default), before it, or none; µP multipliers; biases
+    "after_gate": dict(hidden=8, heads=4, head_dim=4, state=3, groups=2),
+    "before_gate_in_bias": dict(hidden=8, heads=2, head_dim=4, state=3, before_gate=False, proj_bias=True, seed=1),
+    "no_norm_out_bias": dict(hidden=8, heads=2, head_dim=4, state=3, conv=3, rms_norm=False, out_bias=True, seed=2),
+}
 
 
 def hf_layer(family, case, dtype=DT, seed=0):
@@ -86,11 +91,14 @@ def hf_layer(family, case, dtype=DT, seed=0):
     elif family == "delta":
         cfg = Qwen3NextConfig(hidden_size=8, num_hidden_layers=1, layer_types=["linear_attention"], **DELTA[case])
         hf = q3.Qwen3NextGatedDeltaNet(cfg, 0)
+    elif family == "falcon":
+        hf, cfg = R.falcon_h1(**FALCON[case])
     else:
         cfg = RecurrentGemmaConfig(num_hidden_layers=1, **GRIFFIN[case])
         hf = rg.RecurrentGemmaRecurrentBlock(cfg, 0)
     hf = _perturb(hf, seed).to(dtype).eval()
-    ours = {"mamba2": qt.Mamba2, "delta": qt.GatedDeltaNet, "griffin": qt.RGLRU}[family].from_hf(hf)
+    layers = {"mamba2": qt.Mamba2, "falcon": qt.Mamba2, "delta": qt.GatedDeltaNet, "griffin": qt.RGLRU}
+    ours = layers[family].from_hf(hf)
     return hf, cfg, ours
 
 
@@ -127,7 +135,7 @@ def _inputs(cfg, t, dtype=DT):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family, case", CASES)
+@pytest.mark.parametrize("family, case", CASES + [("falcon", c) for c in FALCON])
 def test_float64_outputs_and_gradients_equal_transformers(hf64, family, case):
     hf, cfg, ours = hf_layer(family, case)
     for t in (1, 19):
@@ -221,13 +229,39 @@ def test_from_hf_checks_every_weight():
     hf.extra = torch.nn.Parameter(torch.zeros(3))
     with pytest.raises(qkv.ShapeError, match="not taken \\['extra'\\]"):
         qt.GatedDeltaNet.from_hf(hf)
-    with pytest.raises(qkv.ShapeError, match="must be a transformers Mamba2Mixer"):
+    with pytest.raises(qkv.ShapeError, match="needs a transformers Mamba-2 mixer; got Qwen3NextGatedDeltaNet"):
         qt.Mamba2.from_hf(hf)
     from qkv.torch.layer_state import load_hf
     small = qt.GatedDeltaNet(8, 2, 4, 4, 2)
     del hf.extra
     with pytest.raises(qkv.ShapeError, match="weight .* must have shape"):
         load_hf(small, hf, "Qwen3NextGatedDeltaNet")
+
+
+def test_from_hf_refuses_by_name_what_it_does_not_compute():
+    """The same reading of a module as qkv.nn's (qkv.nn.hf_variants): a setting qkv's layer does
+    not compute is refused with the module's class and the setting; a Mamba-2 mixer of another
+    class that computes the same is taken."""
+    falcon, _ = R.falcon_h1(groups=2)
+    falcon.norm.n_groups = 1
+    with pytest.raises(qkv.ShapeError, match=r"qkv.torch.Mamba2.from_hf: FalconH1Mixer normalises over groups"):
+        qt.Mamba2.from_hf(falcon)
+    hf, _, _ = hf_layer("griffin", "w6_h2")
+    with pytest.raises(qkv.ShapeError, match=r"RGLRU.from_hf needs a transformers RecurrentGemmaRecurrentBlock; "
+                                             r"got Mamba2Mixer"):
+        qt.RGLRU.from_hf(hf_layer("mamba2", "h4_g2")[0])
+    gdn, _, _ = hf_layer("delta", "k2_v4")
+    gdn.norm.activation = "gelu"
+    with pytest.raises(qkv.ShapeError, match=r"Qwen3NextGatedDeltaNet gates its norm with 'gelu'"):
+        qt.GatedDeltaNet.from_hf(gdn)
+    from transformers.models.bamba.configuration_bamba import BambaConfig
+    from transformers.models.bamba.modeling_bamba import BambaMixer
+    cfg = BambaConfig(hidden_size=8, mamba_n_heads=2, mamba_d_head=8, mamba_d_state=4, mamba_expand=2,
+                      num_hidden_layers=1, vocab_size=11, num_attention_heads=2, num_key_value_heads=1)
+    bamba = _perturb(BambaMixer(cfg, layer_idx=0), 3).to(DT).eval()
+    x = _inputs(cfg, 7)
+    with torch.no_grad():
+        assert (qt.Mamba2.from_hf(bamba)(x) - bamba(x)).abs().max() <= 1e-5 * bamba(x).abs().max()
 
 
 @pytest.mark.parametrize("layer", [qt.Mamba2(8, 2, 4, state_size=3), qt.GatedDeltaNet(8, 1, 2, 3, 2),
