@@ -1,4 +1,5 @@
-"""The recurrences step by step: the float64 oracle every chunked form is tested against.
+"""The recurrences step by step: the float64 oracle every chunked form is tested against (and,
+with ``dtype=np.float32``, the plain float32 step loop whose error is the float32 yardstick).
 
 Each (batch, head) keeps a state ``S`` of shape ``(Dk, Dv)`` and reads it with the query::
 
@@ -33,20 +34,20 @@ def channels(g: np.ndarray, dk: int) -> np.ndarray:
     return g if g.ndim == 4 else np.broadcast_to(g[..., None], g.shape + (dk,))
 
 
-def start_state(q, v, initial_state):
+def start_state(q, v, initial_state, dtype=np.float64):
     B, H, _, Dk = q.shape
     Dv = v.shape[-1]
     if initial_state is None:
-        return np.zeros((B, H, Dk, Dv))
-    return np.array(initial_state, dtype=np.float64)
+        return np.zeros((B, H, Dk, Dv), dtype)
+    return np.array(initial_state, dtype=dtype)
 
 
-def run_steps(step, q, v, scale, initial_state, keep):
+def run_steps(step, q, v, scale, initial_state, keep, dtype=np.float64):
     """Loop ``S <- step(t, S)``, reading ``o_t = scale · S_tᵀ q_t``; ``keep``: return every S_{t-1}."""
-    q = q.astype(np.float64)
-    S = start_state(q, v, initial_state)
+    q = q.astype(dtype)
+    S = start_state(q, v, initial_state, dtype)
     T = q.shape[2]
-    o = np.empty(q.shape[:3] + (v.shape[-1],))
+    o = np.empty(q.shape[:3] + (v.shape[-1],), dtype)
     before = []
     for t in range(T):
         if keep:

@@ -13,19 +13,19 @@ import numpy as np
 from ..steps import channels, read_grad, run_steps
 
 
-def decay_forward(q, k, v, g, *, scale, initial_state=None, keep=False):
+def decay_forward(q, k, v, g, *, scale, initial_state=None, keep=False, dtype=np.float64):
     """``S_t = diag(exp g_t) S_{t-1} + k_t v_tᵀ``: returns ``(o, S_T)`` (and the S_{t-1} if keep)."""
-    k, v = k.astype(np.float64), v.astype(np.float64)
-    a = np.exp(channels(g.astype(np.float64), q.shape[-1]))              # (B,H,T,Dk)
+    k, v = k.astype(dtype), v.astype(dtype)
+    a = np.exp(channels(g.astype(dtype), q.shape[-1]))                   # (B,H,T,Dk)
 
     def step(t, S):
         return a[:, :, t, :, None] * S + np.einsum("bhk,bhv->bhkv", k[:, :, t], v[:, :, t])
 
-    o, S, before = run_steps(step, q, v, scale, initial_state, keep)
+    o, S, before = run_steps(step, q, v, scale, initial_state, keep, dtype)
     return (o, S, before) if keep else (o, S)
 
 
-def decay_backward(do, dstate, q, k, v, g, *, scale, initial_state=None):
+def decay_backward(do, dstate, q, k, v, g, *, scale, initial_state=None, dtype=np.float64):
     """Gradients ``(dq, dk, dv, dg, dinitial_state)`` of :func:`decay_forward`.
 
     Step ``S_t = a_t ∘ S_{t-1} + k_t v_tᵀ`` (``a = exp g`` on the rows)::
@@ -35,11 +35,11 @@ def decay_backward(do, dstate, q, k, v, g, *, scale, initial_state=None):
 
     For a decay per head ``dg_t`` sums over ``i``.
     """
-    do, k, v = (x.astype(np.float64) for x in (do, k, v))
-    a = np.exp(channels(g.astype(np.float64), q.shape[-1]))
-    o, S_T, before = decay_forward(q, k, v, g, scale=scale, initial_state=initial_state, keep=True)
-    dq, dk, dv, dgc = (np.zeros(x.shape) for x in (q, k, v, a))
-    dS = np.zeros_like(S_T) if dstate is None else np.array(dstate, dtype=np.float64)
+    q, do, k, v = (x.astype(dtype) for x in (q, do, k, v))
+    a = np.exp(channels(g.astype(dtype), q.shape[-1]))
+    o, S_T, before = decay_forward(q, k, v, g, scale=scale, initial_state=initial_state, keep=True, dtype=dtype)
+    dq, dk, dv, dgc = (np.zeros(x.shape, dtype) for x in (q, k, v, a))
+    dS = np.zeros_like(S_T) if dstate is None else np.array(dstate, dtype=dtype)
     S = S_T
     for t in reversed(range(q.shape[2])):
         dS = read_grad(dS, q, do, t, scale)

@@ -13,21 +13,21 @@ import numpy as np
 from ..steps import read_grad, run_steps
 
 
-def delta_forward(q, k, v, beta, g=None, *, scale, initial_state=None, keep=False):
+def delta_forward(q, k, v, beta, g=None, *, scale, initial_state=None, keep=False, dtype=np.float64):
     """``S' = exp(g_t) S_{t-1}``, ``S_t = S' + k_t (beta_t (v_t - S'ᵀ k_t))ᵀ``: ``(o, S_T)``."""
-    k, v, beta = (x.astype(np.float64) for x in (k, v, beta))
-    e = np.ones(beta.shape) if g is None else np.exp(g.astype(np.float64))     # (B,H,T)
+    k, v, beta = (x.astype(dtype) for x in (k, v, beta))
+    e = np.ones(beta.shape, dtype) if g is None else np.exp(g.astype(dtype))   # (B,H,T)
 
     def step(t, S):
         Sp = e[:, :, t, None, None] * S
         u = beta[:, :, t, None] * (v[:, :, t] - np.einsum("bhkv,bhk->bhv", Sp, k[:, :, t]))
         return Sp + np.einsum("bhk,bhv->bhkv", k[:, :, t], u)
 
-    o, S, before = run_steps(step, q, v, scale, initial_state, keep)
+    o, S, before = run_steps(step, q, v, scale, initial_state, keep, dtype)
     return (o, S, before) if keep else (o, S)
 
 
-def delta_backward(do, dstate, q, k, v, beta, g=None, *, scale, initial_state=None):
+def delta_backward(do, dstate, q, k, v, beta, g=None, *, scale, initial_state=None, dtype=np.float64):
     """Gradients ``(dq, dk, dv, dbeta, dg, dinitial_state)`` of :func:`delta_forward` (dg None without g).
 
     Step ``S' = e S``, ``r = v - S'ᵀk``, ``u = beta r``, ``S_t = S' + k uᵀ``::
@@ -35,12 +35,13 @@ def delta_backward(do, dstate, q, k, v, beta, g=None, *, scale, initial_state=No
         du = dS_tᵀ k          dk = dS_t u - beta S' du       dv = beta du
         dbeta = du·r          dS' = dS_t - beta k duᵀ        dg = Σ dS'∘S'     dS_{t-1} = e dS'
     """
-    do, k, v, beta = (x.astype(np.float64) for x in (do, k, v, beta))
-    e = np.ones(beta.shape) if g is None else np.exp(g.astype(np.float64))
-    o, S_T, before = delta_forward(q, k, v, beta, g, scale=scale, initial_state=initial_state, keep=True)
-    dq, dk, dv = (np.zeros(x.shape) for x in (q, k, v))
-    dbeta, dg = np.zeros(beta.shape), np.zeros(beta.shape)
-    dS = np.zeros_like(S_T) if dstate is None else np.array(dstate, dtype=np.float64)
+    q, do, k, v, beta = (x.astype(dtype) for x in (q, do, k, v, beta))
+    e = np.ones(beta.shape, dtype) if g is None else np.exp(g.astype(dtype))
+    o, S_T, before = delta_forward(q, k, v, beta, g, scale=scale, initial_state=initial_state, keep=True,
+                                   dtype=dtype)
+    dq, dk, dv = (np.zeros(x.shape, dtype) for x in (q, k, v))
+    dbeta, dg = np.zeros(beta.shape, dtype), np.zeros(beta.shape, dtype)
+    dS = np.zeros_like(S_T) if dstate is None else np.array(dstate, dtype=dtype)
     S = S_T
     for t in reversed(range(q.shape[2])):
         dS = read_grad(dS, q, do, t, scale)

@@ -13,21 +13,21 @@ import numpy as np
 from ..steps import channels, read_grad, run_steps
 
 
-def dplr_forward(q, k, v, a, b, g, *, scale, initial_state=None, keep=False):
+def dplr_forward(q, k, v, a, b, g, *, scale, initial_state=None, keep=False, dtype=np.float64):
     """``S_t = (diag(exp g_t) + b_t a_tᵀ) S_{t-1} + k_t v_tᵀ``: ``(o, S_T)``."""
-    k, v, a, b = (x.astype(np.float64) for x in (k, v, a, b))
-    e = np.exp(channels(g.astype(np.float64), q.shape[-1]))
+    k, v, a, b = (x.astype(dtype) for x in (k, v, a, b))
+    e = np.exp(channels(g.astype(dtype), q.shape[-1]))
 
     def step(t, S):
         aS = np.einsum("bhk,bhkv->bhv", a[:, :, t], S)                     # aᵀS (B,H,Dv)
         return (e[:, :, t, :, None] * S + np.einsum("bhk,bhv->bhkv", b[:, :, t], aS)
                 + np.einsum("bhk,bhv->bhkv", k[:, :, t], v[:, :, t]))
 
-    o, S, before = run_steps(step, q, v, scale, initial_state, keep)
+    o, S, before = run_steps(step, q, v, scale, initial_state, keep, dtype)
     return (o, S, before) if keep else (o, S)
 
 
-def dplr_backward(do, dstate, q, k, v, a, b, g, *, scale, initial_state=None):
+def dplr_backward(do, dstate, q, k, v, a, b, g, *, scale, initial_state=None, dtype=np.float64):
     """Gradients ``(dq, dk, dv, da, db, dg, dinitial_state)`` of :func:`dplr_forward`.
 
     Step ``S_t = e ∘ S + b (aᵀS) + k vᵀ``::
@@ -35,11 +35,11 @@ def dplr_backward(do, dstate, q, k, v, a, b, g, *, scale, initial_state=None):
         da = S (dS_tᵀ b)      db = dS_t (Sᵀ a)      dg[i] = e[i] Σ_j dS_t[i,j] S[i,j]
         dk = dS_t v           dv = dS_tᵀ k          dS_{t-1} = e ∘ dS_t + a (bᵀ dS_t)
     """
-    do, k, v, a, b = (x.astype(np.float64) for x in (do, k, v, a, b))
-    e = np.exp(channels(g.astype(np.float64), q.shape[-1]))
-    o, S_T, before = dplr_forward(q, k, v, a, b, g, scale=scale, initial_state=initial_state, keep=True)
-    dq, dk, dv, da, db, dgc = (np.zeros(x.shape) for x in (q, k, v, a, b, e))
-    dS = np.zeros_like(S_T) if dstate is None else np.array(dstate, dtype=np.float64)
+    q, do, k, v, a, b = (x.astype(dtype) for x in (q, do, k, v, a, b))
+    e = np.exp(channels(g.astype(dtype), q.shape[-1]))
+    o, S_T, before = dplr_forward(q, k, v, a, b, g, scale=scale, initial_state=initial_state, keep=True, dtype=dtype)
+    dq, dk, dv, da, db, dgc = (np.zeros(x.shape, dtype) for x in (q, k, v, a, b, e))
+    dS = np.zeros_like(S_T) if dstate is None else np.array(dstate, dtype=dtype)
     S = S_T
     for t in reversed(range(q.shape[2])):
         dS = read_grad(dS, q, do, t, scale)

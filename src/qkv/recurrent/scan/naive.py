@@ -11,10 +11,10 @@ from __future__ import annotations
 import numpy as np
 
 
-def scan_forward(x, log_a, *, initial_state=None):
+def scan_forward(x, log_a, *, initial_state=None, dtype=np.float64):
     """``h_t = exp(log_a_t) ∘ h_{t-1} + x_t`` on ``(B, T, D)``: returns ``(h, h_T)``."""
-    x, a = x.astype(np.float64), np.exp(log_a.astype(np.float64))
-    h = np.zeros(x.shape[:1] + x.shape[2:]) if initial_state is None else np.array(initial_state, np.float64)
+    x, a = x.astype(dtype), np.exp(log_a.astype(dtype))
+    h = np.zeros(x.shape[:1] + x.shape[2:], dtype) if initial_state is None else np.array(initial_state, dtype)
     out = np.empty_like(x)
     for t in range(x.shape[1]):
         h = a[:, t] * h + x[:, t]
@@ -22,15 +22,15 @@ def scan_forward(x, log_a, *, initial_state=None):
     return out, h
 
 
-def scan_backward(dh, dstate, x, log_a, *, initial_state=None):
+def scan_backward(dh, dstate, x, log_a, *, initial_state=None, dtype=np.float64):
     """Gradients ``(dx, dlog_a, dinitial_state)`` of :func:`scan_forward`:
     ``dx_t = c_t``, ``dlog_a_t = c_t ∘ a_t ∘ h_{t-1}``, ``c_{t-1} = dh_{t-1} + a_t ∘ c_t``."""
-    a = np.exp(log_a.astype(np.float64))
-    h, _ = scan_forward(x, log_a, initial_state=initial_state)
-    h0 = np.zeros(x.shape[:1] + x.shape[2:]) if initial_state is None else np.array(initial_state, np.float64)
+    a, dh = np.exp(log_a.astype(dtype)), dh.astype(dtype)
+    h, _ = scan_forward(x, log_a, initial_state=initial_state, dtype=dtype)
+    h0 = np.zeros(x.shape[:1] + x.shape[2:], dtype) if initial_state is None else np.array(initial_state, dtype)
     prev = np.concatenate([h0[:, None], h[:, :-1]], axis=1)
-    dx, dla = np.zeros(h.shape), np.zeros(h.shape)
-    c = np.zeros(h0.shape) if dstate is None else np.array(dstate, np.float64)
+    dx, dla = np.zeros(h.shape, dtype), np.zeros(h.shape, dtype)
+    c = np.zeros(h0.shape, dtype) if dstate is None else np.array(dstate, dtype)
     for t in reversed(range(x.shape[1])):
         c = c + dh[:, t]
         dx[:, t] = c
