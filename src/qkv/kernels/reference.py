@@ -67,7 +67,9 @@ def _scores(q, k, spec: MaskSpec, scale: float, slope: bool = False):
         grad = 1 - t * t if slope else None
     add = spec.additive(dtype=s.dtype)
     if add is not None:
-        s = s + add
+        with np.errstate(invalid="ignore"):   # inf + -inf at a hidden key: made -inf below
+            s = s + add
+        np.copyto(s, -np.inf, where=add == -np.inf)  # hidden even where the score is +inf (inf - inf: NaN)
     ok = spec.allowed()
     if ok is not None:
         s = np.where(ok, s, -np.inf)

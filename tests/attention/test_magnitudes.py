@@ -1,0 +1,175 @@
+"""Huge finite inputs whose answer fits the dtype (qkv.kernels.magnitudes): q·k overflowing
+before the scale, v near the top of the dtype, and a huge key a row may not see, on every
+kernel, against the float64 oracle."""
+import warnings
+
+import numpy as np
+import pytest
+
+import oracle
+from qkv import api, jit
+from qkv.kernels import magnitudes, stacked
+from qkv.kernels.rows import kernel as rows, numpy_rows as rows_numpy
+
+RESULTS = ("out", "lse", "dq", "dk", "dv")
+
+
+def kernels() -> dict:
+    """Every float32 kernel by name (the compiled row kernel where the fast extra is on)."""
+    found = {"rows": api.ROWS} if jit.load(jit.ROWS_FUSED) is not None else {}
+    found.update({"rows-numpy": api.ROWS_NUMPY, "stacked": api.STACKED, "flash": "flash",
+                  "reference": "reference", "auto": "auto"})
+    return found
+
+
+KERNELS = kernels()
+
+
+def takes(name: str, spec) -> bool:
+    """Whether kernel ``name`` runs problems with this mask (the dense and tiled ones run all)."""
+    return {"stacked": lambda: stacked.applies(spec), "rows-numpy": lambda: rows_numpy.applies(spec, np.float32),
+            "rows": lambda: rows.applies(spec, np.float32)}.get(name, lambda: True)()
+
+
+def run(name, q, k, v, dout, **opts) -> dict:
+    """out, lse and the gradients of one kernel, through the public call's checks and sum-back;
+    a warning (overflow, invalid) fails the test."""
+    kern = KERNELS[name]
+    prob = api.prepare(q, k, v, **opts)
+    call = api.Prepared(prob, api.choose_kernel(kern, prob) if isinstance(kern, str) else kern)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, lse = call.forward(return_lse=True)
+        return dict(zip(RESULTS, (out, lse) + call.backward(dout, out, lse)))
+
+
+def close(got: dict, want, rtol=1e-5) -> None:
+    """Each result finite and within ``rtol`` of the oracle's (relative to the array's largest)."""
+    for name, w in zip(RESULTS, want):
+        g = got[name]
+        assert np.isfinite(g).all(), name
+        scale = max(float(np.abs(w).max()), np.finfo(np.float32).tiny)
+        assert np.abs(g.astype(np.float64) - w).max() <= rtol * scale, (name, np.abs(g - w).max(), scale)
+
+
+def want(q, k, v, dout, **opts) -> tuple:
+    sol = oracle.solve(q, k, v, dout, **opts)
+    return sol.out, sol.lse, sol.dq, sol.dk, sol.dv
+
+
+@pytest.mark.parametrize("name", list(KERNELS))
+def test_q_k_overflowing_before_the_scale(name):
+    """q·k = 4e38 overflows float32, the scaled scores 1e38 do not: every kernel gives the
+    oracle's out, lse and gradients (they gave NaN on all but the tiled and NumPy row kernels)."""
+    rng = np.random.default_rng(0)
+    q = np.full((1, 1, 4, 4), 1e19, np.float32)
+    q[..., 1:, :] *= rng.uniform(0.5, 1, (3, 4)).astype(np.float32)     # rows of other sizes
+    v, dout = (rng.standard_normal((1, 1, 4, 4)).astype(np.float32) for _ in range(2))
+    got = run(name, q, q, v, dout, scale=0.25)
+    assert np.isfinite(got["lse"]).all() and got["lse"].max() > 1e37
+    out, lse, *_ = want(q, q, v, dout, scale=0.25)
+    assert np.allclose(got["out"], out, rtol=1e-5, atol=1e-6) and np.allclose(got["lse"], lse, rtol=1e-6)
+    for g in ("dq", "dk", "dv"):
+        assert np.isfinite(got[g]).all(), g
+
+
+@pytest.mark.parametrize("name", list(KERNELS))
+@pytest.mark.parametrize("tk, size", [(2048, 1e36), (1024, 3e35)])
+def test_huge_finite_values_forward(name, tk, size):
+    """v near the top of float32: out is v's mean-like average (1e36), not inf, and no warning
+    (the tiled and NumPy row kernels summed before normalising)."""
+    rng = np.random.default_rng(1)
+    q, k = (rng.standard_normal((1, 1, tk, 8)).astype(np.float32) for _ in range(2))
+    v = (size * rng.uniform(0.5, 1, (1, 1, tk, 8))).astype(np.float32)
+    kern = KERNELS[name]
+    prob = api.prepare(q, k, v, causal=True)
+    call = api.Prepared(prob, api.choose_kernel(kern, prob) if isinstance(kern, str) else kern)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = call.forward()
+    ref = oracle.solve(q, k, v, causal=True).out
+    assert np.isfinite(out).all() and np.abs(out - ref).max() <= 1e-5 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("name", list(KERNELS))
+def test_huge_finite_values_backward(name):
+    """v = 1e37, Dv = 64, dO = 1: dP and delta are each past float32 (inf - inf gave NaN in dq
+    and dk on every kernel); the float64 gradients fit float32."""
+    rng = np.random.default_rng(2)
+    q, k = (rng.standard_normal((1, 2, 48, 64)).astype(np.float32) for _ in range(2))
+    v = (1e37 * rng.uniform(0.5, 1, (1, 2, 48, 64))).astype(np.float32)
+    dout = np.ones_like(v)
+    got = run(name, q, k, v, dout, causal=True)
+    close(got, want(q, k, v, dout, causal=True), rtol=1e-4)
+
+
+HIDDEN = {"bias": lambda t: dict(bias=np.where(_hidden(t), -np.inf, 0).astype(np.float32)),
+          "causal": lambda t: dict(causal=True), "mask": lambda t: dict(mask=~_hidden(t))}
+
+
+def _hidden(t: int) -> np.ndarray:
+    """(T, T): rows 0-1 may not see key 2 (nor, for causal's sake, the keys after it)."""
+    h = np.zeros((t, t), bool)
+    h[:2, 2:] = True
+    return h
+
+
+@pytest.mark.parametrize("name", list(KERNELS))
+@pytest.mark.parametrize("how", list(HIDDEN))
+def test_a_huge_hidden_key(name, how):
+    """k = 1e38, v = -1e38 at key 2, which rows 0 and 1 may not see (a -inf bias, causal or a
+    mask): those rows' out, lse and dq are the oracle's, finite (NaN before: the dense
+    kernels' q·k overflowed into inf + -inf, and every kernel's dP into 0 · inf)."""
+    t = 16
+    rng = np.random.default_rng(3)
+    q, k, v, dout = (rng.standard_normal((1, 1, t, 4)).astype(np.float32) for _ in range(4))
+    k[..., 2, :], v[..., 2, :] = 1e38, -1e38
+    opts = HIDDEN[how](t)
+    kern = KERNELS[name]
+    prob = api.prepare(q, k, v, **opts)
+    if not takes(name, prob.spec):
+        pytest.skip(f"{name} does not take {how}")
+    call = api.Prepared(prob, api.choose_kernel(kern, prob) if isinstance(kern, str) else kern)
+    with np.errstate(over="ignore"):  # rows 2-15 see the key: their dS k (1e31 of rounding times 1e38) may overflow
+        out, lse = call.forward(return_lse=True)
+        dq = call.backward(dout, out, lse)[0]
+    ref = oracle.solve(q, k, v, dout, **opts)
+    for got, w in ((out, ref.out), (lse[..., None], ref.lse[..., None]), (dq, ref.dq)):
+        assert np.isfinite(got[..., :2, :]).all()
+        assert np.allclose(got[..., :2, :], w[..., :2, :], rtol=1e-5, atol=1e-6)
+
+
+def test_ordinary_inputs_are_not_scaled():
+    """At ordinary magnitudes every exponent is 0: the kernel is called as it was (same bits)."""
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((4, 8, 256, 64)).astype(np.float32) * 30 for _ in range(3))
+    prob = api.prepare(q, k, v)
+    assert magnitudes.q_exponent(q, k, prob.scale) == 0
+    assert magnitudes.v_exponent(v, 256) == 0
+    assert magnitudes.dout_exponent(v, v, None, prob.spec, 1) == 0
+    # and each exponent is the least that brings its bound under the dtype's top
+    big = np.full((1, 1, 4, 4), 1e19, np.float32)
+    eq = magnitudes.q_exponent(big, big, 0.25)
+    top = float(np.finfo(np.float32).max) * magnitudes.HEADROOM
+    bound = 4 * 1e19 * 1e19                 # D·max|q|·max|k|: Σq² itself overflowed
+    assert bound * 2.0 ** -eq <= top < bound * 2.0 ** (1 - eq)
+
+
+@pytest.mark.parametrize("sign", [1, -1])
+def test_a_hidden_key_whose_score_overflows_the_dtype(sign):
+    """A -inf bias hides a key whose scaled score is itself past float32 (±inf): the row that
+    may not see it keeps the oracle's finite results (the dense path made inf + -inf = NaN)."""
+    t = 16
+    rng = np.random.default_rng(5)
+    q, k, v, dout = (rng.standard_normal((1, 1, t, 4)).astype(np.float32) for _ in range(4))
+    q *= 10
+    k[..., 2, :] = sign * np.sign(q[0, 0, 0]) * 3e38
+    bias = np.where(_hidden(t), -np.inf, 0).astype(np.float32)
+    prob = api.prepare(q, k, v, bias=bias)
+    call = api.Prepared(prob, api.choose_kernel("reference", prob))
+    with np.errstate(over="ignore", invalid="ignore"):   # rows 2-15 see the key: their scores are past float32
+        out, lse = call.forward(return_lse=True)
+        dq = call.backward(dout, out, lse)[0]
+    ref = oracle.solve(q, k, v, dout, bias=bias)
+    for got, w in ((out, ref.out), (lse[..., None], ref.lse[..., None]), (dq, ref.dq)):
+        assert np.allclose(got[..., :2, :], w[..., :2, :], rtol=1e-5, atol=1e-6)
