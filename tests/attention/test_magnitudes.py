@@ -173,3 +173,23 @@ def test_a_hidden_key_whose_score_overflows_the_dtype(sign):
     ref = oracle.solve(q, k, v, dout, bias=bias)
     for got, w in ((out, ref.out), (lse[..., None], ref.lse[..., None]), (dq, ref.dq)):
         assert np.allclose(got[..., :2, :], w[..., :2, :], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", [n for n in KERNELS if n != "auto"])
+def test_hidden_future_keys_change_no_bit(name):
+    """causal: setting the keys rows 0-299 may not see to k = +100, v = -100 leaves those rows'
+    out, lse and dq bit for bit (the NumPy row kernel redid a whole block with each row's own
+    max where one row of it saw the large keys, moving the others by an ulp)."""
+    if name == "flash":
+        pytest.xfail("issue 51: the tiled kernel's bound path and its backward's precise rows are chosen "
+                     "from max‖k_j‖ over a task's keys, hidden ones included (not fixed yet)")
+    rng = np.random.default_rng(6)
+    t, t0 = 600, 300
+    q, k, v, dout = (rng.standard_normal((1, 2, t, 16)).astype(np.float32) for _ in range(4))
+    k2, v2 = k.copy(), v.copy()
+    k2[..., t0:, :], v2[..., t0:, :] = 100, -100
+    with np.errstate(over="ignore"):
+        a, b = run(name, q, k, v, dout, causal=True), run(name, q, k2, v2, dout, causal=True)
+    for res in ("out", "lse", "dq"):
+        rows = (slice(None), slice(None), slice(0, t0))             # (B, H, rows 0-299)
+        assert np.array_equal(a[res][rows], b[res][rows]), res

@@ -127,7 +127,7 @@ def forward(q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_weight
                 shift = np.zeros(total.shape, np.float32)
                 for blk, hid in zip(blocks, masks):
                     if not ok[..., blk[0]:blk[1], :].all():
-                        _block(qq, kt, vv, blk, hid, o, total, shift)
+                        _block(qq, kt, vv, blk, hid, o, total, shift, ok[..., blk[0]:blk[1], :].copy())
         with np.errstate(divide="ignore"):
             np.divide(o, np.where(total > 0, total, 1), out=o)  # a row that sees nothing stays 0 (where= is 5x slower)
             ls = np.log(total[..., 0])
@@ -139,11 +139,13 @@ def forward(q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_weight
     return out.reshape(spec.lead + out.shape[-2:]), lse.reshape(spec.lead + (tq,)), None
 
 
-def _block(qq, kt, vv, blk, hid, o, total, shift=None):
+def _block(qq, kt, vv, blk, hid, o, total, shift=None, kept=None):
     """For the rows ``r0:r1`` of block ``blk``: ``o = exp(S - m) V`` (``S = q kᵀ`` over the
     block's keys, -inf where ``hid``), not yet divided, and ``total = Σ_j exp(S_ij - m_i)``.
     ``m`` is 0, or with ``shift`` the rows' max (0 for a row that sees nothing; stored in
-    ``shift``), as the reference subtracts it."""
+    ``shift``), as the reference subtracts it, except on the rows ``kept`` (…,R,1) True, whose
+    first pass stood: they keep ``m = 0`` and so their bits (a row's result must not depend on
+    another row of its block, whose keys it may not see)."""
     r0, r1, k0, k1, _, _ = blk
     e = workspace.matmul(qq[..., r0:r1, :], kt[..., k0:k1], "s")   # scaled scores (…,R,K)
     if hid is not None:
@@ -152,6 +154,8 @@ def _block(qq, kt, vv, blk, hid, o, total, shift=None):
     if shift is not None:
         m = e.max(axis=-1, initial=-np.inf, keepdims=True)
         m[m == -np.inf] = 0
+        if kept is not None:
+            m[kept] = 0
         e -= m
         shift[..., r0:r1, :] = m
     np.exp(e, out=e)
