@@ -380,3 +380,30 @@ def test_compiled_fullgraph_dropout_without_a_seed_draws_eagers_mask(backend):
     torch.manual_seed(1)
     first, second = compiled(q, k, v), compiled(q, k, v)
     assert not torch.equal(first, second)  # two calls, two draws
+
+
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@pytest.mark.parametrize("q_dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("other", ["k", "v"])
+@pytest.mark.parametrize("other_dtype", FLOAT_DTYPES)
+def test_mixed_dtypes_are_refused_where_sdpa_refuses_them(q_dtype, other, other_dtype):
+    """q with another dtype of k or v (bfloat16 q, float32 k): qkv.torch.attention accepts
+    exactly what torch's scaled_dot_product_attention accepts on the CPU (one dtype) and
+    refuses the rest by name and both dtypes, never promoting."""
+    q = torch.randn(1, 2, 3, 4, generator=torch.Generator().manual_seed(0)).to(q_dtype)
+    args = dict(k=q, v=q)
+    args[other] = args[other].to(other_dtype)
+    sdpa_ok = True
+    try:
+        torch.nn.functional.scaled_dot_product_attention(q, args["k"], args["v"])
+    except RuntimeError:
+        sdpa_ok = False
+    assert sdpa_ok == (other_dtype == q_dtype)
+    if sdpa_ok:
+        assert qt.attention(q, args["k"], args["v"]).dtype == q_dtype
+    else:
+        with pytest.raises(qkv.ShapeError, match=rf"{other} must have q's dtype {q_dtype}; got {other_dtype}"):
+            qt.attention(q, args["k"], args["v"])
