@@ -217,3 +217,18 @@ def test_torch_compile_fullgraph_equals_eager():
     targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
     assert sum("decay_attention_fwd" in t for t in targets) == 1   # one node each
     assert sum("linear_scan_fwd" in t for t in targets) == 1
+
+
+def test_values_of_mixed_dtypes_are_refused_as_torch_refuses_them():
+    """bfloat16 q beside float32 k and v: torch's products and scaled_dot_product_attention refuse
+    the mix, and so does each recurrence (it promoted to float32 silently); the gates may be
+    wider, as transformers' models pass a float32 log decay beside bfloat16 values."""
+    import qkv.torch as qt
+    q = torch.randn(1, 2, 4, 8, dtype=torch.bfloat16)
+    k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
+    with pytest.raises(qkv.ShapeError, match=r"k must have q's dtype torch.bfloat16 .*got torch.float32"):
+        qt.decay_attention(q, k, v, -torch.rand(1, 2, 4))
+    with pytest.raises(qkv.ShapeError, match=r"v must have q's dtype"):
+        qt.delta_rule(q, k.bfloat16(), v, torch.rand(1, 2, 4))
+    out = qt.delta_rule(q, k.bfloat16(), v.bfloat16(), torch.rand(1, 2, 4), -torch.rand(1, 2, 4))
+    assert out.dtype == torch.bfloat16

@@ -25,8 +25,9 @@ A gradient slot whose input was None (the delta rule's ``log_decay``, the initia
 an empty tensor in the backward operator's result (an operator returns a fixed number of
 tensors) and None to autograd.
 
-**Dtypes.** As :mod:`qkv.recurrent`: the output has the promoted dtype of ``q, k, v`` (``x``,
-``log_a`` for the scan); the state is float32 (float64 for float64), for every op.
+**Dtypes.** ``q, k, v`` (and dplr's ``a, b``) share one dtype, as torch's products require
+(a mix is refused by name); the per-step gates may be wider. The output has the promoted dtype
+of ``q, k, v`` (``x``, ``log_a`` for the scan); the state is float32 (float64 for float64), for every op.
 bfloat16, which NumPy lacks, computes in float32 and is cast back; each gradient has its
 input's dtype.
 """
@@ -190,6 +191,7 @@ def call(name: str, tensors: tuple, initial_state, return_state, options: dict):
                                  f"got {type(t).__name__}")
             if t is not None:
                 opt.check_cpu(n, t)
+        _same_dtype(r.names, tensors)
         return_state = parse_flag("return_state", return_state)
         args = tensors + (initial_state,) + tuple(_parse(k, options[k]) for k, _ in r.options)
         present = tuple(t for t in args if isinstance(t, torch.Tensor))   # x, log_a at least
@@ -200,6 +202,19 @@ def call(name: str, tensors: tuple, initial_state, return_state, options: dict):
     except ShapeError as err:
         raise type(err)(str(err)) from None  # the caller's line, not our internals
     return (out, final) if return_state else out
+
+
+def _same_dtype(names: tuple, tensors: tuple) -> None:
+    """The values a recurrence mixes (q, k, v and dplr's a, b; the scan's x) in one dtype, as
+    torch's own products and ``scaled_dot_product_attention`` require: bfloat16 q beside
+    float32 k is refused by name, not promoted. The per-step gates (``log_decay``, ``beta``,
+    ``log_a``) may be wider, as transformers' models make them (float32 ``g`` beside bfloat16
+    q, k, v), and the initial state is float32 by contract."""
+    values = [(n, t) for n, t in zip(names, tensors) if n in ("q", "k", "v", "a", "b") and t is not None]
+    for n, t in values[1:]:
+        if t.dtype != values[0][1].dtype:
+            raise ShapeError(f"{n} must have {values[0][0]}'s dtype {values[0][1].dtype} (torch's products "
+                             f"do not mix dtypes); got {t.dtype}")
 
 
 def _parse(name: str, value):
