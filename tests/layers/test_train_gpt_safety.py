@@ -183,7 +183,29 @@ def _truncate_optim(out):
     (out / "optim.safetensors").write_bytes(data[:len(data) // 2])
 
 
+def _negative_rng_state(out):
+    meta = json.loads((out / "config.json").read_text())
+    meta["extra"]["train"]["rng"]["state"]["state"] = -5  # before: a raw OverflowError
+    (out / "config.json").write_text(json.dumps(meta))
+
+
+def _nan_in_optim(out):
+    """NaN bytes in a moment of optim.safetensors (before: resumed, then reported as the run diverging)."""
+    from safetensors.numpy import load_file, save_file
+    from safetensors import safe_open
+
+    path = str(out / "optim.safetensors")
+    with safe_open(path, framework="numpy") as f:
+        meta = f.metadata()
+    arrays = load_file(path)
+    key = next(k for k in arrays if ".m/" in k or k.startswith("state.m/"))
+    arrays[key].reshape(-1)[0] = np.nan
+    save_file(arrays, path, metadata=meta)
+
+
 @pytest.mark.parametrize("damage, said", [
+    (_negative_rng_state, "config.json: the saved data stream's state is damaged: OverflowError"),
+    (_nan_in_optim, "optim.safetensors: tensor "),
     (_damage_config, "config.json: the model's config disagrees with the run's training config: dtype 'float64' "
                      "(the training config makes 'float32')"),
     (_infinite_lr, "config.json: bad training state under extra.train: lr must be a finite number"),

@@ -67,16 +67,19 @@ def run(args) -> int:
 
     from ..errors import ShapeError
     from ..models import load_gpt
+    from ..models.runsave import finish_save, folder_lock
 
     for name, low in (("tokens", 0), ("num_samples", 1), ("top_k", 0)):
         if getattr(args, name) < low:
             raise UsageError(f"--{name.replace('_', '-')} must be >= {low}; got {getattr(args, name)}")
     if not 0 <= args.temperature < float("inf"):
         raise UsageError(f"--temperature must be a finite number >= 0 (0: greedy); got {args.temperature}")
+    finish_save(args.dir)  # a save killed half way: completed (or discarded) first
     if not (Path(args.dir) / "config.json").is_file():
         raise UsageError(f"DIR must be a folder written by qkv train gpt; {args.dir!r} has no config.json")
-    model, extra = load_gpt(args.dir)
-    tok = _tokenizer(args, extra)
+    with folder_lock(args.dir):  # a save in progress ends before the files are read
+        model, extra = load_gpt(args.dir)
+        tok = _tokenizer(args, extra)
     prompt = _prompt(args.prompt)
     if not prompt:
         raise UsageError("--prompt must have at least one character")

@@ -128,9 +128,11 @@ def _given(args) -> dict:
 def _new_run(args, out: Path):
     from dataclasses import replace
 
+    from ..models.runsave import finish_save
     from ..models.training import TrainConfig, new_run
     from .gpt_data import new_data
 
+    finish_save(out)  # a save killed half way is completed (or discarded) before the folder is judged
     if (out / "config.json").exists():
         raise UsageError(f"{out} already holds a run: continue it with --resume, or choose another --out")
     given = _given(args)
@@ -149,8 +151,10 @@ def _resumed_run(args, out: Path):
 
     from ..models.runfiles import load_run
     from ..models.training import check_data
+    from ..models.runsave import finish_save
     from .gpt_data import resumed_data
 
+    finish_save(out)  # the first save killed after its commit: its config.json is still in .saving
     if not (out / "config.json").exists():
         raise UsageError(f"--resume: {out} holds no run (no config.json); start one without --resume")
     for flag, value in (("--init-from", args.init_from), ("--tokenizer", args.tokenizer)):

@@ -15,15 +15,14 @@
                          "losses": [every step's batch loss]}
     tokenizer.json      a BPE tokenizer's file (runs with one only)
 
-Files are written into ``DIR/.saving`` first and moved into place one by one, config.json
-last, so an interrupted save leaves the previous checkpoint's config in place. Needs the
-``models`` extra (safetensors).
+A save is atomic as a whole (:mod:`qkv.models.runsave`): the files are written into
+``DIR/.saving``, committed by one rename, then moved into place; a process killed at any
+point leaves the previous checkpoint or the new one, which the next ``--resume`` (or ``qkv
+sample``, or save) completes. Needs the ``models`` extra (safetensors).
 """
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from dataclasses import asdict
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from ..errors import ShapeError
 from ..extras import require
 from .bpe import TOKENIZER_FILE, BPETokenizer, tokenizer_from_dict
 from .checkpoint import CheckpointError, read_json
+from .runsave import finish_save, folder_lock, save_files
 from .tensorfiles import write_tensors
 from .training import Run, TrainConfig, make_optimizer
 
@@ -96,24 +96,23 @@ def load_state(path):
 
 
 def save_run(run: Run, folder) -> None:
-    """Write the run's four files into ``folder`` (see the module docstring)."""
-    folder = Path(folder)
-    tmp = folder / ".saving"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    """Write the run's files into ``folder``, atomically as a whole (:mod:`qkv.models.runsave`):
+    a kill at any point leaves the previous checkpoint or this one."""
     extra = {"tokenizer": run.tokenizer.to_dict(),
              "train": {"config": asdict(run.cfg), "step": run.step, "seconds": run.seconds, "data": run.data,
                        "rng": run.rng.bit_generator.state, "model_rng": run.model.rng.bit_generator.state}}
-    run.model.save(tmp, extra=extra)
-    save_state(run.opt.state_dict(), tmp / "optim.safetensors")
-    (tmp / "log.json").write_text(json.dumps(run.log))
-    names = ["optim.safetensors", "log.json", "model.safetensors", "config.json"]
-    if isinstance(run.tokenizer, BPETokenizer):
-        (tmp / TOKENIZER_FILE).write_text(run.tokenizer.to_json())
-        names.insert(0, TOKENIZER_FILE)
-    for name in names:
-        os.replace(tmp / name, folder / name)
-    shutil.rmtree(tmp, ignore_errors=True)
+
+    def write(tmp: Path) -> list:
+        run.model.save(tmp, extra=extra)
+        save_state(run.opt.state_dict(), tmp / "optim.safetensors")
+        (tmp / "log.json").write_text(json.dumps(run.log))
+        names = ["optim.safetensors", "log.json", "model.safetensors", "config.json"]
+        if isinstance(run.tokenizer, BPETokenizer):
+            (tmp / TOKENIZER_FILE).write_text(run.tokenizer.to_json())
+            names.insert(0, TOKENIZER_FILE)
+        return names
+
+    save_files(folder, write)
 
 
 def _restore(rng: np.random.Generator, state, what: str, where) -> None:
@@ -123,8 +122,21 @@ def _restore(rng: np.random.Generator, state, what: str, where) -> None:
         raise CheckpointError(f"{where}: the saved {what} must be a {kind} Generator's state; got {saved!r}")
     try:
         rng.bit_generator.state = state
-    except (TypeError, ValueError, KeyError) as err:
-        raise CheckpointError(f"{where}: the saved {what}'s state is damaged: {err}") from None
+    except (TypeError, ValueError, KeyError, OverflowError) as err:  # -5 as a uint64: OverflowError
+        raise CheckpointError(f"{where}: the saved {what}'s state is damaged: {type(err).__name__}: {err}") from None
+
+
+def _check_moments(state, path) -> None:
+    """AdamW's moments as the model's weights are checked: finite, and the second moments (running
+    means of squares) >= 0; a NaN there would make every weight NaN at the next update."""
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path} must hold an optimizer's state (a dict); got {type(state).__name__}")
+    for name, a in state.items():
+        if isinstance(a, np.ndarray) and a.dtype.kind == "f":
+            if not np.isfinite(a).all():
+                raise CheckpointError(f"{path}: tensor {name} holds non-finite values (NaN or inf)")
+            if name.startswith("v/") and (a < 0).any():
+                raise CheckpointError(f"{path}: tensor {name} (a mean of squares) holds negative values")
 
 
 def load_run(folder) -> Run:
@@ -132,11 +144,19 @@ def load_run(folder) -> Run:
 
     Every file is checked against the others before anything is trusted: a damaged or
     truncated file, a config.json whose model (dtype included) is not the one its training
-    config makes, or files from different saves are a CheckpointError naming the file."""
+    config makes, non-finite weights or optimizer moments, or files from different saves are a
+    CheckpointError naming the file. A save that was killed is completed (or discarded) first
+    (:func:`qkv.models.runsave.finish_save`)."""
+    folder = Path(folder)
+    finish_save(folder)
+    with folder_lock(folder):  # a save that starts meanwhile waits until every file is read
+        return _load_run(folder)
+
+
+def _load_run(folder: Path) -> Run:
     from . import load_gpt
     from .training import gpt_config
 
-    folder = Path(folder)
     missing = [n for n in FILES if not (folder / n).is_file()]
     if missing:
         raise CheckpointError(f"{folder} is not a complete training run: {', '.join(missing)} missing")
@@ -158,10 +178,10 @@ def load_run(folder) -> Run:
         raise CheckpointError(f"{where}: the model's config disagrees with the run's training config: "
                               f"{', '.join(differ)}; was config.json edited?")
     opt = make_optimizer(model, cfg)
+    state = load_state(folder / "optim.safetensors")
+    _check_moments(state, folder / "optim.safetensors")
     try:
-        opt.load_state_dict(load_state(folder / "optim.safetensors"))
-    except CheckpointError:
-        raise
+        opt.load_state_dict(state)
     except ShapeError as err:
         raise CheckpointError(f"{folder / 'optim.safetensors'}: {err}") from None
     rng = np.random.default_rng()
