@@ -10,11 +10,19 @@ class UsageError(Exception):
     """A command-line argument the command cannot use (a path it cannot write, say): exit 2."""
 
 
+def named_path(path, option: str) -> Path:
+    """``path`` as a Path, refusing the empty name: ``Path('')`` is the current folder, which
+    nobody names by typing ``--out ''`` (an unset shell variable does that)."""
+    if not str(path).strip():
+        raise UsageError(f"{option} must name a folder; got {str(path)!r} (for the current folder, say '.')")
+    return Path(path)
+
+
 def out_folder(path, option: str = "--out") -> Path:
     """Make ``path`` a folder (parents too) that qkv can write into, before any work is done, or
     raise UsageError naming ``option``. Writing is tried (a file made and removed): permission
     bits do not tell, a read-only file system or an ACL can refuse what they allow."""
-    folder = Path(path)
+    folder = named_path(path, option)
     try:
         folder.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".qkv-write-test-", dir=folder)

@@ -135,8 +135,11 @@ def _recall(args) -> int:
 
 
 def _mqar(args) -> int:
+    import sys
+
     from ..experiments.mqar import MQARConfig, mqar_experiment
     from ..experiments.mqar_report import format_table, plot
+    from ..models.training import Diverged
 
     cfg = MQARConfig.quick() if args.quick else MQARConfig()
     cfg.seed = args.seed
@@ -146,7 +149,13 @@ def _mqar(args) -> int:
     for name in ("steps", "lr", "workers", "attention_conv", "stop_loss"):
         if getattr(args, name) is not None:
             setattr(cfg, name, getattr(args, name))
-    return _record(args, "mqar", cfg, mqar_experiment, format_table, plot)
+    try:
+        return _record(args, "mqar", cfg, mqar_experiment, format_table, plot)
+    except Diverged as err:  # as qkv train gpt: the step, what went non-finite, a lower lr; exit 1
+        print(f"qkv experiment mqar: error: the model {getattr(err, 'model', '?')}: {err}.\nNothing was written "
+              f"(mqar keeps no checkpoint: its record is written once every model is trained); run again with "
+              f"a lower --lr", file=sys.stderr)
+        return 1
 
 
 def _record(args, name: str, cfg, experiment, format_table, plot) -> int:

@@ -76,13 +76,19 @@ def resumed_data(args, run, out):
     from ..models.training import text_digest
 
     source = str(Path(args.data).resolve()) if args.data else run.data["source"]
-    if run.data.get("kind", "text") == "bin":
+    kind = run.data.get("kind", "text")
+    trained = (f"nanoGPT's data folder {run.data['source']} (train.bin, val.bin)" if kind == "bin"
+               else f"the text file {run.data['source']}")
+    if args.data and (Path(source).is_dir() if kind == "text" else Path(source).is_file()):
+        raise UsageError(f"--data {args.data} is a {'folder' if kind == 'text' else 'file'}, but the run in {out} "
+                         f"was trained on {trained}: pass that {'file' if kind == 'text' else 'folder'} "
+                         f"(or where it is now) with --data")
+    if kind == "bin":
         if not Path(source).is_dir() or folder_digest(source) != run.data["sha256"]:
             raise UsageError(f"the data folder {source} is not the one the run in {out} was trained on "
                              f"(its train.bin, val.bin or meta.pkl differ, or it is gone); pass the run's "
                              f"folder with --data")
-        dataset = bin_dataset(source)
-        dataset.tokenizer = run.tokenizer
+        dataset = bin_dataset(source, saved=run.tokenizer)
     else:
         text = read_text(source)
         if text_digest(text) != run.data["sha256"]:

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..extras import require
-from .common import UsageError, out_folder
+from .common import UsageError, named_path, out_folder
 from .mpi import abort_on_error, mpiexec_ranks
 from .progress import progress_bar, check_progress
 
@@ -128,6 +128,7 @@ def _given(args) -> dict:
 def _new_run(args, out: Path):
     from dataclasses import replace
 
+    from ..models.memory import check_fits
     from ..models.runsave import finish_save
     from ..models.training import TrainConfig, new_run
     from .gpt_data import new_data
@@ -137,18 +138,20 @@ def _new_run(args, out: Path):
         raise UsageError(f"{out} already holds a run: continue it with --resume, or choose another --out")
     given = _given(args)
     cfg = replace(TrainConfig(), **given).resolved(FLAGS)  # before reading (or fetching) the text
+    check_fits(cfg, cfg.vocab_size or 1, FLAGS)  # what the sizes need whatever the vocabulary
     model = folder = None
     if args.init_from is not None:
         from ..models.finetune import init_model
 
         cfg, model, folder = init_model(cfg, args.init_from, set(given), FLAGS)
     dataset, data = new_data(args, cfg.vocab_size, folder)
-    return new_run(cfg, dataset, data["source"], data=data, model=model), dataset
+    return new_run(cfg, dataset, data["source"], data=data, model=model, names=FLAGS), dataset
 
 
 def _resumed_run(args, out: Path):
     from dataclasses import replace
 
+    from ..models.memory import check_fits
     from ..models.runfiles import load_run
     from ..models.training import check_data
     from ..models.runsave import finish_save
@@ -170,6 +173,7 @@ def _resumed_run(args, out: Path):
     run.cfg.check(FLAGS)
     if run.cfg.steps < run.step:
         raise UsageError(f"--steps {run.cfg.steps}: the run in {out} is already at step {run.step}")
+    check_fits(run.cfg, run.model.config.vocab_size, FLAGS)  # this machine may have less than the one it ran on
     dataset = resumed_data(args, run, out)
     check_data(run.cfg, dataset)
     return run, dataset
@@ -231,7 +235,7 @@ def run(args) -> int:
     _log_lines(args.log_interval)  # a bad --log-interval is said before anything is read
     if not args.no_progress:
         check_progress()  # rich, said before the text is read or fetched; --no-progress needs none
-    out = Path(args.out)
+    out = named_path(args.out, "--out")  # before Path('') became '.': the current folder
     mode = args.parallel or ("data" if mpiexec_ranks() > 1 else None)
     if mode is None:
         run_, dataset = (_resumed_run if args.resume else _new_run)(args, out)

@@ -119,10 +119,19 @@ class MQARConfig:
         cycle = [0] + [j for i in range(1, len(tasks)) for j in (i, 0)]
         return tasks[cycle[step % len(cycle)]]
 
-    def check(self) -> None:
+    def check(self, available=None) -> None:
+        """A ShapeError for a setting no model can train with: an unknown or repeated mixer, width
+        or pair count, a task the vocabulary cannot hold, or a widest model that needs more memory
+        than the machine has ``available`` (bytes; default: :func:`qkv.models.memory.available_memory`)."""
         if not self.mixers or not self.widths or not self.pairs:
             raise ShapeError("mixers, widths and pairs must each name at least one value; got "
                              f"{len(self.mixers)}, {len(self.widths)} and {len(self.pairs)}")
+        for name in ("mixers", "widths", "pairs"):
+            values = list(getattr(self, name))
+            twice = sorted({str(v) for v in values if values.count(v) > 1})
+            if twice:
+                raise ShapeError(f"{name} must name each value once (each is one model, or one column); "
+                                 f"got {', '.join(twice)} more than once")
         positive_int("attention_conv", self.attention_conv, 0)
         for m in self.mixers:
             layers(m)
@@ -141,6 +150,10 @@ class MQARConfig:
         self.model_config(self.mixers[0], self.widths[0])
         for m in self.mixers:
             self.train_config(m, self.widths[0]).check()
+        from ..models.memory import check_fits
+
+        check_fits(self.train_config(self.mixers[0], max(self.widths)), self.vocab_size,
+                   {"n_embd": "widths", "batch_size": "batch", "block_size": "seq_len", "n_layer": None}, available)
 
     def model_config(self, mixer: str, width: int):
         """The :class:`qkv.models.GPTConfig` of one (mixer, width) model: 2 layers, no dropout."""
@@ -226,11 +239,12 @@ def train_one(cfg: MQARConfig, mixer: str, width: int, progress=None) -> dict:
     """Train one (mixer, width) model on the tasks; returns ``{"accuracy": [per pair count],
     "final_loss", "seconds", "params", "steps", "max_steps", "lr"}`` (``steps``: the steps taken,
     fewer than ``max_steps`` where the model met ``cfg.stop_loss``). ``progress()`` is called
-    after every step (and once for each step left out by an early stop).
+    after every step (and once for each step left out by an early stop). A model whose numbers
+    stop being finite raises :class:`qkv.models.training.Diverged` with ``model`` naming it.
 
     On one thread (kernels and BLAS): the same bits in any process, whatever ran before."""
     from ..models import GPT
-    from ..models.training import Run, make_optimizer, train_step
+    from ..models.training import Diverged, Run, make_optimizer, train_step
     from ..threads import kernel_threads
 
     tc = cfg.train_config(mixer, width).resolved()
@@ -241,7 +255,11 @@ def train_one(cfg: MQARConfig, mixer: str, width: int, progress=None) -> dict:
         for step in range(steps):
             pairs, t = cfg.schedule(step)
             d = mqar_batch(run.rng, cfg.batch, pairs, t, cfg.vocab_size)
-            losses.append(train_step(run, d["inputs"], d["targets"]))
+            try:
+                losses.append(train_step(run, d["inputs"], d["targets"]))
+            except Diverged as err:
+                err.model = f"{mixer} at width {width}"  # which of the grid's models
+                raise
             if progress is not None:
                 progress()
             if cfg.stop_loss and step + 1 >= max(window, cfg.warmup) and np.mean(losses[-window:]) < cfg.stop_loss:

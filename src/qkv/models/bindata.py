@@ -54,12 +54,18 @@ def read_meta(path) -> dict:
         raise
     except Exception as err:  # noqa: BLE001 - a damaged pickle raises many kinds
         raise CheckpointError(f"cannot read {path} as nanoGPT's meta.pkl: {type(err).__name__}: {err}") from None
-    if not isinstance(meta, dict) or not isinstance(meta.get("vocab_size"), int) or not isinstance(meta.get("itos"), dict):
+    if not isinstance(meta, dict) or "vocab_size" not in meta or not isinstance(meta.get("itos"), dict):
         raise CheckpointError(f"{path} must hold {{'vocab_size': int, 'itos': {{id: char}}, 'stoi': ...}} "
                               f"as nanoGPT's prepare.py writes; got {type(meta).__name__} with keys "
                               f"{sorted(map(str, meta)) if isinstance(meta, dict) else '-'}")
     itos, v = meta["itos"], meta["vocab_size"]
-    if sorted(itos) != list(range(v)) or not all(isinstance(c, str) and len(c) == 1 for c in itos.values()):
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise CheckpointError(f"{path}: vocab_size must be an int >= 1 (the number of characters); "
+                              f"got {type(v).__name__} {v!r}"[:300])
+    if len(itos) != v:  # before any list of v ids is made: v may be absurd (10**12)
+        raise CheckpointError(f"{path}: vocab_size is {v:,} but itos maps {len(itos):,} ids; they must agree")
+    if not all(type(i) is int for i in itos) or set(itos) != set(range(v)) or \
+            not all(isinstance(c, str) and len(c) == 1 for c in itos.values()):
         raise CheckpointError(f"{path}: itos must map the ids 0..{v - 1} (vocab_size = {v}) to single characters")
     return meta
 
@@ -74,9 +80,24 @@ def meta_tokenizer(meta: dict, where) -> CharTokenizer:
                               f"prepare.py makes them: {err}") from None
 
 
-def bin_dataset(folder, tokenizer=None) -> TokenDataset:
+def check_ids(ids: np.ndarray, path, vocab_size: int, vocabulary: str, chunk: int = 1 << 24) -> None:
+    """Every id of ``ids`` (a memory map: read once, ``chunk`` ids at a time) below ``vocab_size``,
+    else a CheckpointError naming the file, the first id out of range and its position."""
+    for start in range(0, len(ids), chunk):
+        part = np.asarray(ids[start:start + chunk])
+        if part.size and int(part.max()) >= vocab_size:
+            at = int(np.argmax(part >= vocab_size))
+            raise CheckpointError(f"{path} holds the token id {int(part[at]):,} at position {start + at:,}, outside "
+                                  f"{vocabulary} of {vocab_size:,} tokens (ids 0..{vocab_size - 1:,}): a batch "
+                                  f"that read it would fail; was the file written with another tokenizer?")
+
+
+def bin_dataset(folder, tokenizer=None, *, saved=None) -> TokenDataset:
     """nanoGPT's data folder: ``train``/``val`` memory-mapped uint16, and its tokenizer (``meta.pkl``'s
-    characters; else ``tokenizer`` if given, else a :class:`~qkv.models.bpe.NoTokenizer` of 50,304)."""
+    characters; else ``tokenizer`` if given, else a :class:`~qkv.models.bpe.NoTokenizer` of 50,304;
+    ``saved``: a resumed run's own, whatever the folder holds). Every id is checked against the
+    tokenizer's vocabulary once, up front (:func:`check_ids`: a pass over the files), not hours
+    in, when a batch happens to read it."""
     from .bpe import NoTokenizer
 
     folder = Path(folder)
@@ -90,14 +111,19 @@ def bin_dataset(folder, tokenizer=None) -> TokenDataset:
         if path.stat().st_size % 2:
             raise CheckpointError(f"{path} has an odd number of bytes: not uint16 token ids")
         splits.append(np.memmap(path, dtype=np.uint16, mode="r") if path.stat().st_size else np.zeros(0, np.uint16))
-    if (folder / META).is_file():
+    vocabulary = "the tokenizer's vocabulary"
+    if saved is not None:
+        tokenizer, vocabulary = saved, "the run's vocabulary"
+    elif (folder / META).is_file():
         meta = read_meta(folder / META)
         if tokenizer is not None:
             raise ShapeError(f"{folder} has a meta.pkl (a character vocabulary of {meta['vocab_size']}): "
                              "its ids are read with it, not with --tokenizer")
-        tokenizer = meta_tokenizer(meta, folder / META)
+        tokenizer, vocabulary = meta_tokenizer(meta, folder / META), f"{folder / META}'s vocabulary"
     elif tokenizer is None:
-        tokenizer = NoTokenizer(NANOGPT_VOCAB)
+        tokenizer, vocabulary = NoTokenizer(NANOGPT_VOCAB), "nanoGPT's GPT-2 vocabulary (no meta.pkl)"
+    for name, ids in zip(BIN_FILES, splits):
+        check_ids(ids, folder / name, tokenizer.vocab_size, vocabulary)
     return TokenDataset(*splits, tokenizer)
 
 

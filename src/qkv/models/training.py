@@ -106,19 +106,26 @@ class Run:
     step: int = 0
     seconds: float = 0.0            # training time so far (evaluations included)
     log: dict = field(default_factory=lambda: {"evals": [], "losses": []})
+    shapes: set = field(default_factory=set, repr=False, compare=False)  # batch shapes a forward took (not saved)
 
 
 def new_run(cfg: TrainConfig, dataset: TokenDataset, source: str, text: str | None = None, *,
-            data: dict | None = None, model=None) -> Run:
+            data: dict | None = None, model=None, names=None) -> Run:
     """A fresh run of ``cfg`` on ``dataset`` (made from ``text``, read from ``source``; or
     described by ``data``, a folder's record). ``model``: the weights to start from (a GPT of
-    ``gpt_config(cfg, ...)``, :func:`qkv.models.finetune.init_model`'s), else new ones."""
+    ``gpt_config(cfg, ...)``, :func:`qkv.models.finetune.init_model`'s), else new ones.
+
+    A run that needs more memory than the machine has available is refused before anything is
+    allocated (:func:`qkv.models.memory.check_fits`; ``names``: how its errors show the
+    config's fields, as :meth:`TrainConfig.check`)."""
     from . import GPT
+    from .memory import check_fits
 
     cfg = cfg.resolved()
     if cfg.vocab_size is None:
         cfg.vocab_size = dataset.tokenizer.vocab_size if model is None else model.config.vocab_size
     check_data(cfg, dataset)
+    check_fits(cfg, cfg.vocab_size, names)
     model = GPT(gpt_config(cfg, cfg.vocab_size)) if model is None else model
     data = {"source": source, "sha256": text_digest(text), "kind": "text"} if data is None else data
     return Run(cfg, model, make_optimizer(model, cfg), data_rng(cfg.seed), dataset.tokenizer, data)
@@ -162,10 +169,54 @@ class Diverged(RuntimeError):
         super().__init__(f"the run diverged at step {step}: {what}. A lower learning rate (this run's peak: "
                          f"lr = {cfg.lr:g}) or more warm-up steps (warmup = {cfg.warmup}) usually keeps it finite")
 
+    def __reduce__(self):  # across processes (a worker's model): message and attributes, not __init__'s arguments
+        return (_diverged, (str(self), dict(self.__dict__)))
+
+
+def _diverged(message: str, attrs: dict) -> Diverged:
+    err = Diverged.__new__(Diverged)
+    RuntimeError.__init__(err, message)
+    err.__dict__.update(attrs)
+    return err
+
+
+def _refused(run: Run, x, y, err: ShapeError, step: int, where: str) -> Diverged | None:
+    """The Diverged that a layer's refusal of its input (``err``, at the batch ``x, y``) stands
+    for, or None where it is an error of the settings.
+
+    A recurrent mixer checks the numbers the weights make (a log decay must be finite and <= 0):
+    weights that blew up make it refuse, by a ShapeError, where attention's loss would go NaN.
+    That is divergence once the run has updated its weights and the same batch goes through a
+    model of the same config at its initial weights (the settings are fine; the weights are not),
+    or the weights are not finite; otherwise the refusal stays the settings' error."""
+    if run.step == 0:
+        return None
+    bad = [name for name, p in run.model.params.items() if not np.isfinite(p).all()]
+    if not bad:
+        from . import GPT
+
+        try:
+            GPT(run.model.config).loss(x, y)  # the settings on this batch, at the initial weights
+        except ShapeError:
+            return None
+        except Exception:  # noqa: BLE001 - no model to compare with (a wrapper): the shapes decide
+            if np.shape(x) not in run.shapes:
+                return None
+    cause = f"the weights are not finite ({', '.join(bad[:3])})" if bad else "the weights grew out of range"
+    return Diverged(step, f"{where} failed: {cause}, and a layer refused what they made: {err}", run.cfg)
+
 
 def _micro_step(run: Run, x: np.ndarray, y: np.ndarray) -> float:
-    """The loss of one (micro-)batch and its gradient in ``model.grads``; Diverged if the loss is not finite."""
-    loss = float(run.model.loss(x, y))
+    """The loss of one (micro-)batch and its gradient in ``model.grads``; Diverged if the loss is not
+    finite (or a layer refuses the numbers the updated weights made: :func:`_refused`)."""
+    try:
+        loss = float(run.model.loss(x, y))
+    except ShapeError as err:
+        diverged = _refused(run, x, y, err, run.step + 1, "the batch's forward")
+        if diverged is None:
+            raise
+        raise diverged from None
+    run.shapes.add(np.shape(x))
     if not math.isfinite(loss):
         raise Diverged(run.step + 1, f"the batch loss is {loss}", run.cfg)
     run.model.backward()
@@ -232,7 +283,15 @@ def check_finite(run: Run) -> None:
 
 
 def _log_eval(run: Run, dataset: TokenDataset) -> dict:
-    ev = evaluate(run.model, dataset, run.cfg)
+    try:
+        ev = evaluate(run.model, dataset, run.cfg)
+    except ShapeError as err:
+        x, y = dataset.batch("val", run.cfg.batch_size, run.cfg.block_size, eval_rng(run.cfg.seed))
+        diverged = _refused(run, x, y, err, run.step, "the evaluation")
+        if diverged is None:
+            raise
+        raise diverged from None
+    run.shapes.add((run.cfg.batch_size, run.cfg.block_size))
     entry = {"step": run.step, "train_loss": ev["train"], "val_loss": ev["val"],
              "lr": lr_at(run.step - 1, run.cfg) if run.step else None,  # of the last update
              "seconds": round(run.seconds, 3)}
