@@ -111,7 +111,7 @@ def test_check_ids_reads_the_file_in_chunks_and_names_the_first_bad_id():
 
 
 @pytest.mark.parametrize("meta, said", [
-    ({"vocab_size": 10**12, "itos": {0: "a"}}, "vocab_size is 1,000,000,000,000 but itos maps 1 ids"),
+    ({"vocab_size": 10**12, "itos": {0: "a"}}, "itos must map the ids 0..999999999999 (vocab_size = 1,000,000,000,000) to single characters; it maps 1 ids"),
     ({"vocab_size": "65", "itos": {0: "a"}}, "vocab_size must be an int >= 1 (the number of characters); got str '65'"),
     ({"vocab_size": 2.0, "itos": {0: "a", 1: "b"}}, "vocab_size must be an int >= 1"),
     ({"vocab_size": 2, "itos": {0: "a", "x": "b"}}, "itos must map the ids 0..1"),

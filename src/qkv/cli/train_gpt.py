@@ -33,8 +33,12 @@ a hub id) starts from GPT-2's weights, as nanoGPT's finetune_shakespeare.
 state), optim.safetensors (AdamW's state), log.json (each evaluation's step, train and val
 loss; every step's batch loss) and loss.png, saved at every evaluation. Ctrl-C stops after
 the current step, saves and exits 130 (again: aborts, never in the middle of a save); --resume
-continues a run where it stopped, with the same losses as a run that never stopped. A run whose
-loss or gradients stop being finite stops before saving (exit 1): lower --lr. Then: qkv sample DIR.
+continues a run where it stopped, with the same losses as a run that never stopped. A save is
+atomic as a whole: a process killed at any point (kill -9 included) leaves the previous
+checkpoint or the new one, which --resume completes. A run whose loss, gradients or weights stop
+being finite (a recurrent layer refusing the numbers they make included) stops before saving
+(exit 1): lower --lr. Sizes whose memory (a lower bound) exceeds what the machine has available
+are refused before anything is allocated, naming the flag. Then: qkv sample DIR.
 
 Under MPI, every rank of `mpiexec -n W qkv train gpt ...` trains together (--parallel data,
 the default there: each rank takes batch-size/W rows of every batch; --parallel context: each

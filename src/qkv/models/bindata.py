@@ -63,7 +63,8 @@ def read_meta(path) -> dict:
         raise CheckpointError(f"{path}: vocab_size must be an int >= 1 (the number of characters); "
                               f"got {type(v).__name__} {v!r}"[:300])
     if len(itos) != v:  # before any list of v ids is made: v may be absurd (10**12)
-        raise CheckpointError(f"{path}: vocab_size is {v:,} but itos maps {len(itos):,} ids; they must agree")
+        raise CheckpointError(f"{path}: itos must map the ids 0..{v - 1} (vocab_size = {v:,}) to single "
+                              f"characters; it maps {len(itos):,} ids")
     if not all(type(i) is int for i in itos) or set(itos) != set(range(v)) or \
             not all(isinstance(c, str) and len(c) == 1 for c in itos.values()):
         raise CheckpointError(f"{path}: itos must map the ids 0..{v - 1} (vocab_size = {v}) to single characters")
