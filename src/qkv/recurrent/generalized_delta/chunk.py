@@ -45,7 +45,8 @@ blocks are done elementwise), ``P``, ``U``, ``W``, ``M``, ``Hc`` (:mod:`qkv.recu
 factor is a running product of the steps' decays ``e = exp(g) <= 1`` (``exp G_t = e_1 ⋯ e_t``,
 ``exp(G_C - G_t) = e_{t+1} ⋯ e_C``), never ``exp(-G)`` and never a division: however strong
 the decay nothing overflows, and a factor that underflows multiplies a term below the
-smallest float. (One decay a head differences ``G``, summed in float64, inside the chunk.)
+smallest float. (One decay a head takes ``exp`` of the segment sums ``g_{s+1} + ... + g_t``,
+summed in float64 from the steps, never differenced from running sums.)
 
 **Cost.** ``O(T·C·Dk + T·Dk·(Dk + Dv) + (T/C)·Dk²·Dv)`` time, ``O(T·(C + D) + (T/C)·Dk·Dv)``
 memory: no ``(T, T)`` array and no per-step state. ``chunk = 1`` is the step recurrence

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .scores import running_product, scores
+from .scores import head_decays, running_product, scores
 
 INVERSE_LEAF = 16   # rows of the diagonal blocks inverted by substitution
 GROUP_ELEMENTS = 1 << 17   # B·H·steps·Dk of one group of chunks done at once (a cache-sized piece;
@@ -74,8 +74,8 @@ class Chunks:
     """The chunk-local quantities (``…`` = ``(B, H, N)``; ``[, Dk]``: absent for one decay a head).
 
     X = [q, a], Y = [k, b]  (…, 2, C, Dk)        v (…, C, Dv)
-    e = exp(g) (…, C, Dk or 1), the steps' decays; with one decay a head also (float64)
-    G (…, C) the running log decay and GX = [G, G shifted by one] (…, 2, C) (else None)
+    e = exp(g) (…, C, Dk or 1), the steps' decays; with one decay a head also
+    D (…, 2, C, C) the products' decays exp(Gx_t - G_s) (scores.head_decays; else None)
     A (…, 2, 2, C, C) = [[qk, qb], [ak, ab]] (dplr_scores), P = (I - A_ab)^{-1}
     qt = q ∘ exp G, at = a ∘ exp(G_{t-1}), kt = k ∘ exp(G_C - G), bt = b ∘ exp(G_C - G),
     the factors fG = exp G, fGex = exp G_{t-1}, end = exp(G_C - G) and eC = exp G_C
@@ -85,8 +85,7 @@ class Chunks:
     X: np.ndarray
     Y: np.ndarray
     v: np.ndarray
-    G: np.ndarray | None
-    GX: np.ndarray | None
+    D: np.ndarray | None
     e: np.ndarray
     per_head: bool
     A: np.ndarray
@@ -105,20 +104,6 @@ class Chunks:
     Hc: np.ndarray
 
 
-def _decays(g: np.ndarray, per_head: bool):
-    """``(G, GX)``: the running sum within each chunk and [G, G shifted by one step] stacked,
-    in float64 (they are only differenced, for one decay a head: cheap, and exact enough
-    that ``exp(G_t - G_s)`` keeps float32's precision over the chunk)."""
-    axis = -1 if per_head else -2
-    G = np.cumsum(g, axis=axis, dtype=np.float64)
-    Gex = np.zeros_like(G)
-    if per_head:
-        Gex[..., 1:] = G[..., :-1]
-    else:
-        Gex[..., 1:, :] = G[..., :-1, :]
-    return G, np.stack([G, Gex], axis=axis - 1)
-
-
 def _factors(e: np.ndarray):
     """From the steps' decays ``e (…, C, Dk or 1)``, running products (never an exp of a
     positive number, never a division): ``exp G_t``, ``exp G_{t-1}``, ``exp(G_C - G_t)``, ``exp G_C``."""
@@ -134,10 +119,10 @@ def prepare(q, k, v, a, b, g, C: int) -> Chunks:
     """Every chunk's quantities at once (nothing here depends on the state)."""
     per_head = g.ndim == 3
     qc, kc, vc, ac, bc, gc = (to_chunks(x, C) for x in (q, k, v, a, b, g))
-    G, GX = _decays(gc, per_head) if per_head else (None, None)
+    D = head_decays(gc, q.dtype) if per_head else None
     X, Y = np.stack([qc, ac], axis=-3), np.stack([kc, bc], axis=-3)       # (…,2,C,Dk)
     e = np.exp(gc[..., None] if per_head else gc)                          # the steps' decays (…,C,Dk or 1)
-    A = scores(X, Y, GX, G, e)                                              # (…,2,2,C,C)
+    A = scores(X, Y, D, e)                                                  # (…,2,2,C,C)
     P = unit_lower_inverse(A[..., 1, 1, :, :])
     fG, fGex, end, eC = _factors(e)
     qt, at = qc * fG, ac * fGex
@@ -148,7 +133,7 @@ def prepare(q, k, v, a, b, g, C: int) -> Chunks:
     i = np.arange(M.shape[-1])
     M[..., i, i] += eC                                                      # + diag(exp G_C)
     Hc = _swap(kt) @ vc + _swap(bt) @ U                                     # (…,Dk,C) @ (…,C,Dv) -> (…,Dk,Dv)
-    return Chunks(X, Y, vc, G, GX, e, per_head, A, P, qt, at, kt, bt, fG, fGex, end, eC, U, W, M, Hc)
+    return Chunks(X, Y, vc, D, e, per_head, A, P, qt, at, kt, bt, fG, fGex, end, eC, U, W, M, Hc)
 
 
 def states(ch: Chunks, S0) -> tuple[np.ndarray, np.ndarray]:

@@ -28,18 +28,46 @@ elementwise form is used. The factors are running products of the steps' decays
 exponential beyond ``e`` and no cancellation. Work: ``C·Dk·log(C)`` multiplications for the
 factors, ``C·LEAF·Dk`` for the leaves, the rest ``C²·Dk`` in BLAS.
 
-**One decay a head** (``G (…, C)``): ``A = (x yᵀ) ∘ exp(Gx_t - G_s)``, the masked
-``(C, C)`` exponent formed as differences (of G summed in float64, so they do not cancel
-float32's digits away) and clamped: one matmul and one ``(C, C)`` exp.
+**One decay a head** (``g (…, C)``): ``A = (x yᵀ) ∘ D``, ``D[t, s] = exp(Gx_t - G_s)`` on
+the mask. The exponent is the segment sum ``g_{s+1} + ... + g_{tx}`` (``tx = t`` for q,
+``t - 1`` for a) summed from the steps themselves (:func:`head_decays`, a product with a
+0/1 triangle in float64), never a difference of running sums ``G_t - G_s``: those lose the
+small steps behind a huge one (``-1e20 + (-0.5) == -1e20`` in float64, and the difference
+is then 0 where it should be -0.5). Every segment sum is a sum of at most C terms ``<= 0``:
+within C ulps of itself, and ``<= 0`` without a clamp. One matmul and one ``(C, C)`` exp a chunk.
 
 **Backward.** Given ``dA`` (zero above the masks), ``dx_t = Σ_s dA[t,s] y_s ∘ exp(Gx_t - G_s)``
 and ``dy_s = Σ_t dA[t,s] x_t ∘ exp(Gx_t - G_s)``, through the same split (the transposed
-products) or the same leaves; the decays' gradients follow without more work, since
-``A`` depends on ``Gx_t[i]`` as on ``log x_t[i]``: ``dGx = x ∘ dx`` and ``dG = -y ∘ dy``
-(summed over the channels for one decay a head).
+products) or the same leaves.
+
+*The decays' gradient.* The pair ``(t, s)`` contributes the term
+``T[t, s, i] = dA[t,s] x_t[i] y_s[i] exp(Gx_t[i] - G_s[i])`` to ``dg_j[i]`` for each step
+it crosses, ``s < j <= tx``::
+
+    dg_j = Σ_{s < j <= tx} T[t, s]                                                    (3)
+
+Written as ``Σ_{t >= j} x ∘ dx - Σ_{s >= j} y ∘ dy`` (the pairs with both ``tx`` and ``s``
+at or after ``j``, the diagonal's among them, are in both sums and cancel) it is a
+difference of O(1) sums whose exact value is ``O(exp(g_j))``: at ``g = -30`` float64's rounding of the O(1) sums is then 1e-3
+of the answer. So (3) is summed as it stands, every term crossing ``j``:
+
+- a cut ``(lo, mid, hi)``: every row ``tx >= mid - 1``, every column ``s < mid``. For
+  ``j < mid`` its pairs crossing ``j`` are its columns ``s < j``, all rows: an exclusive
+  running sum of the block's column sums ``y ∘ dy_block``; for ``j >= mid``, its rows
+  ``tx >= j``, all columns: a reverse running sum of the block's row sums ``x ∘ dx_block``
+  (an a row counted one step earlier). Each such row or column sum is a sum of terms that
+  all cross ``j``.
+- a leaf: the ``(c, c, Dk)`` terms themselves, summed over the pairs crossing each ``j``
+  (a product with a constant 0/1 ``(2c², c)`` mask).
+- one decay a head: ``T = dA ∘ A`` summed over the kinds (``(C, C)``), then exclusive
+  running sums along each row (``Σ_{s < j} T[t, s]``: all crossing ``j`` where ``j <= tx``)
+  summed over the rows ``tx >= j``.
+
+Running sums are products with 0/1 triangles (``np.cumsum`` along these short axes is an
+order of magnitude slower): the same terms, summed in another order.
 
 Layout: ``X (…, 2, C, Dk)`` = [q, a], ``Y (…, 2, C, Dk)`` = [k, b]; one decay a head:
-``G (…, C)``, ``GX`` = [G, G shifted] ``(…, 2, C)``; a decay a channel: ``e (…, C, Dk)``;
+``D (…, 2, C, C)``; a decay a channel: ``e (…, C, Dk)``;
 ``A (…, 2, 2, C, C)`` = [[qk, qb], [ak, ab]].
 """
 from __future__ import annotations
@@ -64,6 +92,29 @@ def running_product(x: np.ndarray, reverse: bool = False) -> np.ndarray:
         out[..., shift:, :] = out[..., shift:, :] * out[..., :-shift, :]   # the right side is read first
         shift *= 2
     return out[..., ::-1, :] if reverse else out
+
+
+def running_sum(x: np.ndarray, reverse: bool = False, exclusive: bool = False) -> np.ndarray:
+    """Running sums along axis -2: ``Σ_{r <= t} x_r`` (``r < t`` when ``exclusive``; ``r >= t``,
+    ``r > t`` when ``reverse``), as a product with a 0/1 triangle: each output the sum of
+    exactly its terms."""
+    m = x.shape[-2]
+    tri = np.tri(m, k=-1 if exclusive else 0, dtype=x.dtype)
+    return (tri.T if reverse else tri) @ x                              # (m,m) @ (…,m,D) -> (…,m,D)
+
+
+def head_decays(g: np.ndarray, dtype) -> np.ndarray:
+    """``D (…, 2, C, C)`` in ``dtype`` from one decay a head ``g (…, C)``: ``D[0, t, s] =
+    exp(g_{s+1} + ... + g_t)`` for ``s <= t``, ``D[1, t, s] = D[0, t-1, s]`` for ``s < t``, 0
+    above the masks. The segment sums are summed from the steps (in float64), never
+    differenced from running sums."""
+    C = g.shape[-1]
+    later = np.where(np.tri(C, k=-1, dtype=bool), g[..., :, None], 0).astype(np.float64)   # [r, s] = g_r, r > s
+    seg = np.tri(C) @ later                                  # (C,C) @ (…,C,C): [t, s] = Σ_{s < r <= t} g_r
+    D = np.zeros(g.shape[:-1] + (2, C, C), dtype)
+    np.multiply(np.exp(seg), np.tri(C), out=D[..., 0, :, :], casting="unsafe")
+    D[..., 1, 1:, :] = D[..., 0, :-1, :]
+    return D
 
 
 def _leaf_decays(e, lo, hi):
@@ -126,12 +177,28 @@ def _pairs(P, m2, m1):
     return np.swapaxes(P.reshape(P.shape[:-2] + (2, m2, 2, m1)), -3, -2)
 
 
-def scores(X, Y, GX, G, e):
-    """``A (…, 2, 2, C, C)`` of the module docstring: with one decay a head from ``G (…, C)``
-    and ``GX (…, 2, C)``; with a decay a channel from the steps' decays ``e = exp(g) (…, C, Dk)``."""
+def _leaf_crossings(c: int) -> np.ndarray:
+    """``(c, 2·c·c)`` 0/1: ``[j, (x, t, s)]`` = the leaf's pair (t, s) of row kind x crosses
+    step j, ``s < j <= t - x``."""
+    x, t, s, j = np.ogrid[:2, :c, :c, :c]
+    return ((s < j) & (j <= t - x)).reshape(2 * c * c, c).T
+
+
+def _head_crossings(T: np.ndarray) -> np.ndarray:
+    """``dg (…, C)`` of (3) from the pairs' terms ``T (…, 2, C, C)`` by row kind: exclusive
+    running sums along the rows, summed over the rows ``tx >= j``."""
+    C = T.shape[-1]
+    before = T @ np.tri(C, k=-1, dtype=T.dtype).T          # (…,2,C,C) @ (C,C): [x, t, j] = Σ_{s < j} T[x, t, s]
+    rows = np.stack([np.tri(C, dtype=bool), np.tri(C, k=-1, dtype=bool)])   # [x, t, j]: j <= t - x
+    return (before * rows).sum((-3, -2))
+
+
+def scores(X, Y, D, e):
+    """``A (…, 2, 2, C, C)`` of the module docstring: with one decay a head from its decays
+    ``D (…, 2, C, C)`` (:func:`head_decays`); with a decay a channel from the steps' decays
+    ``e = exp(g) (…, C, Dk)``."""
     C = X.shape[-2]
-    if G is not None:                                               # one decay a head
-        D = (np.exp(np.minimum(GX[..., :, None] - G[..., None, None, :], 0)) * _masks(C)).astype(X.dtype)
+    if D is not None:                                               # one decay a head
         XY = X.reshape(X.shape[:-3] + (2 * C, -1)) @ np.swapaxes(Y.reshape(Y.shape[:-3] + (2 * C, -1)), -1, -2)
         return _pairs(XY, C, C) * D[..., :, None, :, :]                    # (…,2C,Dk) @ (…,Dk,2C)
     A = np.zeros(X.shape[:-3] + (2, 2, C, C), X.dtype)
@@ -145,27 +212,39 @@ def scores(X, Y, GX, G, e):
     return A
 
 
-def scores_backward(dA, X, Y, GX, G, e):
-    """``(dX, dY, dGX, dG)`` from ``dA (…, 2, 2, C, C)`` (read on the masks only)."""
+def scores_backward(dA, X, Y, D, e, A):
+    """``(dX, dY, dg)`` from ``dA (…, 2, 2, C, C)`` (read on the masks only): ``dg`` the
+    products' part of the decays' gradient, (3), ``(…, C)`` for one decay a head (from
+    ``A``), ``(…, C, Dk)`` for a decay a channel."""
     C = X.shape[-2]
-    if G is not None:
-        D = (np.exp(np.minimum(GX[..., :, None] - G[..., None, None, :], 0)) * _masks(C)).astype(X.dtype)
+    if D is not None:
         dAD = np.swapaxes(dA * D[..., :, None, :, :], -3, -2).reshape(dA.shape[:-4] + (2 * C, 2 * C))
         dX = (dAD @ Y.reshape(Y.shape[:-3] + (2 * C, -1))).reshape(X.shape)                  # (…,2C,2C) @ (…,2C,Dk)
         dY = (np.swapaxes(dAD, -1, -2) @ X.reshape(X.shape[:-3] + (2 * C, -1))).reshape(Y.shape)
-        return dX, dY, (X * dX).sum(-1), -(Y * dY).sum((-1, -3))
+        return dX, dY, _head_crossings((dA * A).sum(-3))
     dX, dY = np.zeros_like(X), np.zeros_like(Y)
+    dg = np.zeros(X.shape[:-3] + X.shape[-2:], X.dtype)
     cuts, leaves = _blocks(C)
     for lo, mid, hi in cuts:
         Xs, fq, Ys, fy = _split(X, Y, e, lo, mid, hi)
         m2, m1 = hi - mid, mid - lo
         dblk = np.swapaxes(dA[..., mid:hi, lo:mid], -3, -2).reshape(dA.shape[:-4] + (2 * m2, 2 * m1))
-        dX[..., mid:hi, :] += _scale_rows((dblk @ Ys).reshape(X.shape[:-2] + (m2, -1)), fq)   # (…,2m2,2m1) @ (…,2m1,Dk)
-        dY[..., lo:mid, :] += (np.swapaxes(dblk, -1, -2) @ Xs).reshape(Y.shape[:-2] + (m1, -1)) * fy
+        bX = _scale_rows((dblk @ Ys).reshape(X.shape[:-2] + (m2, -1)), fq)   # (…,2m2,2m1) @ (…,2m1,Dk)
+        bY = (np.swapaxes(dblk, -1, -2) @ Xs).reshape(Y.shape[:-2] + (m1, -1)) * fy
+        dX[..., mid:hi, :] += bX
+        dY[..., lo:mid, :] += bY
+        cols = (Y[..., lo:mid, :] * bY).sum(-3)                       # (…,m1,Dk): j < mid, columns s < j
+        dg[..., lo:mid, :] += running_sum(cols, exclusive=True)
+        rows = X[..., mid:hi, :] * bX                                  # (…,2,m2,Dk): j >= mid, rows tx >= j
+        rows[..., 0, :-1, :] += rows[..., 1, 1:, :]                    # an a row is the q row one step earlier
+        dg[..., mid:hi, :] += running_sum(rows[..., 0, :, :], reverse=True)
     for lo, hi in leaves:
+        c = hi - lo
         E = _leaf_decays(e, lo, hi)                                        # (…,2,c,c,Dk)
         dAY = np.einsum("...xyts,...ysi->...xtsi", dA[..., lo:hi, lo:hi], Y[..., lo:hi, :])
         dX[..., lo:hi, :] += (dAY * E).sum(-2)
         XE = X[..., lo:hi, None, :] * E
         dY[..., lo:hi, :] += np.einsum("...xyts,...xtsi->...ysi", dA[..., lo:hi, lo:hi], XE)
-    return dX, dY, X * dX, -(Y * dY).sum(-3)
+        terms = (dAY * XE).reshape(dAY.shape[:-4] + (2 * c * c, -1))  # the pairs' terms T (…,2c²,Dk)
+        dg[..., lo:hi, :] += _leaf_crossings(c).astype(X.dtype) @ terms   # (c,2c²) @ (…,2c²,Dk)
+    return dX, dY, dg
