@@ -72,6 +72,8 @@ Layout: ``X (…, 2, C, Dk)`` = [q, a], ``Y (…, 2, C, Dk)`` = [k, b]; one deca
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 LEAF = 4    # steps of the diagonal blocks computed elementwise (measured: 4 beat 8 and 16)
@@ -177,11 +179,22 @@ def _pairs(P, m2, m1):
     return np.swapaxes(P.reshape(P.shape[:-2] + (2, m2, 2, m1)), -3, -2)
 
 
-def _leaf_crossings(c: int) -> np.ndarray:
+@functools.lru_cache(maxsize=None)
+def _leaf_crossings(c: int, dtype) -> np.ndarray:
     """``(c, 2·c·c)`` 0/1: ``[j, (x, t, s)]`` = the leaf's pair (t, s) of row kind x crosses
     step j, ``s < j <= t - x``."""
     x, t, s, j = np.ogrid[:2, :c, :c, :c]
-    return ((s < j) & (j <= t - x)).reshape(2 * c * c, c).T
+    return ((s < j) & (j <= t - x)).reshape(2 * c * c, c).T.astype(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _cut_crossings(m: int, rows: bool, dtype) -> np.ndarray:
+    """``(m, 2m)`` 0/1 over a cut's stacked sums [q or k kind, a or b kind]: for its columns
+    (``rows`` False) ``s < j`` of either kind; for its rows ``t >= j`` of the q kind, ``t > j``
+    of the a kind (an a row reads one step earlier)."""
+    if rows:
+        return np.concatenate([np.tri(m, dtype=dtype).T, np.tri(m, k=-1, dtype=dtype).T], axis=1)
+    return np.concatenate([np.tri(m, k=-1, dtype=dtype)] * 2, axis=1)
 
 
 def _head_crossings(T: np.ndarray) -> np.ndarray:
@@ -233,11 +246,10 @@ def scores_backward(dA, X, Y, D, e, A):
         bY = (np.swapaxes(dblk, -1, -2) @ Xs).reshape(Y.shape[:-2] + (m1, -1)) * fy
         dX[..., mid:hi, :] += bX
         dY[..., lo:mid, :] += bY
-        cols = (Y[..., lo:mid, :] * bY).sum(-3)                       # (…,m1,Dk): j < mid, columns s < j
-        dg[..., lo:mid, :] += running_sum(cols, exclusive=True)
-        rows = X[..., mid:hi, :] * bX                                  # (…,2,m2,Dk): j >= mid, rows tx >= j
-        rows[..., 0, :-1, :] += rows[..., 1, 1:, :]                    # an a row is the q row one step earlier
-        dg[..., mid:hi, :] += running_sum(rows[..., 0, :, :], reverse=True)
+        cols = (Y[..., lo:mid, :] * bY).reshape(dg.shape[:-2] + (2 * m1, -1))     # j < mid: columns s < j
+        dg[..., lo:mid, :] += _cut_crossings(m1, False, X.dtype) @ cols            # (m1,2m1) @ (…,2m1,Dk)
+        rows = (X[..., mid:hi, :] * bX).reshape(dg.shape[:-2] + (2 * m2, -1))     # j >= mid: rows tx >= j
+        dg[..., mid:hi, :] += _cut_crossings(m2, True, X.dtype) @ rows             # (m2,2m2) @ (…,2m2,Dk)
     for lo, hi in leaves:
         c = hi - lo
         E = _leaf_decays(e, lo, hi)                                        # (…,2,c,c,Dk)
@@ -246,5 +258,5 @@ def scores_backward(dA, X, Y, D, e, A):
         XE = X[..., lo:hi, None, :] * E
         dY[..., lo:hi, :] += np.einsum("...xyts,...xtsi->...ysi", dA[..., lo:hi, lo:hi], XE)
         terms = (dAY * XE).reshape(dAY.shape[:-4] + (2 * c * c, -1))  # the pairs' terms T (…,2c²,Dk)
-        dg[..., lo:hi, :] += _leaf_crossings(c).astype(X.dtype) @ terms   # (c,2c²) @ (…,2c²,Dk)
+        dg[..., lo:hi, :] += _leaf_crossings(c, X.dtype) @ terms   # (c,2c²) @ (…,2c²,Dk)
     return dX, dY, dg
