@@ -91,3 +91,23 @@ def test_finite_inputs_keep_their_chunk_and_their_bits():
     args = (x["q"], x["k"], x["v"], x["g_head"])
     assert np.array_equal(rec.decay_attention(*args, scale=0.5, chunk_size=4),
                           decay.forward(*args, scale=0.5, chunk=4)[0])
+
+
+@pytest.mark.parametrize("bad", ["q", "k", "v", "a", "b", "do"])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_dplr_nan_reaches_what_the_steps_carry_it_to(bad, dtype, per_channel):
+    """dplr's chunked form spreads a NaN even in chunks of one step (its transition and write
+    meet in one product: a NaN key reached da of its own step); such calls run step by step."""
+    from qkv.recurrent.generalized_delta import naive as dplr_naive
+    rng = np.random.default_rng(4)
+    x = {n: 0.5 * rng.standard_normal((B, H, 70, D)) for n in ("q", "k", "v", "a", "b", "do")}
+    g = -rng.uniform(0, 1, (B, H, 70, D) if per_channel else (B, H, 70))
+    x[bad][:, :, 66] = np.nan                     # the second segment of the stepwise path
+    args = [x[n] for n in ("q", "k", "v", "a", "b")] + [g]
+    with np.errstate(all="ignore"):
+        want = (dplr_naive.dplr_forward(*args, scale=0.5)[:1]
+                + dplr_naive.dplr_backward(x["do"], None, *args, scale=0.5)[:6])
+    c = [a.astype(dtype) for a in args]
+    got = (rec.dplr(*c, scale=0.5),) + rec.dplr_backward(x["do"].astype(dtype), *c, scale=0.5)[:6]
+    same_reach(got, want, ["o", "dq", "dk", "dv", "da", "db", "dg"])

@@ -12,7 +12,7 @@ import numpy as np
 from ..errors import OptionError, ShapeError, as_float_array, fmt_shape, positive_int, reject_options
 from .decay import chunk as _decay
 from .delta import chunk as _delta
-from .generalized_delta import chunk as _dplr
+from .generalized_delta import chunk as _dplr, stepwise as _dplr_steps
 from .scan import chunk as _scan
 
 __all__ = ["decay_attention", "decay_attention_backward", "delta_rule", "delta_rule_backward",
@@ -44,6 +44,7 @@ class _Call:
         if not math.isfinite(self.scale):
             raise OptionError(f"scale must be a finite number or None (1/sqrt(Dk)); got {scale!r}")
         self.chunk = None if chunk_size is None else positive_int("chunk_size", chunk_size)
+        self.stepwise = False   # set by plan(): an input is not finite
         self.where = where
 
     def _param(self, name, x, shapes):
@@ -88,6 +89,7 @@ class _Call:
         arrays = [self.q, self.k, self.v, self.state, self.dstate, *self.params, *more]
         for x in arrays:
             if x is not None and x.size and not (np.isfinite(x.min()) and np.isfinite(x.max())):
+                self.stepwise = True
                 return 1, np.errstate(invalid="ignore", over="ignore")
         return self.chunk, contextlib.nullcontext()
 
@@ -273,7 +275,8 @@ def dplr(q, k, v, a, b, log_decay, *, scale=None, initial_state=None, return_sta
         return c.empty_forward(return_state)
     chunk, errstate = c.plan()
     with errstate:
-        o, S = _dplr.forward(c.q, c.k, c.v, *c.params, scale=c.scale, initial_state=c.state, chunk=chunk)
+        impl = _dplr_steps if c.stepwise else _dplr   # a NaN: the chunked form's products would spread it
+        o, S = impl.forward(c.q, c.k, c.v, *c.params, scale=c.scale, initial_state=c.state, chunk=chunk)
     return (c.out(o), S) if return_state else c.out(o)
 
 
@@ -289,7 +292,8 @@ def dplr_backward(dout, q, k, v, a, b, log_decay, *, scale=None, initial_state=N
     do = c.dout(dout)
     chunk, errstate = c.plan(do)
     with errstate:
-        grads = _dplr.backward(do, c.dstate, c.q, c.k, c.v, *c.params, scale=c.scale, initial_state=c.state,
+        impl = _dplr_steps if c.stepwise else _dplr
+        grads = impl.backward(do, c.dstate, c.q, c.k, c.v, *c.params, scale=c.scale, initial_state=c.state,
                             chunk=chunk)
     return c.grads(grads, (q, k, v, a, b, log_decay, initial_state))
 
