@@ -312,7 +312,8 @@ def linear_scan(x, log_a, *, initial_state=None, return_state=False, **unknown):
     """
     reject_options(linear_scan, unknown)
     x2, la, h0 = _scan_checked(x, log_a, initial_state, None)[:3]
-    h, hT = _scan.forward(x2, la, initial_state=h0)
+    with _quiet_if_not_finite(x2, h0):
+        h, hT = _scan.forward(x2, la, initial_state=h0)
     h = h.astype(np.result_type(x), copy=False)
     return (h, hT) if return_state else h
 
@@ -324,9 +325,20 @@ def linear_scan_backward(dh, x, log_a, *, initial_state=None, dstate=None, **unk
     dh = as_float_array("dh", dh)
     if dh.shape != x2.shape:
         raise ShapeError(f"dh must have x's shape (B, T, D) = {fmt_shape(x2.shape)}; got {fmt_shape(dh.shape)}")
-    dx, dla, dh0 = _scan.backward(np.ascontiguousarray(dh, dtype=x2.dtype), ds, x2, la, initial_state=h0)
+    dh = np.ascontiguousarray(dh, dtype=x2.dtype)
+    with _quiet_if_not_finite(x2, h0, ds, dh):
+        dx, dla, dh0 = _scan.backward(dh, ds, x2, la, initial_state=h0)
     return (dx.astype(np.result_type(x), copy=False), dla.astype(np.result_type(log_a), copy=False),
             None if initial_state is None else dh0.astype(np.result_type(initial_state), copy=False))
+
+
+def _quiet_if_not_finite(*arrays):
+    """No RuntimeWarning for what a NaN or an inf input carries (as :meth:`_Call.plan`); the
+    scan's products are one step's each, so its NaN reaches what the steps carry it to."""
+    for x in arrays:
+        if x is not None and x.size and not (np.isfinite(x.min()) and np.isfinite(x.max())):
+            return np.errstate(invalid="ignore", over="ignore")
+    return contextlib.nullcontext()
 
 
 def _scan_checked(x, log_a, h0, dstate):

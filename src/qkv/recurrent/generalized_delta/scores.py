@@ -111,7 +111,8 @@ def head_decays(g: np.ndarray, dtype) -> np.ndarray:
     above the masks. The segment sums are summed from the steps (in float64), never
     differenced from running sums."""
     C = g.shape[-1]
-    later = np.where(np.tri(C, k=-1, dtype=bool), g[..., :, None], 0).astype(np.float64)   # [r, s] = g_r, r > s
+    g = np.maximum(g.astype(np.float64), -1000.0)   # exp(-1000) is 0 already; two of -1.8e308 would sum to -inf
+    later = np.where(np.tri(C, k=-1, dtype=bool), g[..., :, None], 0)       # [r, s] = g_r, r > s
     seg = np.tri(C) @ later                                  # (C,C) @ (…,C,C): [t, s] = Σ_{s < r <= t} g_r
     D = np.zeros(g.shape[:-1] + (2, C, C), dtype)
     np.multiply(np.exp(seg), np.tri(C), out=D[..., 0, :, :], casting="unsafe")
