@@ -47,7 +47,7 @@ def test_key_changes_with_version_cpu_features_source_and_numba():
 
 
 def test_source_hash_covers_inlined_helpers(tmp_path):
-    """A change in rows_compiled.py (inlined into rows_fused.py) gives a new cache folder, not a stale kernel."""
+    """A change in rows/compiled.py (inlined into rows/fused.py) gives a new cache folder, not a stale kernel."""
     files = {}
     for name, path in jit_cache.source_files().items():
         files[name] = tmp_path / name
@@ -205,9 +205,9 @@ def test_a_forward_compiles_the_row_kernels_forward_once_and_no_backward(tmp_pat
     assert res.returncode == 0, res.stderr
     (folder,) = (tmp_path / "numba").glob("*/qkv.kernels.rows.fused")
     index = {p.name.split("-")[0]: p for p in folder.glob("*.nbi")}
-    assert "rows_fused._forward_kernel.locals.forward" in index and "rows_fused._forward_head" in index
-    assert "rows_fused._backward_kernel.locals.backward" not in index and "rows_fused._backward_group" not in index
-    for name in ("rows_fused._forward_kernel.locals.forward", "rows_fused._forward_head"):
+    assert "fused._forward_kernel.locals.forward" in index and "fused._forward_head" in index
+    assert "fused._backward_kernel.locals.backward" not in index and "fused._backward_group" not in index
+    for name in ("fused._forward_kernel.locals.forward", "fused._forward_head"):
         with open(index[name], "rb") as f:
             pickle.load(f)                               # numba's version
             _, overloads = pickle.loads(f.read())

@@ -107,6 +107,7 @@ def save_files(folder, write) -> None:
     """Save into ``folder`` what ``write(staging_folder)`` writes there, atomically as a whole (see
     the module docstring); ``write`` returns the names of the files it wrote."""
     folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)   # a new run's folder (the lock needs it to exist)
     with folder_lock(folder):
         _finish(folder)  # a previous save killed after its commit: complete it before starting anew
         tmp = folder / STAGING
