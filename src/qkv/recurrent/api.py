@@ -140,7 +140,8 @@ def _shapes(q, per="head"):
     B, H, T, Dk = np.shape(q)
     head, chan = (B, H, T), (B, H, T, Dk)
     return {"head": {"(B, H, T)": head}, "both": {"(B, H, T)": head, "(B, H, T, Dk)": chan},
-            "chan": {"(B, H, T, Dk)": chan}, "optional head": {"(B, H, T)": head, None: None}}[per]
+            "chan": {"(B, H, T, Dk)": chan}, "optional head": {"(B, H, T)": head, None: None},
+            "optional both": {"(B, H, T)": head, "(B, H, T, Dk)": chan, None: None}}[per]
 
 
 def decay_attention(q, k, v, log_decay, *, scale=None, initial_state=None, return_state=False,
@@ -205,16 +206,18 @@ def decay_attention_backward(dout, q, k, v, log_decay, *, scale=None, initial_st
 
 def delta_rule(q, k, v, beta, log_decay=None, *, scale=None, initial_state=None, return_state=False,
                chunk_size=None, **unknown):
-    """The delta rule (DeltaNet), gated with ``log_decay`` (Gated DeltaNet, Qwen3-Next).
+    """The delta rule (DeltaNet), gated with ``log_decay`` (Gated DeltaNet, Qwen3-Next; a decay a
+    key channel: Kimi Delta Attention).
 
-    ``S' = exp(g_t) S_{t-1}``, ``S_t = S' + k_t (beta_t (v_t - S'ᵀ k_t))ᵀ``,
+    ``S' = diag(exp g_t) S_{t-1}``, ``S_t = S' + k_t (beta_t (v_t - S'ᵀ k_t))ᵀ``,
     ``o_t = scale · S_tᵀ q_t``: each step moves what the state returns for ``k_t`` a fraction
     ``beta_t`` of the way to ``v_t`` (with ``|k_t| = 1`` and ``beta_t = 1`` it overwrites it).
 
     Args:
         q, k: ``(B, H, T, Dk)`` (the layers L2-normalise k). v: ``(B, H, T, Dv)``.
         beta: ``(B, H, T)``, the write strength (a sigmoid, in (0, 1), in the layers).
-        log_decay: ``(B, H, T)``, finite and ``<= 0``, or None (no decay: DeltaNet).
+        log_decay: finite and ``<= 0``: ``(B, H, T)`` (one decay a head, Gated DeltaNet),
+            ``(B, H, T, Dk)`` (a decay a key channel, KDA), or None (no decay: DeltaNet).
         scale, initial_state, return_state, chunk_size: as :func:`decay_attention`.
 
     Returns:
@@ -222,7 +225,7 @@ def delta_rule(q, k, v, beta, log_decay=None, *, scale=None, initial_state=None,
     """
     reject_options(delta_rule, unknown)
     c = _checked("delta_rule", q, k, v, [("beta", beta, _shapes(q, "head")),
-                                         ("log_decay", log_decay, _shapes(q, "optional head"))],
+                                         ("log_decay", log_decay, _shapes(q, "optional both"))],
                  initial_state, None, scale, chunk_size)
     if c.empty:
         return c.empty_forward(return_state)
@@ -238,7 +241,7 @@ def delta_rule_backward(dout, q, k, v, beta, log_decay=None, *, scale=None, init
     (``dlog_decay`` None when ``log_decay`` is, ``dinitial_state`` when ``initial_state`` is)."""
     reject_options(delta_rule_backward, unknown)
     c = _checked("delta_rule_backward", q, k, v, [("beta", beta, _shapes(q, "head")),
-                                                  ("log_decay", log_decay, _shapes(q, "optional head"))],
+                                                  ("log_decay", log_decay, _shapes(q, "optional both"))],
                  initial_state, dstate, scale, chunk_size)
     if c.empty:
         return c.empty_backward(dout, (q, k, v, beta, log_decay, initial_state))

@@ -82,7 +82,7 @@ from __future__ import annotations
 import numpy as np
 
 from ... import threads
-from . import backward as delta_backward
+from . import backward as delta_backward, channels
 from .chunk_parts import CHUNK, from_chunks, pass_states, prepare
 
 __all__ = ["forward", "backward", "CHUNK"]
@@ -99,18 +99,19 @@ def start_state(q, v, initial_state):
     return np.asarray(initial_state, dtype=q.dtype)
 
 
-def by_heads(job, arrays: list, chunk: int) -> tuple:
+def by_heads(job, arrays: list, chunk: int, per_head: int | None = None) -> tuple:
     """``job(*arrays)`` over groups of (batch, head) pairs on qkv's threads, BLAS held to one
     thread meanwhile, and the outputs joined back (None stays None).
 
     Heads are independent and every product and sum here runs within one head, so a head's
     numbers do not depend on its group: the bits are the same on any thread count. Groups
-    hold at most ``GROUP_WORK`` numbers of ``T·(C + Dk + Dv)`` a head, which bounds the
-    memory of the ``(C, C)`` blocks however many heads come.
+    hold at most ``GROUP_WORK`` numbers of ``per_head`` a head (``T·(C + Dk + Dv)`` unless
+    given), which bounds the memory of the ``(C, C)`` blocks however many heads come.
     """
     q = arrays[0]
     B, H, T, Dk = q.shape
-    per_head = T * (min(chunk, T) + Dk + arrays[2].shape[-1])
+    if per_head is None:
+        per_head = T * (min(chunk, T) + Dk + arrays[2].shape[-1])
     nt = min(threads.get_num_threads(), B * H) if B * H * per_head >= SERIAL_WORK else 1
     groups = min(B * H, max(nt, -(-B * H * per_head // GROUP_WORK)))
     threads.hold_blas()
@@ -132,13 +133,25 @@ def by_heads(job, arrays: list, chunk: int) -> tuple:
                  for i, out in enumerate(parts[0]))
 
 
+def _channel_chunk(chunk, q, v) -> tuple:
+    """A decay a key channel (:mod:`.channels`): its chunk and the numbers a head holds."""
+    B, H, T, Dk = q.shape
+    C = max(1, min(channels.CHUNK if chunk is None else chunk, T))
+    return C, channels.work(T, C, Dk, v.shape[-1])
+
+
 def forward(q, k, v, beta, g=None, *, scale, initial_state=None, chunk=None):
     """``(o (B, H, T, Dv), S_T (B, H, Dk, Dv))`` of the (gated) delta rule, in q's dtype.
 
-    ``q, k (B, H, T, Dk)``, ``v (B, H, T, Dv)``, ``beta (B, H, T)``, ``g (B, H, T)`` (<= 0)
-    or None (no decay); ``chunk`` positions a chunk (None: ``CHUNK``; at most T). Heads run on
-    :func:`qkv.threads.get_num_threads` threads.
+    ``q, k (B, H, T, Dk)``, ``v (B, H, T, Dv)``, ``beta (B, H, T)``, ``g (B, H, T)`` (<= 0),
+    ``(B, H, T, Dk)`` (a decay a key channel: :mod:`qkv.recurrent.delta.channels`) or None
+    (no decay); ``chunk`` positions a chunk (None: ``CHUNK``, ``channels.CHUNK`` for a decay
+    a key channel; at most T). Heads run on :func:`qkv.threads.get_num_threads` threads.
     """
+    if g is not None and g.ndim == 4:
+        C, work = _channel_chunk(chunk, q, v)
+        return by_heads(lambda *xs: channels.forward(*xs, scale=scale, chunk=C),
+                        [q, k, v, beta, g, initial_state], C, work)
     C = max(1, min(CHUNK if chunk is None else chunk, q.shape[2]))
     return by_heads(lambda *xs: _forward(*xs, scale=scale, chunk=C), [q, k, v, beta, g, initial_state], C)
 
@@ -147,6 +160,12 @@ def backward(dout, dstate, q, k, v, beta, g=None, *, scale, initial_state=None, 
     """``(dq, dk, dv, dbeta, dg, dinitial_state)`` of :func:`forward`, in q's dtype (``dg`` None
     without ``g``, ``dinitial_state`` None without ``initial_state``): see
     :mod:`qkv.recurrent.delta.backward`."""
+    if g is not None and g.ndim == 4:
+        C, work = _channel_chunk(chunk, q, v)
+
+        def channel_job(q, k, v, beta, g, S0, dout, dstate):
+            return channels.backward(dout, dstate, q, k, v, beta, g, S0, scale=scale, chunk=C)
+        return by_heads(channel_job, [q, k, v, beta, g, initial_state, dout, dstate], C, work)
     C = max(1, min(CHUNK if chunk is None else chunk, q.shape[2]))
 
     def job(q, k, v, beta, g, S0, dout, dstate):
