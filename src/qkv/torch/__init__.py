@@ -17,6 +17,9 @@ the texts' modules, and ``attn_implementation="qkv"`` for Hugging Face transform
   ``Qwen3NextGatedDeltaNet`` and ``RecurrentGemmaRecurrentBlock`` on those operators
   (``from_hf``), decoding token by token with a :class:`RecurrentState`.
 
+- :mod:`qkv.torch.hf_kernels`: transformers' replaceable recurrent kernels (fla's
+  ``chunk_gated_delta_rule``, ``chunk_kda``, ...) under their packages' names and signatures.
+
 ``import qkv`` does not import this package (nor torch); ``import qkv.torch`` does.
 """
 from ..extras import require

@@ -245,9 +245,10 @@ def decay_attention(q, k, v, log_decay, *, scale=None, initial_state=None, retur
 
 def delta_rule(q, k, v, beta, log_decay=None, *, scale=None, initial_state=None, return_state=False,
                chunk_size=None, **unknown):
-    """:func:`qkv.recurrent.delta_rule` (DeltaNet; gated with ``log_decay``: Gated DeltaNet) on
-    CPU tensors, differentiable in every tensor input. beta ``(B, H, T)``, log_decay
-    ``(B, H, T)`` or None; the rest as :func:`decay_attention`."""
+    """:func:`qkv.recurrent.delta_rule` (DeltaNet; gated with ``log_decay``: Gated DeltaNet, or
+    KDA with a decay a key channel) on CPU tensors, differentiable in every tensor input. beta
+    ``(B, H, T)``, log_decay ``(B, H, T)``, ``(B, H, T, Dk)`` or None; the rest as
+    :func:`decay_attention`. fla's signatures on it: :mod:`qkv.torch.hf_kernels`."""
     reject_options(delta_rule, unknown)
     return call("delta_rule", (q, k, v, beta, log_decay), initial_state, return_state,
                 dict(scale=scale, chunk_size=chunk_size))

@@ -1,0 +1,267 @@
+"""qkv.torch.hf_kernels.fla (fla's chunk_gated_delta_rule, fused_recurrent_gated_delta_rule,
+chunk_kda, fused_recurrent_kda on qkv's delta rule) against transformers' own torch fallbacks
+(Qwen3-Next's torch_chunk_gated_delta_rule / torch_recurrent_gated_delta_rule, Kimi Linear's
+chunk_kimi_delta_attention / recurrent_kimi_delta_attention) and fla's naive references:
+float64 to 1e-9 of each array's largest true entry in outputs, final states and every
+gradient; float32 within twice the fallback's own float32 error.
+
+The fallbacks and fla's naive functions cast to float32 inside; :class:`Float64` (a torch
+function mode) keeps float64 tensors float64 through those casts, so their own code runs in
+float64 while it is active."""
+import importlib.util
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import qkv  # noqa: E402
+from qkv.torch import hf_kernels  # noqa: E402
+from torch.overrides import TorchFunctionMode  # noqa: E402
+
+TOL64 = 1e-9
+FUNCS = {"chunk_gated_delta_rule": hf_kernels.chunk_gated_delta_rule,
+         "fused_recurrent_gated_delta_rule": hf_kernels.fused_recurrent_gated_delta_rule,
+         "chunk_kda": hf_kernels.chunk_kda, "fused_recurrent_kda": hf_kernels.fused_recurrent_kda}
+KDA = ("chunk_kda", "fused_recurrent_kda")
+
+
+class Float64(TorchFunctionMode):
+    """float32 read as float64 (``dtype=``, ``.to``, ``.float()``) while active."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.float:
+            return args[0].to(torch.float64)
+        if kwargs.get("dtype") in (torch.float32,):
+            kwargs["dtype"] = torch.float64
+        args = tuple(torch.float64 if a is torch.float32 else a for a in args)
+        return func(*args, **kwargs)
+
+
+def _fallback(name):
+    """transformers' torch fallback registered under fla's ``name``."""
+    if name in KDA:
+        from transformers.models.kimi_linear import modeling_kimi_linear as m
+        return {"chunk_kda": m.chunk_kimi_delta_attention, "fused_recurrent_kda": m.recurrent_kimi_delta_attention}[name]
+    from transformers.models.qwen3_next import modeling_qwen3_next as m
+    return {"chunk_gated_delta_rule": m.torch_chunk_gated_delta_rule,
+            "fused_recurrent_gated_delta_rule": m.torch_recurrent_gated_delta_rule}[name]
+
+
+def _fla_naive(op):
+    """fla's ``ops/<op>/naive.py`` by path (``import fla.ops`` needs triton)."""
+    pytest.importorskip("einops")
+    spec = importlib.util.find_spec("fla")
+    if spec is None:
+        pytest.skip("fla-core is not installed")
+    path = os.path.join(list(spec.submodule_search_locations)[0], "ops", op, "naive.py")
+    mspec = importlib.util.spec_from_file_location(f"fla_naive_{op}", path)
+    mod = importlib.util.module_from_spec(mspec)
+    mspec.loader.exec_module(mod)
+    return mod
+
+
+def _inputs(name, B=2, T=37, H=2, HV=4, K=8, V=5, dtype=torch.float64, state=True, seed=0, steep=False):
+    """fla's tensors for ``name`` (leaves that want gradients): q, k, v, g, beta, initial_state."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+    g_shape = (B, T, HV, K) if name in KDA else (B, T, HV)
+    g = -torch.rand(*g_shape, generator=gen, dtype=torch.float64)
+    if steep:
+        g[torch.rand(g.shape, generator=gen) < 0.2] = -30.0
+    x = dict(q=rnd(B, T, H, K), k=rnd(B, T, H, K), v=rnd(B, T, HV, V), g=g,
+             beta=torch.rand(B, T, HV, generator=gen, dtype=torch.float64),
+             initial_state=rnd(B, HV, K, V) if state else None)
+    return {n: None if t is None else t.to(dtype).requires_grad_() for n, t in x.items()}
+
+
+def _weights(o, S, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(o.shape, generator=gen, dtype=torch.float64),
+            None if S is None else torch.randn(S.shape, generator=gen, dtype=torch.float64))
+
+
+def _run(fn, x, **options):
+    """``[o, S, dq, dk, dv, dg, dbeta, dS0]`` in float64 (a gradient None where no input)."""
+    o, S = fn(x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"], initial_state=x["initial_state"],
+              output_final_state=True, **options)
+    wo, wS = _weights(o, S)
+    loss = (o.double() * wo).sum() + (S.double() * wS).sum()
+    leaves = [x[n] for n in ("q", "k", "v", "g", "beta", "initial_state") if x[n] is not None]
+    grads = iter(torch.autograd.grad(loss, leaves))
+    out = [o, S] + [None if x[n] is None else next(grads) for n in ("q", "k", "v", "g", "beta", "initial_state")]
+    return [None if t is None else t.detach().double() for t in out]
+
+
+NAMES = ["o", "S", "dq", "dk", "dv", "dg", "dbeta", "dS0"]
+
+
+def _rel(a, b):
+    a, b = a.detach(), b.detach()
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-300))
+
+
+def _assert_close(got, want, tol, what=""):
+    for n, a, b in zip(NAMES, got, want):
+        assert (a is None) == (b is None), (what, n)
+        if b is not None:
+            assert a.shape == b.shape, (what, n, a.shape, b.shape)
+            assert _rel(a, b) <= tol, (what, n, _rel(a, b))
+
+
+@pytest.mark.parametrize("name", list(FUNCS))
+@pytest.mark.parametrize("l2", [True, False], ids=["l2norm", "raw"])
+@pytest.mark.parametrize("state", [True, False], ids=["state", "zeros"])
+def test_float64_against_transformers_fallback(name, l2, state):
+    """Outputs, final state and every gradient equal transformers' own fallback run in float64.
+    (Kimi's fallbacks have no grouped value heads: HV = H there.)"""
+    HV = 2 if name in KDA else 4
+    x = _inputs(name, HV=HV, state=state, steep=True)
+    got = _run(FUNCS[name], x, use_qk_l2norm_in_kernel=l2)
+    with Float64():
+        want = _run(_fallback(name), x, use_qk_l2norm_in_kernel=l2)
+    _assert_close(got, want, TOL64, name)
+
+
+@pytest.mark.parametrize("name", list(FUNCS))
+def test_float32_within_twice_the_fallbacks_own_error(name):
+    """float32 (the models' dtype): each output, state and gradient errs against the float64
+    truth at most twice what transformers' float32 fallback errs (or a few float32 ulps)."""
+    HV = 2 if name in KDA else 4
+    x64 = _inputs(name, HV=HV, T=100, seed=4)
+    x32 = {n: None if t is None else t.detach().float().requires_grad_() for n, t in x64.items()}
+    truth = _run(FUNCS[name], x64, use_qk_l2norm_in_kernel=True)
+    got = _run(FUNCS[name], x32, use_qk_l2norm_in_kernel=True)
+    peer = _run(_fallback(name), x32, use_qk_l2norm_in_kernel=True)
+    for n, a, p, w in zip(NAMES, got, peer, truth):
+        budget = 2 * max(_rel(p, w), 4 * torch.finfo(torch.float32).eps)
+        assert _rel(a, w) <= budget, (name, n, _rel(a, w), _rel(p, w))
+
+
+@pytest.mark.parametrize("name", list(FUNCS))
+def test_float64_against_fla_naive(name):
+    """fla's own naive references (run in float64): recurrent and chunked, GDN and KDA."""
+    kda = name in KDA
+    mod = _fla_naive("kda" if kda else "gated_delta_rule")
+    HV = 4 if kda else 2                                   # fla's naive GDN has no grouped value heads
+    x = _inputs(name, HV=HV, T=32, steep=True)
+    got = _run(FUNCS[name], x, scale=0.3)
+    fwd = name.startswith("fused")
+
+    def naive(q, k, v, g, beta, initial_state, output_final_state, scale):
+        if kda and fwd:
+            return mod.naive_recurrent_kda(q, k, v, g, beta, scale, initial_state, output_final_state)
+        if kda:
+            return mod.naive_chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size=16)
+        if fwd:
+            return mod.naive_recurrent_gated_delta_rule(q, k, v, beta, g, scale, initial_state, output_final_state)
+        return mod.naive_chunk_gated_delta_rule(q, k, v, g, beta, 16, scale, initial_state, output_final_state)
+    with Float64():
+        want = _run(naive, x, scale=0.3)
+    want[0] = want[0].reshape(got[0].shape)
+    _assert_close(got, want, TOL64, name)
+
+
+@pytest.mark.parametrize("name", list(FUNCS))
+def test_packed_sequences_equal_each_run_alone(name):
+    """cu_seqlens: the state resets at each boundary; each sequence (one of length 0) runs alone
+    from its own initial state, in transformers' fallback (float64), outputs, states, gradients."""
+    HV = 2 if name in KDA else 4
+    lengths = [5, 0, 23, 9]
+    x = _inputs(name, B=1, T=sum(lengths), HV=HV, seed=2)
+    x["initial_state"] = torch.randn(len(lengths), HV, 8, 5, dtype=torch.float64, requires_grad=True)
+    cu = torch.tensor([0, 5, 5, 28, 37], dtype=torch.int32)
+    got = _run(FUNCS[name], x, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+    outs, states = [], []
+    with Float64():
+        for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+            part = {n: x[n][:, a:b] for n in ("q", "k", "v", "g", "beta")}
+            if b == a:
+                o_i, S_i = part["v"], x["initial_state"][i:i + 1]
+            else:
+                o_i, S_i = _fallback(name)(part["q"], part["k"], part["v"], g=part["g"], beta=part["beta"],
+                                           initial_state=x["initial_state"][i:i + 1], output_final_state=True,
+                                           use_qk_l2norm_in_kernel=True)
+            outs.append(o_i)
+            states.append(S_i)
+
+    def joined(*args, **kwargs):
+        return torch.cat(outs, dim=1), torch.cat(states, dim=0)
+    want = _run(joined, x)
+    _assert_close(got, want, TOL64, name)
+
+
+@pytest.mark.parametrize("name", list(FUNCS))
+def test_gates_computed_inside_and_the_state_v_first(name):
+    """use_gate_in_kernel (A_log, dt_bias differentiable), use_beta_sigmoid_in_kernel with
+    allow_neg_eigval, state_v_first: the same as computing them outside in torch."""
+    kda = name in KDA
+    x = _inputs(name, HV=2 if kda else 4, seed=6)
+    HV, K = x["v"].shape[2], x["q"].shape[3]
+    A_log = torch.randn(HV, dtype=torch.float64, requires_grad=True)
+    dt_bias = torch.randn(HV * K if kda else HV, dtype=torch.float64, requires_grad=True)
+    raw = torch.randn(x["g"].shape, dtype=torch.float64)
+    logit = torch.randn(x["beta"].shape, dtype=torch.float64)
+    fn = FUNCS[name]
+    bias = dt_bias.reshape(HV, K) if kda else dt_bias
+    scale = A_log.exp()[:, None] if kda else A_log.exp()
+    g = -scale * torch.nn.functional.softplus(raw + bias)
+    o_ref, S_ref = fn(x["q"], x["k"], x["v"], g=g, beta=2 * torch.sigmoid(logit), initial_state=x["initial_state"],
+                      output_final_state=True)
+    S0t = x["initial_state"].transpose(-1, -2)
+    o, S = fn(x["q"], x["k"], x["v"], g=raw, beta=logit, initial_state=S0t, output_final_state=True, use_gate_in_kernel=True,
+              A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True, state_v_first=True)
+    assert _rel(o, o_ref) <= 1e-12 and _rel(S.transpose(-1, -2), S_ref) <= 1e-12
+    w = torch.randn(o.shape, dtype=torch.float64)
+    ref = torch.autograd.grad((o_ref * w).sum(), [A_log, dt_bias])
+    got = torch.autograd.grad((o * w).sum(), [A_log, dt_bias])
+    for a, b in zip(got, ref):
+        assert _rel(a, b) <= 1e-12
+
+
+def test_bfloat16_inputs_give_bfloat16_outputs_and_a_float32_state():
+    x = _inputs("chunk_gated_delta_rule", dtype=torch.bfloat16, state=False)
+    o, S = hf_kernels.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"].float(), x["beta"],
+                                             output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert o.dtype == torch.bfloat16 and S.dtype == torch.float32
+    o.float().sum().backward()
+    assert x["q"].grad.dtype == torch.bfloat16 and torch.isfinite(x["g"].grad).all()
+
+
+def test_output_final_state_false_returns_none():
+    x = _inputs("chunk_kda", HV=2)
+    o, S = hf_kernels.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"])
+    assert S is None and o.shape == x["v"].shape
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda x: hf_kernels.chunk_gated_delta_rule(**x, cp_context=object()), "cp_context"),
+    (lambda x: hf_kernels.chunk_gated_delta_rule(**x, head_first=True), "head_first"),
+    (lambda x: hf_kernels.chunk_gated_delta_rule(**x, chunk_size=128), "chunk_size must be one of"),
+    (lambda x: hf_kernels.fused_recurrent_gated_delta_rule(**x, gv=torch.zeros(2, 37, 4, 5)), "gv="),
+    (lambda x: hf_kernels.chunk_gated_delta_rule(**x, allow_neg_eigval=True), "allow_neg_eigval=True requires"),
+    (lambda x: hf_kernels.chunk_gated_delta_rule(**x, cu_seqlens=torch.tensor([0, 37])), "batch size must be 1"),
+    (lambda x: hf_kernels.chunk_gated_delta_rule(**x, use_gate_in_kernel=True), "needs A_log"),
+])
+def test_variants_not_computed_are_refused_by_name(call, message):
+    x = _inputs("chunk_gated_delta_rule", state=False)
+    with pytest.raises(qkv.ShapeError, match=message):
+        call(x)
+
+
+def test_kda_refusals_and_shapes_named():
+    x = _inputs("chunk_kda", HV=2, state=False)
+    with pytest.raises(qkv.OptionError, match="return_intermediate_states"):
+        hf_kernels.chunk_kda(**x, return_intermediate_states=True)
+    with pytest.raises(qkv.OptionError, match="a write strength a value channel"):
+        hf_kernels.fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], torch.rand(2, 37, 2, 5))
+    with pytest.raises(qkv.ShapeError, match=r"g must have shape \(B, T, HV, K\) = \(2, 37, 2, 8\); got \(2, 37, 2\)"):
+        hf_kernels.chunk_kda(x["q"], x["k"], x["v"], x["g"][..., 0], x["beta"])
+    with pytest.raises(qkv.ShapeError, match=r"initial_state must have shape \(N, HV, K, V\) = \(2, 2, 8, 5\)"):
+        hf_kernels.chunk_kda(**dict(x, initial_state=torch.zeros(1, 2, 8, 5)))
+    with pytest.raises(qkv.OptionError, match=r"lower_bound must be in fla's safe range"):
+        hf_kernels.chunk_kda(**x, use_gate_in_kernel=True, safe_gate=True, lower_bound=-6.0)
