@@ -155,3 +155,20 @@ def test_against_fla_naive_recurrent_kda():
                                            initial_state=torch.from_numpy(S0), output_final_state=True)
     assert _rel(np.swapaxes(o_f.double().numpy(), 1, 2), o) <= 1e-5
     assert _rel(S_f.double().numpy(), S) <= 1e-5
+
+
+def test_same_bits_on_any_thread_count():
+    """Heads split over threads (in groups bounded by the decay blocks' memory): the same bits."""
+    from qkv import threads
+    q, k, v, beta, g, S0, do, dS = _inputs(100, "strong", dims=(1, 8, DK, DV), seed=12)
+    runs = []
+    for n in (1, 2, 3):
+        threads.set_num_threads(n)
+        try:
+            o, S = rec.delta_rule(q, k, v, beta, g, initial_state=S0, return_state=True)
+            runs.append([o, S, *rec.delta_rule_backward(do, q, k, v, beta, g, initial_state=S0, dstate=dS)])
+        finally:
+            threads.set_num_threads(None)
+    for other in runs[1:]:
+        for a, b in zip(other, runs[0]):
+            np.testing.assert_array_equal(a, b)

@@ -265,3 +265,26 @@ def test_kda_refusals_and_shapes_named():
         hf_kernels.chunk_kda(**dict(x, initial_state=torch.zeros(1, 2, 8, 5)))
     with pytest.raises(qkv.OptionError, match=r"lower_bound must be in fla's safe range"):
         hf_kernels.chunk_kda(**x, use_gate_in_kernel=True, safe_gate=True, lower_bound=-6.0)
+
+
+@pytest.mark.parametrize("name, path", [("chunk_gated_delta_rule", "gated_delta_rule/chunk.py"),
+                                        ("fused_recurrent_gated_delta_rule", "gated_delta_rule/fused_recurrent.py"),
+                                        ("chunk_kda", "kda/chunk.py"), ("fused_recurrent_kda", "kda/fused_recurrent.py")])
+def test_signatures_are_flas(name, path):
+    """Argument names, order and defaults as fla's installed source defines them (read with ast:
+    ``import fla.ops`` needs triton)."""
+    import ast
+    import inspect
+
+    spec = importlib.util.find_spec("fla")
+    if spec is None:
+        pytest.skip("fla-core is not installed")
+    src = open(os.path.join(list(spec.submodule_search_locations)[0], "ops", path)).read()
+    fn = next(n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.FunctionDef) and n.name == name)
+    names = [a.arg for a in fn.args.args]
+    defaults = [ast.literal_eval(d) for d in fn.args.defaults]
+    want = list(zip(names, [inspect.Parameter.empty] * (len(names) - len(defaults)) + defaults))
+    params = inspect.signature(FUNCS[name]).parameters
+    got = [(p.name, p.default) for p in params.values() if p.kind is p.POSITIONAL_OR_KEYWORD]
+    assert got == want
+    assert fn.args.kwarg is not None and any(p.kind is p.VAR_KEYWORD for p in params.values())
