@@ -288,3 +288,19 @@ def test_signatures_are_flas(name, path):
     got = [(p.name, p.default) for p in params.values() if p.kind is p.POSITIONAL_OR_KEYWORD]
     assert got == want
     assert fn.args.kwarg is not None and any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def test_fused_recurrent_decays_g_gk_and_none():
+    """fused_recurrent_gated_delta_rule: g and gk together are the decay g + gk a key channel
+    (chunk_kda's), no decay at all is DeltaNet's (g = 0), beta None is ones."""
+    x = _inputs("chunk_kda", HV=2, seed=8)
+    q, k, v, gk, beta, S0 = (x[n].detach() for n in ("q", "k", "v", "g", "beta", "initial_state"))
+    g = -torch.rand(beta.shape, dtype=torch.float64)
+    o, S = hf_kernels.fused_recurrent_gated_delta_rule(q, k, v, g=g, gk=gk, beta=beta, initial_state=S0,
+                                                       output_final_state=True)
+    o_ref, S_ref = hf_kernels.chunk_kda(q, k, v, g[..., None] + gk, beta, initial_state=S0, output_final_state=True)
+    assert _rel(o, o_ref) <= 1e-12 and _rel(S, S_ref) <= 1e-12
+    o, S = hf_kernels.fused_recurrent_gated_delta_rule(q, k, v, initial_state=S0, output_final_state=True)
+    o_ref, S_ref = hf_kernels.chunk_gated_delta_rule(q, k, v, torch.zeros_like(g), torch.ones_like(beta),
+                                                     initial_state=S0, output_final_state=True)
+    assert _rel(o, o_ref) <= 1e-12 and _rel(S, S_ref) <= 1e-12
