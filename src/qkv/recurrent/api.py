@@ -140,7 +140,8 @@ def _shapes(q, per="head"):
     B, H, T, Dk = np.shape(q)
     head, chan = (B, H, T), (B, H, T, Dk)
     return {"head": {"(B, H, T)": head}, "both": {"(B, H, T)": head, "(B, H, T, Dk)": chan},
-            "chan": {"(B, H, T, Dk)": chan}, "optional both": {"(B, H, T)": head, "(B, H, T, Dk)": chan, None: None}}[per]
+            "chan": {"(B, H, T, Dk)": chan},
+            "optional both": {"(B, H, T)": head, "(B, H, T, Dk)": chan, None: None}}[per]
 
 
 def decay_attention(q, k, v, log_decay, *, scale=None, initial_state=None, return_state=False,
