@@ -1,0 +1,194 @@
+"""causal_conv1d's ``causal_conv1d_fn`` and ``causal_conv1d_update`` on CPU tensors, under
+the package's names and signatures (as transformers' Mamba, Mamba-2, Jamba, Bamba, Zamba2,
+FalconH1, NemotronH and GraniteMoeHybrid call them), differentiable through autograd.
+
+The causal depthwise convolution of width K over channels D::
+
+    out[b, d, t] = act(bias[d] + Σ_{k < K} weight[d, k] · x[b, d, t - (K - 1) + k])
+
+where ``x`` before t = 0 is the initial state (zeros without one) and ``act`` is None or
+SiLU (``"silu"``, ``"swish"``). With ``seq_idx (B, T)``, packed sequences: a window term
+whose position holds another sequence than t's (``seq_idx[b, s] != seq_idx[b, t]``) is
+zero, so each sequence is convolved as if alone. This is no recurrence: torch's conv1d
+computes it (the masked form as K shifted products).
+
+``causal_conv1d_update`` is decoding: ``conv_state (B, D, L)``, L >= K - 1, holds the last
+L inputs (oldest first); the new inputs are convolved after them and shift them out. With
+``cache_seqlens (B,)`` the state is a ring buffer whose oldest entry is at
+``cache_seqlens % L``, and the inputs are written from there; with ``conv_state_indices
+(B,)`` the state is a larger tensor whose rows those are.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ...errors import OptionError, ShapeError, fmt_shape
+
+__all__ = ["causal_conv1d_fn", "causal_conv1d_update"]
+
+ACTIVATIONS = (None, "silu", "swish")
+
+
+def _need(name: str, t, shapes: dict, required: bool = True):
+    """``t`` is a tensor of one of ``shapes`` ({label: shape}); None passes where not required."""
+    if t is None:
+        if required:
+            raise ShapeError(f"{name} is required")
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise ShapeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    if tuple(t.shape) not in [tuple(s) for s in shapes.values()]:
+        want = " or ".join(f"{lab} = {fmt_shape(s)}" for lab, s in shapes.items())
+        raise ShapeError(f"{name} must have shape {want}; got {fmt_shape(t.shape)}")
+    return t
+
+
+def _need_int(name: str, t, shape: tuple, label: str):
+    """An integer tensor of ``shape`` (sequence ids, lengths, indices) or None."""
+    if t is None:
+        return None
+    _need(name, t, {label: shape})
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise ShapeError(f"{name} must be an integer tensor; got {t.dtype}")
+    return t
+
+
+def _activation(name: str, activation) -> bool:
+    """True for SiLU; causal_conv1d computes None, "silu" and "swish" only."""
+    if activation not in ACTIVATIONS:
+        raise OptionError(f"{name} must be None, 'silu' or 'swish' (causal_conv1d's); got {activation!r}")
+    return activation is not None
+
+
+def _act(out: torch.Tensor, silu: bool) -> torch.Tensor:
+    return F.silu(out) if silu else out
+
+
+def _masked_conv(xp: torch.Tensor, weight: torch.Tensor, bias, seq_idx: torch.Tensor) -> torch.Tensor:
+    """The convolution with packed sequences: K shifted products, each term zero where its
+    position holds another sequence. xp ``(B, D, T)`` (no padding), seq_idx ``(B, T)``."""
+    Bsz, Dd, T = xp.shape
+    K = weight.shape[1]
+    out = xp.new_zeros(Bsz, Dd, T) if bias is None else bias.to(xp.dtype)[None, :, None].expand(Bsz, Dd, T).clone()
+    for k in range(K):
+        j = K - 1 - k                          # x[t - j] meets weight[:, k]
+        if j >= T:
+            continue
+        same = seq_idx[:, j:] == seq_idx[:, :T - j]                                 # (B, T - j)
+        term = xp[:, :, :T - j] * weight[None, :, k, None] * same[:, None, :]        # (B, D, T - j)
+        out = out + F.pad(term, (j, 0))
+    return out
+
+
+def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False,
+                     final_states_out=None, activation=None):
+    """causal_conv1d's ``causal_conv1d_fn``: the causal depthwise convolution (module docstring).
+
+    Args:
+        x: ``(B, D, T)``. weight: ``(D, K)``. bias: ``(D,)`` or None.
+        seq_idx: ``(B, T)`` integer sequence ids of packed sequences, or None.
+        initial_states: ``(B, D, K - 1)``, the inputs before t = 0, or None (zeros).
+        return_final_states: also return the last K - 1 inputs ``(B, D, K - 1)``.
+        final_states_out: ``(B, D, K - 1)`` written with the final states and returned.
+        activation: None, ``"silu"`` or ``"swish"``.
+
+    Returns:
+        ``out (B, D, T)`` in x's dtype; with ``return_final_states``, ``(out, final_states)``.
+        As causal_conv1d, ``seq_idx`` takes neither ``initial_states`` nor final states.
+    """
+    silu = _activation("activation", activation)
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        raise ShapeError(f"x must have shape (B, D, T); got "
+                         f"{fmt_shape(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    Bsz, Dd, T = x.shape
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[0] != Dd:
+        raise ShapeError(f"weight must have shape (D, K) = ({Dd}, K); got "
+                         f"{fmt_shape(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__}")
+    K = weight.shape[1]
+    _need("bias", bias, {"(D,)": (Dd,)}, required=False)
+    _need_int("seq_idx", seq_idx, (Bsz, T), "(B, T)")
+    _need("initial_states", initial_states, {"(B, D, K - 1)": (Bsz, Dd, K - 1)}, required=False)
+    _need("final_states_out", final_states_out, {"(B, D, K - 1)": (Bsz, Dd, K - 1)}, required=False)
+    if seq_idx is not None and (initial_states is not None or return_final_states):
+        raise OptionError("seq_idx takes neither initial_states nor return_final_states=True (as causal_conv1d: "
+                          "the states of packed sequences are not one state); got "
+                          f"initial_states={'a tensor' if initial_states is not None else None}, "
+                          f"return_final_states={return_final_states!r}")
+    if final_states_out is not None and not return_final_states:
+        raise OptionError("final_states_out is written only with return_final_states=True; got "
+                          f"return_final_states={return_final_states!r}")
+    xw = x.to(weight.dtype)
+    if seq_idx is not None:
+        out = _masked_conv(xw, weight, bias, seq_idx)
+        return _act(out, silu).to(x.dtype)
+    head = xw.new_zeros(Bsz, Dd, K - 1) if initial_states is None else initial_states.to(weight.dtype)
+    xp = torch.cat([head, xw], dim=-1)                                      # (B, D, K - 1 + T)
+    out = F.conv1d(xp, weight.unsqueeze(1), bias, groups=Dd)               # (B, D, T)
+    out = _act(out, silu).to(x.dtype)
+    if not return_final_states:
+        return out
+    final = xp[:, :, xp.shape[-1] - (K - 1):].to(x.dtype)                   # (B, D, K - 1)
+    if final_states_out is not None:
+        final_states_out.copy_(final)
+        final = final_states_out
+    return out, final
+
+
+def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cache_seqlens=None,
+                         conv_state_indices=None):
+    """causal_conv1d's ``causal_conv1d_update``: T new inputs after the state, which is
+    updated in place (module docstring).
+
+    Args:
+        x: ``(B, D)`` (one step) or ``(B, D, T)``.
+        conv_state: ``(B, D, L)`` with L >= K - 1 (``(B', D, L)`` with ``conv_state_indices``).
+        weight: ``(D, K)``. bias: ``(D,)`` or None. activation: None, ``"silu"``, ``"swish"``.
+        cache_seqlens: ``(B,)`` integers: the state is a ring buffer written from
+            ``cache_seqlens % L``; None: a shift register.
+        conv_state_indices: ``(B,)`` integers: the rows of ``conv_state`` to use, or None.
+
+    Returns:
+        ``out`` of x's shape and dtype.
+    """
+    silu = _activation("activation", activation)
+    if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3):
+        raise ShapeError(f"x must have shape (B, D) or (B, D, T); got "
+                         f"{fmt_shape(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    one = x.dim() == 2
+    x3 = x[:, :, None] if one else x
+    Bsz, Dd, T = x3.shape
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[0] != Dd:
+        raise ShapeError(f"weight must have shape (D, K) = ({Dd}, K); got "
+                         f"{fmt_shape(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__}")
+    K = weight.shape[1]
+    _need("bias", bias, {"(D,)": (Dd,)}, required=False)
+    if not isinstance(conv_state, torch.Tensor) or conv_state.dim() != 3 or conv_state.shape[1] != Dd \
+            or conv_state.shape[2] < K - 1 or (conv_state_indices is None and conv_state.shape[0] != Bsz):
+        raise ShapeError(f"conv_state must have shape (B, D, L) = ({Bsz}, {Dd}, L) with L >= K - 1 = {K - 1}; got "
+                         f"{fmt_shape(conv_state.shape) if isinstance(conv_state, torch.Tensor) else conv_state!r}")
+    L = conv_state.shape[2]
+    _need_int("cache_seqlens", cache_seqlens, (Bsz,), "(B,)")
+    _need_int("conv_state_indices", conv_state_indices, (Bsz,), "(B,)")
+    if conv_state_indices is not None and conv_state_indices.numel() and not (
+            0 <= int(conv_state_indices.min()) and int(conv_state_indices.max()) < conv_state.shape[0]):
+        raise ShapeError(f"conv_state_indices must lie in [0, {conv_state.shape[0]}) (rows of conv_state); got "
+                         f"{conv_state_indices.tolist()}")
+    state = conv_state if conv_state_indices is None else conv_state[conv_state_indices.long()]   # (B, D, L)
+    if cache_seqlens is not None:   # the ring buffer in time order, oldest first
+        order = (torch.arange(L)[None, :] + (cache_seqlens.long() % L)[:, None]) % L               # (B, L)
+        state = torch.gather(state, 2, order[:, None, :].expand(Bsz, Dd, L))
+    xp = torch.cat([state.to(weight.dtype), x3.to(weight.dtype)], dim=-1)                         # (B, D, L + T)
+    out = F.conv1d(xp[:, :, L - (K - 1):], weight.unsqueeze(1), bias, groups=Dd)                # (B, D, T)
+    new = xp[:, :, T:]                                                                          # (B, D, L), oldest first
+    if cache_seqlens is not None:   # back into ring order: the oldest now at (cache_seqlens + T) % L
+        start = (cache_seqlens.long() + T) % L
+        order = (torch.arange(L)[None, :] - start[:, None]) % L                                   # ring slot -> time
+        new = torch.gather(new, 2, order[:, None, :].expand(Bsz, Dd, L))
+    new = new.to(conv_state.dtype)
+    if conv_state_indices is None:
+        conv_state.copy_(new)
+    else:
+        conv_state[conv_state_indices.long()] = new
+    out = _act(out, silu).to(x.dtype)
+    return out[:, :, 0] if one else out
