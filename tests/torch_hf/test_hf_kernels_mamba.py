@@ -424,3 +424,43 @@ def test_refusals_name_the_argument():
     with pytest.raises(qkv.ShapeError, match=r"delta · A \(.*\) must be finite and <= 0"):   # Δ < 0 without softplus
         K.selective_scan_fn(rand(1, 2, 3), -rand(1, 2, 3, lo=0.1, hi=1.0), rand(2, 4, lo=-1.0, hi=-0.1),
                             rand(1, 4, 3), rand(1, 4, 3))
+
+
+# --- a whole transformers Mamba2Model with its kernel names bound to qkv's ------------------
+
+@pytest.mark.slow
+def test_whole_mamba2_model_on_these_kernels():
+    """transformers' Mamba2Model with the module's replaceable names bound to these functions:
+    packed sequences (seq_idx through the model's kwargs) equal each sequence alone; training
+    (the fused split call) equals the float64 fallback model in output and every parameter's
+    gradient; prefill then one cached decoding step (selective_state_update,
+    causal_conv1d_update) equals the full forward's last row."""
+    cfg = m2.Mamba2Config(hidden_size=16, num_heads=4, head_dim=8, expand=2, n_groups=2, state_size=5, conv_kernel=4,
+                          chunk_size=8, num_hidden_layers=2, vocab_size=11)
+    torch.manual_seed(0)
+    model = m2.Mamba2Model(cfg).to(DT)
+    ids = torch.randint(0, 11, (1, 20), generator=torch.Generator().manual_seed(1))
+    names = dict(mamba2_chunk_scan=K.mamba_chunk_scan_combined, causal_conv1d_fn=K.causal_conv1d_fn,
+                 causal_conv1d_update=K.causal_conv1d_update, mamba2_selective_state_update=K.selective_state_update,
+                 mamba2_split_conv1d_scan_combined=K.mamba_split_conv1d_scan_combined)
+    params = list(model.parameters())
+    with as64():
+        ref = model.train()(ids, use_cache=False).last_hidden_state     # the fallback: unfused, in float64
+    with contextlib.ExitStack() as stack:   # as64: the model's own A_log.float() kept float64 as for ref
+        stack.enter_context(as64())
+        for name, fn in names.items():
+            stack.enter_context(mock.patch.object(m2, name, fn))
+        out = model(ids, use_cache=False).last_hidden_state
+        close(out, ref)
+        close(grads(out, params), grads(ref, params))
+        model.eval()
+        with torch.no_grad():
+            seq_idx = torch.tensor([[0] * 7 + [1] * 13], dtype=torch.int32)
+            packed = model(ids, seq_idx=seq_idx, use_cache=False).last_hidden_state
+            alone = torch.cat([model(ids[:, :7], use_cache=False).last_hidden_state,
+                               model(ids[:, 7:], use_cache=False).last_hidden_state], dim=1)
+            close(packed, alone)
+            full = model(ids, use_cache=False).last_hidden_state
+            pre = model(ids[:, :19], use_cache=True)
+            step = model(ids[:, 19:], cache=pre.cache, use_cache=True).last_hidden_state
+            close(step, full[:, 19:])
