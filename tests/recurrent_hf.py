@@ -33,13 +33,13 @@ class _Torch64:
         return getattr(self._real, name)
 
 
-def _modeling_modules():
-    """transformers' modeling modules of the three recurrent families (those installed)."""
+def _modeling_modules(extra=()):
+    """transformers' modeling modules of the three recurrent families (those installed), and ``extra``."""
     import importlib
 
     names = ("mamba2.modeling_mamba2", "qwen3_next.modeling_qwen3_next", "recurrent_gemma.modeling_recurrent_gemma",
              "falcon_h1.modeling_falcon_h1")
-    found = []
+    found = list(extra)
     for name in names:
         try:
             found.append(importlib.import_module(f"transformers.models.{name}"))
@@ -49,14 +49,15 @@ def _modeling_modules():
 
 
 @contextlib.contextmanager
-def float64():
+def float64(extra=()):
     """While active, transformers' recurrent modules compute a float64 module in float64: a float64
     tensor cast to float32 (``.float()``, ``.to``, ``.type``) stays float64, the modeling modules'
     ``torch.float32`` is float64, and RecurrentGemma's scan accumulates in float64. The one float64
-    patch of the tests (tests/layers/test_recurrent_layers.py and tests/torch_hf/test_torch_recurrent_layers.py)."""
+    patch of the tests (tests/layers/test_recurrent_layers.py and tests/torch_hf/test_torch_recurrent_layers.py);
+    ``extra``: more modeling modules to patch (tests/torch_hf/test_hf_hybrid_families.py)."""
     t = _torch()
     real_float, real_to, real_type = t.Tensor.float, t.Tensor.to, t.Tensor.type
-    modules = _modeling_modules()
+    modules = _modeling_modules(extra)
     saved = [(m, m.torch) for m in modules]
     rg = next((m for m in modules if hasattr(m, "RecurrentGemmaRglru")), None)
     scan_defaults = rg.RecurrentGemmaRglru._rnn_scan.__defaults__ if rg is not None else None

@@ -136,15 +136,27 @@ def _install_model_checks(pretrained_model) -> None:
     pretrained_model._qkv_checks_installed = True
 
 
-def register_hf(name: str = NAME) -> str:
+def register_hf(name: str = NAME, *, recurrent: bool | None = None) -> str:
     """Register qkv with transformers as ``attn_implementation=name`` (default ``"qkv"``).
 
     After it, ``AutoModel.from_pretrained(path, attn_implementation="qkv")`` (or
     ``model.set_attn_implementation("qkv")``) runs every attention layer of the model on
     :func:`qkv.torch.attention`; a model whose layers do not go through transformers'
     ``AttentionInterface`` raises a ValueError there instead. Returns the name.
+
+    ``recurrent=True`` also makes every transformers model (whose modeling module is imported
+    before or after the call) run its recurrent kernel functions (fla's
+    ``chunk_gated_delta_rule``, mamba_ssm's ``mamba_chunk_scan_combined``, causal_conv1d's
+    ``causal_conv1d_fn``, ...) on CPU tensors with qkv's of the same name in
+    :mod:`qkv.torch.hf_kernels` instead of transformers' torch fallbacks, whatever the
+    attention implementation (:mod:`qkv.torch.hf_recurrent`); ``recurrent=False`` puts
+    transformers' functions back; ``None`` leaves that as it is.
     """
     require("transformers", "hf")
+    if recurrent is not None:
+        from . import hf_recurrent
+
+        (hf_recurrent.enable if recurrent else hf_recurrent.disable)()
     from transformers import AttentionInterface, PreTrainedModel, masking_utils
 
     hf_masks.bind(masking_utils)

@@ -1,0 +1,93 @@
+"""The transformers families whose modeling code calls the replaceable recurrent kernel functions
+(fla's, mamba_ssm's, causal_conv1d's), each as a tiny random config: 2 layers, hidden 32, a
+recurrent layer first. Used by tests/torch_hf/test_hf_hybrid_families.py.
+
+``FAMILIES``: name -> (model_type, config overrides). ``NOT_IN_HARNESS``: the families that call
+the functions but have no tiny config here yet, with why (docs/torch.md lists both).
+"""
+from __future__ import annotations
+
+import importlib
+
+COMMON = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+              num_key_value_heads=1, head_dim=16, pad_token_id=0, tie_word_embeddings=False)
+GDN = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+           linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"])
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
+MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4,
+              mamba_chunk_size=8)
+SELECTIVE = dict(mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4)
+
+FAMILIES = {
+    "Qwen3-Next": ("qwen3_next", {**COMMON, **GDN, **MOE}),
+    "Qwen3.5": ("qwen3_5_text", {**COMMON, **GDN}),
+    "Qwen3.5-MoE": ("qwen3_5_moe_text", {**COMMON, **GDN, **MOE}),
+    "OLMo-Hybrid": ("olmo_hybrid", {**COMMON, **GDN}),
+    "Kimi Linear": ("kimi_linear", {**COMMON, "num_key_value_heads": 2, "num_experts": 4, "num_experts_per_token": 2,
+                                    "moe_intermediate_size": 16, "kv_lora_rank": 8, "qk_rope_head_dim": 8,
+                                    "qk_nope_head_dim": 8, "v_head_dim": 16,
+                                    "linear_attn_config": {"kda_layers": [1], "full_attn_layers": [2],
+                                                           "head_dim": 8, "num_heads": 2,
+                                                           "short_conv_kernel_size": 4}}),
+    "Bailing-Hybrid": ("bailing_hybrid", {**COMMON, "num_key_value_heads": 2, "num_experts": 4, "num_experts_per_token": 2,
+                                          "moe_intermediate_size": 16, "num_expert_group": 1, "kv_lora_rank": 8,
+                                          "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
+                                          "linear_head_dim": 8, "linear_num_heads": 2, "layer_group_size": 2,
+                                          "num_nextn_predict_layers": 0}),
+    "Mamba-2": ("mamba2", {**COMMON, "num_heads": 4, "head_dim": 16, "expand": 2, "state_size": 8,
+                           "n_groups": 1, "conv_kernel": 4, "chunk_size": 8}),
+    "Bamba": ("bamba", {**COMMON, **MAMBA2, "attn_layer_indices": [1]}),
+    "Falcon-H1": ("falcon_h1", {**COMMON, **MAMBA2, "mamba_d_ssm": 32}),
+    "NemotronH": ("nemotron_h", {**COMMON, "layers_block_type": ["linear_attention", "full_attention"],
+                                 "mamba_num_heads": 4, "mamba_head_dim": 8, "ssm_state_size": 8, "n_groups": 1,
+                                 "conv_kernel": 4, "chunk_size": 8}),
+    "Zamba2": ("zamba2", {**COMMON, "mamba_d_state": 8, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_ngroups": 1,
+                          "n_mamba_heads": 4, "mamba_headdim": 16, "chunk_size": 8, "layers_block_type": ["linear_attention", "hybrid"],
+                          "attention_head_dim": 16, "num_key_value_heads": 2}),
+    "GraniteMoeHybrid": ("granitemoehybrid", {**COMMON, **MAMBA2, "num_local_experts": 4,
+                                              "num_experts_per_tok": 2, "shared_intermediate_size": 16,
+                                              "layer_types": ["linear_attention", "full_attention"]}),
+    "Jamba": ("jamba", {**COMMON, **SELECTIVE, "attn_layer_period": 2, "attn_layer_offset": 1, "num_experts": 1,
+                        "expert_layer_period": 2, "expert_layer_offset": 1}),
+    "Mamba": ("mamba", {**COMMON, "state_size": 8, "conv_kernel": 4, "expand": 2, "time_step_rank": 4}),
+    "FalconMamba": ("falcon_mamba", {**COMMON, "state_size": 8, "conv_kernel": 4, "expand": 2, "time_step_rank": 4}),
+    "Zamba": ("zamba", {**COMMON, **SELECTIVE, "n_mamba_heads": 2, "layers_block_type": ["linear_attention", "hybrid"],
+                        "attention_head_dim": 16, "num_key_value_heads": 2, "attention_hidden_size": 64}),
+    "LFM2": ("lfm2", {**COMMON, "layer_types": ["conv", "full_attention"], "conv_L_cache": 3,
+                      "block_auto_adjust_ff_dim": False}),
+}
+
+NOT_IN_HARNESS = {
+    "LFM2-MoE, LFM3": "causal_conv1d only (as LFM2); no tiny config written yet",
+    "Lara-Mini, Qwen4-Exp": "Gated DeltaNet as Qwen3-Next; no tiny config written yet",
+    "GLM-5-Next": "KDA as Kimi Linear; a multimodal config without a causal-LM class in the auto mapping",
+    "Inkling, Inkling2, Inkling2-Loop": "causal_conv1d only; not in transformers' auto mappings as a causal LM",
+}
+
+
+def build(family: str, seed: int = 0, dtype=None, **extra):
+    """The family's tiny causal LM, random weights from ``seed``, in eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM, CONFIG_MAPPING
+
+    model_type, overrides = FAMILIES[family]
+    cfg = CONFIG_MAPPING[model_type](**{**overrides, **extra})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", experts_implementation="eager")
+    if dtype is not None:
+        model = model.to(dtype)
+    return model.eval()
+
+
+def modeling_module(model):
+    """The modeling module whose functions the model's recurrent layers call."""
+    return importlib.import_module(type(model).__module__)
+
+
+def functions_used(model) -> list[str]:
+    """transformers' replaceable recurrent kernel functions the model's modeling module calls."""
+    from qkv.torch import hf_recurrent
+
+    module = modeling_module(model)
+    names = {hf_recurrent.kernel_name(getattr(obj, "__wrapped__", obj)) for obj in vars(module).values()}
+    return sorted(n for n in names if n is not None)
