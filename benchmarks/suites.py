@@ -17,7 +17,8 @@ against one process; see ``train_mpi.py``; needs the mpi extra, meant for ``mpie
 ``recurrent`` (the recurrences of qkv.recurrent against torch chunk forms, growth in T, decoding with a state
 against a KV cache; see ``recurrent_suite.py``; needs the torch, test and hf extras). ``hybrid`` (the CPU recipe
 trained with each layer pattern) and ``hybrid-decode`` (a cached decoding step at 1k to 64k tokens of context per
-pattern): see ``hybrid_suite.py``. Without a choice a run measures :data:`DEFAULT` (a quick run
+pattern): see ``hybrid_suite.py``. ``hf-hybrid``: transformers' hybrids on qkv's recurrent kernel functions
+against their torch fallbacks (``hf_hybrid_suite.py``). Without a choice a run measures :data:`DEFAULT` (a quick run
 :data:`QUICK_DEFAULT`); the others run when named (or with "all"). A suite whose
 extra is missing is skipped with the reason in ``results["skipped"]``.
 
@@ -38,19 +39,19 @@ import importlib.util
 import os
 from dataclasses import dataclass
 
-from . import cold, gpt_suite, hf_suite, hybrid_suite, products, recurrent_suite, shapes_suite, torch_suite, train_mpi
+from . import cold, gpt_suite, hf_hybrid_suite, hf_suite, hybrid_suite, products, recurrent_suite, shapes_suite, torch_suite, train_mpi
 from .attention import fwd_bwd_flops, forward_flops, inputs, kv_bytes, copier, runner
 from .memory import peak_extra
 from .timing import REWARM_S, alternate, walls
 
 SUITES = ("main", "sweep", "decode", "encoder", "torch", "ring", "gpt", "shapes", "train-mpi", "hf", "cold",
-          "recurrent", "hybrid", "hybrid-decode")
+          "recurrent", "hybrid", "hybrid-decode", "hf-hybrid")
 MPI_SUITES = ("ring", "train-mpi")  # every rank of mpiexec -n W takes part
 DEFAULT = ("main", "sweep", "decode", "encoder")  # the others run when named
 QUICK_DEFAULT = ("main", "sweep", "decode")  # a quick run leaves the encoder out unless asked
 # What each suite needs beyond the core, as the extra that brings it (said when one is skipped).
 EXTRAS = {"encoder": "models,test", "torch": "torch", "ring": "mpi", "gpt": "torch", "shapes": "torch",
-          "train-mpi": "mpi", "hf": "hf"}
+          "train-mpi": "mpi", "hf": "hf", "hf-hybrid": "hf"}
 FULL = {
     "main": dict(b=1, h=8, t=4096, d=64),
     "sweep": dict(ts=(512, 1024, 2048, 4096, 8192, 16384), d=64, dense_max=8192),
@@ -181,6 +182,7 @@ def count_steps(p: Plan) -> int:
     if "recurrent" in p.suites and p.torch and not recurrent_suite.peer_missing():
         n += recurrent_suite.steps(p.quick)
     n += hybrid_suite.lm_count(p.quick) if "hybrid" in p.suites else 0
+    n += hf_hybrid_suite.count(p.quick) if "hf-hybrid" in p.suites else 0
     return n + (hybrid_suite.decode_count(p.quick) if "hybrid-decode" in p.suites else 0)
 
 
@@ -228,6 +230,7 @@ def run_suites(p: Plan, progress=None) -> dict | None:
                "torch": torch.__version__ if p.torch else None, "machine": describe(p.torch),
                "main": [], "sweep": [], "decode": [], "encoder": [], "torch_suite": [], "ring": [], "gpt": [], "shapes": [],
                "hf": [], "train_mpi": [], "options": [], "cold": [], "recurrent": [], "hybrid": [], "hybrid_decode": [],
+               "hf_hybrid": [],
                "ring_pingpong_gb_s": None, "mpi_ranks": None, "skipped": {}}
     ms = methods(p)
 
@@ -283,6 +286,9 @@ def run_suites(p: Plan, progress=None) -> dict | None:
         results["hybrid"], results["skipped"]["hybrid"] = hybrid_suite.suite(p, progress)
     if "hybrid-decode" in p.suites:
         results["hybrid_decode"], results["skipped"]["hybrid-decode"] = hybrid_suite.decode_suite(p, progress)
+    if "hf-hybrid" in p.suites:
+        results["hf_hybrid"], results["skipped"]["hf-hybrid"] = hf_hybrid_suite.suite(
+            p, progress, _needs("hf-hybrid", "torch or transformers is not installed"))
     if ring:
         results["ring"], results["ring_pingpong_gb_s"] = ring["rows"], ring["pingpong_gb_s"]
         results["mpi_ranks"] = ring["size"]

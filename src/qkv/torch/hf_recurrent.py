@@ -126,6 +126,15 @@ def patch_module(module) -> list[str]:
     return served
 
 
+def unpatch_module(module) -> None:
+    """Put transformers' own functions back in one modeling module (the hook stays on for others)."""
+    for (mod_name, attr), original in list(_replaced.items()):
+        if mod_name == module.__name__:
+            if getattr(getattr(module, attr, None), "__wrapped__", None) is original:
+                setattr(module, attr, original)
+            del _replaced[(mod_name, attr)]
+
+
 class _PatchingLoader(importlib.abc.Loader):
     """A modeling module's own loader, then :func:`patch_module` on the module it made."""
 
@@ -179,11 +188,11 @@ def disable() -> None:
     if _finder is not None:
         sys.meta_path.remove(_finder)
         _finder = None
-    for (mod_name, attr), original in list(_replaced.items()):
+    for mod_name in {m for m, _ in _replaced}:
         module = sys.modules.get(mod_name)
-        if module is not None and getattr(getattr(module, attr, None), "__wrapped__", None) is original:
-            setattr(module, attr, original)
-        del _replaced[(mod_name, attr)]
+        if module is not None:
+            unpatch_module(module)
+    _replaced.clear()
 
 
 def enabled() -> bool:

@@ -1,0 +1,146 @@
+"""``qkv bench --suite hf-hybrid``: transformers' hybrid models with their recurrent kernel
+functions on qkv's (``register_hf(recurrent=True)``, :mod:`qkv.torch.hf_kernels`) against the
+same model on transformers' torch fallbacks, measured in the same run, alternating.
+
+Models (random weights, float32, batch 1, 4 layers, hidden 512; quick: hidden 32, 2 layers):
+
+- ``qwen3-next``: ``Qwen3NextForCausalLM``, three Gated DeltaNet layers then one attention layer
+  (``chunk_gated_delta_rule``, ``fused_recurrent_gated_delta_rule``, ``causal_conv1d_*``);
+- ``mamba-2``: ``Mamba2ForCausalLM``, four Mamba-2 mixers (``mamba_chunk_scan_combined``,
+  ``selective_state_update``; in training ``mamba_split_conv1d_scan_combined``);
+- ``kimi``: ``KimiLinearForCausalLM``, three KDA layers then one MLA layer (``chunk_kda``,
+  ``fused_recurrent_kda``).
+
+Each at T = 2048 and 8192 (quick: 32): ``prefill`` (the logits and the cache under
+``no_grad``), ``train`` (the loss and ``backward()``, ``model.train()``) and ``decode`` (one
+token with the cache of the prefill; the cache grows by a token a repeat). A row:
+``family``, ``shape``, ``what``, ``qkv_s``, ``peer_s`` (medians), ``ratio`` (qkv ÷ peer), and
+``served`` / ``missing``: the functions qkv.torch.hf_kernels had, and those it did not have
+yet (transformers' path ran for those on both sides).
+"""
+from __future__ import annotations
+
+import importlib
+
+from .timing import alternate
+
+KINDS = ("qwen3-next", "mamba-2", "kimi")
+WHATS = ("prefill", "train", "decode")
+FULL = dict(hidden=512, layers=4, ts=(2048, 8192))
+QUICK = dict(hidden=32, layers=2, ts=(32,))
+
+
+def config(kind: str, hidden: int, layers: int):
+    """A ``kind``-like transformers config: the recurrent layers first, attention last."""
+    from transformers import CONFIG_MAPPING
+
+    heads = max(2, hidden // 128)
+    common = dict(vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=heads, head_dim=hidden // heads,
+                  tie_word_embeddings=False, pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    if kind == "qwen3-next":
+        return CONFIG_MAPPING["qwen3_next"](
+            **common, linear_num_key_heads=heads, linear_num_value_heads=2 * heads, linear_key_head_dim=hidden // heads,
+            linear_value_head_dim=hidden // heads, num_experts=0, mlp_only_layers=list(range(layers)),
+            layer_types=["linear_attention"] * (layers - 1) + ["full_attention"])
+    if kind == "mamba-2":
+        common.pop("head_dim")
+        return CONFIG_MAPPING["mamba2"](**common, num_heads=2 * hidden // 64, head_dim=64, expand=2, state_size=64,
+                                        n_groups=1, chunk_size=64 if hidden >= 128 else 8)
+    if kind == "kimi":
+        lh = hidden // 64 if hidden >= 128 else 2
+        return CONFIG_MAPPING["kimi_linear"](
+            **common, num_experts=0, kv_lora_rank=hidden // 4, qk_rope_head_dim=16, qk_nope_head_dim=hidden // heads,
+            v_head_dim=hidden // heads, first_k_dense_replace=layers,
+            linear_attn_config={"kda_layers": list(range(1, layers)), "full_attn_layers": [layers], "head_dim": 64
+                                if hidden >= 128 else 8, "num_heads": lh, "short_conv_kernel_size": 4})
+    raise ValueError(f"kind must be one of {KINDS}; got {kind!r}")
+
+
+def model(kind: str, hidden: int, layers: int, seed: int = 0):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    attn = "eager" if kind == "mamba-2" else "sdpa"  # Mamba-2 has no attention layer (and refuses sdpa)
+    return AutoModelForCausalLM.from_config(config(kind, hidden, layers), attn_implementation=attn,
+                                            experts_implementation="eager").eval()
+
+
+def _sides(m, module, fn):
+    """``{"qkv": ..., "peer": ...}``: ``fn`` with the modeling module's functions on qkv's, on transformers'."""
+    from qkv.torch import hf_recurrent
+
+    def qkv_side():
+        hf_recurrent.patch_module(module)
+        try:
+            return fn()
+        finally:
+            hf_recurrent.unpatch_module(module)
+    return {"qkv": qkv_side, "peer": fn}
+
+
+def _calls(m, T: int):
+    """``{what: callable}`` for one model at context T."""
+    import torch
+
+    ids = torch.randint(1, 512, (1, T), generator=torch.Generator().manual_seed(T))
+
+    def prefill():
+        m.eval()
+        with torch.no_grad():
+            return m(ids, use_cache=True)
+
+    def train():
+        m.train()
+        m.zero_grad(set_to_none=True)
+        m(ids, labels=ids).loss.backward()
+        m.eval()
+
+    state = {}
+
+    def decode():
+        if "cache" not in state:
+            state["cache"], state["next"] = prefill().past_key_values, ids[:, -1:]
+        with torch.no_grad():
+            out = m(state["next"], past_key_values=state["cache"], use_cache=True)
+        state["cache"] = out.past_key_values
+    return {"prefill": prefill, "train": train, "decode": decode}
+
+
+def measure(quick: bool, repeats: int, told=lambda label: None) -> list[dict]:
+    from qkv.torch import hf_recurrent
+
+    size = QUICK if quick else FULL
+    rows = []
+    for kind in KINDS:
+        m = model(kind, size["hidden"], size["layers"])
+        module = importlib.import_module(type(m).__module__)
+        names = sorted({n for n in (hf_recurrent.kernel_name(o) for o in vars(module).values()) if n})
+        served = [n for n in names if hf_recurrent.qkv_function(n) is not None]
+        for T in size["ts"]:
+            for what, fn in _calls(m, T).items():
+                told(f"{kind} T={T} {what}")
+                sides = _sides(m, module, fn)
+                if what == "decode":  # each side its own cache, made by its own prefill (in the warm-up)
+                    sides = {"qkv": _sides(m, module, fn)["qkv"], "peer": _calls(m, T)["decode"]}
+                med = alternate(sides, repeats, rewarm_below=0 if quick else 1.0)
+                q, p = med["qkv"]["wall"], med["peer"]["wall"]
+                rows.append(dict(family=kind, shape=f"B=1 T={T} hidden={size['hidden']} layers={size['layers']}",
+                                 what=what, qkv_s=q, peer_s=p, ratio=q / p if p > 0 else float("nan"),
+                                 served=served, missing=[n for n in names if n not in served]))
+    return rows
+
+
+def count(quick: bool) -> int:
+    return len(KINDS) * len((QUICK if quick else FULL)["ts"]) * len(WHATS)
+
+
+def suite(p, progress, why_not: str) -> tuple[list[dict], str | None]:
+    """The suite's rows for the plan ``p`` of ``suites.run_suites``, or ``([], reason)``."""
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        return [], why_not
+    return measure(p.quick, p.repeats, told=lambda label: progress(1)), None
