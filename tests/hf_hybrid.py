@@ -37,7 +37,7 @@ FAMILIES = {
     "Mamba-2": ("mamba2", {**COMMON, "num_heads": 4, "head_dim": 16, "expand": 2, "state_size": 8,
                            "n_groups": 1, "conv_kernel": 4, "chunk_size": 8}),
     "Bamba": ("bamba", {**COMMON, **MAMBA2, "attn_layer_indices": [1]}),
-    "Falcon-H1": ("falcon_h1", {**COMMON, **MAMBA2, "mamba_d_ssm": 32}),
+    "Falcon-H1": ("falcon_h1", {**COMMON, **MAMBA2, "mamba_d_ssm": 64}),
     "NemotronH": ("nemotron_h", {**COMMON, "layers_block_type": ["linear_attention", "full_attention"],
                                  "mamba_num_heads": 4, "mamba_head_dim": 8, "ssm_state_size": 8, "n_groups": 1,
                                  "conv_kernel": 4, "chunk_size": 8}),
