@@ -26,7 +26,8 @@ bias (``-1e30``), ``lse = m + log l`` cannot even hold ``log l`` (it rounds to `
 forward's by about eps times the size of its terms: where one key dominates a row, its
 ``P`` should be exactly 1. So rows that the forward's test calls large
 (:func:`~.precise.large_rows`) or whose terms may be large
-(``scale·‖q_i‖·max‖k_j‖ > TERMS``) are chosen by :func:`precise_rows`; their scores
+(``scale·‖q_i‖·max‖k_j‖ > TERMS``, the max over the keys row i may see) are chosen by
+:func:`~.precise.own_precise_rows`; their scores
 ``x = (Q Kᵀ)·scale + bias`` are formed in float64 and natural units, and they are
 normalised without ``lse``: a first pass over exactly the same tiles (the same products, so
 the same bits) finds the row maximum ``m_i`` and ``l_i = Σ_j exp(x_ij - m_i)``
@@ -34,8 +35,8 @@ the same bits) finds the row maximum ``m_i`` and ``l_i = Σ_j exp(x_ij - m_i)``
 ``P = exp((x - m) - log l)``, the two subtractions apart so that ``log l`` survives beside a
 huge ``m``, rounded to the compute dtype before the exponential. Rows of ``P`` then sum to 1
 to rounding whatever ``lse`` was saved, and a row with one dominant key gets ``P = 1`` for it
-exactly. Only the score tile of those rows costs float64; the other four products stay in
-the compute dtype.
+exactly. Only the score tile of those rows costs float64 (a tile with other rows too is
+computed both ways, each row taking its own); the other four products stay in the compute dtype.
 
 **Keys in several calls (ring attention).** ``m`` and ``l`` are sums over *every* key of
 the row. A caller that holds the keys in blocks (the ring) chooses the precise rows once
@@ -54,7 +55,8 @@ import numpy as np
 from ...masks import MaskSpec
 from . import exp2 as pow2
 from . import modifiers
-from .precise import RowNorm, key_norm_max, precise_rows
+from .precise import RowNorm, own_precise_rows, take_rows
+from .precise import offsets as precise_offsets
 from .tiles import (DEFAULT, LOG2E, Tiles, Workers, batch_of, bias_limit, by_batch, chunks, kv_heads,
                     mask_and_bias, scratch)
 
@@ -197,9 +199,19 @@ def _sums_lane(call: Call, tasks: list, kvs: dict, qheads: dict, norm: RowNorm) 
 
 def _grad_tile(call: Call, kv: KVHead, qh: QueryHead, offsets, h, q0, q1, a, e, partial_, precise, whole):
     """Pᵀ and dSᵀ of one tile, ``(keys, rows)`` each (scratch buffers), and the rows'
-    ``[dO | -delta]`` they were made with (divided by P's row sums on a whole tile)."""
-    if call.mods is not None:
-        return _mod_grad_tile(call, kv, qh, offsets, h, q0, q1, a, e, partial_, precise, whole)
+    ``[dO | -delta]`` they were made with (divided by P's row sums on a whole tile); where
+    only some rows are precise, both paths, each row taking its own (:func:`take_rows`)."""
+    tile = _plain_grad_tile if call.mods is None else _mod_grad_tile
+    rows = qh.precise[q0:q1]
+    if not precise or rows.all():
+        return tile(call, kv, qh, offsets, h, q0, q1, a, e, partial_, precise, whole)
+    with np.errstate(invalid="ignore"):   # the precise rows' columns, here without their offsets, are dropped
+        fast = [x.copy() for x in tile(call, kv, qh, offsets, h, q0, q1, a, e, partial_, False, whole)]
+    return take_rows(rows, fast, tile(call, kv, qh, offsets, h, q0, q1, a, e, partial_, True, whole))
+
+
+def _plain_grad_tile(call: Call, kv: KVHead, qh: QueryHead, offsets, h, q0, q1, a, e, partial_, precise, whole):
+    """:func:`_grad_tile` of plain scores, one path for all the tile's rows."""
     w = e - a
     et = scratch((q1 - q0) * w, call.dt, call.tiles, 0).reshape(w, q1 - q0)
     dob = qh.dox[q0:q1]
@@ -317,15 +329,6 @@ def row_sums(q, k, spec: MaskSpec, scale: float, group: int, precise: np.ndarray
         return _sums_pass(pool, call, lanes, kvs, qheads, q.shape[:-1])
 
 
-def _offsets(lse, precise, norm: RowNorm):
-    """``(m, log l)`` per row for the precise tiles: the row's own sums where it is precise,
-    ``(lse, 0)`` for its other rows (P = exp(S - lse) in float64), ``(0, 0)`` where it saw nothing."""
-    with np.errstate(divide="ignore", invalid="ignore"):
-        m = np.where(precise, norm.m, np.where(lse == -np.inf, 0, lse)).astype(np.float64)
-        log_l = np.where(precise, np.log(np.where(norm.l > 0, norm.l, 1)), 0.0)
-    return np.where(np.isfinite(m), m, 0), log_l
-
-
 def backward(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int = 1,
              *, tiles: Tiles | None = None, num_threads: int | None = None,
              precise: np.ndarray | None = None, norm: RowNorm | None = None, blocks: bool = False,
@@ -340,7 +343,7 @@ def backward(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int =
     dt, d = call.dt, q.shape[-1]
     tk, dvw = k.shape[-2], v.shape[-1]
     if precise is None:
-        precise = precise_rows(q, lse, spec, scale, key_norm_max(k, spec, group))
+        precise = own_precise_rows(q, k, lse, spec, scale, group)
     any_precise = bool(precise.any())
     dk = np.zeros(k.shape[:-2] + (tk, d), dt)
     dv = np.zeros(k.shape[:-2] + (tk, dvw), dt)
@@ -355,7 +358,7 @@ def backward(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int =
         if any_precise:
             if norm is None:
                 norm = _normalisers(pool, call, lanes, kvs, qheads, q.shape[:-1])
-            offsets = _offsets(lse, precise, norm)
+            offsets = precise_offsets(lse, precise, norm)
         dqs = [np.zeros(q.shape, dt) for _ in lanes]
         pool.run([partial(_grad_lane, call, lane, kvs, qheads, offsets, dqs[i], dk, dv)
                   for i, lane in enumerate(lanes)])

@@ -19,7 +19,8 @@ maximum ``m``, a running sum ``l`` and an unnormalised output ``acc``, a new blo
 and at the end ``o_i = acc / l``, ``lse_i = m + log l``. That is the *exact* path here.
 
 **A fixed offset from a bound (the fast path).** By Cauchy–Schwarz,
-``s_j <= U_i = scale · ‖q_i‖ · max_j ‖k_j‖`` (plus an upper bound of the ALiBi term). With
+``s_j <= U_i = scale · ‖q_i‖ · max_j ‖k_j‖``, the max over the keys row i may see
+(:mod:`.rows_bound`), plus an upper bound of the ALiBi term over the task's keys. With
 ``m = max(0, U_i - C)`` no exponent exceeds ``C`` (about 60 in float32), so nothing overflows and
 ``m`` never changes: no rescaling of ``acc``, no max pass, and the row sums ``l`` are added
 up in the exponential's own pass. A block then costs two matrix products and one in-place
@@ -42,7 +43,7 @@ only the keys it may see: a 512-row causal diagonal then costs 5/8 of its square
 **Large scores: the precise path.** Scores of size ``|s|`` carry a rounding error of about
 ``eps·|s|`` in the compute dtype, and a float32 ``lse`` an error of half its ulp. Where a
 row's ``lse`` says its largest score is beyond ``±LARGE`` (:func:`large_rows`: 16, beyond
-``log Tk`` on the high side; ordinary attention stays inside), the task is redone by the
+``log Tk`` on the high side; ordinary attention stays inside), the row is redone by the
 online softmax with the scores ``(Q Kᵀ)·scale`` and the offsets in float64 and natural
 units (:func:`_fwd_precise`); each ``s - m <= 0`` is rounded to the compute dtype only
 before its exponential. For float32 input the scores are then exact far below what float32
@@ -51,13 +52,20 @@ such as ``finfo(float32).min`` (Hugging Face's mask value) neither overflows the
 the row's other terms; on the fast path it is clipped (:func:`~.tiles.bias_limit`), which
 changes nothing unless a row sees only such keys, and such a row is large. A row that sees
 nothing is one the *mask* empties (``-inf`` or a structural mask), never one whose finite
-scores are merely large. The exact path stops as soon as a row maximum shows the task is
-large, and the bound path is not tried where only large rows could pass it. The backward
-applies the same test to the saved ``lse`` to choose its precise, self-normalised path.
+scores are merely large. The bound path is not tried by a row that could pass it only as a
+large row. The backward applies the same test to the saved ``lse`` to choose its precise,
+self-normalised path.
+
+**Row by row.** A row's result depends on its own query and the keys it may see, to the bit:
+its offset is its own, and each path is computed for all of a task's rows (a product keeps
+its shape, so each row gets the same bits whatever the others hold) while each row takes
+its own path's result: the bound path where it may try it and passes, else the exact one,
+and the precise one where it is large (:func:`_attempt`, :func:`_run_task`). A task where
+one row fails so costs the exact path beside the bound one, as a whole-task fallback did.
 
 **The code.** :func:`forward` fixes a :class:`Call`, prepares each kv head (:class:`KVHead`)
 and runs one :class:`Task` per block of query rows: :func:`_attempt` (the bound path, else the
-exact one), and where it gives up, :func:`_precise`.
+exact one, row by row), and for its large rows, :func:`_precise`.
 """
 from __future__ import annotations
 
@@ -69,9 +77,9 @@ import numpy as np
 from ...errors import ShapeError
 from ...masks import MaskSpec
 from . import exp2 as pow2
-from . import modifiers, products
+from . import modifiers, products, rows_bound
 from .precise import LARGE, large_rows
-from .tiles import (DEFAULT, LOG2E, Rows, Tiles, Workers, alibi_bound, batch_of, bias_limit, by_batch, chunks,
+from .tiles import (DEFAULT, LOG2E, Rows, Tiles, Workers, batch_of, bias_limit, by_batch, chunks,
                     diagonal_pieces, kv_heads, mask_and_bias, scratch, structural, task_rows)
 
 # Base-2 exponent headroom C, and the "bound too loose" threshold: l < 2^-LOOSE.
@@ -161,8 +169,8 @@ def _stacked(q, task: Task, dt, factor=None) -> np.ndarray:
 # --- the exact path: online softmax ---------------------------------------------------------------
 def _fwd_exact(qs, call: Call, kv: KVHead, task: Task):
     """Online softmax over the task's key runs, in base 2 (``qs`` scaled by log2(e)·scale).
-    Returns ``(out (R, Dv), m (R,), l (R,))`` (``lse = (m + log2 l) · ln 2``), or None as soon
-    as a row's maximum passes ``call.stop2`` (a large row: the precise path redoes the task)."""
+    Returns ``(out (R, Dv), m (R,), l (R,))`` (``lse = (m + log2 l) · ln 2``); a row whose
+    maximum ``m`` passes ``call.stop2`` is large (the precise path redoes it)."""
     dt, nrow = call.dt, qs.shape[0]
     m = np.full(nrow, -np.inf, dt)
     l = np.zeros(nrow)                                       # float64: a float32 running sum over Tk keys erred ~√Tk ulps
@@ -174,8 +182,6 @@ def _fwd_exact(qs, call: Call, kv: KVHead, task: Task):
             modifiers.cap(call.mods, st)                     # s = c·tanh(x / c), before bias and masks
         mask_and_bias(st, call.spec, task.heads, task.q0, task.q1, a, b, partial_, LOG2E, call.clip)
         m_new = np.maximum(m, st.max(axis=0))                # m' = max(m, max_j s_j)
-        if (m_new > call.stop2).any():
-            return None                                      # a large row: the precise path will redo it
         m_safe = np.where(m_new == -np.inf, 0, m_new).astype(dt, copy=False)
         alpha = np.exp2(m - m_safe)                          # exp(m - m'); 0 while m = -inf
         l *= alpha
@@ -226,11 +232,11 @@ def _fwd_precise(q64, k64, call: Call, kv: KVHead, task: Task):
 
 
 # --- the fast path: a fixed offset from the bound -------------------------------------------------
-def _fwd_bound(qs, call: Call, kv: KVHead, task: Task):
-    """Fixed offset from the Cauchy–Schwarz bound; ``None`` if some row needs the exact path.
-    Returns ``(out (R, Dv), m (R,), l (R,))`` in base 2."""
+def _fwd_bound(qs, call: Call, kv: KVHead, task: Task, m):
+    """Fixed offsets ``m = max(0, U - C)`` from the Cauchy–Schwarz bound (:mod:`.rows_bound`).
+    Returns ``(out (R, Dv), m (R,), l (R,), ok (R,))`` in base 2; ``ok`` False on the rows
+    that need the exact path."""
     dt, nrow, spec, heads, q0, q1 = call.dt, qs.shape[0], call.spec, task.heads, task.q0, task.q1
-    m = _bound_offsets(qs, call, kv, task)                   # m = max(0, U - C)
     offset = m if m.any() else None                          # m = 0: no subtraction
     acc = np.zeros((nrow, kv.v.shape[-1]), dt)
     l = np.zeros(nrow)                                       # float64: a float32 running sum over Tk keys erred ~√Tk ulps
@@ -243,23 +249,9 @@ def _fwd_bound(qs, call: Call, kv: KVHead, task: Task):
         for k0, k1, rows in pieces:
             _bound_tile(qs, kv.k, kv.v, offset, acc, l, spec, heads, q0, q1, k0, k1, rows, dt, call.tiles,
                         call.mods, task.keys)
-    if not (l >= 2.0 ** -_LOOSE[dt]).all():
-        return None  # a row's largest term is tiny (or it sees nothing): redo exactly
-    if not (np.isfinite(acc).all() and np.isfinite(l).all()):
-        return None  # terms up to 2^C times large values overflowed: redo with terms <= 1
-    return (acc / l[:, None]).astype(dt, copy=False), m, l
-
-
-def _bound_offsets(qs, call: Call, kv: KVHead, task: Task) -> np.ndarray:
-    """``m_i = max(0, U_i - C)``, ``U_i = ‖q_i‖ · max_j ‖k_j‖`` (+ the ALiBi term's bound)
-    ``>= s_ij`` for every visible key j (Cauchy–Schwarz), in base 2, shape ``(R,)``."""
-    kmax = max(float(kv.norms[a:b].max()) for a, b, _ in task.runs)
-    qnorm = np.sqrt(np.einsum("rd,rd->r", qs, qs))
-    bound = (qnorm * call.dt.type(kmax)).reshape(len(task.heads), -1)   # U_i >= every s_ij
-    if call.mods is not None and call.mods.cap is not None:
-        bound = np.minimum(bound, call.dt.type(call.mods.cap2))          # a capped score is at most c
-    bound = bound + LOG2E * alibi_bound(call.spec, task.heads, task.q0, task.q1, *task.span)[:, None]  # float64
-    return np.maximum(bound.reshape(-1) - _HEADROOM[call.dt], 0).astype(call.dt)
+    ok = l >= 2.0 ** -_LOOSE[dt]           # else a row's largest term is tiny (or it sees nothing)
+    ok &= np.isfinite(acc).all(axis=1) & np.isfinite(l)  # else terms up to 2^C times large values overflowed
+    return (acc / l[:, None]).astype(dt, copy=False), m, l, ok
 
 
 def _bound_tile(qs, kk, vv, m, acc, l, spec, heads, q0, q1, a, b, rows, dt, tiles, mods=None, keys=None) -> None:
@@ -287,17 +279,6 @@ def _bound_tile(qs, kk, vv, m, acc, l, spec, heads, q0, q1, a, b, rows, dt, tile
     acc[i0:i1] += st.T @ vv[a:b]                   # (r,w) @ (w,Dv) -> (r,Dv): Σ p v
 
 
-def _bound_may_do(qs, knorm, runs, stop2, dt, cap2: float | None = None) -> bool:
-    """False when the bound path could only succeed for rows beyond ``stop2`` (it succeeds
-    when the largest term is at least 2^-LOOSE of 2^(U - C)), which are redone precisely."""
-    kmax = max(float(knorm[a:b].max()) for a, b, _ in runs)
-    with np.errstate(over="ignore", invalid="ignore"):
-        u = float(np.sqrt(np.einsum("rd,rd->r", qs, qs)).max()) * kmax
-    if cap2:
-        u = min(u, cap2)                                     # capped scores are at most c (in base 2)
-    return u - _HEADROOM[dt] - _LOOSE[dt] <= stop2
-
-
 def _lse(m, l, unit) -> np.ndarray:
     """``(m + log l) / unit`` in float64 (log in base e^unit), ``-inf`` where l = 0."""
     m, l = np.asarray(m, np.float64), np.asarray(l, np.float64)
@@ -306,30 +287,35 @@ def _lse(m, l, unit) -> np.ndarray:
     return np.where(seen, (np.where(seen, m, 0) + log(np.where(seen, l, 1))) / unit, -np.inf)
 
 
-# --- a task: the fast paths, else the precise one --------------------------------------------------
+# --- a task: the fast paths, else the precise one, row by row ---------------------------------------
 def _attempt(call: Call, q, kv: KVHead, task: Task):
-    """The compute-dtype attempt, the bound path and else the exact one: ``(out, lse float64)``,
-    or None where the task must go precise (``log2(e)·scale·q`` overflowed, a row is large)."""
+    """The compute-dtype attempt: ``(out, lse float64, large (R,))``, each row from the bound
+    path where it may try it and passes, else from the exact one; ``large``: the rows that
+    must go precise (``log2(e)·scale·q`` overflowed, a row maximum or lse is large, out is inf).
+    Each path is computed for all the task's rows (the products keep their shapes, so a
+    row's bits are its own) and each row takes its own path's result."""
     qs = _stacked(q, task, call.dt, call.sc)                 # (G·n, D), scaled by log2(e)·scale
-    if np.isinf(qs).any():
-        return None
-    res = None
-    cap2 = None if call.mods is None else call.mods.cap2
-    if kv.norms is not None and _bound_may_do(qs, kv.norms, task.runs, call.stop2, call.dt, cap2):
-        # overflow (and inf - inf inside the product, which some BLAS kernels report as
-        # invalid) is detected there and the rows redone exactly: no warning escapes
+    over = np.isinf(qs).any(axis=1)
+    res, ok = None, None
+    if kv.norms is not None:
+        m, may = rows_bound.offsets(qs, call, kv, task, _HEADROOM[call.dt], _LOOSE[call.dt])
+        if may.any():
+            # overflow (and inf - inf inside the product, which some BLAS kernels report as
+            # invalid) is detected there and the rows redone exactly: no warning escapes
+            with np.errstate(over="ignore", under="ignore", invalid="ignore", divide="ignore"):
+                *res, ok = _fwd_bound(qs, call, kv, task, m)
+            ok &= may
+    big = np.zeros(qs.shape[0], bool)
+    if ok is None or not ok.all():
         with np.errstate(over="ignore", under="ignore", invalid="ignore"):
-            res = _fwd_bound(qs, call, kv, task)
-    if res is None:
-        with np.errstate(over="ignore", under="ignore"):
-            res = _fwd_exact(qs, call, kv, task)
-        if res is None:
-            return None
+            exact = _fwd_exact(qs, call, kv, task)
+        took = np.ones_like(big) if ok is None else ~ok      # the rows that take the exact path
+        big = took & (exact[1] > call.stop2)                 # ... and whose maximum is large
+        res = exact if ok is None else [np.where(ok.reshape((-1,) + (1,) * (x.ndim - 1)), r, x)
+                                        for r, x in zip(res, exact)]
     o, m, l = res
     ls = _lse(m, l, LOG2E)
-    if large_rows(ls, call.tk, call.dt).any() or np.isinf(o).any():
-        return None
-    return o, ls
+    return o, ls, over | big | large_rows(ls, call.tk, call.dt) | np.isinf(o).any(axis=1)
 
 
 def _precise(call: Call, q, kv: KVHead, task: Task):
@@ -350,10 +336,13 @@ def _run_task(call: Call, q, kv: KVHead, heads: list, q0: int, q1: int, out, lse
     if not runs:
         return  # no key visible: out 0, lse -inf as initialised
     task = Task(heads, q0, q1, runs, modifiers.task_keys(call.mods, heads, q0, q1))
-    res = _attempt(call, q, kv, task) if call.fast else None
-    if res is None:
-        res = _precise(call, q, kv, task)
-    o, ls = res
+    if not call.fast:
+        o, ls = _precise(call, q, kv, task)
+    else:
+        o, ls, large = _attempt(call, q, kv, task)
+        if large.any():                                      # the precise path for the whole task, taken
+            po, pls = _precise(call, q, kv, task)            # by its large rows only
+            o[large], ls[large] = po[large], pls[large]
     n = q1 - q0
     for g, h in enumerate(heads):
         out[h][q0:q1] = o[g * n:(g + 1) * n]

@@ -8,6 +8,11 @@ in :mod:`.forward_kernel`'s docstring). The backward applies the same test to th
 (:class:`RowNorm`) rather than by ``lse`` (see :mod:`.backward_kernel`). A caller that holds
 the keys in blocks (the ring) chooses the rows once for the whole sequence and adds up the
 sums over all blocks.
+
+Row by row: a row is precise by its own ``lse``, its own ``q`` and the largest norm of the
+keys *it* may see (:func:`own_precise_rows`, :mod:`.rows_bound`), and a tile that holds
+precise rows beside others computes both paths and gives each row its own
+(:func:`take_rows`), so no row's bits depend on another's path, nor on keys it may not see.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...masks import MaskSpec
+from . import rows_bound
 from .tiles import LOG2E, batch_of, kv_heads
 
 # A row maximum beyond ±LARGE (read from lse) takes the precise path; see large_rows.
@@ -86,8 +92,9 @@ def key_norm_max(k: np.ndarray, spec: MaskSpec, group: int) -> np.ndarray:
 def precise_rows(q: np.ndarray, lse: np.ndarray, spec: MaskSpec, scale: float,
                  kmax: np.ndarray) -> np.ndarray:
     """Bool ``(*L, Tq)``: the rows that take the precise path (see the module docstring).
-    ``spec.tk`` is the row's whole key count and ``kmax`` (from :func:`key_norm_max`, shape
-    ``(*L,)``) the largest key norm it may meet, over all keys, also those of other calls."""
+    ``spec.tk`` is the row's whole key count and ``kmax`` the largest key norm it may meet,
+    over all keys, also those of other calls: a head's (from :func:`key_norm_max`, shape
+    ``(*L,)``) or each row's own (``(*L, Tq)``, :func:`own_precise_rows`)."""
     dt = np.dtype(q.dtype)
     tq = q.shape[-2]
     real = np.arange(tq) < np.reshape([spec.rows(batch_of(spec, h)) for h in np.ndindex(*spec.lead)],
@@ -95,7 +102,47 @@ def precise_rows(q: np.ndarray, lse: np.ndarray, spec: MaskSpec, scale: float,
     finite = (lse != -np.inf) & real
     qnorm = np.sqrt(np.einsum("...td,...td->...t", q, q, dtype=np.float64))
     with np.errstate(over="ignore", invalid="ignore"):
-        terms = abs(scale) * qnorm * kmax[..., None]
+        terms = abs(scale) * qnorm * (kmax if kmax.ndim == qnorm.ndim else kmax[..., None])
         # log2(e)·scale·q must fit the dtype on the fast path
         overflow = np.abs(q).max(axis=-1).astype(np.float64) * abs(scale) * LOG2E > float(np.finfo(dt).max)
     return (large_rows(lse, spec.tk, dt) | (terms > TERMS[dt]) | overflow) & finite
+
+
+def own_precise_rows(q, k, lse, spec: MaskSpec, scale: float, group: int) -> np.ndarray:
+    """:func:`precise_rows` with each row's own ``kmax`` (the keys it may see, this call's):
+    first by each head's largest key (rows it leaves out stay out: their own is no larger),
+    then, in the heads where some row is chosen, by the rows' own."""
+    kmax = key_norm_max(k, spec, group)
+    precise = precise_rows(q, lse, spec, scale, kmax)
+    if not precise.any():
+        return precise
+    own = np.broadcast_to(kmax[..., None], precise.shape).copy()
+    for ikv, heads in kv_heads(k.shape[:-2], group):
+        heads = [h for h in heads if precise[h].any()]
+        if heads:
+            with np.errstate(over="ignore", invalid="ignore"):  # padding may hold anything; never read
+                norms = np.sqrt(np.einsum("td,td->t", k[ikv], k[ikv], dtype=np.float64))
+        for h in heads:
+            lo, hi = rows_bound.row_runs(spec, batch_of(spec, h), 0, q.shape[-2])
+            own[h] = rows_bound.range_max(norms, lo, hi) if spec.mask is None else \
+                rows_bound.row_kmax(spec, norms, [h], 0, q.shape[-2], (0, spec.keys(batch_of(spec, h))))
+    return precise_rows(q, lse, spec, scale, own)
+
+
+def offsets(lse, precise, norm: RowNorm):
+    """``(m, log l)`` per row for the precise tiles: the row's own sums where it is precise,
+    ``(lse, 0)`` for its other rows (P = exp(S - lse) in float64), ``(0, 0)`` where it saw nothing."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        m = np.where(precise, norm.m, np.where(lse == -np.inf, 0, lse)).astype(np.float64)
+        log_l = np.where(precise, np.log(np.where(norm.l > 0, norm.l, 1)), 0.0)
+    return np.where(np.isfinite(m), m, 0), log_l
+
+
+def take_rows(rows: np.ndarray, fast: tuple, exact: tuple) -> tuple:
+    """A tile's ``(Pᵀ, dSᵀ (keys, rows), [dO | -delta] (rows, Dv+1))`` with the ``exact``
+    (precise) path's columns where ``rows`` (bool), the ``fast`` one's elsewhere: in place
+    in ``exact``'s tiles (scratch), a new ``[dO | -delta]``."""
+    et, dst, dob = exact
+    np.copyto(et, fast[0], where=~rows)                      # (w, r): a column a row
+    np.copyto(dst, fast[1], where=~rows)
+    return et, dst, np.where(rows[:, None], dob, fast[2])
