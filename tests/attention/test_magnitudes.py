@@ -231,3 +231,29 @@ def test_hidden_keys_change_no_bit_of_the_rows_blind_to_them(name, how, t, dtype
         a, b = run(name, q, k, v, dout, **opts), run(name, q, k2, v2, dout, **opts)
     for res in ("out", "lse", "dq"):
         assert np.array_equal(a[res][:, :, blind], b[res][:, :, blind]), res
+
+
+def _tril(t: int) -> np.ndarray:
+    return np.tril(np.ones((t, t), bool))
+
+
+OTHERS = {"mask": lambda t: dict(mask=_tril(t) & (np.random.default_rng(9).random((t, t)) > 0.3)),
+          "-inf bias": lambda t: dict(bias=np.where(_tril(t), 0, -np.inf).astype(np.float32)),
+          "alibi": lambda t: dict(causal=True, alibi=np.array([0.5, -0.01])),
+          "softcap": lambda t: dict(causal=True, softcap=5.0),
+          "dropout": lambda t: dict(causal=True, dropout_p=0.2, dropout_seed=3, softcap=30.0)}
+
+
+@pytest.mark.parametrize("how", list(OTHERS))
+def test_hidden_keys_change_no_bit_under_masks_biases_and_score_options(how):
+    """As above on the tiled kernel, the future hidden by a user mask, a -inf bias, or causal
+    beside ALiBi, softcap and dropout."""
+    t, t0 = 600, 300
+    rng = np.random.default_rng(7)
+    q, k, v, dout = (rng.standard_normal((1, 2, t, 16)).astype(np.float32) for _ in range(4))
+    k2, v2 = k.copy(), v.copy()
+    k2[..., t0:, :], v2[..., t0:, :] = 100, -100
+    with np.errstate(over="ignore"):
+        a, b = run("flash", q, k, v, dout, **OTHERS[how](t)), run("flash", q, k2, v2, dout, **OTHERS[how](t))
+    for res in ("out", "lse", "dq"):
+        assert np.array_equal(a[res][:, :, :t0], b[res][:, :, :t0]), res

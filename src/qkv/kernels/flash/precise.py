@@ -123,9 +123,7 @@ def own_precise_rows(q, k, lse, spec: MaskSpec, scale: float, group: int) -> np.
             with np.errstate(over="ignore", invalid="ignore"):  # padding may hold anything; never read
                 norms = np.sqrt(np.einsum("td,td->t", k[ikv], k[ikv], dtype=np.float64))
         for h in heads:
-            lo, hi = rows_bound.row_runs(spec, batch_of(spec, h), 0, q.shape[-2])
-            own[h] = rows_bound.range_max(norms, lo, hi) if spec.mask is None else \
-                rows_bound.row_kmax(spec, norms, [h], 0, q.shape[-2], (0, spec.keys(batch_of(spec, h))))
+            own[h] = rows_bound.row_kmax(spec, norms, [h], 0, q.shape[-2], (0, spec.keys(batch_of(spec, h))))
     return precise_rows(q, lse, spec, scale, own)
 
 

@@ -13,7 +13,8 @@ row's future), and a large hidden key would move ``m_i`` and so the rounding of 
   keys (:func:`row_runs`, the rules of :class:`~qkv.masks.MaskSpec` row by row), whose
   maximum is a range-maximum query: a sparse table (``T[p][j] = max ‖k‖ over j..j+2^p-1``,
   ``log2`` levels over the span) answers ``max(T[p][lo], T[p][hi - 2^p])``, ``2^p <= hi - lo``;
-- a user mask: the maximum over the row's allowed keys (one pass over its boolean rows).
+- a user mask or a bias: the maximum over the row's allowed keys, those with a ``-inf`` bias
+  left out (one pass over its rows; a finite bias, however negative, leaves a key visible).
 
 A maximum is exact (no rounding), so where a row sees all of a task's keys ``kmax_i`` is the
 task's maximum, bit for bit. Each is a cheap second step: the callers first bound every row
@@ -71,14 +72,16 @@ def row_kmax(spec: MaskSpec, norms: np.ndarray, heads: list, q0: int, q1: int, s
     """``kmax_i`` of rows q0:q1 of each of ``heads`` (one batch item), stacked head after head,
     ``(G·n,)``: the largest ``norms[j]`` over the keys row i may see."""
     lo, hi = row_runs(spec, batch_of(spec, heads[0]), q0, q1)
-    if spec.mask is None:
+    if spec.mask is None and spec.bias is None:
         return np.tile(range_max(norms, lo, hi), len(heads))
     a, b = span
     out = []
     with np.errstate(invalid="ignore"):
-        for h in heads:                                                   # a user mask: its own keys a row
+        for h in heads:                                                   # a user mask or bias: its own keys a row
             ok = spec.allowed(q0, q1, a, b, index=h)
             ok = np.ones((q1 - q0, b - a), bool) if ok is None else ok
+            if spec.bias is not None:
+                ok = ok & (spec.additive(q0, q1, a, b, index=h) > -np.inf)
             out.append(np.max(np.broadcast_to(norms[a:b], ok.shape), axis=1, where=ok, initial=0))
     return np.concatenate(out).astype(norms.dtype, copy=False)
 
