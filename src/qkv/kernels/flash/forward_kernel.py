@@ -298,24 +298,27 @@ def _attempt(call: Call, q, kv: KVHead, task: Task):
     over = np.isinf(qs).any(axis=1)
     res, ok = None, None
     if kv.norms is not None:
-        m, may = rows_bound.offsets(qs, call, kv, task, _HEADROOM[call.dt], _LOOSE[call.dt])
-        if may.any():
-            # overflow (and inf - inf inside the product, which some BLAS kernels report as
-            # invalid) is detected there and the rows redone exactly: no warning escapes
-            with np.errstate(over="ignore", under="ignore", invalid="ignore", divide="ignore"):
+        # overflow (and inf - inf inside the product, which some BLAS kernels report as
+        # invalid) is detected there and the rows redone exactly: no warning escapes
+        with np.errstate(over="ignore", under="ignore", invalid="ignore", divide="ignore"):
+            m, may = rows_bound.offsets(qs, call, kv, task, _HEADROOM[call.dt], _LOOSE[call.dt])
+            if may is None or may.any():
                 *res, ok = _fwd_bound(qs, call, kv, task, m)
-            ok &= may
-    big = np.zeros(qs.shape[0], bool)
+                ok = ok if may is None else ok & may
+    big = False
     if ok is None or not ok.all():
         with np.errstate(over="ignore", under="ignore", invalid="ignore"):
             exact = _fwd_exact(qs, call, kv, task)
-        took = np.ones_like(big) if ok is None else ~ok      # the rows that take the exact path
+        took = True if ok is None else ~ok                   # the rows that take the exact path
         big = took & (exact[1] > call.stop2)                 # ... and whose maximum is large
         res = exact if ok is None else [np.where(ok.reshape((-1,) + (1,) * (x.ndim - 1)), r, x)
                                         for r, x in zip(res, exact)]
     o, m, l = res
     ls = _lse(m, l, LOG2E)
-    return o, ls, over | big | large_rows(ls, call.tk, call.dt) | np.isinf(o).any(axis=1)
+    large = large_rows(ls, call.tk, call.dt)
+    large |= over | big
+    large |= np.isinf(o).any(axis=1)
+    return o, ls, large
 
 
 def _precise(call: Call, q, kv: KVHead, task: Task):

@@ -87,33 +87,32 @@ def row_kmax(spec: MaskSpec, norms: np.ndarray, heads: list, q0: int, q1: int, s
 
 
 # --- the forward's offsets -----------------------------------------------------------------------
-def offsets(qs, call, kv, task, headroom: float, loose: float) -> tuple[np.ndarray, np.ndarray]:
-    """``(m, may)``, each ``(R,)``: the fixed offsets ``m_i = max(0, U_i - C)`` (base 2, the
-    compute dtype; ``U_i`` bounds every visible ``s_ij``, ALiBi's term included) and whether
-    row i may try the bound path (:func:`may_try`). ``kmax`` is the task's first, each row's
-    own (:func:`row_kmax`) where that gives an offset above 0 or a row that may not try."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        qnorm = np.sqrt(np.einsum("rd,rd->r", qs, qs))                    # ‖q_i‖, (R,)
-    kmax = call.dt.type(max(float(kv.norms[a:b].max()) for a, b, _ in task.runs))
-    m, may = _offsets(qnorm, kmax, call, task, headroom, loose)
-    if m.any() or not may.all():
-        kmax = row_kmax(call.spec, kv.norms, task.heads, task.q0, task.q1, task.span).astype(call.dt)
-        m, may = _offsets(qnorm, kmax, call, task, headroom, loose)
-    return m, may
+def offsets(qs, call, kv, task, headroom: float, loose: float) -> tuple:
+    """``(m, may)``: the fixed offsets ``m_i = max(0, U_i - C)`` (base 2, the compute dtype,
+    ``(R,)``; ``U_i`` bounds every visible ``s_ij``, ALiBi's term included) and whether row i
+    may try the bound path (:func:`may_try`; ``(R,)``, or None: every row may). ``kmax`` is
+    the task's first, each row's own (:func:`row_kmax`) where that gives an offset above 0 or
+    a row that may not try. Called where overflow and NaN are quiet."""
+    qnorm = np.sqrt(np.einsum("rd,rd->r", qs, qs))                        # ‖q_i‖, (R,)
+    kmax = max(float(kv.norms[a:b].max()) for a, b, _ in task.runs)
+    cap2 = None if call.mods is None else call.mods.cap2
+    m = _offsets(qnorm, call.dt.type(kmax), call, task, headroom, cap2)
+    if not m.any() and may_try(float(qnorm.max()) * kmax, call.stop2, headroom, loose, cap2):
+        return m, None                                                    # as each row's own would say
+    kmax = row_kmax(call.spec, kv.norms, task.heads, task.q0, task.q1, task.span).astype(call.dt)
+    m = _offsets(qnorm, kmax, call, task, headroom, cap2)
+    return m, may_try(qnorm.astype(np.float64) * kmax.astype(np.float64), call.stop2, headroom, loose, cap2)
 
 
-def _offsets(qnorm, kmax, call, task, headroom: float, loose: float):
-    with np.errstate(over="ignore", invalid="ignore"):
-        bound = (qnorm * kmax).reshape(len(task.heads), -1)              # U_i >= every s_ij, (G, n)
-        cap2 = None if call.mods is None else call.mods.cap2
-        if cap2:
-            bound = np.minimum(bound, call.dt.type(cap2))                # a capped score is at most c
-        may = may_try(qnorm.astype(np.float64) * np.float64(kmax), call.stop2, headroom, loose, cap2)
-        bound = bound + LOG2E * alibi_bound(call.spec, task.heads, task.q0, task.q1, *task.span)[:, None]
-        return np.maximum(bound.reshape(-1) - headroom, 0).astype(call.dt), may
+def _offsets(qnorm, kmax, call, task, headroom: float, cap2: float | None) -> np.ndarray:
+    bound = (qnorm * kmax).reshape(len(task.heads), -1)                  # U_i >= every s_ij, (G, n)
+    if cap2:
+        bound = np.minimum(bound, call.dt.type(cap2))                    # a capped score is at most c
+    bound = bound + LOG2E * alibi_bound(call.spec, task.heads, task.q0, task.q1, *task.span)[:, None]
+    return np.maximum(bound.reshape(-1) - headroom, 0).astype(call.dt)
 
 
-def may_try(u: np.ndarray, stop2: float, headroom: float, loose: float, cap2: float | None) -> np.ndarray:
+def may_try(u, stop2: float, headroom: float, loose: float, cap2: float | None):
     """False for the rows that could pass the bound path only beyond ``stop2`` (it passes when
     the largest term is at least 2^-loose of 2^(U - C)), which are redone precisely; NaN: False."""
     if cap2:
