@@ -72,6 +72,8 @@ def test_all_attention_is_the_gpt_of_before_bit_for_bit():
     (dict(layers=["attention:conv=0"]), r"\(W, N, K >= 1\), each at most once, joined by ':'"),
     (dict(layers=["attention:conv=3:conv=2"]), r"each at most once.*got 'attention:conv=3:conv=2'"),
     (dict(layers=["attention:conv"]), r"attention:conv=K"),
+    (dict(layers=["mamba2:expand_v=2"]), r"mamba2's options are mamba2:expand=N"),
+    (dict(layers=["based:feature=0"]), r"based's options are based:feature=N"),
     (dict(layers=[]), r"layers must be None, a pattern"),
     (dict(layers=7), r"layers must be None, a pattern"),
 ])

@@ -245,8 +245,6 @@ class GPT(Layer):
         idx = self._ids(idx)
         b, t = idx.shape
         start = counts = None
-        if cache is None and t > self.config.block_size:
-            raise ShapeError(f"idx has T = {t} tokens, more than block_size = {self.config.block_size}")
         if cache is not None:
             if self.stateful and not isinstance(cache, GPTCache):
                 raise ShapeError(f"cache must come from new_cache(batch, max_len) for a model with recurrent or "
@@ -256,6 +254,18 @@ class GPT(Layer):
             counts = held.counts(t, q_lengths)
             if self.stateful and q_lengths is not None:
                 return self._each_alone(idx, cache, counts)
+        x = self._hidden(idx, start, counts, cache, q_lengths)     # (B, T, C)
+        logits = x.reshape(b * t, -1) @ self._head().T              # (B·T, C) @ (C, V) -> (B·T, V)
+        logits = logits.reshape(b, t, -1)                           # (B, T, V)
+        if isinstance(cache, GPTCache):
+            cache.advance(counts)
+        return logits
+
+    def _hidden(self, idx: np.ndarray, start=None, counts=None, cache=None, q_lengths=None) -> np.ndarray:
+        """The final LayerNorm's output ``(B, T, C)`` for ids ``idx (B, T)`` (what the head reads)."""
+        t = idx.shape[1]
+        if cache is None and t > self.config.block_size:
+            raise ShapeError(f"idx has T = {t} tokens, more than block_size = {self.config.block_size}")
         x = self.wte.forward(idx)                                   # (B, T) -> (B, T, C)
         if self.wpe is not None:
             x = x + self._positions(t, start, counts)               # + (T, C) or (B, T, C)
@@ -263,12 +273,19 @@ class GPT(Layer):
         for i, block in enumerate(self.h):
             x = block.forward(x, cache=None if cache is None else cache[i], q_lengths=q_lengths)
         x = self.ln_f.forward(x)                                    # (B, T, C)
-        logits = x.reshape(b * t, -1) @ self._head().T              # (B·T, C) @ (C, V) -> (B·T, V)
-        logits = logits.reshape(b, t, -1)                           # (B, T, V)
-        if isinstance(cache, GPTCache):
-            cache.advance(counts)
-        self._keep(dict(x=x, t=t, cached=cache is not None, dlogits=None, pos=self.token_positions))
-        return logits
+        self._keep(dict(x=x, t=t, cached=cache is not None, dlogits=None, pos=self.token_positions, keep=None))
+        return x
+
+    def logits_at(self, idx, keep) -> np.ndarray:
+        """Logits ``(N, V)`` at the ``N`` positions where ``keep (B, T)`` (bool) is True, in row-major
+        order: ``forward(idx)[keep]`` without the head's product at the other positions (a task
+        scored at a few positions of a large vocabulary, as MQAR's queries)."""
+        idx = self._ids(idx)
+        keep = np.asarray(keep)
+        if keep.shape != idx.shape or keep.dtype != bool:
+            raise ShapeError(f"keep must be a bool array of idx's shape {fmt_shape(idx.shape)}; "
+                             f"got {keep.dtype} {fmt_shape(keep.shape)}")
+        return self._hidden(idx)[keep] @ self._head().T             # (N, C) @ (C, V) -> (N, V)
 
     def _each_alone(self, idx: np.ndarray, cache, counts: np.ndarray) -> np.ndarray:
         """A right-padded batch through a cache with states: each sequence's first ``counts[b]``
@@ -285,16 +302,16 @@ class GPT(Layer):
         """Mean cross-entropy of ``forward(idx)`` against ``targets (B, T)``; keeps ``dlogits``
         for :meth:`backward` (in training mode). A target of ``-1`` is no target (nanoGPT's
         ``ignore_index=-1``): the mean runs over the other positions, and those get no gradient."""
-        logits = self.forward(idx)
         targets = np.asarray(targets)
-        if targets.dtype.kind in "iu" and targets.shape == logits.shape[:-1] and (targets == -1).any():
+        if targets.dtype.kind in "iu" and targets.shape == np.shape(idx) and (targets == -1).any():
             keep = targets != -1                                    # (B, T)
             if not keep.any():
                 raise ShapeError("targets must have at least one position that is not -1 (ignored)")
-            loss, d = cross_entropy(logits[keep], targets[keep])    # (N, V): / N kept positions
-            dlogits = np.zeros_like(logits)
-            dlogits[keep] = d
+            loss, dlogits = cross_entropy(self.logits_at(idx, keep), targets[keep])  # (N, V): / N kept positions
+            if self._saved is not None:                             # the head's product at the kept rows only
+                self._saved["keep"] = keep
         else:
+            logits = self.forward(idx)
             loss, dlogits = cross_entropy(logits, targets)          # dlogits = (softmax - onehot) / (B T)
         if self._saved is not None:
             self._saved["dlogits"] = dlogits
@@ -305,9 +322,14 @@ class GPT(Layer):
         s = self._need_saved()
         if s["dlogits"] is None or s["cached"]:
             raise RuntimeError("GPT.backward needs loss(idx, targets) first (in training mode, without cache=)")
-        dlogits, x = s["dlogits"], s["x"]
-        dhead = linear_grad(dlogits, x)                             # (V, B·T) @ (B·T, C) -> (V, C)
-        dx = (dlogits.reshape(-1, dlogits.shape[-1]) @ self._head()).reshape(x.shape)  # (B·T, V) @ (V, C) -> (B, T, C)
+        dlogits, x, keep = s["dlogits"], s["x"], s.get("keep")
+        if keep is None:
+            dhead = linear_grad(dlogits, x)                         # (V, B·T) @ (B·T, C) -> (V, C)
+            dx = (dlogits.reshape(-1, dlogits.shape[-1]) @ self._head()).reshape(x.shape)  # (B·T, V) @ (V, C) -> (B, T, C)
+        else:                                                       # dlogits (N, V) at the kept rows
+            dhead = linear_grad(dlogits, x[keep])                   # (V, N) @ (N, C) -> (V, C)
+            dx = np.zeros_like(x)
+            dx[keep] = dlogits @ self._head()                       # (N, V) @ (V, C) -> (N, C)
         dx = self.ln_f.backward(dx)
         for block in reversed(self.h):
             dx = block.backward(dx)                                 # (B, T, C)

@@ -22,7 +22,15 @@ config makes every kind:
                       conv 4 (no biases, as Qwen3-Next)
 ``rglru``             :class:`~qkv.nn.RGLRU`: LRU width C in H gate blocks, conv 4
 ``linear``            causal :class:`~qkv.nn.LinearAttention`, H heads (``n_kv_head`` kv heads)
+``baseconv``          :class:`~qkv.nn.ConvMixer`: Zoology's BaseConv alone, ``baseconv:kernel=K``
+                      taps (default 3)
+``based``             :class:`~qkv.nn.BasedAttention`: Based's Taylor linear attention, H heads,
+                      ``based:feature=F`` query/key features a head (default 16)
 ====================  =========================================================================
+
+State sizes: ``mamba2:expand=E`` makes the inner width ``E·C`` (heads of ``E·C / H``; Mamba-2's
+and Zoology's ``expand = 2``), ``gated_delta:expand_v=E`` the value heads ``E·C / H`` wide
+(Gated DeltaNet's ``expand_v = 2``); both default to 1, the layers as before.
 
 Named patterns, repeated to ``n_layer`` (layer ``i`` takes entry ``i mod period``):
 
@@ -38,10 +46,12 @@ repeats when ``n_layer`` is a multiple of its length.
 from __future__ import annotations
 
 from ..errors import ShapeError
-from ..nn import ConvAttention, GatedDeltaNet, LinearAttention, Mamba2, RGLRU
+from ..nn import BasedAttention, ConvAttention, ConvMixer, GatedDeltaNet, LinearAttention, Mamba2, RGLRU
 
-MIXERS = ("attention", "mamba2", "gated_delta", "rglru", "linear")
+MIXERS = ("attention", "mamba2", "gated_delta", "rglru", "linear", "baseconv", "based")
 ATTENTION_OPTIONS = ("window", "chunk", "conv")
+OPTIONS = {"attention": ATTENTION_OPTIONS, "mamba2": ("expand",), "gated_delta": ("expand_v",),
+           "baseconv": ("kernel",), "based": ("feature",)}  # each mixer's ``name:key=N`` options
 # name -> (period, {position in the period: mixer}, the rest); n_layer must reach the last special position
 PATTERNS = {
     "jamba": (8, {4: "attention"}, "mamba2"),
@@ -54,7 +64,7 @@ CONV_KERNEL = 4     # the short convolution of every recurrent mixer
 
 def parse_mixer(token: str) -> tuple[str, dict]:
     """``"attention:window=64:conv=3"`` -> ``("attention", {"window": 64, "conv": 3})``; a ShapeError
-    naming ``layers`` otherwise. Only attention takes options, each ``key=N`` (N >= 1) at most once,
+    naming ``layers`` otherwise. Options (:data:`OPTIONS`) are ``key=N`` (N >= 1), each at most once,
     joined by ``:``."""
     if not isinstance(token, str):
         raise ShapeError(f"layers must name mixers ({', '.join(MIXERS)}); got {token!r}")
@@ -65,8 +75,11 @@ def parse_mixer(token: str) -> tuple[str, dict]:
     parsed = {}
     for opt in opts:
         key, _, value = opt.partition("=")
-        if name != "attention" or key not in ATTENTION_OPTIONS or key in parsed or not value.isdigit() \
-                or int(value) < 1:
+        if key not in OPTIONS.get(name, ()) or key in parsed or not value.isdigit() or int(value) < 1:
+            if name != "attention" and name in OPTIONS:
+                allowed = ", ".join(f"{name}:{k}=N" for k in OPTIONS.get(name, ())) or "none"
+                raise ShapeError(f"layers: {name}'s options are {allowed} (N >= 1), each at most once; "
+                                 f"got {token!r}")
             raise ShapeError(f"layers: attention's options are written attention:window=W, attention:chunk=N, "
                              f"attention:conv=K (W, N, K >= 1), each at most once, joined by ':' "
                              f"(attention:window=64:conv=3); got {token!r}")
@@ -119,9 +132,15 @@ def make_mixer(token: str, c, rng, attention):
                           rope=c.positions == "rope", rope_base=c.rope_base, dropout=c.dropout, **opts, **kw)
         return layer if conv is None else ConvAttention(layer, conv, rng=rng)
     if name == "mamba2":
-        return Mamba2(c.n_embd, c.n_head, hs, MAMBA2_STATE, conv_kernel=CONV_KERNEL, bias=c.bias, **kw)
+        return Mamba2(c.n_embd, c.n_head, hs * opts.get("expand", 1), MAMBA2_STATE, conv_kernel=CONV_KERNEL,
+                      bias=c.bias, **kw)
     if name == "gated_delta":
-        return GatedDeltaNet(c.n_embd, c.n_head, c.n_head, hs, hs, conv_kernel=CONV_KERNEL, **kw)
+        return GatedDeltaNet(c.n_embd, c.n_head, c.n_head, hs, hs * opts.get("expand_v", 1), conv_kernel=CONV_KERNEL,
+                             **kw)
+    if name == "baseconv":
+        return ConvMixer(c.n_embd, opts.get("kernel", 3), **kw)
+    if name == "based":
+        return BasedAttention(c.n_embd, c.n_head, opts.get("feature", 16), **kw)
     if name == "rglru":
         return RGLRU(c.n_embd, c.n_embd, c.n_head, conv_width=CONV_KERNEL, **kw)
     return LinearAttention(c.n_embd, c.n_head, n_kv_heads=c.n_kv_head, causal=True, bias=c.bias, **kw)

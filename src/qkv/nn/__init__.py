@@ -24,7 +24,9 @@ computes its attention through :func:`qkv.attention` / :func:`qkv.attention_back
   Qwen3-Next and Griffin (``from_hf(module)`` from transformers), decoding through a
   :class:`RecurrentState` whose size does not grow with the tokens seen.
 - :class:`BaseConv` and :class:`ConvAttention` (``nn/short_conv.py``): Zoology's short
-  convolution, and its conv-then-attention mixer (cache :class:`ConvKVCache`).
+  convolution, and its conv-then-attention mixer (cache :class:`ConvKVCache`); :class:`ConvMixer`
+  (a BaseConv as a block's mixer) and :class:`BasedAttention` (Based's Taylor linear attention),
+  Zoology's MQAR layers (``nn/zoology.py``).
 - :func:`cache_table` (``nn/footprint.py``): KV-cache bytes per token of MHA, GQA, MQA and MLA.
 - :func:`gradient_errors`: a finite-difference check of any layer's backward.
 """
@@ -45,11 +47,12 @@ from .recurrent_parts import RecurrentState
 from .rglru import RGLRU
 from .self_attention import SelfAttention
 from .short_conv import BaseConv, ConvAttention, ConvKVCache
+from .zoology import BasedAttention, ConvMixer
 
 __all__ = [
     "SelfAttention", "MultiHeadAttention", "LatentAttention", "LinearAttention", "LinearState",
     "Linear", "Embedding", "Dropout", "LayerNorm", "RMSNorm", "MLP", "TransformerBlock",
     "Adam", "AdamW", "cosine_lr", "cross_entropy", "Cache", "KVCache", "LatentCache", "cache_table",
     "cache_elements_per_token", "format_cache_table", "gradient_errors", "Mamba2", "GatedDeltaNet", "RGLRU",
-    "RecurrentState", "BaseConv", "ConvAttention", "ConvKVCache",
+    "RecurrentState", "BaseConv", "ConvAttention", "ConvKVCache", "ConvMixer", "BasedAttention",
 ]

@@ -31,9 +31,10 @@ from .mlp import MLP
 from .norms import LayerNorm, RMSNorm
 from .rglru import RGLRU
 from .short_conv import ConvAttention
+from .zoology import BasedAttention, ConvMixer
 
 NORMS = ("layernorm", "rmsnorm")
-RECURRENT_MIXERS = (Mamba2, GatedDeltaNet, RGLRU)  # layers with new_state(batch) and forward(x, state=)
+RECURRENT_MIXERS = (Mamba2, GatedDeltaNet, RGLRU, ConvMixer, BasedAttention)  # layers with new_state(batch) and forward(x, state=)
 
 
 class TransformerBlock(Layer):
