@@ -13,8 +13,8 @@ SCALE_HELP = "why attention divides by sqrt(d_k): Var(q.k) grows like d_k, softm
 COMPLEXITY_HELP = ("time and traced peak memory against T of dense, tiled, chunked and linear attention, "
                    "forward and forward+backward, and one decoding step")
 RECALL_HELP = "the dictionary lookup learned by softmax and by linear attention as the pairs grow"
-MQAR_HELP = ("multi-query associative recall (Zoology): 2-layer attention, linear, mamba2, gated_delta, rglru "
-             "and attention hybrids at several widths and pair counts")
+MQAR_HELP = ("multi-query associative recall (Zoology): a BaseConv layer then attention, linear, based, mamba2, "
+             "gated_delta, rglru or an attention hybrid, at several widths and pair counts, a sweep of lrs and seeds")
 
 
 def add_arguments(parser) -> None:
@@ -63,25 +63,10 @@ def _recall_arguments(parser) -> None:
 
 
 def _mqar_arguments(parser) -> None:
-    _run_arguments(parser, "mqar", "3 mixers, width 64, 4 and 8 pairs at T 128: under 3 minutes")
-    parser.add_argument("--mixers", nargs="+", metavar="M",
-                        help="only these mixers (attention, linear, mamba2, gated_delta, rglru, attention+X; "
-                             "default all nine)")
-    parser.add_argument("--widths", type=int, nargs="+", metavar="N", help="only these widths (default 32 64 128)")
-    parser.add_argument("--steps", type=int, metavar="N",
-                        help="training steps of every model (default each mixer's own: attention 1000, the "
-                             "recurrences 2500, the hybrids 2000; --quick 300)")
-    parser.add_argument("--lr", type=float, metavar="LR",
-                        help="peak learning rate of every model (default each mixer's own: 3e-3 for attention and "
-                             "the hybrids, 1e-2 for the recurrences)")
-    parser.add_argument("--workers", type=int, metavar="N",
-                        help="models trained at once, a process of one thread each (default 1; the same results)")
-    parser.add_argument("--attention-conv", type=int, metavar="K",
-                        help="taps of the short convolution before every attention layer, as in Zoology's models "
-                             "(default 3; 0 = plain attention)")
-    parser.add_argument("--stop-loss", type=float, metavar="L",
-                        help="a model stops once its mean loss over one cycle of the tasks is below L: it has "
-                             "solved MQAR (default 0.03; 0 = train every step)")
+    from . import mqar
+
+    _run_arguments(parser, "mqar", "attention against Gated DeltaNet at width 32, 4 pairs: under 3 minutes")
+    mqar.add_arguments(parser)
 
 
 def run(args) -> int:
@@ -135,27 +120,9 @@ def _recall(args) -> int:
 
 
 def _mqar(args) -> int:
-    import sys
+    from . import mqar
 
-    from ..experiments.mqar import MQARConfig, mqar_experiment
-    from ..experiments.mqar_report import format_table, plot
-    from ..models.training import Diverged
-
-    cfg = MQARConfig.quick() if args.quick else MQARConfig()
-    cfg.seed = args.seed
-    for name in ("mixers", "widths"):
-        if getattr(args, name):
-            setattr(cfg, name, tuple(getattr(args, name)))
-    for name in ("steps", "lr", "workers", "attention_conv", "stop_loss"):
-        if getattr(args, name) is not None:
-            setattr(cfg, name, getattr(args, name))
-    try:
-        return _record(args, "mqar", cfg, mqar_experiment, format_table, plot)
-    except Diverged as err:  # as qkv train gpt: the step, what went non-finite, a lower lr; exit 1
-        print(f"qkv experiment mqar: error: the model {getattr(err, 'model', '?')}: {err}.\nNothing was written "
-              f"(mqar keeps no checkpoint: its record is written once every model is trained); run again with "
-              f"a lower --lr", file=sys.stderr)
-        return 1
+    return mqar.run(args)
 
 
 def _record(args, name: str, cfg, experiment, format_table, plot) -> int:

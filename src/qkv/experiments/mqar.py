@@ -4,333 +4,238 @@ Zoology (Arora et al., 2023, arXiv:2312.04927) trains 2-layer models on multi-qu
 associative recall (:mod:`qkv.experiments.mqar_data`: pairs, then queries of their keys,
 answered by their values) and finds: attention solves it at every model width; gated
 convolutions and linear recurrences need a width that grows with the number of pairs (their
-state must hold every pair); hybrids with one attention layer close most of the gap.
+state must hold every pair); hybrids with attention close the gap.
 
-Here the same on qkv's GPT (:class:`qkv.models.GPT`, ``GPTConfig(layers=...)``): for each
-mixer (``attention``, ``linear``, ``mamba2``, ``gated_delta``, ``rglru``, and the hybrids
-``attention+X``: an attention layer then an X layer) and each width ``n_embd``, one 2-layer
-model trained on Zoology's mixture of (pairs, T) tasks (:meth:`MQARConfig.tasks`, one task a
-step), then its accuracy at the query positions of held-out sequences of each pair count at
-``T = seq_len``. Every attention layer (of the ``attention`` models and of the hybrids) is, as
-in Zoology's MQAR models, a short convolution then attention (``attention_conv = 3``: the
-``attention:conv=3`` mixer, :class:`qkv.nn.ConvAttention`, Zoology's ``Hybrid([BaseConv, MHA])``),
-with RoPE; ``attention_conv = 0`` makes it plain attention. Training is ``qkv train gpt``'s step
-(:func:`qkv.models.training.train_step`: AdamW, clipping at norm 1, warm-up then cosine,
-float32), with the loss at the query positions only (targets ``-1`` elsewhere).
+Here the same on qkv's GPT (:class:`qkv.models.GPT`, ``GPTConfig(layers=...)``), built as
+Zoology's 2024 MQAR models (:func:`layers`): a BaseConv layer, then the mixer under test
+(``attention``: plain multi-head attention; ``linear``: elu+1 linear attention; ``based``:
+Based's Taylor linear attention; ``mamba2`` with expand 2; ``gated_delta`` with expand_v 2;
+``rglru``; and the hybrids ``attention+X``: BaseConv, attention, then X). Every model has the
+same budget of steps and is trained with Zoology's recipe (:meth:`MQARConfig.train_config`:
+AdamW, weight decay 0.1, betas (0.9, 0.999), cosine to 0 without warm-up, no clipping), stops
+once its accuracy on a held-out validation set exceeds ``stop_accuracy`` (0.99, Zoology's
+rule), and is then scored on a test set of each pair count at ``T = seq_len``. The sweep of
+learning rates, the seeds and the spreading of runs over processes or MPI ranks are in
+:mod:`qkv.experiments.mqar_runs`.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 from threadpoolctl import threadpool_limits
 
 from ..errors import ShapeError, positive_int
-from .mqar_data import check_task, mqar_batch, query_accuracy
+from .mqar_data import FILLERS, VOCAB, check_task, mqar_batch
 
-MIXERS = ("attention", "linear", "mamba2", "gated_delta", "rglru")
+MIXERS = ("attention", "linear", "based", "mamba2", "gated_delta", "rglru")
 RECURRENT = MIXERS[1:]
 HYBRIDS = tuple(f"attention+{m}" for m in RECURRENT)
-RECIPE = {"attention": (1000, 3e-3), **{m: (2500, 1e-2) for m in RECURRENT}, **{m: (2000, 3e-3) for m in HYBRIDS}}
-"""``(steps, lr)`` of each mixer's models when ``MQARConfig.steps`` / ``lr`` are ``None``.
-
-From probes at width 64 on 4 pairs at T = 64 alone (batch 16, warm-up 50 then cosine): attention
-solves MQAR in 700 steps at lr 3e-3; the recurrences stay at chance at 3e-3 through 1000 steps,
-while at 1e-2 Gated DeltaNet learns (loss 3.56, accuracy 0.38 at step 1000 and falling fast) and
-RG-LRU starts to (accuracy 0.16 at 1500), Mamba-2 not within 1500 steps (loss 4.89); the hybrids
-(attention first) learn at 3e-3 (attention+mamba2: 0.96 at step 500 of 750), not at 1e-2 (0.10
-at 750). In the mixture half the steps are 4 pairs,
-hence 2500 steps for the recurrences, 2000 for the hybrids. The full grid with
-:attr:`MQARConfig.stop_loss` (12 of the 15 attention and hybrid models stop solved, after 474
-to 1809 steps) took 3165 s wall with ``workers = 2`` on a 2.0 GHz Intel Xeon (6290 s of CPU,
-4770 of them the twelve pure recurrences, which never stop); run as AVX2 on the same machine,
-after the heap setting and the RG-LRU's compiled passes, 3354 s (6659 s of CPU)."""
+LAYER = {"attention": "attention", "linear": "linear", "based": "based", "mamba2": "mamba2:expand=2",
+         "gated_delta": "gated_delta:expand_v=2", "rglru": "rglru"}
+"""Each mixer's ``GPTConfig.layers`` token: Zoology's state sizes (Mamba-2's expand 2, Gated
+DeltaNet's expand_v 2; Based's 16 features a head)."""
 
 
 @dataclass
 class MQARConfig:
     """Settings of ``qkv experiment mqar`` (the defaults are the full grid; see :meth:`quick`).
 
-    Zoology's: vocabulary 8192, 180 000 training sequences (100 000 of 4 pairs at T = 64,
-    20 000 each of 8 pairs at T = 128 and 16, 32, 64 pairs at T = 256), 32 to 64 epochs of
-    batch 256, lr swept in [1e-3, 3e-2], widths 64 … 512. Here, for a CPU: the same mixture
-    of lengths (:meth:`tasks`: a step's batch is one task, in the order of :meth:`schedule`),
-    vocabulary ``vocab_size``, ``steps`` steps of ``batch`` fresh sequences at learning rate
-    ``lr``; evaluated at ``seq_len`` for every pair count. ``steps`` / ``lr`` ``None`` (the
-    defaults): each mixer's own from :data:`RECIPE` (:meth:`steps_of`, :meth:`lr_of`), as Zoology
-    tunes each mixer's lr; a number: that for every model. ``workers``: models trained at
-    once, in processes of one thread each (the results are the same bits as one worker's: every model is made and fed
-    from ``seed`` alone, on one thread). ``attention_conv``: the taps of the short convolution
-    before every attention layer (Zoology's BaseConv, kernel 3 as its models have it; 0 = plain
-    attention). ``stop_loss``: a model that has solved the task stops early, once the mean loss of
-    its last :meth:`cycle` steps (every task at least once) is below it (0.03: the value's mean
-    probability above 0.97); ``None`` or 0 trains every step. (Zoology trains a fixed number of
-    epochs; here the grid's hour on 2 cores is spent on the models still learning.)
+    Zoology's: vocabulary 8192, 4 pairs at T = 64 up to 64 pairs at T = 256, 5.8-11.5 M training
+    sequences, widths 64 … 512, 4 learning rates a model. Here, sized for a CPU: the tasks
+    ``pairs`` at ``T = min(seq_len, 16 · pairs)`` (:meth:`tasks`, one task a step in the order of
+    :meth:`schedule`), ``steps`` steps of ``batch`` fresh sequences for every model, each
+    (mixer, width) at every learning rate of ``lrs`` for ``seeds[0]``, the best on validation
+    then trained again for the other seeds. ``val_every``: steps between validations (the stop
+    rule's); ``n_val`` validation sequences a task (Generator ``(3, seed)``), ``n_eval`` test
+    sequences a pair count at ``seq_len`` (Generator ``(2, seed)``), never used to choose.
+    ``baseconv``: the taps of the BaseConv layer before the mixer (0: none, the mixer alone).
+    ``workers``: runs at once, a process of one thread each (the same bits as one process).
     """
 
     mixers: tuple = MIXERS + HYBRIDS
     widths: tuple = (32, 64, 128)
-    pairs: tuple = (4, 8, 16, 32, 64)
-    seq_len: int = 256
-    vocab_size: int = 288
+    pairs: tuple = (4, 8, 16)
+    seq_len: int = 128
+    vocab_size: int = VOCAB
+    filler: str = "random"
     n_head: int = 2
     positions: str = "rope"
-    steps: int | None = None
-    batch: int = 16
-    lr: float | None = None
-    warmup: int = 50
-    weight_decay: float = 0.0
-    n_eval: int = 48
-    seed: int = 0
+    steps: int = 1500
+    batch: int = 32
+    lrs: tuple = (1e-3, 3e-3, 1e-2)
+    seeds: tuple = (0, 1, 2)
+    weight_decay: float = 0.1
+    betas: tuple = (0.9, 0.999)
+    grad_clip: float = 0.0
+    stop_accuracy: float = 0.99
+    val_every: int = 100
+    n_val: int = 64
+    n_eval: int = 64
+    baseconv: int = 3
     workers: int = 1
-    attention_conv: int = 3
-    stop_loss: float | None = 0.03
 
     @classmethod
     def quick(cls) -> "MQARConfig":
-        """Under 3 minutes on 2 cores: attention, Mamba-2 and their hybrid at width 64 on 4 and
-        8 pairs (T = 64 and 128), evaluated at T = 128."""
-        return cls(mixers=("attention", "mamba2", "attention+mamba2"), widths=(64,), pairs=(4, 8),
-                   seq_len=128, steps=300, n_eval=32)
+        """Under 3 minutes of CPU: attention against Gated DeltaNet at width 32, 4 pairs at T = 64."""
+        return cls(mixers=("attention", "gated_delta"), widths=(32,), pairs=(4,), seq_len=64, steps=600,
+                   batch=32, lrs=(1e-2,), seeds=(0,), val_every=50, n_val=32, n_eval=64)
 
     def tasks(self) -> list[tuple[int, int]]:
-        """``(pairs, T)`` of each training task: Zoology's lengths, ``T = 16 · pairs`` (64 for 4
-        pairs, 128 for 8), at most ``seq_len``."""
+        """``(pairs, T)`` of each training task: Zoology's lengths, ``T = 16 · pairs``, at most ``seq_len``."""
         return [(int(p), min(self.seq_len, 16 * int(p))) for p in self.pairs]
-
-    def steps_of(self, mixer: str) -> int:
-        """Training steps of ``mixer``'s models: ``steps``, or :data:`RECIPE`'s for ``None``."""
-        return RECIPE[_known(mixer)][0] if self.steps is None else self.steps
-
-    def lr_of(self, mixer: str) -> float:
-        """Peak learning rate of ``mixer``'s models: ``lr``, or :data:`RECIPE`'s for ``None``."""
-        return RECIPE[_known(mixer)][1] if self.lr is None else self.lr
-
-    def cycle(self) -> int:
-        """Steps after which :meth:`schedule` repeats: every task at least once."""
-        return 2 * len(self.pairs) - 1
 
     def schedule(self, step: int) -> tuple[int, int]:
         """The task of training step ``step``: the fewest pairs every other step, the others in turn
-        between them (for 4 … 64 pairs: 4, 8, 4, 16, 4, 32, 4, 64, 4, again; Zoology's 100 000
-        sequences of 4 pairs against 20 000 of each other count)."""
+        between them (4, 8, 4, 16, 4, 8, ...: Zoology's mixture leans on its smallest task)."""
         tasks = self.tasks()
         cycle = [0] + [j for i in range(1, len(tasks)) for j in (i, 0)]
         return tasks[cycle[step % len(cycle)]]
 
     def check(self, available=None) -> None:
-        """A ShapeError for a setting no model can train with: an unknown or repeated mixer, width
-        or pair count, a task the vocabulary cannot hold, or a widest model that needs more memory
-        than the machine has ``available`` (bytes; default: :func:`qkv.models.memory.available_memory`)."""
-        if not self.mixers or not self.widths or not self.pairs:
-            raise ShapeError("mixers, widths and pairs must each name at least one value; got "
-                             f"{len(self.mixers)}, {len(self.widths)} and {len(self.pairs)}")
-        for name in ("mixers", "widths", "pairs"):
+        """A ShapeError for a setting no model can train with (an unknown or repeated mixer, width,
+        pair count, lr or seed; a task the vocabulary cannot hold; a widest model that needs more
+        memory than the machine has ``available``)."""
+        for name in ("mixers", "widths", "pairs", "lrs", "seeds"):
             values = list(getattr(self, name))
+            if not values:
+                raise ShapeError(f"{name} must name at least one value; got none")
             twice = sorted({str(v) for v in values if values.count(v) > 1})
             if twice:
-                raise ShapeError(f"{name} must name each value once (each is one model, or one column); "
-                                 f"got {', '.join(twice)} more than once")
-        positive_int("attention_conv", self.attention_conv, 0)
+                raise ShapeError(f"{name} must name each value once; got {', '.join(twice)} more than once")
         for m in self.mixers:
             layers(m)
-        if self.stop_loss is not None and not (isinstance(self.stop_loss, (int, float)) and
-                                               0 <= self.stop_loss < float("inf")):
-            raise ShapeError(f"stop_loss must be a finite number >= 0 or None; got {self.stop_loss!r}")
-        for name in ("n_head", "steps", "batch", "n_eval", "workers"):
-            if not (name == "steps" and self.steps is None):
-                positive_int(name, getattr(self, name))
+        if self.filler not in FILLERS:
+            raise ShapeError(f"filler must be one of {list(FILLERS)}; got {self.filler!r}")
+        for lr in self.lrs:
+            if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < float("inf"):
+                raise ShapeError(f"lrs must be finite numbers > 0; got {lr!r}")
+        if not (isinstance(self.stop_accuracy, (int, float)) and 0 < self.stop_accuracy <= 1.5):
+            raise ShapeError(f"stop_accuracy must be a number in (0, 1] (above 1: never stop); got {self.stop_accuracy!r}")
+        for name in ("n_head", "steps", "batch", "n_eval", "n_val", "workers", "val_every"):
+            positive_int(name, getattr(self, name))
+        positive_int("baseconv", self.baseconv, 0)
+        for s in self.seeds:
+            positive_int("seeds", s, 0)
         for w in self.widths:
             if positive_int("widths", w) % self.n_head:
                 raise ShapeError(f"widths must be multiples of n_head = {self.n_head}; got {w}")
         for p, t in self.tasks():
             check_task(p, t, self.vocab_size)
             check_task(p, self.seq_len, self.vocab_size)
-        self.model_config(self.mixers[0], self.widths[0])
         for m in self.mixers:
-            self.train_config(m, self.widths[0]).check()
+            self.train_config(m, self.widths[0], self.lrs[0], self.seeds[0]).check()
         from ..models.memory import check_fits
 
-        check_fits(self.train_config(self.mixers[0], max(self.widths)), self.vocab_size,
+        check_fits(self.train_config(self.mixers[0], max(self.widths), self.lrs[0], 0), self.vocab_size,
                    {"n_embd": "widths", "batch_size": "batch", "block_size": "seq_len", "n_layer": None}, available)
 
-    def model_config(self, mixer: str, width: int):
-        """The :class:`qkv.models.GPTConfig` of one (mixer, width) model: 2 layers, no dropout."""
+    def model_config(self, mixer: str, width: int, seed: int):
+        """The :class:`qkv.models.GPTConfig` of one (mixer, width) model, its weights from ``seed``."""
         from ..models import GPTConfig
 
-        return GPTConfig(vocab_size=self.vocab_size, block_size=self.seq_len, n_layer=2, n_head=self.n_head,
-                         n_embd=int(width), positions=self.positions, seed=self.seed,
-                         layers=layers(mixer, self.attention_conv))
+        pattern = layers(mixer, self.baseconv)
+        return GPTConfig(vocab_size=self.vocab_size, block_size=self.seq_len, n_layer=pattern.count(",") + 1,
+                         n_head=self.n_head, n_embd=int(width), positions=self.positions, seed=int(seed),
+                         layers=pattern)
 
-    def train_config(self, mixer: str, width: int):
-        """The :class:`qkv.models.trainconfig.TrainConfig` of one (mixer, width) model (its
-        optimizer and schedule: AdamW, clipping at 1, warm-up then cosine to lr / 10; the mixer's
-        :meth:`steps_of` and :meth:`lr_of`)."""
+    def train_config(self, mixer: str, width: int, lr: float, seed: int):
+        """The :class:`qkv.models.trainconfig.TrainConfig` of one run: Zoology's optimizer and
+        schedule (AdamW over every matrix, the embeddings too; cosine from ``lr`` to 0 over
+        ``steps``, no warm-up; no clipping for ``grad_clip = 0``)."""
         from ..models.trainconfig import TrainConfig
 
-        return TrainConfig(block_size=self.seq_len, batch_size=self.batch, n_layer=2, n_head=self.n_head,
-                           n_embd=int(width), lr=self.lr_of(mixer), warmup=self.warmup, steps=self.steps_of(mixer),
-                           weight_decay=self.weight_decay, seed=self.seed, vocab_size=self.vocab_size,
-                           layers=layers(mixer, self.attention_conv))
+        pattern = layers(mixer, self.baseconv)
+        return TrainConfig(block_size=self.seq_len, batch_size=self.batch, n_layer=pattern.count(",") + 1,
+                           n_head=self.n_head, n_embd=int(width), lr=float(lr), min_lr=0.0, warmup=0,
+                           steps=self.steps, weight_decay=self.weight_decay, beta1=self.betas[0],
+                           beta2=self.betas[1], grad_clip=self.grad_clip, decay_embeddings=True, seed=int(seed),
+                           vocab_size=self.vocab_size, layers=pattern)
 
-    @property
-    def n_steps(self) -> int:
-        """Training steps in all (``progress`` counts them)."""
-        return len(self.widths) * sum(self.steps_of(m) for m in self.mixers)
-
-
-def _known(mixer: str) -> str:
-    """``mixer`` if it is one of :data:`RECIPE`'s, else the ShapeError of :func:`layers`."""
-    if mixer not in RECIPE:
-        layers(mixer)
-    return mixer
+    def runs(self) -> int:
+        """Training runs of the grid: every lr for the first seed, the chosen lr for the others."""
+        return len(self.mixers) * len(self.widths) * (len(self.lrs) + len(self.seeds) - 1)
 
 
-def layers(mixer: str, conv: int = 0) -> str:
-    """``GPTConfig.layers`` of a 2-layer model: ``"mamba2"`` -> ``"mamba2,mamba2"``; a hybrid
-    ``"attention+mamba2"`` -> ``"attention,mamba2"``: attention first, on the embeddings. With the
-    recurrent layer first (the order of Jamba's, Qwen3-Next's and Griffin's patterns) its block
-    writes 10 times the embeddings' size into the residual stream within 100 steps (Mamba-2 and its
-    MLP: 0.19 and 0.44 rms against the embeddings' 0.036), the attention behind it no longer
-    matches the key tokens, and no hybrid learned (300 steps, 4 pairs at T = 64, width 64:
-    accuracy 0.03 for attention+mamba2 and attention+gated_delta, against 0.12 and 0.58 with
-    attention first, and 0.55 with the recurrent layer's output zeroed).
-    ``conv`` > 0: every attention layer is ``attention:conv=<conv>`` (``"attention"`` ->
-    ``"attention:conv=3,attention:conv=3"``)."""
+def layers(mixer: str, baseconv: int = 3) -> str:
+    """``GPTConfig.layers`` of one model: ``"mamba2"`` -> ``"baseconv,mamba2:expand=2"`` (a BaseConv
+    layer, then the mixer: Zoology's 2024 MQAR models); a hybrid ``"attention+mamba2"`` ->
+    ``"baseconv,attention,mamba2:expand=2"``. ``baseconv = 0``: no BaseConv layer (``"attention"``
+    -> ``"attention"``); ``baseconv = K``: ``baseconv:kernel=K`` for ``K != 3``.
+
+    The attention of a hybrid comes before its recurrence: with the recurrent layer first its
+    output swamped the embeddings in the residual stream and no hybrid learned (an earlier
+    grid: accuracy 0.03 against 0.58 attention first)."""
     parts = mixer.split("+") if isinstance(mixer, str) else [None]
-    attention = f"attention:conv={conv}" if conv else "attention"
+    conv = [] if not baseconv else ["baseconv" if baseconv == 3 else f"baseconv:kernel={baseconv}"]
     if len(parts) == 1 and parts[0] in MIXERS:
-        first = attention if parts[0] == "attention" else parts[0]
-        return f"{first},{first}"
+        return ",".join(conv + [LAYER[parts[0]]])
     if len(parts) == 2 and parts[0] == "attention" and parts[1] in RECURRENT:
-        return f"{attention},{parts[1]}"
+        return ",".join(conv + ["attention", LAYER[parts[1]]])
     raise ShapeError(f"mixers must be among {list(MIXERS)} or a hybrid {list(HYBRIDS)}; got {mixer!r}")
 
 
-def mixture(rng: np.random.Generator, batch: int, pairs, seq_len: int, vocab_size: int) -> tuple:
-    """A batch ``(inputs, targets)`` ``(batch, T)`` whose rows share out the pair counts
-    (``batch // len(pairs)`` rows each, the first counts one more until ``batch`` is reached)."""
-    sizes = [batch // len(pairs) + (i < batch % len(pairs)) for i in range(len(pairs))]
-    parts = [mqar_batch(rng, n, p, seq_len, vocab_size) for n, p in zip(sizes, pairs) if n]
-    return (np.concatenate([d["inputs"] for d in parts]), np.concatenate([d["targets"] for d in parts]))
+def accuracy(model, batches, chunk: int = 16) -> float:
+    """The fraction of query positions answered right over ``batches`` (a list of
+    :func:`~qkv.experiments.mqar_data.mqar_batch` dicts); the head only at the queries."""
+    hits = total = 0
+    for d in batches:
+        for i in range(0, len(d["inputs"]), chunk):
+            t = d["targets"][i:i + chunk]
+            keep = t != -1
+            hits += int(np.count_nonzero(np.argmax(model.logits_at(d["inputs"][i:i + chunk], keep), -1) == t[keep]))
+            total += int(np.count_nonzero(keep))
+    return hits / total
 
 
-def evaluate(model, cfg: MQARConfig, chunk: int = 16) -> list[float]:
-    """Accuracy at the query positions of ``n_eval`` held-out sequences of each pair count at
-    ``T = seq_len`` (the same sequences for every model: a Generator made afresh from the seed)."""
-    rng = np.random.default_rng((2, cfg.seed))
-    model.eval()
-    try:
-        out = []
-        for p in cfg.pairs:
-            d = mqar_batch(rng, cfg.n_eval, p, cfg.seq_len, cfg.vocab_size)
-            hits = 0.0
-            for i in range(0, cfg.n_eval, chunk):
-                t = d["targets"][i:i + chunk]
-                hits += query_accuracy(model.forward(d["inputs"][i:i + chunk]), t) * np.count_nonzero(t != -1)
-            out.append(float(hits / np.count_nonzero(d["targets"] != -1)))
-        return out
-    finally:
-        model.train()
+def held_out(cfg: MQARConfig, seed: int) -> tuple[list, list]:
+    """``(validation, test)``: ``n_val`` sequences of each training task (Generator ``(3, seed)``),
+    and ``n_eval`` of each pair count at ``T = seq_len`` (Generator ``(2, seed)``)."""
+    rv, rt = np.random.default_rng((3, seed)), np.random.default_rng((2, seed))
+    val = [mqar_batch(rv, cfg.n_val, p, t, cfg.vocab_size, filler=cfg.filler) for p, t in cfg.tasks()]
+    test = [mqar_batch(rt, cfg.n_eval, p, cfg.seq_len, cfg.vocab_size, filler=cfg.filler) for p in cfg.pairs]
+    return val, test
 
 
-def train_one(cfg: MQARConfig, mixer: str, width: int, progress=None) -> dict:
-    """Train one (mixer, width) model on the tasks; returns ``{"accuracy": [per pair count],
-    "final_loss", "seconds", "params", "steps", "max_steps", "lr"}`` (``steps``: the steps taken,
-    fewer than ``max_steps`` where the model met ``cfg.stop_loss``). ``progress()`` is called
-    after every step (and once for each step left out by an early stop). A model whose numbers
-    stop being finite raises :class:`qkv.models.training.Diverged` with ``model`` naming it.
-
-    On one thread (kernels and BLAS): the same bits in any process, whatever ran before."""
+def train_one(cfg: MQARConfig, mixer: str, width: int, lr: float, seed: int, progress=None) -> dict:
+    """Train one model; returns ``{"accuracy": [test, per pair count], "val_accuracy", "final_loss",
+    "seconds", "params", "steps", "diverged"}``. It stops at the first validation (every
+    ``val_every`` steps and at the end) whose accuracy exceeds ``stop_accuracy``. A run whose
+    numbers stop being finite ends there (``diverged``: True; its accuracies are those of its
+    last finite weights' evaluation: 0 before any). ``progress()`` after every step (and once for
+    each step an early stop left out). On one thread: the same bits in any process."""
     from ..models import GPT
     from ..models.training import Diverged, Run, make_optimizer, train_step
     from ..threads import kernel_threads
 
-    tc = cfg.train_config(mixer, width).resolved()
-    model = GPT(cfg.model_config(mixer, width))
-    run = Run(tc, model, make_optimizer(model, tc), np.random.default_rng((1, cfg.seed)), None, {"kind": "mqar"})
-    start, losses, steps, window = time.perf_counter(), [], cfg.steps_of(mixer), cfg.cycle()
+    tc = cfg.train_config(mixer, width, lr, seed).resolved()
+    model = GPT(cfg.model_config(mixer, width, seed))
+    run = Run(tc, model, make_optimizer(model, tc), np.random.default_rng((1, seed)), None, {"kind": "mqar"})
+    val, test = held_out(cfg, seed)
+    start, losses, val_acc, diverged = time.perf_counter(), [], 0.0, False
     with threadpool_limits(limits=1, user_api="blas"), kernel_threads(1):
-        for step in range(steps):
+        for step in range(cfg.steps):
             pairs, t = cfg.schedule(step)
-            d = mqar_batch(run.rng, cfg.batch, pairs, t, cfg.vocab_size)
+            d = mqar_batch(run.rng, cfg.batch, pairs, t, cfg.vocab_size, filler=cfg.filler)
             try:
                 losses.append(train_step(run, d["inputs"], d["targets"]))
-            except Diverged as err:
-                err.model = f"{mixer} at width {width}"  # which of the grid's models
-                raise
+            except Diverged:
+                diverged = True
+                break
             if progress is not None:
                 progress()
-            if cfg.stop_loss and step + 1 >= max(window, cfg.warmup) and np.mean(losses[-window:]) < cfg.stop_loss:
-                break
+            if (step + 1) % cfg.val_every == 0 or step + 1 == cfg.steps:
+                model.eval()
+                val_acc = accuracy(model, val)
+                model.train()
+                if val_acc > cfg.stop_accuracy:
+                    break
         seconds = time.perf_counter() - start
-        for _ in range(steps - len(losses) if progress is not None else 0):
+        for _ in range(cfg.steps - len(losses) if progress is not None else 0):
             progress()
-        accuracy = evaluate(model, cfg)
-    last = losses[-5 * len(cfg.pairs):]
-    return {"accuracy": accuracy, "final_loss": float(np.mean(last)), "seconds": round(seconds, 2),
-            "params": model.num_params(), "steps": len(losses), "max_steps": steps, "lr": cfg.lr_of(mixer)}
-
-
-def _train_job(job: tuple) -> dict:
-    """``train_one(cfg, mixer, width)`` in a worker process."""
-    cfg, mixer, width = job
-    return train_one(cfg, mixer, width)
-
-
-def _each_model(cfg: MQARConfig, step):
-    """``((mixer, width), result)`` for every model, in ``cfg.workers`` processes (the widest
-    first, so that the last to finish are short), or in this one for ``workers = 1``."""
-    jobs = [(m, int(w)) for m in cfg.mixers for w in cfg.widths]
-    if cfg.workers == 1 or len(jobs) == 1:
-        for m, w in jobs:
-            yield (m, w), train_one(cfg, m, w, step)
-        return
-    import multiprocessing
-
-    order = sorted(jobs, key=lambda j: -j[1])
-    ctx = multiprocessing.get_context("spawn")  # no inherited thread pools or locks
-    from ..heap import keep_freed_memory
-
-    with ctx.Pool(min(cfg.workers, len(jobs)), initializer=keep_freed_memory) as pool:
-        for job, r in zip(order, pool.imap(_train_job, [(cfg, m, w) for m, w in order])):
-            for _ in range(cfg.steps_of(job[0])):
-                step()
-            yield job, r
-
-
-def mqar_experiment(cfg: MQARConfig | None = None, progress=None) -> dict:
-    """Train every (mixer, width) model; returns the record written as ``mqar.json``.
-
-    ``rows``: one ``{mixer, width, pairs, accuracy}`` per (mixer, width, pair count), in the
-    order of ``mixers`` then ``widths``; ``runs``: one ``{mixer, width, final_loss, seconds,
-    params, steps, max_steps, lr}`` per model; ``chance`` (1 / values); ``tasks`` (the training ``[pairs, T]``);
-    ``seconds`` (wall, all models); ``config``. ``progress(done, total)`` is called after every
-    training step (with workers: a model's steps at once, when it is done).
-    """
-    cfg = cfg or MQARConfig()
-    cfg.check()
-    done = 0
-
-    def step():
-        nonlocal done
-        done += 1
-        if progress is not None:
-            progress(done, cfg.n_steps)
-
-    start = time.perf_counter()
-    results = dict(_each_model(cfg, step))
-    rows, runs = [], []
-    for mixer in cfg.mixers:
-        for width in cfg.widths:
-            r = results[(mixer, int(width))]
-            rows += [{"mixer": mixer, "width": int(width), "pairs": int(p), "accuracy": a}
-                     for p, a in zip(cfg.pairs, r["accuracy"])]
-            runs.append({"mixer": mixer, "width": int(width), "final_loss": r["final_loss"],
-                         "seconds": r["seconds"], "params": r["params"], "steps": r["steps"],
-                         "max_steps": r["max_steps"], "lr": r["lr"]})
-    config = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(cfg).items()}
-    return {"rows": rows, "runs": runs, "chance": 1.0 / (cfg.vocab_size - cfg.vocab_size // 2),
-            "tasks": [list(t) for t in cfg.tasks()], "seconds": round(time.perf_counter() - start, 1),
-            "config": config}
+        model.eval()
+        test_acc = [accuracy(model, [d]) for d in test]
+    return {"accuracy": test_acc, "val_accuracy": float(val_acc), "diverged": diverged,
+            "final_loss": float(np.mean(losses[-20:])) if losses else float("nan"), "seconds": round(seconds, 2),
+            "params": model.num_params(), "steps": len(losses)}

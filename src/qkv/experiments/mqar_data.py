@@ -9,10 +9,15 @@ One sequence of ``T`` token ids (vocabulary ``V``; keys from ``[1, V/2)``, value
 The first ``2P`` tokens are the ``P`` (key, value) pairs, keys distinct and values distinct
 within a sequence. After them come ``Q`` queries (``Q <= P``; Zoology queries every key,
 ``Q = P``): keys of the pairs, each at an even offset ``2 g`` into the rest of the sequence,
-the slots ``g`` drawn without replacement from ``0 .. (T - 2P)/2 - 1`` with probability
-``∝ (g + 1)^(a - 1)`` (Zoology's power law, ``a = 0.01``: most queries come soon after the
-pairs, a few far). Every other position holds a uniformly random token ("noise": Zoology's
-``random_non_queries``). The target at a query's position is its key's value (next-token
+the slots ``g`` drawn one after another without replacement from ``0 .. (T - 2P)/2 - 1`` with
+probability ``∝ (g + 1)^(a - 1)`` (Zoology's power law, ``a = 0.01``: most queries come soon
+after the pairs, a few far), and, as Zoology's ``multiquery_ar`` does, the i-th slot drawn
+asks pair i: earlier pairs tend to be asked sooner. The draws are Gumbel-top-k (the slots
+sorted by ``log p + Gumbel noise``), whose order is that of drawing one by one. Every other
+position holds the filler: a uniformly random token of the whole vocabulary (``filler =
+"random"``, Zoology's ``random_non_queries``, its default), or 0 (``"zero"``). With random
+filler a query's key can also turn up as noise before it; at Zoology's vocabulary of 8192
+that is rare (about 0.4 % of queries at 64 pairs and T = 256), at a few hundred it is not. The target at a query's position is its key's value (next-token
 prediction: having read the key, emit the value); every other target is ``-1``, no target,
 which :meth:`qkv.models.GPT.loss` leaves out of the loss, and :func:`query_accuracy` out of
 the accuracy.
@@ -26,6 +31,8 @@ import numpy as np
 from ..errors import ShapeError, positive_int
 
 POWER_A = 0.01   # Zoology's power_a: the query slots' power-law exponent
+VOCAB = 8192     # Zoology's vocab_size for MQAR
+FILLERS = ("random", "zero")
 
 
 def check_task(pairs: int, seq_len: int, vocab_size: int, queries: int | None = None) -> int:
@@ -52,23 +59,29 @@ def _distinct(rng: np.random.Generator, batch: int, low: int, high: int, n: int)
 
 
 def mqar_batch(rng: np.random.Generator, batch: int, pairs: int, seq_len: int, vocab_size: int,
-               queries: int | None = None, power_a: float = POWER_A) -> dict:
+               queries: int | None = None, power_a: float = POWER_A, filler: str = "random") -> dict:
     """One batch of MQAR: ``inputs (B, T)`` and ``targets (B, T)`` int64 (``-1`` but at the queries).
 
-    Also ``keys``, ``values`` ``(B, P)`` and ``query_pos`` ``(B, Q)`` (where each query sits).
-    Drawn from ``rng`` only: the same Generator state gives the same batch.
+    Also ``keys``, ``values`` ``(B, P)`` and ``query_pos`` ``(B, Q)`` (where each query sits:
+    ``query_pos[:, i]`` asks pair i). Drawn from ``rng`` only: the same Generator state gives
+    the same batch.
     """
     positive_int("batch", batch)
     q = check_task(pairs, seq_len, vocab_size, queries)
+    if filler not in FILLERS:
+        raise ShapeError(f"filler must be one of {list(FILLERS)}; got {filler!r}")
     half = vocab_size // 2
     keys = _distinct(rng, batch, 1, half, pairs)                     # (B, P) in [1, V/2)
     values = _distinct(rng, batch, half, vocab_size, pairs)           # (B, P) in [V/2, V)
     space = (seq_len - 2 * pairs) // 2                                 # query slots after the pairs
     logp = (power_a - 1) * np.log(np.arange(1, space + 1))            # log p(g) up to a constant
     gumbel = -np.log(-np.log(rng.random((batch, space))))
-    slots = np.argsort(-(logp + gumbel), axis=1)[:, :q]                # (B, Q): without replacement, ∝ p
-    asked = _distinct(rng, batch, 0, pairs, q)                         # (B, Q): which pairs are queried
-    inputs = rng.integers(0, vocab_size, size=(batch, seq_len))        # noise everywhere first
+    slots = np.argsort(-(logp + gumbel), axis=1)[:, :q]                # (B, Q): in the order drawn, ∝ p
+    asked = np.broadcast_to(np.arange(q), (batch, q))                  # the i-th slot drawn asks pair i
+    if filler == "random":
+        inputs = rng.integers(0, vocab_size, size=(batch, seq_len))    # noise everywhere first
+    else:
+        inputs = np.zeros((batch, seq_len), dtype=np.int64)
     inputs[:, 0:2 * pairs:2], inputs[:, 1:2 * pairs:2] = keys, values
     rows = np.arange(batch)[:, None]
     query_pos = 2 * pairs + 2 * slots                                  # (B, Q)

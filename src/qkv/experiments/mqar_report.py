@@ -1,62 +1,98 @@
-"""The table and the picture of ``qkv experiment mqar`` (the runs: :mod:`qkv.experiments.mqar`)."""
+"""The table and the picture of ``qkv experiment mqar`` (the runs: :mod:`qkv.experiments.mqar_runs`).
+
+Each cell is over the seeds of the chosen learning rate: the median, and the lowest and highest
+(``0.98 (0.97-0.99)``).
+"""
 from __future__ import annotations
+
+import numpy as np
 
 from ..extras import figure
 
 
-def _grid(rec: dict) -> tuple[list, list, list, dict]:
-    """The mixers, widths and pair counts in the record's order, and ``{(mixer, width, pairs): accuracy}``."""
-    acc = {(r["mixer"], r["width"], r["pairs"]): r["accuracy"] for r in rec["rows"]}
+def cells(rec: dict) -> tuple[list, list, list, dict]:
+    """The mixers, widths and pair counts in the record's order, and ``{(mixer, width, pairs):
+    [accuracy of each seed at the chosen lr]}``."""
+    acc = {}
+    for r in rec["rows"]:
+        if r.get("chosen", True):
+            acc.setdefault((r["mixer"], r["width"], r["pairs"]), []).append(r["accuracy"])
     order = lambda i: list(dict.fromkeys(k[i] for k in acc))  # noqa: E731
     return order(0), order(1), order(2), acc
 
 
+def _cell(values: list) -> str:
+    if len(values) == 1:
+        return f"{values[0]:.3f}"
+    return f"{np.median(values):.3f} ({min(values):.2f}-{max(values):.2f})"
+
+
 def format_table(rec: dict) -> str:
     """The record as Markdown: one row per (mixer, width), one column per pair count."""
-    mixers, widths, pairs, acc = _grid(rec)
+    mixers, widths, pairs, acc = cells(rec)
     c = rec["config"]
-    tasks = ", ".join(f"{p} at {t}" for p, t in rec.get("tasks", [])) or f"T = {c['seq_len']}"
-    conv = c.get("attention_conv", 0)            # records made before the option: plain attention
-    attention = f"attention after a short convolution of {conv}" if conv else "plain attention"
-    lines = [f"accuracy at the query positions, T = {c['seq_len']} (chance {rec['chance']:.4f}); 2 layers, "
-             f"{c['n_head']} head(s), {attention}, {c.get('positions', 'learned')} positions, "
-             f"vocabulary {c['vocab_size']}, "
-             f"batches of {c['batch']} sequences (pairs at T: {tasks}), warm-up {c['warmup']} steps then cosine"
-             + (f"; a model stops once solved (mean loss of a cycle of tasks < {c['stop_loss']:g})"
-                if c.get("stop_loss") else ""), "",
-             "| mixer | width | steps | lr | " + " | ".join(f"{p} pairs" for p in pairs) + " |",
+    tasks = ", ".join(f"{p} at {t}" for p, t in rec["tasks"])
+    steps = {}
+    for r in rec["runs"]:
+        if r["chosen"]:
+            steps.setdefault((r["mixer"], r["width"]), []).append(r["steps"])
+    lines = [f"accuracy at the query positions of the test set, T = {c['seq_len']} (chance {rec['chance']:.5f}); "
+             f"median (lowest-highest) over seeds {c['seeds']} at the lr chosen on validation from {c['lrs']}; "
+             f"{'a BaseConv layer of ' + str(c['baseconv']) + ' taps then ' if c['baseconv'] else ''}the mixer, "
+             f"{c['n_head']} head(s), vocabulary {c['vocab_size']} ({c['filler']} filler), batches of {c['batch']} "
+             f"(pairs at T: {tasks}), at most {c['steps']} steps, AdamW wd {c['weight_decay']:g}, cosine to 0; a "
+             f"run stops at validation accuracy > {c['stop_accuracy']:g}; {rec['machine']}", "",
+             "| mixer | width | lr | steps | " + " | ".join(f"{p} pairs" for p in pairs) + " |",
              "|---|---:|---:|---:|" + "---:|" * len(pairs)]
-    run = {(r["mixer"], r["width"]): r for r in rec.get("runs", [])}
     for m in mixers:
         for w in widths:
-            r = run.get((m, w), {})                 # records made before per-mixer steps: the config's
-            cells = [f"{acc[(m, w, p)]:.3f}" if (m, w, p) in acc else "-" for p in pairs]
-            lines.append(f"| {m} | {w} | {r.get('steps', c['steps'])} | {r.get('lr', c['lr']):g} | "
-                         + " | ".join(cells) + " |")
+            lr = rec["chosen_lr"].get(f"{m}@{w}")
+            st = steps.get((m, w), [])
+            cells_ = [_cell(acc[(m, w, p)]) if (m, w, p) in acc else "-" for p in pairs]
+            lines.append(f"| {m} | {w} | {lr:g} | {'/'.join(map(str, st))} | " + " | ".join(cells_) + " |")
     return "\n".join(lines)
 
 
+def quick_finding(rec: dict) -> str:
+    """``--quick``'s one line: attention's accuracy at the smallest pair count against each other mixer's."""
+    mixers, widths, pairs, acc = cells(rec)
+    p, w = pairs[0], widths[0]
+    got = {m: float(np.median(acc[(m, w, p)])) for m in mixers if (m, w, p) in acc}
+    att = got.get("attention")
+    if att is None:
+        return ""
+    others = ", ".join(f"{m} {a:.2f}" for m, a in got.items() if m != "attention")
+    shown = att >= 0.9 and all(a <= 0.5 for m, a in got.items() if m != "attention")
+    return (f"\nat width {w}, {p} pairs: attention {att:.2f}, {others}: "
+            + ("attention recalls what the fixed state does not (Zoology's finding)" if shown else
+               "the contrast (attention >= 0.9, the others <= 0.5) did not show in this run"))
+
+
 def plot(rec: dict, path) -> None:
-    """One panel per pair count: accuracy against width, a line per mixer (hybrids dashed)."""
-    mixers, widths, pairs, acc = _grid(rec)
-    fig = figure(figsize=(3.2 * len(pairs) + 1.5, 3.6))
+    """One panel per pair count: the median accuracy against width, the seeds' range as bars, a
+    line per mixer (hybrids dashed)."""
+    mixers, widths, pairs, acc = cells(rec)
+    fig = figure(figsize=(3.2 * len(pairs) + 1.8, 3.6))
     axes = fig.subplots(1, len(pairs), sharey=True, squeeze=False)[0]
     for ax, p in zip(axes, pairs):
         for i, m in enumerate(mixers):
             ws = [w for w in widths if (m, w, p) in acc]
-            ax.plot(ws, [acc[(m, w, p)] for w in ws], "o--" if "+" in m else "o-", color=f"C{i}", label=m)
-        ax.axhline(1 / p, color="gray", ls=":", lw=1, label="1 / pairs: any value of the context")
-        ax.axhline(rec["chance"], color="black", ls=":", lw=1, label="chance: any value")
+            med = np.array([np.median(acc[(m, w, p)]) for w in ws])
+            lo = med - [min(acc[(m, w, p)]) for w in ws]
+            hi = [max(acc[(m, w, p)]) for w in ws] - med
+            ax.errorbar(ws, med, yerr=[lo, hi], fmt="o--" if "+" in m else "o-", color=f"C{i % 10}", label=m,
+                        capsize=2, lw=1)
+        ax.axhline(1 / p, color="gray", ls=":", lw=1, label="1 / pairs")
         ax.set_xscale("log", base=2)
         ax.set_xticks(widths, [str(w) for w in widths])
         ax.set_ylim(-0.02, 1.02)
         ax.set_title(f"{p} pairs")
         ax.set_xlabel("model width (n_embd)")
         ax.grid(True, alpha=0.3)
-    axes[0].set_ylabel("accuracy at the queries")
+    axes[0].set_ylabel("test accuracy at the queries")
     axes[-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
     c = rec["config"]
-    steps = "steps and lr per mixer" if c["steps"] is None else f"{c['steps']} steps"
-    fig.suptitle(f"qkv experiment mqar: 2-layer models, T = {c['seq_len']}, vocabulary {c['vocab_size']}, {steps}")
+    fig.suptitle(f"qkv experiment mqar: T = {c['seq_len']}, vocabulary {c['vocab_size']}, median and range over "
+                 f"{len(c['seeds'])} seed(s)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -1,0 +1,135 @@
+"""The runs of ``qkv experiment mqar``: the learning-rate sweep, the seeds, and where each run goes.
+
+Two phases, each a list of runs ``(mixer, width, lr, seed)``:
+
+1. **the sweep**: every (mixer, width) at every lr of ``cfg.lrs``, seed ``cfg.seeds[0]``;
+   :func:`choose` keeps, for each (mixer, width), the lr of the best *validation* accuracy
+   (ties: fewer steps, then the smaller lr). The test set is never looked at to choose.
+2. **the seeds**: the chosen lr again for every other seed of ``cfg.seeds``.
+
+A run is made and fed from its seed alone and runs on one thread, so its result is the same
+bits wherever it runs: in this process, in one of ``cfg.workers`` processes, or on any rank of
+an MPI job (``mpiexec -n N qkv experiment mqar ...``, ranks on one host or several). With MPI,
+rank r takes the runs ``r, r + N, r + 2N, ...`` of each phase, each run on one rank (with
+``workers`` processes of its own), and the results are gathered to every rank after the sweep
+(each rank then knows the chosen lrs) and to rank 0 after the seeds; rank 0 returns the
+record, the other ranks ``None``.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import time
+from dataclasses import asdict
+
+from .mqar import MQARConfig, train_one
+
+
+def machine() -> str:
+    """This machine in words: the CPU's model name (``/proc/cpuinfo``), cores, and AVX-512 or not."""
+    name, flags = platform.processor() or platform.machine(), ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and name in ("", platform.machine(), platform.processor()):
+                    name = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = line
+                    break
+    except OSError:
+        pass
+    return f"{name}, {os.cpu_count()} cores, {'AVX-512' if 'avx512f' in flags else 'no AVX-512'}"
+
+
+def _job(args: tuple) -> tuple:
+    cfg, run = args
+    return run, train_one(cfg, *run)
+
+
+def run_all(cfg: MQARConfig, runs: list, progress=None, comm=None) -> dict:
+    """``{run: result}`` of :func:`~qkv.experiments.mqar.train_one` for each ``(mixer, width, lr,
+    seed)`` of ``runs``: this rank's share (every run without ``comm``) in ``cfg.workers``
+    processes or this one, then, with ``comm``, every rank's results gathered to every rank.
+    ``progress(run)`` is called as each run of this rank ends."""
+    rank, size = (0, 1) if comm is None else (comm.Get_rank(), comm.Get_size())
+    mine = runs[rank::size]
+    results = {}
+    if cfg.workers == 1 or len(mine) <= 1:
+        for run in mine:
+            results[run] = train_one(cfg, *run)
+            if progress is not None:
+                progress(run)
+    else:
+        import multiprocessing
+
+        from ..heap import keep_freed_memory
+
+        ctx = multiprocessing.get_context("spawn")  # no inherited thread pools or locks
+        with ctx.Pool(min(cfg.workers, len(mine)), initializer=keep_freed_memory) as pool:
+            for run, r in pool.imap_unordered(_job, [(cfg, run) for run in mine]):
+                results[run] = r
+                if progress is not None:
+                    progress(run)
+    if comm is not None and size > 1:
+        for part in comm.allgather(results):
+            results.update(part)
+    return results
+
+
+def choose(cfg: MQARConfig, sweep: dict) -> dict:
+    """``{(mixer, width): lr}``: the lr of the best validation accuracy (then fewer steps, then the
+    smaller lr; a diverged run loses to any that did not)."""
+    best = {}
+    for (m, w, lr, _), r in sweep.items():
+        key = (not r["diverged"], r["val_accuracy"], -r["steps"], -lr)
+        if (m, w) not in best or key > best[(m, w)][0]:
+            best[(m, w)] = (key, lr)
+    return {mw: lr for mw, (_, lr) in best.items()}
+
+
+def mqar_experiment(cfg: MQARConfig | None = None, progress=None, comm=None) -> dict | None:
+    """Sweep, choose, train the seeds; returns the record written as ``mqar.json`` (on rank 0;
+    ``None`` on the other ranks).
+
+    ``rows``: one ``{mixer, width, pairs, accuracy, lr, seed, steps, val_accuracy, chosen}`` per
+    run and pair count (``chosen``: the run is of its (mixer, width)'s chosen lr; the sweep's
+    other runs are kept, marked False); ``runs``: one ``{mixer, width, lr, seed, steps,
+    val_accuracy, final_loss, seconds, params, diverged, chosen}`` per run; ``chosen_lr``
+    (``"mixer@width": lr``); ``chance`` (1 / values); ``tasks``; ``machine``; ``ranks``;
+    ``seconds`` (wall); ``config``. ``progress(done, total)`` after each run of this rank.
+    """
+    cfg = cfg or MQARConfig()
+    cfg.check()
+    done, total = 0, cfg.runs()
+
+    def step(_run):
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total)
+
+    start = time.perf_counter()
+    models = [(m, int(w)) for m in cfg.mixers for w in cfg.widths]
+    seed0, others = cfg.seeds[0], cfg.seeds[1:]
+    sweep = run_all(cfg, [(m, w, float(lr), int(seed0)) for m, w in models for lr in cfg.lrs], step, comm)
+    chosen = choose(cfg, sweep)
+    seeds = run_all(cfg, [(m, w, chosen[(m, w)], int(s)) for m, w in models for s in others], step, comm)
+    if comm is not None and comm.Get_rank() != 0:
+        return None
+    results = {**sweep, **seeds}
+    rows, runs = [], []
+    for m, w in models:
+        order = [(m, w, float(lr), int(seed0)) for lr in cfg.lrs] + [(m, w, chosen[(m, w)], int(s)) for s in others]
+        for run in order:
+            r, pick = results[run], run[2] == chosen[(m, w)]
+            lr, seed = run[2], run[3]
+            rows += [{"mixer": m, "width": w, "pairs": int(p), "accuracy": a, "lr": lr, "seed": seed,
+                      "steps": r["steps"], "val_accuracy": r["val_accuracy"], "chosen": pick}
+                     for p, a in zip(cfg.pairs, r["accuracy"])]
+            runs.append({"mixer": m, "width": w, "lr": lr, "seed": seed, "chosen": pick,
+                         **{k: r[k] for k in ("steps", "val_accuracy", "final_loss", "seconds", "params", "diverged")}})
+    config = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(cfg).items()}
+    return {"rows": rows, "runs": runs, "chosen_lr": {f"{m}@{w}": lr for (m, w), lr in chosen.items()},
+            "chance": 1.0 / (cfg.vocab_size - cfg.vocab_size // 2), "tasks": [list(t) for t in cfg.tasks()],
+            "machine": machine(), "ranks": 1 if comm is None else comm.Get_size(),
+            "seconds": round(time.perf_counter() - start, 1), "config": config}
