@@ -44,7 +44,7 @@ BLOCK = re.compile(r"(<!-- (?P<kind>bench|experiment): (?P<name>[\w.-]+)(?: \| (
                    r"(?P<body>.*?)(?P<end><!-- /(?P=kind) -->)", re.S)
 # experiment name -> the module whose format_table(record) renders its JSON
 EXPERIMENTS = {"complexity": "qkv.experiments.complexity_report", "recall": "qkv.experiments.recall",
-               "mqar": "qkv.experiments.mqar_report", "mqar-plain": "qkv.experiments.mqar_report",
+               "mqar": "qkv.experiments.mqar_report", "mqar-v1": "qkv.experiments.mqar_report", "mqar-plain": "qkv.experiments.mqar_report",
                "mqar-w64": "qkv.experiments.mqar_report", "mqar-700": "qkv.experiments.mqar_report",
                "mqar-avx2": "qkv.experiments.mqar_report"}
 

@@ -28,7 +28,12 @@ def _cell(values: list) -> str:
 
 
 def format_table(rec: dict) -> str:
-    """The record as Markdown: one row per (mixer, width), one column per pair count."""
+    """The record as Markdown: one row per (mixer, width), one column per pair count (a record
+    made before the sweep and seeds: :func:`~qkv.experiments.mqar_v1.format_table_v1`'s table)."""
+    if "chosen_lr" not in rec:
+        from .mqar_v1 import format_table_v1
+
+        return format_table_v1(rec)
     mixers, widths, pairs, acc = cells(rec)
     c = rec["config"]
     tasks = ", ".join(f"{p} at {t}" for p, t in rec["tasks"])
