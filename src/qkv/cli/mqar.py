@@ -17,10 +17,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--mixers", nargs="+", metavar="M",
                         help="only these mixers (attention, linear, based, mamba2, gated_delta, rglru, attention+X; "
                              "default all eleven)")
-    parser.add_argument("--widths", type=int, nargs="+", metavar="N", help="only these widths (default 32 64 128)")
+    parser.add_argument("--widths", type=int, nargs="+", metavar="N", help="only these widths (default 32 64)")
     parser.add_argument("--pairs", type=int, nargs="+", metavar="P", help="pair counts (default 4 8 16)")
     parser.add_argument("--seq-len", type=int, metavar="T", help="the test sequences' length (default 128)")
-    parser.add_argument("--steps", type=int, metavar="N", help="training steps of every model (default 1500)")
+    parser.add_argument("--steps", type=int, metavar="N", help="training steps of every model (default 1000)")
     parser.add_argument("--batch", type=int, metavar="N", help="sequences a step (default 32)")
     parser.add_argument("--lrs", type=float, nargs="+", metavar="LR",
                         help="the learning rates swept for each model (default 1e-3 3e-3 1e-2); the best on "

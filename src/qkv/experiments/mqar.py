@@ -55,14 +55,14 @@ class MQARConfig:
     """
 
     mixers: tuple = MIXERS + HYBRIDS
-    widths: tuple = (32, 64, 128)
+    widths: tuple = (32, 64)
     pairs: tuple = (4, 8, 16)
     seq_len: int = 128
     vocab_size: int = VOCAB
     filler: str = "random"
     n_head: int = 2
     positions: str = "rope"
-    steps: int = 1500
+    steps: int = 1000
     batch: int = 32
     lrs: tuple = (1e-3, 3e-3, 1e-2)
     seeds: tuple = (0, 1, 2)
