@@ -22,6 +22,7 @@ SUBCOMMANDS = {
     "cache-table": "cache_table",
     "train": "train",
     "sample": "sample",
+    "convert": "convert",
     "experiment": "experiment",
     "bench": "bench",
 }

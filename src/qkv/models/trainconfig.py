@@ -29,6 +29,8 @@ class TrainConfig:
     ``vocab_size``: the model's vocabulary (None: the tokenizer's, as runs before it was saved).
     ``layers``: each block's mixer (:mod:`qkv.models.hybrid`): None for attention in every block
     (runs saved before it existed), a pattern's name or comma-separated mixers.
+    ``keep_best``: checkpoint at an evaluation only when its val loss is the best so far (nanoGPT's
+    ``always_save_checkpoint=False``); False: at every evaluation (nanoGPT's default, True).
     """
 
     block_size: int = 64
@@ -57,6 +59,7 @@ class TrainConfig:
     init_from: str | None = None
     vocab_size: int | None = None
     layers: str | None = None
+    keep_best: bool = False
 
     def resolved(self, names=None) -> "TrainConfig":
         """A copy with ``min_lr`` and ``lr_decay_steps`` filled in, checked (see :meth:`check`)."""
@@ -104,7 +107,7 @@ class TrainConfig:
         if self.activation not in TRAIN_ACTIVATIONS:
             raise ShapeError(f"{show('activation')} must be one of {', '.join(TRAIN_ACTIVATIONS)}; "
                              f"got {self.activation!r}")
-        for name in ("bias", "decay_embeddings"):
+        for name in ("bias", "decay_embeddings", "keep_best"):
             if not isinstance(getattr(self, name), bool):
                 raise ShapeError(f"{show(name)} must be true or false; got {getattr(self, name)!r}")
         if self.layers is not None:

@@ -308,7 +308,9 @@ def train(run: Run, dataset: TokenDataset, *, checkpoint=None, progress=None, st
     the latest evaluation's, None before one; the rate a running mean). ``log(entry)`` gets
     every step's ``{"step", "loss", "ms", "tokens_per_s"}`` (that step's own time) and every
     evaluation's entry of ``run.log["evals"]``. ``stop()`` is asked after every step; when it
-    says True the run is checkpointed at that step and ``"stopped"`` is returned.
+    says True the run is checkpointed at that step and ``"stopped"`` is returned. With
+    ``cfg.keep_best`` an evaluation is checkpointed only when its val loss is below every earlier
+    one's (step 0's aside), and a stop checkpoints nothing: the best checkpoint stays.
 
     A run whose loss, gradients, evaluation or weights stop being finite raises
     :class:`Diverged` before anything of it is checkpointed: the last checkpoint stays the
@@ -338,14 +340,23 @@ def train(run: Run, dataset: TokenDataset, *, checkpoint=None, progress=None, st
         run.seconds += time.perf_counter() - t0
         progress(run.step, loss, val, rate)
         if stop is not None and stop() and run.step < cfg.steps:
-            if checkpoint:
+            if checkpoint and not cfg.keep_best:  # keep_best: the best evaluation's checkpoint stays
                 check_finite(run)
                 checkpoint(run)
             return "stopped"
-        if evaluated and checkpoint:
+        if evaluated and checkpoint and (not cfg.keep_best or best_val(run.log, last=True)):
             check_finite(run)
             checkpoint(run)
     return "done"
+
+
+def best_val(log: dict, last: bool = False):
+    """The lowest val loss of the log's evaluations after step 0 (None if none); ``last``: whether
+    the latest evaluation is the best so far (nanoGPT's ``losses['val'] < best_val_loss``)."""
+    vals = [e["val_loss"] for e in log["evals"] if e["step"] > 0]
+    if last:
+        return bool(vals) and all(vals[-1] < v for v in vals[:-1])
+    return min(vals) if vals else None
 
 
 def plot_log(log: dict, path, title: str = "qkv train gpt") -> None:
