@@ -273,3 +273,30 @@ def test_gpt2_export_loads_in_transformers_with_equal_logits(tmp_path, monkeypat
         want = hf(torch.from_numpy(idx)).logits.numpy()
     assert np.abs(ours.eval().forward(idx) - want).max() < 1e-4
     assert np.abs(load_gpt2(tmp_path / "hf").forward(idx) - want).max() < 1e-4
+
+
+@pytest.mark.slow
+def test_sample_takes_a_gpt2_folder_as_init_from_does(tmp_path, monkeypatch, capsys):
+    """A BPE run exported with --to hf (its tokenizer.json beside) samples as the run does; a
+    name that is neither a run, a folder nor a cached hub id says so."""
+    tk = pytest.importorskip("tokenizers", reason="BPE needs tokenizers: pip install 'qkv[models]'")
+    pytest.importorskip("torch")
+    monkeypatch.chdir(tmp_path)
+    text = "to be or not to be, that is the question: whether tis nobler in the mind\n" * 30
+    (tmp_path / "play.txt").write_text(text)
+    tok = tk.Tokenizer(tk.models.BPE())
+    tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tk.decoders.ByteLevel()
+    tok.train_from_iterator([text], tk.trainers.BpeTrainer(vocab_size=280,
+                                                           initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    assert main(["train", "gpt", "--data", "play.txt", "--tokenizer", "tokenizer.json", "--out", "run",
+                 "--lr", "3e-2", *TINY]) == 0
+    assert main(["convert", "run", "hf", "--to", "hf"]) == 0
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()
+    assert _sample(capsys, tmp_path / "hf", 12, "to be") == _sample(capsys, tmp_path / "run", 12, "to be")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "no-cache"))
+    assert main(["sample", "someone/no-such-model", "--tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "no-such-model" in err and "not in the Hugging Face cache" in err and "--init-from" not in err

@@ -1,4 +1,7 @@
-"""``qkv sample DIR``: text from a GPT trained by ``qkv train gpt`` (its tokenizer is in the run's folder).
+"""``qkv sample DIR``: text from a GPT trained by ``qkv train gpt`` (its tokenizer is in the run's folder),
+or from what ``--init-from`` accepts: ``gpt2`` (a Hugging Face hub id, the local cache first) or a
+folder transformers' ``save_pretrained`` (or ``qkv convert --to hf``) wrote, read with GPT-2's
+tokenizer (the folder's ``tokenizer.json`` first) or ``--tokenizer``.
 
 As nanoGPT's ``sample.py``: ``--num-samples`` samples from one seeded stream, each followed by
 a line of dashes when there are more than one; ``--prompt FILE:path`` reads the prompt from
@@ -12,12 +15,14 @@ from pathlib import Path
 from ..extras import require
 from .common import UsageError
 
-HELP = "print text sampled from a GPT that qkv train gpt wrote (sample DIR)"
+HELP = "print text sampled from a GPT: a folder qkv train gpt wrote, gpt2 (a hub id) or a GPT-2 folder (sample DIR)"
 SEPARATOR = "---------------"  # nanoGPT's, after each sample
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("dir", metavar="DIR", help="a folder written by qkv train gpt --out")
+    parser.add_argument("dir", metavar="DIR|NAME", help="a folder written by qkv train gpt --out, or what --init-from "
+                        "takes: gpt2, gpt2-medium, ... (a Hugging Face hub id, the local cache first) or a folder "
+                        "transformers' save_pretrained wrote")
     parser.add_argument("--prompt", default="\n",
                         help="text the sample continues, or FILE:path to read it from a file (default: a newline)")
     parser.add_argument("--tokens", type=int, default=500, help="tokens to generate (default 500)")
@@ -30,8 +35,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--top-k", type=int, default=200,
                         help="sample among the k likeliest tokens only; 0: all (default 200)")
     parser.add_argument("--tokenizer", metavar="gpt2|PATH", default=None,
-                        help="for a run without one (nanoGPT .bin data without meta.pkl): gpt2 or a folder with "
-                        "tokenizer.json (or vocab.json and merges.txt)")
+                        help="for a run without one (nanoGPT .bin data without meta.pkl), or a GPT-2 model: gpt2 "
+                        "or a folder with tokenizer.json (or vocab.json and merges.txt)")
 
 
 def _prompt(text: str) -> str:
@@ -61,6 +66,47 @@ def _tokenizer(args, extra):
     return tok
 
 
+def _is_run(name: str) -> bool:
+    """Whether ``name`` is a folder qkv wrote (its config.json says format qkv-gpt, or a save of one
+    was interrupted), rather than a GPT-2 folder or hub id."""
+    import json
+
+    from ..models.gpt import SAVED_FORMAT
+    from ..models.runsave import STAGING
+
+    folder = Path(name)
+    if (folder / STAGING).is_dir():
+        return True
+    try:
+        return json.loads((folder / "config.json").read_text(encoding="utf-8")).get("format") == SAVED_FORMAT
+    except ValueError:  # a damaged config.json: load_gpt says what is wrong with it
+        return True
+    except (OSError, AttributeError):
+        return False
+
+
+def _gpt2(args):
+    """A GPT-2 named as ``--init-from`` names it, and its tokenizer (``--tokenizer``, else GPT-2's,
+    the model's folder first)."""
+    from ..models import load_gpt2
+    from ..models.bpe import load_bpe
+    from ..models.checkpoint import CheckpointError
+    from ..models.finetune import checkpoint_folder
+
+    if Path(args.dir).is_dir() and not (Path(args.dir) / "config.json").is_file():
+        raise UsageError(f"DIR must be a folder qkv train gpt wrote or a GPT-2 folder; {args.dir!r} has no config.json")
+    try:
+        folder = checkpoint_folder(args.dir)
+    except CheckpointError as err:
+        raise UsageError(str(err).replace(f"--init-from {args.dir}", f"DIR {args.dir!r}", 1)) from None
+    model = load_gpt2(folder)
+    tok = load_bpe(args.tokenizer or "gpt2", near=folder)
+    if tok.vocab_size > model.config.vocab_size:
+        raise UsageError(f"the tokenizer has {tok.vocab_size} tokens, more than the model's vocabulary of "
+                         f"{model.config.vocab_size}: name the model's own with --tokenizer")
+    return model, tok
+
+
 def run(args) -> int:
     require("safetensors", "models")
     import numpy as np
@@ -74,12 +120,13 @@ def run(args) -> int:
             raise UsageError(f"--{name.replace('_', '-')} must be >= {low}; got {getattr(args, name)}")
     if not 0 <= args.temperature < float("inf"):
         raise UsageError(f"--temperature must be a finite number >= 0 (0: greedy); got {args.temperature}")
-    finish_save(args.dir)  # a save killed half way: completed (or discarded) first
-    if not (Path(args.dir) / "config.json").is_file():
-        raise UsageError(f"DIR must be a folder written by qkv train gpt; {args.dir!r} has no config.json")
-    with folder_lock(args.dir):  # a save in progress ends before the files are read
-        model, extra = load_gpt(args.dir)
-        tok = _tokenizer(args, extra)
+    if _is_run(args.dir):
+        finish_save(args.dir)  # a save killed half way: completed (or discarded) first
+        with folder_lock(args.dir):  # a save in progress ends before the files are read
+            model, extra = load_gpt(args.dir)
+            tok = _tokenizer(args, extra)
+    else:
+        model, tok = _gpt2(args)
     prompt = _prompt(args.prompt)
     if not prompt:
         raise UsageError("--prompt must have at least one character")
