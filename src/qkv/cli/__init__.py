@@ -45,7 +45,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    nanogpt = []
+    if argv[:2] == ["train", "gpt"]:  # nanoGPT's --name=value overrides, which argparse cannot spell
+        from .nanogpt_args import split_overrides
+
+        rest, nanogpt = split_overrides(argv[2:])
+        argv = argv[:2] + rest
     args = parser.parse_args(argv)
+    if nanogpt:
+        args.nanogpt = nanogpt
     if not getattr(args, "_run", None):
         parser.print_help()
         return 0

