@@ -123,7 +123,8 @@ def test_train_gpt_on_a_terminal_draws_a_bar_with_the_time_left(tmp_path):
             "--steps", "20", "--eval-interval", "10", *TINY]
     status, shown = _on_terminal(args, _env(TERM="xterm", COLUMNS="200"))
     assert status == 0, shown
-    assert re.search(r"gpt .*20/20.*left\s+(\d+:\d\d:\d\d|-:--:--)", shown), shown
+    assert re.search(r"gpt .*20/20.*\d+:\d\d:\d\d elapsed,\s+(\d+:\d\d:\d\d|-:--:--) left", shown), shown
+    assert re.search(r"val \d\.\d{4} \(step (0|10|20)\)", shown), shown    # which step the val is from
     assert not re.search(LINE.pattern, shown, re.M)  # the bar, not the lines
 
 

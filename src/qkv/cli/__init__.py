@@ -52,7 +52,9 @@ def main(argv=None) -> int:
 
         rest, nanogpt = split_overrides(argv[2:])
         argv = argv[:2] + rest
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        _unrecognized(parser, argv, unknown)
     if nanogpt:
         args.nanogpt = nanogpt
     if not getattr(args, "_run", None):
@@ -62,15 +64,37 @@ def main(argv=None) -> int:
         from ..heap import keep_freed_memory
 
         keep_freed_memory()      # a process of qkv's own: freed arrays' pages stay mapped (qkv.heap)
+    name = " ".join(["qkv", args.command] + ([args.task] if getattr(args, "task", None) else []))
     try:
         return int(args._run(args) or 0)
     except (ShapeError, MissingExtra, UsageError) as err:
-        print(f"qkv {args.command}: error: {err}", file=sys.stderr)
+        print(f"{name}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: the shell's status for SIGINT, and no traceback
-        print(f"\nqkv {args.command}: interrupted (Ctrl-C)", file=sys.stderr)
+        print(f"\n{name}: interrupted (Ctrl-C)", file=sys.stderr)
         return 130
     except BrokenPipeError:  # `qkv demo | head`: the reader left; not an error of ours
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush cannot fail again
         return 0
+
+
+def _unrecognized(parser, argv: list[str], unknown: list[str]) -> None:
+    """argparse's error for ``unknown`` arguments, from the subcommand they were given to (its
+    usage, not the top level's), with the nearest flag of that subcommand for a misspelt one."""
+    import difflib
+
+    for token in argv:  # down the subcommands named on the line: qkv train gpt ...
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subs:
+            break
+        if token in subs[0].choices:
+            parser = subs[0].choices[token]
+    flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    hints = []
+    for arg in unknown:
+        if arg.startswith("-"):
+            near = difflib.get_close_matches(arg.split("=", 1)[0], flags, n=1, cutoff=0.6)
+            if near:
+                hints.append(f"{arg}: did you mean {near[0]}?")
+    parser.error(f"unrecognized arguments: {' '.join(unknown)}" + (f" ({'; '.join(hints)})" if hints else ""))

@@ -28,7 +28,13 @@ HELP = ("qkv's tiled attention against dense NumPy and PyTorch SDPA: speed, memo
 
 
 def add_arguments(parser) -> None:
-    from qkv_benchmarks.suites import DEFAULT, FULL, QUICK, QUICK_DEFAULT, SUITES  # light: the measuring imports come with the run
+    import argparse
+
+    from qkv_benchmarks.suites import DEFAULT, FULL, QUICK, QUICK_DEFAULT, SUITE_HELP, SUITES  # light: the measuring imports come with the run
+
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    width = max(map(len, SUITES))
+    parser.epilog = "suites (--suite NAME):\n" + "\n".join(f"  {s:<{width}}  {SUITE_HELP[s]}" for s in SUITES)
 
     parser.add_argument("--quick", action="store_true",
                         help="tiny sizes, one run each: a smoke test of every path in seconds, not a measurement")

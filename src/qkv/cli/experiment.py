@@ -8,7 +8,6 @@ from ..extras import require
 from .common import UsageError, out_folder
 from .progress import check_progress, progress_bar
 
-HELP = "the texts' measurements (scale: why divide by sqrt(d_k); complexity: cost against T; recall: linear vs softmax)"
 SCALE_HELP = "why attention divides by sqrt(d_k): Var(q.k) grows like d_k, softmax saturates, its gradient vanishes"
 COMPLEXITY_HELP = ("time and traced peak memory against T of dense, tiled, chunked and linear attention, "
                    "forward and forward+backward, and one decoding step")
@@ -17,14 +16,22 @@ MQAR_HELP = ("multi-query associative recall (Zoology): a BaseConv layer then at
              "gated_delta, rglru or an attention hybrid, at several widths and pair counts, a sweep of lrs and seeds")
 
 
+# The experiments: name -> (one line, its options). The help, the subcommands and the command's
+# HELP come from this one table.
+EXPERIMENTS = {"scale": (SCALE_HELP, lambda p: _scale_arguments(p)),
+               "complexity": (COMPLEXITY_HELP, lambda p: _complexity_arguments(p)),
+               "recall": (RECALL_HELP, lambda p: _recall_arguments(p)),
+               "mqar": (MQAR_HELP, lambda p: _mqar_arguments(p))}
+HELP = f"the texts' experiments: {', '.join(EXPERIMENTS)} (qkv experiment --help: a line each)"
+
+
 def add_arguments(parser) -> None:
     """One subparser an experiment, each with its own options (``qkv experiment NAME --help``)."""
+    names = list(EXPERIMENTS)
     sub = parser.add_subparsers(dest="name", metavar="NAME", required=True,
-                                help="scale, complexity, recall or mqar (qkv experiment NAME --help: its options)")
-    _scale_arguments(sub.add_parser("scale", help=SCALE_HELP, description=SCALE_HELP))
-    _complexity_arguments(sub.add_parser("complexity", help=COMPLEXITY_HELP, description=COMPLEXITY_HELP))
-    _recall_arguments(sub.add_parser("recall", help=RECALL_HELP, description=RECALL_HELP))
-    _mqar_arguments(sub.add_parser("mqar", help=MQAR_HELP, description=MQAR_HELP))
+                                help=f"{', '.join(names[:-1])} or {names[-1]} (qkv experiment NAME --help: its options)")
+    for name, (line, arguments) in EXPERIMENTS.items():
+        arguments(sub.add_parser(name, help=line, description=line))
 
 
 def _scale_arguments(parser) -> None:

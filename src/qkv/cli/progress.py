@@ -1,7 +1,7 @@
 """Progress for every long command (``train gpt``, ``train lookup``, ``bench``, ``experiment``), on stderr.
 
-Where stderr is a terminal: a rich bar with the count, the fields, the time elapsed and the
-estimated time left. Elsewhere (a log file, a pipe, CI, ``nohup``): a plain line at the start,
+Where stderr is a terminal: a rich bar with the count, the fields, then ``0:00:27 elapsed,
+0:00:05 left`` (each time labelled). Elsewhere (a log file, a pipe, CI, ``nohup``): a plain line at the start,
 every ``QKV_PROGRESS_INTERVAL`` seconds (default 5) and at the end, such as::
 
     gpt: 120/2000, 6%, 1m12s elapsed, ~18m48s left, loss 2.4512, val —, tok/s 5,130
@@ -104,7 +104,7 @@ def _bar(label, total, fields, transient, completed, switch):
 
     columns = [TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}")]
     columns += [TextColumn(f"{f} {{task.fields[{f}]}}") for f in fields]
-    columns += [TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn()]
+    columns += [TimeElapsedColumn(), TextColumn("elapsed,"), TimeRemainingColumn(), TextColumn("left")]
     with Progress(*columns, transient=transient, console=Console(stderr=True)) as bar:
         task = bar.add_task(label, total=total, completed=completed, **{f: "—" for f in fields})
         yield lambda advance=1, **values: bar.update(

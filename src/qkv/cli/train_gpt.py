@@ -274,7 +274,7 @@ def _train(args, out: Path, run_, dataset, comm=None) -> int:
                 with progress_bar("gpt", cfg.steps, "loss", "val", "tok/s", completed=start) as update:
                     status = train(run_, dataset, checkpoint=checkpoint, stop=stop,
                                    progress=lambda step, loss, val, rate: update(
-                                       loss=loss, val=val if val is not None else "—", **{"tok/s": f"{rate:,.0f}"}))
+                                       loss=loss, val=_val(run_, val), **{"tok/s": f"{rate:,.0f}"}))
             if rank == 0:
                 with ctrl_c.saving(last=True):
                     _report(run_, out, status, start, saved[0], args.no_progress)
@@ -290,6 +290,12 @@ def _train(args, out: Path, run_, dataset, comm=None) -> int:
                       file=sys.stderr)
             return 130
     return 130 if status == "stopped" else 0
+
+
+def _val(run_, val) -> str:
+    """The bar's val: the latest evaluation's loss and its step (until the next one, it is older
+    than the batch loss beside it)."""
+    return "—" if val is None else f"{val:.4f} (step {run_.log['evals'][-1]['step']})"
 
 
 def _log_lines(every: int):
