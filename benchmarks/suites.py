@@ -39,31 +39,13 @@ import importlib.util
 import os
 from dataclasses import dataclass
 
+from .catalog import SUITE_HELP
 from . import cold, gpt_suite, hf_hybrid_suite, hf_suite, hybrid_suite, products, recurrent_suite, shapes_suite, torch_suite, train_mpi
 from .attention import fwd_bwd_flops, forward_flops, inputs, kv_bytes, copier, runner
 from .memory import peak_extra
 from .timing import REWARM_S, alternate, walls
 
-SUITES = ("main", "sweep", "decode", "encoder", "torch", "ring", "gpt", "shapes", "train-mpi", "hf", "cold",
-          "recurrent", "hybrid", "hybrid-decode", "hf-hybrid")
-# One line a suite: qkv bench --help lists them from here (a test holds the keys to SUITES).
-SUITE_HELP = {
-    "main": "one long sequence (B=1 H=8 T=4096 D=64): qkv's tiled attention against dense NumPy and torch SDPA",
-    "sweep": "the same against T, 512 to 16384: time and memory",
-    "decode": "one decoding step against a KV cache",
-    "encoder": "the pretrained encoder (all-MiniLM-L6-v2) against sentence-transformers",
-    "torch": "qkv.torch's custom ops against SDPA, forward and backward",
-    "ring": "ring attention over MPI ranks (mpiexec -n W) against one process",
-    "gpt": "qkv train gpt's step against a plain PyTorch GPT of nanoGPT's CPU recipe",
-    "shapes": "training and serving shapes (short T, many batch items and heads) against torch",
-    "train-mpi": "data and context parallel GPT training over MPI ranks (mpiexec -n W)",
-    "hf": "transformers models with qkv's attention registered against their own",
-    "cold": "the first call's cost (imports, compiling) against later calls",
-    "recurrent": "the recurrences (decay, delta rule, DPLR) against transformers' and fla's torch forms",
-    "hybrid": "GPTs of each layer pattern (jamba, qwen3-next, griffin, ...) trained side by side: loss and ms a step",
-    "hybrid-decode": "decoding with those hybrid models: states and caches, ms a token",
-    "hf-hybrid": "transformers' hybrid models (Qwen3-Next, Mamba-2, Kimi Linear) on qkv's recurrent kernels against their torch fallbacks",
-}
+SUITES = tuple(SUITE_HELP)  # in the order qkv bench --help lists them (catalog.py)
 MPI_SUITES = ("ring", "train-mpi")  # every rank of mpiexec -n W takes part
 DEFAULT = ("main", "sweep", "decode", "encoder")  # the others run when named
 QUICK_DEFAULT = ("main", "sweep", "decode")  # a quick run leaves the encoder out unless asked
