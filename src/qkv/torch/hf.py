@@ -16,7 +16,9 @@
   ``q_lengths``, so that the alignment stays the padded buffer's, as transformers has it).
   Every other pattern (packed sequences, image-token overlays, chunked attention, a static
   cache that is not full) is transformers' own dense bool mask ``(B, 1, Tq, Tk)``, which
-  qkv takes as ``mask=``.
+  qkv takes as ``mask=``. Packed sequences passed as flash-attention's varlen kwargs
+  (``cu_seq_lens_q`` / ``cu_seq_lens_k``, one batch row) keep each sequence to its own keys
+  whatever mask the model made (GraniteMoeHybrid makes a plain causal one).
 
 The window is the mask function's own (the one eager attention applies), read from its
 closure; a layer's ``sliding_window`` attribute or argument is not consulted.
@@ -68,6 +70,9 @@ def hf_attention(module, query, key, value, attention_mask, dropout: float = 0.0
                                       layer_is_causal))
     if position_bias is not None:
         options["bias"] = position_bias if "bias" not in options else options["bias"] + position_bias
+    packed = _packed_mask(query, key, kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))
+    if packed is not None:   # packed sequences (flash-attention's varlen kwargs): each sees its own
+        options["mask"] = packed if options.get("mask") is None else options["mask"] & packed
     if not kwargs.get("output_attentions"):
         out = attention(query, key, value, **options)  # (B, Hq, Tq, D)
         return out.transpose(1, 2).contiguous(), None  # (B, Tq, Hq, D)
@@ -77,6 +82,24 @@ def hf_attention(module, query, key, value, attention_mask, dropout: float = 0.0
                       stacklevel=2)
     out, weights = attention(query, key, value, return_weights=True, **options)  # the forward's dropout mask
     return out.transpose(1, 2).contiguous(), weights
+
+
+def _packed_mask(query, key, cu_q, cu_k):
+    """``(Tq, Tk)`` bool, True where query and key are of one packed sequence, from the cumulative
+    lengths transformers passes as ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (one batch row of
+    sequences laid end to end, as flash-attention's varlen call takes them); None without them."""
+    if cu_q is None or cu_k is None:
+        return None
+    if query.shape[0] != 1:
+        raise ShapeError(f"cu_seq_lens_q (packed sequences) needs one batch row; got a batch of {query.shape[0]}")
+    cu_q, cu_k = (torch.as_tensor(c, device=query.device).to(torch.int64) for c in (cu_q, cu_k))
+    if int(cu_q[-1]) != query.shape[-2] or int(cu_k[-1]) != key.shape[-2] or len(cu_q) != len(cu_k):
+        raise ShapeError(f"cu_seq_lens_q / cu_seq_lens_k must end at Tq = {query.shape[-2]} and Tk = "
+                         f"{key.shape[-2]} with one entry a sequence each; got {cu_q.tolist()} and {cu_k.tolist()}")
+    seq = torch.arange(len(cu_q) - 1, device=query.device)
+    seg_q = torch.repeat_interleave(seq, torch.diff(cu_q))
+    seg_k = torch.repeat_interleave(seq, torch.diff(cu_k))
+    return seg_q[:, None] == seg_k[None, :]
 
 
 # --- models that cannot use the interface ----------------------------------------------------

@@ -102,6 +102,10 @@ def _serving(name: str, fn, original):
     def served(*args, **kwargs):
         if _first_device(args, kwargs) not in (None, "cpu"):
             return original(*args, **kwargs)
+        if "cu_seqlens" in params and kwargs.get("cu_seqlens") is None and kwargs.get("cu_seq_lens_q") is not None:
+            # a layer that passes its forward's **kwargs on (Kimi Linear) hands over the packing
+            # as transformers' FlashAttentionKwargs name it: the same cumulative lengths
+            kwargs["cu_seqlens"] = kwargs["cu_seq_lens_q"]
         return fn(*args, **{k: v for k, v in kwargs.items() if k in params})
 
     served.__name__ = served.__qualname__ = getattr(original, "__name__", name)
