@@ -44,12 +44,12 @@ from qkv.experiments.mqar_data import mqar_batch
 from qkv.models import GPT
 from qkv.models.training import Run, make_optimizer, train_step
 cfg = MQARConfig()
-tc = cfg.train_config("attention+gated_delta", 32).resolved()
-model = GPT(cfg.model_config("attention+gated_delta", 32))
+tc = cfg.train_config("attention+gated_delta", 32, 3e-3, 0).resolved()
+model = GPT(cfg.model_config("attention+gated_delta", 32, 0))
 run = Run(tc, model, make_optimizer(model, tc), np.random.default_rng(1), None, {"kind": "mqar"})
 h = hashlib.sha256()
 for step in range(4):
-    d = mqar_batch(run.rng, 8, 8, 128, cfg.vocab_size)
+    d = mqar_batch(run.rng, 8, 8, 64, cfg.vocab_size)
     h.update(np.float64(train_step(run, d["inputs"], d["targets"])).tobytes())
 for name in sorted(model.params):
     h.update(model.params[name].tobytes())

@@ -6,6 +6,7 @@ its runs over the ranks (:mod:`qkv.experiments.mqar_runs`); rank 0 prints and wr
 from __future__ import annotations
 
 import json
+import sys
 
 from ..extras import require
 from .common import UsageError, out_folder
@@ -83,6 +84,10 @@ def run(args) -> int:
             rec = mqar_experiment(cfg, comm=comm)
         if rank != 0:
             return 0
+    lost = _diverged_everywhere(rec)
+    if lost:
+        print(f"qkv experiment mqar: {lost}; nothing was written: try lower --lrs", file=sys.stderr)
+        return 1
     print(format_table(rec))
     if args.quick:
         print(quick_finding(rec))
@@ -90,6 +95,18 @@ def run(args) -> int:
     plot(rec, out / "mqar.png")
     print(f"\nwrote {out / 'mqar.json'} and {out / 'mqar.png'}")
     return 0
+
+
+def _diverged_everywhere(rec: dict) -> str | None:
+    """The first model none of whose runs kept finite numbers, said with where it diverged; None."""
+    by_model = {}
+    for r in rec["runs"]:
+        by_model.setdefault((r["mixer"], r["width"]), []).append(r)
+    for (mixer, width), runs in by_model.items():
+        if all(r["diverged"] for r in runs):
+            lrs = ", ".join(f"{r['lr']:g}" for r in runs)
+            return f"the model {mixer} at width {width} diverged at every lr ({lrs}): {runs[0]['diverged_at']}"
+    return None
 
 
 __all__ = ["UsageError", "add_arguments", "configure", "run"]

@@ -206,28 +206,36 @@ def train_one(cfg: MQARConfig, mixer: str, width: int, lr: float, seed: int, pro
     last finite weights' evaluation: 0 before any). ``progress()`` after every step (and once for
     each step an early stop left out). On one thread: the same bits in any process."""
     from ..models import GPT
-    from ..models.training import Diverged, Run, make_optimizer, train_step
+    from ..errors import ShapeError
+    from ..models.training import Diverged, Run, make_optimizer, refusal_as_divergence, train_step
     from ..threads import kernel_threads
 
     tc = cfg.train_config(mixer, width, lr, seed).resolved()
     model = GPT(cfg.model_config(mixer, width, seed))
     run = Run(tc, model, make_optimizer(model, tc), np.random.default_rng((1, seed)), None, {"kind": "mqar"})
     val, test = held_out(cfg, seed)
-    start, losses, val_acc, diverged = time.perf_counter(), [], 0.0, False
+    start, losses, val_acc, diverged = time.perf_counter(), [], 0.0, None
     with threadpool_limits(limits=1, user_api="blas"), kernel_threads(1):
         for step in range(cfg.steps):
             pairs, t = cfg.schedule(step)
             d = mqar_batch(run.rng, cfg.batch, pairs, t, cfg.vocab_size, filler=cfg.filler)
             try:
                 losses.append(train_step(run, d["inputs"], d["targets"]))
-            except Diverged:
-                diverged = True
+            except Diverged as err:
+                diverged = err
                 break
             if progress is not None:
                 progress()
             if (step + 1) % cfg.val_every == 0 or step + 1 == cfg.steps:
                 model.eval()
-                val_acc = accuracy(model, val)
+                try:
+                    val_acc = accuracy(model, val)
+                except ShapeError as err:   # a recurrent layer refused what blown-up weights made
+                    cause = refusal_as_divergence(run, val[0]["inputs"], val[0]["targets"], err, "an evaluation")
+                    if cause is None:
+                        raise
+                    diverged, val_acc = cause, 0.0
+                    break
                 model.train()
                 if val_acc > cfg.stop_accuracy:
                     break
@@ -235,7 +243,8 @@ def train_one(cfg: MQARConfig, mixer: str, width: int, lr: float, seed: int, pro
         for _ in range(cfg.steps - len(losses) if progress is not None else 0):
             progress()
         model.eval()
-        test_acc = [accuracy(model, [d]) for d in test]
-    return {"accuracy": test_acc, "val_accuracy": float(val_acc), "diverged": diverged,
+        test_acc = [0.0] * len(test) if diverged else [accuracy(model, [d]) for d in test]
+    return {"accuracy": test_acc, "val_accuracy": float(val_acc), "diverged": bool(diverged),
+            "diverged_at": str(diverged) if diverged else None,
             "final_loss": float(np.mean(losses[-20:])) if losses else float("nan"), "seconds": round(seconds, 2),
             "params": model.num_params(), "steps": len(losses)}

@@ -127,7 +127,8 @@ def mqar_experiment(cfg: MQARConfig | None = None, progress=None, comm=None) -> 
                       "steps": r["steps"], "val_accuracy": r["val_accuracy"], "chosen": pick}
                      for p, a in zip(cfg.pairs, r["accuracy"])]
             runs.append({"mixer": m, "width": w, "lr": lr, "seed": seed, "chosen": pick,
-                         **{k: r[k] for k in ("steps", "val_accuracy", "final_loss", "seconds", "params", "diverged")}})
+                         **{k: r.get(k) for k in ("steps", "val_accuracy", "final_loss", "seconds", "params", "diverged",
+                                                   "diverged_at")}})
     config = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(cfg).items()}
     return {"rows": rows, "runs": runs, "chosen_lr": {f"{m}@{w}": lr for (m, w), lr in chosen.items()},
             "chance": 1.0 / (cfg.vocab_size - cfg.vocab_size // 2), "tasks": [list(t) for t in cfg.tasks()],

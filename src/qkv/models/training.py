@@ -206,6 +206,12 @@ def _refused(run: Run, x, y, err: ShapeError, step: int, where: str) -> Diverged
     return Diverged(step, f"{where} failed: {cause}, and a layer refused what they made: {err}", run.cfg)
 
 
+def refusal_as_divergence(run: Run, x, y, err: ShapeError, where: str) -> Diverged | None:
+    """:func:`_refused` for a caller outside the training step (an experiment's evaluation): the
+    Diverged a layer's refusal of the batch ``x, y`` stands for at the run's step, or None."""
+    return _refused(run, x, y, err, run.step, where)
+
+
 def _micro_step(run: Run, x: np.ndarray, y: np.ndarray) -> float:
     """The loss of one (micro-)batch and its gradient in ``model.grads``; Diverged if the loss is not
     finite (or a layer refuses the numbers the updated weights made: :func:`_refused`)."""
