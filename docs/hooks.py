@@ -6,9 +6,18 @@ link, so the API pages would show them mangled (and autorefs would report the li
 missing cross-references). This hook adds a preprocessor to every Markdown run, the
 mkdocstrings ones included, that fences each run of ``>>>``/``...`` lines and their output
 (up to a blank line) as a ``pycon`` code block. Fenced blocks are left alone.
+
+The docstrings' cross-references are Sphinx roles (``:func:`qkv.attention```, ``:mod:`~qkv.kernels.reference```,
+``:class:`.Tiles```), one convention for the whole tree. A second preprocessor renders them: a
+role naming a whole ``qkv.`` path becomes an autorefs cross-reference (a link where the API
+reference renders that object, its name as code where it does not: ``optional``, so the strict
+build stays quiet about the modules the reference leaves out); a relative or bare one becomes
+its name as code. ``~`` shows the last part of the path only, as Sphinx does. No role reaches a
+page as raw text.
 """
 from __future__ import annotations
 
+import html
 import re
 
 from markdown import Extension
@@ -39,10 +48,35 @@ class DoctestFence(Preprocessor):
         return out
 
 
+ROLE = re.compile(r":(?:mod|func|class|meth|data|attr|exc|obj):`(~?)([^`]+)`")
+
+
+def render_role(match: re.Match) -> str:
+    """One role as an autorefs cross-reference (a whole qkv path) or as code (anything else)."""
+    tilde, target = match.groups()
+    target = target.strip()
+    shown = target.rsplit(".", 1)[-1] if tilde else target.lstrip(".")
+    code = f"<code>{html.escape(shown)}</code>"
+    if target.startswith("qkv.") and re.fullmatch(r"[A-Za-z0-9_.]+", target):
+        return f'<autoref identifier="{target}" optional>{code}</autoref>'
+    return code
+
+
+class SphinxRoles(Preprocessor):
+    def run(self, lines: list[str]) -> list[str]:
+        out, fenced = [], False
+        for line in lines:
+            if FENCE.match(line):
+                fenced = not fenced
+            out.append(line if fenced else ROLE.sub(render_role, line))
+        return out
+
+
 class DoctestFenceExtension(Extension):
     def extendMarkdown(self, md):  # noqa: N802 (Markdown's name)
         # before the fenced-code preprocessor (priority 25), so the fence it adds is read as one
         md.preprocessors.register(DoctestFence(md), "qkv_doctest_fence", 40)
+        md.preprocessors.register(SphinxRoles(md), "qkv_sphinx_roles", 39)
 
 
 def on_config(config, **kwargs):

@@ -16,6 +16,7 @@ import importlib.util
 import json
 import re
 import shlex
+import sys
 from pathlib import Path
 
 import pytest
@@ -163,3 +164,52 @@ def test_a_changed_record_makes_the_page_stale(tmp_path):
         (tmp_path / other.name).write_text(other.read_text())
     (tmp_path / f"{name}.json").write_text(json.dumps(record))
     assert tables.regenerate(page.read_text(), bench=tmp_path) != page.read_text()
+
+
+def _hooks():
+    """docs/hooks.py, loaded with a stand-in for Markdown's two base classes where MkDocs (the
+    ``docs`` extra) is not installed: the role renderer itself needs neither."""
+    import importlib.util
+    import types
+
+    try:
+        import markdown  # noqa: F401
+    except ImportError:
+        stub = types.ModuleType("markdown")
+        stub.Extension = type("Extension", (), {})
+        pre = types.ModuleType("markdown.preprocessors")
+        pre.Preprocessor = type("Preprocessor", (), {"__init__": lambda self, md=None: None})
+        sys.modules.setdefault("markdown", stub)
+        sys.modules.setdefault("markdown.preprocessors", pre)
+    spec = importlib.util.spec_from_file_location("qkv_docs_hooks", ROOT / "docs" / "hooks.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_docstring_roles_render_as_links_or_code_never_as_raw_text():
+    """The API reference showed 225 raw Sphinx roles (``:class:`Linear```). Each role becomes an
+    autorefs cross-reference (a whole qkv path: a link where the reference renders it) or code."""
+    hooks = _hooks()
+    pre = hooks.SphinxRoles(None)
+    lines = pre.run(["See :func:`qkv.attention` and :mod:`~qkv.kernels.reference`, :class:`.Tiles`, :data:`MAX_KEYS`.",
+                     "```python", ":func:`inside_a_fence`", "```"])
+    assert lines[0] == ('See <autoref identifier="qkv.attention" optional><code>qkv.attention</code></autoref> and '
+                        '<autoref identifier="qkv.kernels.reference" optional><code>reference</code></autoref>, '
+                        '<code>Tiles</code>, <code>MAX_KEYS</code>.')
+    assert lines[2] == ":func:`inside_a_fence`"          # code blocks are left alone
+
+
+def test_every_docstring_role_is_one_the_renderer_takes():
+    """One convention: the roles the docs hook renders, nothing else (a :ref: or :py:func: would
+    reach the page as raw text)."""
+    import re
+
+    hooks = _hooks()
+    roles = re.compile(r"(?<![\w`]):([a-z:]+):`")
+    unknown = set()
+    for path in (ROOT / "src" / "qkv").rglob("*.py"):
+        for m in roles.finditer(path.read_text()):
+            if not hooks.ROLE.match(path.read_text(), m.start()):
+                unknown.add(f"{path.relative_to(ROOT)}: :{m.group(1)}:")
+    assert not unknown, sorted(unknown)[:10]
