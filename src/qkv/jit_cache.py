@@ -43,9 +43,14 @@ from pathlib import Path
 COMPILED = ("qkv.kernels.flash.compiled", "qkv.kernels.blas_compiled", "qkv.kernels.rows.compiled",
             "qkv.kernels.rows.fused", "qkv.recurrent.decay.compiled", "qkv.recurrent.delta.compiled",
             "qkv.kernels.rope_compiled", "qkv.recurrent.scan.compiled", "qkv.models.compiled", "qkv.nn.fused")
-# What compiling costs, measured (docs/speed.md, "The first call: compiling the fast kernels").
-COMPILE_ABOUT = ("under a second a kernel; the row kernel's forward and backward about 10 and 13 s of CPU "
-                 "for each softcap/dropout case a job runs")
+# What compiling costs, measured (docs/bench/cold.json, `qkv bench --suite cold`; a test holds
+# these to that record): a kernel under a second of CPU, the row kernel's forward and backward
+# (kernels/rows/fused.py) seconds each, once for each softcap/dropout case a job runs.
+ROW_KERNEL_CPU_S = (11, 14)
+COMPILE_ABOUT = "under a second of CPU a kernel"
+ROW_KERNEL_ABOUT = (f"the row kernel's forward and backward about {ROW_KERNEL_CPU_S[0]} and {ROW_KERNEL_CPU_S[1]} s "
+                    "of CPU for each softcap/dropout case a job runs")
+ROW_KERNEL_MODULES = ("qkv.kernels.rows.fused", "qkv.kernels.rows.compiled")
 PACKAGE = Path(__file__).resolve().parent
 
 _lock = threading.Lock()
@@ -175,7 +180,7 @@ def _notice_class(event):
 
     class CompileNotice(event.Listener):
         def __init__(self, where):
-            self.where, self.told, self.depth, self.started = where, False, 0, 0.0
+            self.where, self.told, self.told_rows, self.depth, self.started = where, False, False, 0, 0.0
             self.seconds: dict[str, float] = {}   # qualified name -> seconds of its outermost compiles
 
         def on_start(self, ev):
@@ -183,11 +188,19 @@ def _notice_class(event):
             if self.depth == 1:
                 self.started = time.perf_counter()
             func = getattr(ev.data.get("dispatcher"), "py_func", None)
-            if self.told or getattr(func, "__module__", None) not in COMPILED:
+            module = getattr(func, "__module__", None)
+            if module not in COMPILED:
                 return
-            self.told = True
-            print(f"qkv: compiling the fast kernels for this CPU, once per machine and qkv version "
-                  f"({COMPILE_ABOUT}; kept in {self.where})...", file=sys.stderr, flush=True)
+            rows = module in ROW_KERNEL_MODULES
+            if not self.told:
+                self.told = True
+                about = f"{COMPILE_ABOUT}; {ROW_KERNEL_ABOUT}" if rows else COMPILE_ABOUT
+                self.told_rows = rows
+                print(f"qkv: compiling the fast kernels for this CPU, once per machine and qkv version "
+                      f"({about}; kept in {self.where})...", file=sys.stderr, flush=True)
+            elif rows and not self.told_rows:   # the notice named only the smaller kernels so far
+                self.told_rows = True
+                print(f"qkv: compiling the row kernel ({ROW_KERNEL_ABOUT})...", file=sys.stderr, flush=True)
 
         def on_end(self, ev):
             self.depth -= 1

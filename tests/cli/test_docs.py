@@ -213,3 +213,29 @@ def test_every_docstring_role_is_one_the_renderer_takes():
             if not hooks.ROLE.match(path.read_text(), m.start()):
                 unknown.add(f"{path.relative_to(ROOT)}: :{m.group(1)}:")
     assert not unknown, sorted(unknown)[:10]
+
+
+def test_the_docs_figures_are_their_records():
+    """Install sizes and compile costs are quoted from their records (docs/bench/install.json:
+    du -sm of fresh environments; docs/bench/cold.json: `qkv bench --suite cold`), so prose and
+    measurement cannot drift apart again (the README said 1.6 GB for 1.8; the compile cost was
+    65 s in one page, 25-40 s in another, 10 and 13 s in the notice)."""
+    from qkv import jit_cache
+
+    install = json.loads((ROOT / "docs" / "bench" / "install.json").read_text())
+    cold = {j["job"]: j["cold"] for j in json.loads((ROOT / "docs" / "bench" / "cold.json").read_text())["cold"]}
+    all_gb, light_mb = f"{install['mib']['all'] / 1024:.1f} GB", f"{install['mib']['light']} MB"
+    readme, install_md, gpt = ((ROOT / p).read_text() for p in ("README.md", "docs/install.md", "docs/gpt.md"))
+    for text, where in ((readme, "README.md"), (install_md, "docs/install.md")):
+        rows = [line for line in text.splitlines() if "'.[all]'" in line and "GB" in line]
+        assert rows and all(all_gb in line for line in rows), (where, all_gb, rows)
+        assert light_mb in text, (where, light_mb)
+    assert f"every extra, {all_gb}" in readme
+    train = cold["train-gpt"]["compiled"]
+    train_s = f"about {sum(train.values()):.0f} s"
+    assert f"{train_s} for `qkv train gpt`'s" in readme and f"backward, {train_s} of CPU" in gpt
+    rows = cold["attention"]["compiled"]
+    fwd = next(s for n, s in rows.items() if "forward" in n)
+    bwd = next(s for n, s in rows.items() if "backward" in n)
+    assert jit_cache.ROW_KERNEL_CPU_S == (round(fwd), round(bwd))
+    assert f"about {round(fwd)} and {round(bwd)} s" in jit_cache.ROW_KERNEL_ABOUT
