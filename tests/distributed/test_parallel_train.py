@@ -155,7 +155,7 @@ def test_train_gpt_under_mpiexec_refuses_a_batch_the_ranks_cannot_split(corpus_f
     res = mpiexec(2, "-m", "qkv", "train", "gpt", "--data", str(corpus_file), *TINY, "--batch-size", "5",
                   "--steps", "2", "--out", str(tmp_path / "w"), timeout=60)
     assert res.returncode != 0, res.stdout + res.stderr   # MPI_Abort(1) on every rank
-    assert ("qkv train: error: parallelize (rank 0 of 2): batch_size = 5 must be a multiple of the W = 2 "
+    assert ("qkv train gpt: error: parallelize (rank 0 of 2): batch_size = 5 must be a multiple of the W = 2 "
             "ranks") in res.stderr
     assert not (tmp_path / "w" / "config.json").exists()
 
