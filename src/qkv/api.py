@@ -117,15 +117,10 @@ def _dense_bytes(prob: Problem) -> int:
 
 
 def _available_bytes() -> int | None:
-    """Memory the system can still hand out (Linux's MemAvailable), or None where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    """Memory the system can still hand out (:func:`qkv.heap.available_memory`), or None where unknown."""
+    from .heap import available_memory
+
+    return available_memory()
 
 
 DENSE_CHECK_MIN = 64 * 2 ** 20  # bytes of dense arrays below which no machine is asked what it has free

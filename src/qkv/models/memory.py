@@ -15,29 +15,13 @@ refused; with ``s`` bytes a number (4 for float32), ``V`` the vocabulary, ``C = 
 """
 from __future__ import annotations
 
-import os
 
 import numpy as np
 
 from ..errors import ShapeError
+from ..heap import available_memory  # noqa: F401  (the figure check_fits compares with)
 
 GB = 1e9
-
-
-def available_memory() -> int | None:
-    """Bytes of memory this machine can give a new allocation without swapping: Linux's
-    ``MemAvailable``, else the free physical pages (``os.sysconf``); None where neither is known."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def training_bytes(cfg, vocab_size: int) -> dict[str, int]:
