@@ -15,7 +15,6 @@ refused; with ``s`` bytes a number (4 for float32), ``V`` the vocabulary, ``C = 
 """
 from __future__ import annotations
 
-
 import numpy as np
 
 from ..errors import ShapeError
