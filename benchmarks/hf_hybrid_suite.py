@@ -101,10 +101,10 @@ def _calls(m, T: int):
 
     def decode():
         if "cache" not in state:
-            state["cache"], state["next"] = prefill().past_key_values, ids[:, -1:]
+            state["cache"], state["next"] = prefill().cache, ids[:, -1:]
         with torch.no_grad():
-            out = m(state["next"], past_key_values=state["cache"], use_cache=True)
-        state["cache"] = out.past_key_values
+            out = m(state["next"], cache=state["cache"], use_cache=True)   # transformers 5.25's name
+        state["cache"] = out.cache
     return {"prefill": prefill, "train": train, "decode": decode}
 
 
