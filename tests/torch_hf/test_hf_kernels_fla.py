@@ -304,3 +304,23 @@ def test_fused_recurrent_decays_g_gk_and_none():
     o_ref, S_ref = hf_kernels.chunk_gated_delta_rule(q, k, v, torch.zeros_like(g), torch.ones_like(beta),
                                                      initial_state=S0, output_final_state=True)
     assert _rel(o, o_ref) <= 1e-12 and _rel(S, S_ref) <= 1e-12
+
+
+@pytest.mark.parametrize("kda", [False, True])
+def test_a_decoding_step_without_autograd_equals_the_kernel(kda):
+    """One step under no_grad runs in torch (a decoding step: the NumPy round trip cost more than
+    the step); it must equal qkv's kernel, which the same call with autograd on takes."""
+    from qkv.torch import hf_kernels as K
+    g_ = torch.Generator().manual_seed(3)
+    B, H, HV, D = 2, 2, 4, 8
+    q, k, v = (torch.randn(B, 1, n, D, generator=g_, dtype=torch.float64) for n in (H, H, HV))
+    g = -torch.rand(B, 1, HV, D if kda else 1, generator=g_, dtype=torch.float64)
+    g = g if kda else g[..., 0]
+    beta = torch.rand(B, 1, HV, generator=g_, dtype=torch.float64)
+    S0 = torch.randn(B, HV, D, D, generator=g_, dtype=torch.float64)
+    fn = K.fused_recurrent_kda if kda else K.fused_recurrent_gated_delta_rule
+    kw = dict(g=g, beta=beta, initial_state=S0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    with torch.no_grad():
+        o1, S1 = fn(q, k, v, **kw)
+    o2, S2 = fn(q.clone().requires_grad_(), k, v, **kw)
+    assert torch.allclose(o1, o2.detach(), rtol=0, atol=1e-12) and torch.allclose(S1, S2.detach(), rtol=0, atol=1e-12)
