@@ -30,7 +30,8 @@ import numpy as np
 
 from ..extras import require
 from .checkpoint import CheckpointError
-from .nanogpt import COMPILED, config_of, from_nanogpt, model_args, nanogpt_refusals, param_groups, to_nanogpt
+from .nanogpt import (COMPILED, config_of, from_nanogpt, gpt2_shape_refusals, model_args, nanogpt_refusals,
+                      param_groups, to_nanogpt)
 
 HF_ACTIVATIONS = {"gelu_tanh": "gelu_new", "gelu": "gelu"}
 GPT2_EOS = 50256  # GPT-2's <|endoftext|>
@@ -245,15 +246,7 @@ def _read_log(folder: Path) -> dict:
 
 def gpt2_refusals(cfg) -> list[str]:
     """What of ``cfg`` transformers' GPT-2 cannot compute; empty when it can."""
-    out = []
-    kinds = sorted({k for k in cfg.layer_kinds if k != "attention"})
-    if kinds:
-        out.append(f"layers {cfg.layers!r} (a hybrid model: {', '.join(kinds)}; GPT-2 has softmax attention in "
-                   f"every block)")
-    if cfg.positions != "learned":
-        out.append(f"positions {cfg.positions!r} (GPT-2 learns a position table, wpe)")
-    if cfg.n_kv_head not in (None, cfg.n_head):
-        out.append(f"n_kv_head {cfg.n_kv_head} (grouped key/value heads; GPT-2 has n_head of each)")
+    out = gpt2_shape_refusals(cfg, "GPT-2")
     if cfg.activation not in HF_ACTIVATIONS:
         out.append(f"activation {cfg.activation!r} (GPT-2's MLP has one projection in, one out: no SwiGLU)")
     return out

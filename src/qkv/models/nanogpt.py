@@ -72,17 +72,24 @@ def nanogpt_table(cfg) -> list[tuple[str, tuple, list[tuple[str, slice]], bool]]
     return rows
 
 
-def nanogpt_refusals(cfg) -> list[str]:
-    """What of ``cfg`` (a :class:`GPTConfig`) nanoGPT's model cannot compute; empty when it can."""
+def gpt2_shape_refusals(cfg, target: str) -> list[str]:
+    """What of ``cfg`` a GPT-2-shaped model (nanoGPT's, transformers' GPT-2: ``target``) cannot
+    compute whatever its options: other mixers than attention, positions, grouped heads."""
     out = []
     kinds = sorted({k for k in cfg.layer_kinds if k != "attention"})
     if kinds:
-        out.append(f"layers {cfg.layers!r} (a hybrid model: {', '.join(kinds)}; nanoGPT has softmax attention "
+        out.append(f"layers {cfg.layers!r} (a hybrid model: {', '.join(kinds)}; {target} has softmax attention "
                    f"in every block)")
     if cfg.positions != "learned":
-        out.append(f"positions {cfg.positions!r} (nanoGPT learns a position table, wpe)")
+        out.append(f"positions {cfg.positions!r} ({target} learns a position table, wpe)")
     if cfg.n_kv_head not in (None, cfg.n_head):
-        out.append(f"n_kv_head {cfg.n_kv_head} (grouped key/value heads; nanoGPT has n_head of each)")
+        out.append(f"n_kv_head {cfg.n_kv_head} (grouped key/value heads; {target} has n_head of each)")
+    return out
+
+
+def nanogpt_refusals(cfg) -> list[str]:
+    """What of ``cfg`` (a :class:`GPTConfig`) nanoGPT's model cannot compute; empty when it can."""
+    out = gpt2_shape_refusals(cfg, "nanoGPT")
     if cfg.activation != "gelu":
         out.append(f"activation {cfg.activation!r} (nanoGPT's MLP is nn.GELU(), the exact GELU: train with "
                    f"--activation gelu)")

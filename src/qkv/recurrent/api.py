@@ -86,11 +86,9 @@ class _Call:
         of one step have no such products: the NaN reaches what the recurrence carries it
         to (later steps and the state; backwards, earlier steps), as the step loop does. Two
         reductions a array find it; finite inputs keep their chunk and their bits."""
-        arrays = [self.q, self.k, self.v, self.state, self.dstate, *self.params, *more]
-        for x in arrays:
-            if x is not None and x.size and not (np.isfinite(x.min()) and np.isfinite(x.max())):
-                self.stepwise = True
-                return 1, np.errstate(invalid="ignore", over="ignore")
+        if _not_finite(self.q, self.k, self.v, self.state, self.dstate, *self.params, *more):
+            self.stepwise = True
+            return 1, np.errstate(invalid="ignore", over="ignore")
         return self.chunk, contextlib.nullcontext()
 
     def dout(self, dout):
@@ -335,13 +333,15 @@ def linear_scan_backward(dh, x, log_a, *, initial_state=None, dstate=None, **unk
             None if initial_state is None else dh0.astype(np.result_type(initial_state), copy=False))
 
 
+def _not_finite(*arrays) -> bool:
+    """Whether an array holds a NaN or an inf: two reductions each, no temporary."""
+    return any(x is not None and x.size and not (np.isfinite(x.min()) and np.isfinite(x.max())) for x in arrays)
+
+
 def _quiet_if_not_finite(*arrays):
     """No RuntimeWarning for what a NaN or an inf input carries (as :meth:`_Call.plan`); the
     scan's products are one step's each, so its NaN reaches what the steps carry it to."""
-    for x in arrays:
-        if x is not None and x.size and not (np.isfinite(x.min()) and np.isfinite(x.max())):
-            return np.errstate(invalid="ignore", over="ignore")
-    return contextlib.nullcontext()
+    return np.errstate(invalid="ignore", over="ignore") if _not_finite(*arrays) else contextlib.nullcontext()
 
 
 def _scan_checked(x, log_a, h0, dstate):
