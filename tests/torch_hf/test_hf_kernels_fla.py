@@ -306,21 +306,40 @@ def test_fused_recurrent_decays_g_gk_and_none():
     assert _rel(o, o_ref) <= 1e-12 and _rel(S, S_ref) <= 1e-12
 
 
-@pytest.mark.parametrize("kda", [False, True])
-def test_a_decoding_step_without_autograd_equals_the_kernel(kda):
-    """One step under no_grad runs in torch (a decoding step: the NumPy round trip cost more than
-    the step); it must equal qkv's kernel, which the same call with autograd on takes."""
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch"])
+@pytest.mark.parametrize("gate", ["head", "channel", None])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("state", ["given", "v_first", None])
+def test_a_decoding_step_without_autograd_equals_the_kernel(compiled, gate, dtype, state, monkeypatch):
+    """One step under no_grad is a decoding step (qkv.torch.hf_kernels.decode: compiled, or torch
+    products with the compiled passes off); it must equal qkv's chunked kernel, which the same
+    call with autograd on takes: to 1e-12 of the largest entry in float64, to float32's error
+    (judged against the float64 kernel) in float32, for every gate, grouped heads, l2norm, with
+    and without a state, in either state layout."""
+    from qkv import jit
     from qkv.torch import hf_kernels as K
+    from qkv.torch.hf_kernels import decode
+    if compiled and jit.load(jit.DELTA) is None:
+        pytest.skip("the compiled passes are off (QKV_JIT=0 or numba missing)")
+    if not compiled:
+        monkeypatch.setattr(decode.jit, "load", lambda name: None)
     g_ = torch.Generator().manual_seed(3)
-    B, H, HV, D = 2, 2, 4, 8
-    q, k, v = (torch.randn(B, 1, n, D, generator=g_, dtype=torch.float64) for n in (H, H, HV))
-    g = -torch.rand(B, 1, HV, D if kda else 1, generator=g_, dtype=torch.float64)
-    g = g if kda else g[..., 0]
+    B, H, HV, D, Dv = 3, 2, 4, 8, 6
+    q, k = (4 * torch.randn(B, 1, H, D, generator=g_, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(B, 1, HV, Dv, generator=g_, dtype=torch.float64)
+    g = -3 * torch.rand(B, 1, HV, D, generator=g_, dtype=torch.float64)
+    g = {"head": g[..., 0], "channel": g, None: None}[gate]
     beta = torch.rand(B, 1, HV, generator=g_, dtype=torch.float64)
-    S0 = torch.randn(B, HV, D, D, generator=g_, dtype=torch.float64)
-    fn = K.fused_recurrent_kda if kda else K.fused_recurrent_gated_delta_rule
-    kw = dict(g=g, beta=beta, initial_state=S0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    S0 = None if state is None else torch.randn(B, HV, D, Dv, generator=g_, dtype=torch.float64)
+    if state == "v_first":
+        S0 = S0.transpose(-1, -2).contiguous()
+    fn = K.fused_recurrent_kda if gate == "channel" else K.fused_recurrent_gated_delta_rule
+    kw = dict(g=g, beta=beta, initial_state=S0, output_final_state=True, use_qk_l2norm_in_kernel=True,
+              state_v_first=state == "v_first")
+    o_ref, S_ref = fn(q.clone().requires_grad_(), k, v, **kw)
+    cast = {n: (x.to(dtype) if isinstance(x, torch.Tensor) else x) for n, x in kw.items()}
     with torch.no_grad():
-        o1, S1 = fn(q, k, v, **kw)
-    o2, S2 = fn(q.clone().requires_grad_(), k, v, **kw)
-    assert torch.allclose(o1, o2.detach(), rtol=0, atol=1e-12) and torch.allclose(S1, S2.detach(), rtol=0, atol=1e-12)
+        o, S = fn(q.to(dtype), k.to(dtype), v.to(dtype), **cast)
+    assert o.dtype == dtype and S.dtype == dtype and o.shape == o_ref.shape and S.shape == S_ref.shape
+    tol = 1e-12 if dtype == torch.float64 else 1e-6
+    assert _rel(o.double(), o_ref.detach()) <= tol and _rel(S.double(), S_ref.detach()) <= tol

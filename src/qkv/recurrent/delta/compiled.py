@@ -164,3 +164,57 @@ def pass_chunks(addr, KQ, v, beta, eg, eC, Kc, Tinv, gated, S, reads, U, starts,
                 for d in range(Dk):                                         # S = e^{γ_C} S + Kcᵀ U
                     for x in range(Dv):
                         st[d, x] = e * st[d, x] + X[d, x]
+
+
+@numba.njit(nogil=True, cache=True, fastmath={"contract", "nsz"})
+def decode_step(q, k, v, beta, g, S0, has_state, l2norm, eps, scale, o, S):
+    """One step of the delta rule for every ``(b, h)`` (a decoding token), in one pass over the
+    state to read it and one to write the next: ``q, k (B, H, K)`` (value head h reads key head
+    ``h // (HV / H)``), ``v (B, HV, V)``, ``beta (B, HV)``, ``g (B, HV, 1)`` a log decay a head or
+    ``(B, HV, K)`` a key channel, ``S0 (B, HV, K, V)`` (read where ``has_state``, else zeros);
+    writes ``o (B, HV, V)`` and ``S (B, HV, K, V)``. With ``l2norm`` q and k are first divided by
+    ``sqrt(Σ x² + eps)``. The same equation as the step loop, with ``S' = diag(e^g) S0``::
+
+        u = beta (v - S'ᵀk),   S = S' + k uᵀ,   o = scale · Sᵀq = scale · (S'ᵀq + u (kᵀq))
+
+    (``o`` from ``S0`` and ``u``, so the new state is written once and never read back)."""
+    B, HV, K, V = S.shape
+    G = HV // q.shape[1]
+    per_channel = g.shape[2] > 1
+    qn, kn = np.empty(K, S.dtype), np.empty(K, S.dtype)
+    ec, eq, ek = np.empty(K, S.dtype), np.empty(K, S.dtype), np.empty(K, S.dtype)
+    rk, rq = np.empty(V, S.dtype), np.empty(V, S.dtype)
+    for b in range(B):
+        for h in range(HV):
+            hk = h // G
+            nq, nk = 1.0, 1.0
+            if l2norm:
+                sq, sk = 0.0, 0.0
+                for c in range(K):
+                    sq += q[b, hk, c] * q[b, hk, c]
+                    sk += k[b, hk, c] * k[b, hk, c]
+                nq, nk = 1.0 / math.sqrt(sq + eps), 1.0 / math.sqrt(sk + eps)
+            kq = 0.0
+            for c in range(K):
+                qn[c], kn[c] = q[b, hk, c] * nq, k[b, hk, c] * nk
+                ec[c] = math.exp(g[b, h, c if per_channel else 0])
+                eq[c], ek[c] = ec[c] * qn[c], ec[c] * kn[c]
+                kq += kn[c] * qn[c]
+            rk[:], rq[:] = 0.0, 0.0
+            if has_state:
+                for c in range(K):
+                    for j in range(V):
+                        rk[j] += ek[c] * S0[b, h, c, j]
+                        rq[j] += eq[c] * S0[b, h, c, j]
+            for j in range(V):
+                u = beta[b, h] * (v[b, h, j] - rk[j])
+                o[b, h, j] = scale * (rq[j] + u * kq)
+                rk[j] = u                                     # rk holds u from here
+            if has_state:
+                for c in range(K):
+                    for j in range(V):
+                        S[b, h, c, j] = ec[c] * S0[b, h, c, j] + kn[c] * rk[j]
+            else:
+                for c in range(K):
+                    for j in range(V):
+                        S[b, h, c, j] = kn[c] * rk[j]

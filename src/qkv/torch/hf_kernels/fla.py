@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import torch
 
+from . import decode
 from ..recurrent_ops import delta_rule
 from .fla_args import (Heads, beta_of, check_gates, gdn_gate, heads, kda_gate, l2norm, offsets, refuse,
                        state_in)
@@ -71,6 +72,10 @@ def _run(where: str, n: Heads, q, k, v, g, beta, scale, initial_state, output_fi
     spans = offsets(where, cu_seqlens, n)
     S0 = state_in("initial_state", initial_state, n.B if spans is None else len(spans), n, state_v_first)
     out_dtype = v.dtype
+    if spans is None and n.T == 1 and not _wants_grad(q, k, v, g, beta, S0):
+        o, S = decode.step(q, k, v, beta, g, n.K ** -0.5 if scale is None else scale, S0, use_qk_l2norm_in_kernel)
+        o = o.to(out_dtype)                                # a decoding step (qkv.torch.hf_kernels.decode)
+        return (o, (S.transpose(-1, -2) if state_v_first else S) if output_final_state else None)
     if q.dtype in (torch.bfloat16, torch.float16):          # fla's kernels compute in float32
         q, k, v = q.float(), k.float(), v.float()
     if use_qk_l2norm_in_kernel:
@@ -81,9 +86,7 @@ def _run(where: str, n: Heads, q, k, v, g, beta, scale, initial_state, output_fi
     beta = beta.transpose(1, 2)
     g = None if g is None else g.transpose(1, 2)
     scale = n.K ** -0.5 if scale is None else scale
-    if spans is None and q.shape[2] == 1 and not _wants_grad(q, k, v, g, beta, S0):
-        o, S = _one_step(q, k, v, beta, g, scale, S0)           # a decoding step (see _one_step)
-    elif spans is None:
+    if spans is None:
         o, S = delta_rule(q, k, v, beta, g, scale=scale, initial_state=S0, return_state=True)
     else:
         outs, states = [], []
@@ -102,24 +105,6 @@ def _run(where: str, n: Heads, q, k, v, g, beta, scale, initial_state, output_fi
 
 def _wants_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
-def _one_step(q, k, v, beta, g, scale, S0):
-    """One step of the recurrence on ``(B, HV, 1, ·)`` tensors without autograd, in torch: a
-    decoding step is a few products of ``(K, V)`` a head, and the round trip to qkv's NumPy
-    kernel cost more than the step (0.90-0.93x transformers' own step at T = 512). The same
-    equation as :func:`qkv.recurrent.delta_rule` (its step loop), in the state's dtype."""
-    dt = torch.float64 if q.dtype == torch.float64 else torch.float32
-    B, HV, _, K = q.shape
-    S = torch.zeros(B, HV, K, v.shape[-1], dtype=dt) if S0 is None else S0.to(dt)
-    q1, k1, v1, b1 = q[:, :, 0].to(dt), k[:, :, 0].to(dt), v[:, :, 0].to(dt), beta[:, :, 0].to(dt)
-    if g is not None:                                   # (B, HV, 1) a head, (B, HV, 1, K) a key channel
-        e = torch.exp(g[:, :, 0].to(dt))
-        S = S * (e[..., None, None] if e.dim() == 2 else e[..., :, None])             # S' = diag(exp g) S
-    u = b1[..., None] * (v1 - torch.einsum("bhkv,bhk->bhv", S, k1))                  # beta (v - S'ᵀ k)
-    S = S + k1[..., :, None] * u[..., None, :]                                        # + k uᵀ
-    o = scale * torch.einsum("bhkv,bhk->bhv", S, q1)                                  # scale · Sᵀ q
-    return o[:, :, None], S
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
