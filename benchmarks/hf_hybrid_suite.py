@@ -14,7 +14,10 @@ Models (random weights, float32, batch 1, 4 layers, hidden 512; quick: hidden 32
 Each at T = 2048 and 8192 (quick: 32): ``prefill`` (the logits and the cache under
 ``no_grad``), ``train`` (the loss and ``backward()``, ``model.train()``) and ``decode`` (one
 token with the cache of the prefill; the cache grows by a token a repeat). A row:
-``family``, ``shape``, ``what``, ``qkv_s``, ``peer_s`` (medians), ``ratio`` (qkv ÷ peer), and
+``family``, ``shape``, ``what``, ``qkv_s``, ``peer_s`` (medians), ``ratio`` (qkv ÷ peer),
+``peer_kernel_s`` (in one more call of the peer, after the timed ones: the seconds spent inside
+the functions qkv replaces, the rest being what both sides run alike) and ``bound`` (``peer_s ÷
+(peer_s - peer_kernel_s)``: the most any replacement of those functions could gain), and
 ``served`` / ``missing``: the functions qkv.torch.hf_kernels had, and those it did not have
 yet (transformers' path ran for those on both sides).
 """
@@ -22,6 +25,9 @@ from __future__ import annotations
 
 import importlib
 
+import time
+
+from .table import Table
 from .timing import alternate
 
 KINDS = ("qwen3-next", "mamba-2", "kimi")
@@ -108,6 +114,32 @@ def _calls(m, T: int):
     return {"prefill": prefill, "train": train, "decode": decode}
 
 
+def _kernel_seconds(module, fn) -> float:
+    """Seconds one call of ``fn`` spends inside ``module``'s replaceable kernel functions (each
+    wrapped in a clock for the call, then put back)."""
+    from qkv.torch import hf_recurrent
+
+    names = [a for a, o in vars(module).items() if hf_recurrent.kernel_name(o)]
+    saved, spent = {a: getattr(module, a) for a in names}, [0.0]
+
+    def clocked(f):
+        def call(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return f(*args, **kwargs)
+            finally:
+                spent[0] += time.perf_counter() - t
+        return call
+    try:
+        for a in names:
+            setattr(module, a, clocked(saved[a]))
+        fn()
+    finally:
+        for a, o in saved.items():
+            setattr(module, a, o)
+    return spent[0]
+
+
 def measure(quick: bool, repeats: int, told=lambda label: None) -> list[dict]:
     from qkv.torch import hf_recurrent
 
@@ -126,10 +158,30 @@ def measure(quick: bool, repeats: int, told=lambda label: None) -> list[dict]:
                     sides = {"qkv": _sides(m, module, fn)["qkv"], "peer": _calls(m, T)["decode"]}
                 med = alternate(sides, repeats, rewarm_below=0 if quick else 1.0)
                 q, p = med["qkv"]["wall"], med["peer"]["wall"]
+                inside = min(_kernel_seconds(module, sides["peer"]), p)
                 rows.append(dict(family=kind, shape=f"B=1 T={T} hidden={size['hidden']} layers={size['layers']}",
                                  what=what, qkv_s=q, peer_s=p, ratio=q / p if p > 0 else float("nan"),
+                                 peer_kernel_s=inside, bound=p / (p - inside) if p > inside else float("inf"),
                                  served=served, missing=[n for n in names if n not in served]))
     return rows
+
+
+def table(rows: list[dict], repeats: int | None = None, threads: int | None = None, smoke: str = "") -> Table:
+    """The rows of :func:`measure`: each model's passes, qkv's kernel functions against transformers'."""
+    runs = f", medians of {repeats}" if repeats else ""
+    t = Table(f"transformers' hybrids, 4 layers, hidden 512, float32, B=1: the recurrent kernel functions on qkv "
+              f"(register_hf(recurrent=True)) against transformers' torch fallbacks, {threads} thread(s), wall clock"
+              f"{runs}{smoke}", ["model", "T", "pass", "qkv s", "peer s", "peer ÷ qkv", "peer in kernels",
+                               "bound"], left=3)
+    for r in rows:
+        t.rows.append([r["family"], r["shape"].split()[1][2:], r["what"], f"{r['qkv_s']:.4f}", f"{r['peer_s']:.4f}",
+                       f"{r['peer_s'] / r['qkv_s']:.2f}", f"{r['peer_kernel_s'] / r['peer_s']:.0%}",
+                       f"{r['bound']:.2f}"])
+    t.notes.append("peer ÷ qkv: above 1, qkv is faster (issue 52's target: 2 for prefill and train, 1 for decode). "
+                   "peer in kernels: the share of the peer's time inside the functions qkv replaces; bound: peer ÷ "
+                   "(peer - that time), the speed-up if qkv's functions took no time at all (the projections, MLPs "
+                   "and attention layers run the same on both sides)")
+    return t
 
 
 def count(quick: bool) -> int:

@@ -7,7 +7,7 @@ is a plain-text rendering), and :func:`sweep_figure` draws a matplotlib ``Figure
 """
 from __future__ import annotations
 
-from . import hybrid_report
+from . import hf_hybrid_suite, hybrid_report
 from .attention import METHODS
 from .table import Table, fmt as _fmt
 
@@ -113,6 +113,8 @@ def tables(results: dict) -> list[Table]:
         out.append(recurrent_table(results["recurrent"], results["repeats"], results["threads"], smoke))
     if results.get("hybrid"):
         out.append(hybrid_report.lm_table(results["hybrid"], results["threads"], smoke))
+    if results.get("hf_hybrid"):
+        out.append(hf_hybrid_suite.table(results["hf_hybrid"], results["repeats"], results["threads"], smoke))
     if results.get("hybrid_decode"):
         out.append(hybrid_report.decode_table(results["hybrid_decode"], results["repeats"], results["threads"], smoke))
     return out

@@ -10,10 +10,10 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 KEYS = {"family": str, "shape": str, "what": str, "qkv_s": float, "peer_s": float, "ratio": float,
-        "served": list, "missing": list}
+        "peer_kernel_s": float, "bound": float, "served": list, "missing": list}
 
 
-def test_quick_rows(tmp_path):
+def test_quick_rows(tmp_path, capsys):
     from qkv_benchmarks import hf_hybrid_suite as suite
 
     out = tmp_path / "h.json"
@@ -28,3 +28,29 @@ def test_quick_rows(tmp_path):
             assert isinstance(r[key], kind), (key, r[key])
         assert r["qkv_s"] > 0 and r["peer_s"] > 0 and "T=32" in r["shape"]
         assert sorted(r["served"] + r["missing"]) == sorted(set(r["served"] + r["missing"])) and r["served"] + r["missing"]
+        assert 0 < r["peer_kernel_s"] <= r["peer_s"] and r["bound"] >= 1
+    table = capsys.readouterr().out
+    assert "transformers' hybrids" in table and "peer in kernels" in table   # the table the docs render
+
+
+def test_the_kernel_clock_counts_only_the_replaced_functions_and_puts_them_back():
+    """peer_kernel_s: the time inside the modeling module's replaceable functions, measured by
+    wrapping them for one call; every wrapped name is restored afterwards."""
+    import importlib
+    import time
+
+    from qkv_benchmarks import hf_hybrid_suite as suite
+    from qkv.torch import hf_recurrent
+
+    module = importlib.import_module("transformers.models.qwen3_next.modeling_qwen3_next")
+    names = {a: o for a, o in vars(module).items() if hf_recurrent.kernel_name(o)}
+    assert "torch_chunk_gated_delta_rule" in names
+
+    def call():
+        time.sleep(0.05)                                             # outside the kernels
+        fn = module.causal_conv1d_fn
+        import torch
+        fn(torch.zeros(1, 4, 8), torch.zeros(4, 3))                  # inside: a few ms at most
+    spent = suite._kernel_seconds(module, call)
+    assert 0 < spent < 0.05
+    assert {a: getattr(module, a) for a in names} == names
