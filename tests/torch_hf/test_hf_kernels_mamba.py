@@ -337,12 +337,17 @@ def test_selective_scan_float32_and_b_c_layouts():
 
 # --- causal_conv1d --------------------------------------------------------------------------
 
+@pytest.mark.parametrize("layout", ["contiguous", "channel_last"])
 @pytest.mark.parametrize("activation", [None, "silu"])
 @pytest.mark.parametrize("T,Kw", [(1, 4), (17, 4), (9, 2)])
-def test_conv_fn_equals_fallback(activation, T, Kw):
-    x, w, b = rand(2, 5, T, seed=1), rand(5, Kw, seed=2), rand(5, seed=3)
+def test_conv_fn_equals_fallback(activation, T, Kw, layout):
+    """Either layout of x (channel-last: a (B, T, D) tensor transposed, as transformers' layers
+    hand it over and causal_conv1d takes it); the output keeps x's layout, as causal_conv1d's."""
+    x = rand(2, 5, T, seed=1) if layout == "contiguous" else rand(2, T, 5, seed=1).transpose(1, 2)
+    w, b = rand(5, Kw, seed=2), rand(5, seed=3)
     ref = m2.causal_conv1d_fn(x, w, b, activation=activation)
     out = K.causal_conv1d_fn(x, w, b, activation=activation)
+    assert out.shape == x.shape and out.stride() == torch.empty_like(x).stride()
     close(out, ref)
     close(grads(out, [x, w, b]), grads(ref, [x, w, b]))
     # initial states = the inputs before t = 0; final states = the last K - 1 inputs

@@ -65,6 +65,22 @@ def _act(out: torch.Tensor, silu: bool) -> torch.Tensor:
     return F.silu(out) if silu else out
 
 
+def _taps(xp: torch.Tensor, weight: torch.Tensor, bias, T: int, t_ax: int) -> torch.Tensor:
+    """The causal depthwise convolution of ``xp`` (its K - 1 first steps the inputs before
+    t = 0; time on axis ``t_ax``: 2 for ``(B, D, ·)``, 1 for ``(B, ·, D)``) as K shifted
+    multiply-adds over whole slabs: torch's depthwise ``conv1d`` took 5 times as long
+    (66-88 against 15 ms at D = T = 2048, float32), and 2.7 times more again on a channel-last
+    input, the layout transformers' layers hand over."""
+    K = weight.shape[1]
+    w = weight[:, :, None] if t_ax == 2 else weight.t()                 # a tap: (D, 1) or (D,)
+    out = xp.narrow(t_ax, 0, T) * (w[:, 0] if t_ax == 2 else w[0])
+    for k in range(1, K):
+        out = out.addcmul_(xp.narrow(t_ax, k, T), w[:, k] if t_ax == 2 else w[k])
+    if bias is not None:
+        out = out + (bias.to(out.dtype)[:, None] if t_ax == 2 else bias.to(out.dtype))
+    return out
+
+
 def _masked_conv(xp: torch.Tensor, weight: torch.Tensor, bias, seq_idx: torch.Tensor) -> torch.Tensor:
     """The convolution with packed sequences: K shifted products, each term zero where its
     position holds another sequence. xp ``(B, D, T)`` (no padding), seq_idx ``(B, T)``."""
@@ -122,13 +138,17 @@ def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, re
     if seq_idx is not None:
         out = _masked_conv(xw, weight, bias, seq_idx)
         return _act(out, silu).to(x.dtype)
+    last = Dd > 1 and xw.stride(1) == 1 and xw.stride(2) == Dd       # channel-last, as causal_conv1d takes it
+    xt = xw.transpose(1, 2) if last else xw                             # time on axis 1 (last) or 2
+    t_ax = 1 if last else 2
     head = xw.new_zeros(Bsz, Dd, K - 1) if initial_states is None else initial_states.to(weight.dtype)
-    xp = torch.cat([head, xw], dim=-1)                                      # (B, D, K - 1 + T)
-    out = F.conv1d(xp, weight.unsqueeze(1), bias, groups=Dd)               # (B, D, T)
-    out = _act(out, silu).to(x.dtype)
+    xp = torch.cat([head.transpose(1, 2) if last else head, xt], dim=t_ax)     # K - 1 inputs before t = 0
+    out = _act(_taps(xp, weight, bias, T, t_ax), silu).to(x.dtype)
+    out = out.transpose(1, 2) if last else out                          # (B, D, T), x's layout
     if not return_final_states:
         return out
-    final = xp[:, :, xp.shape[-1] - (K - 1):].to(x.dtype)                   # (B, D, K - 1)
+    final = xp.narrow(t_ax, T, K - 1).to(x.dtype)                       # the last K - 1 inputs
+    final = final.transpose(1, 2) if last else final                    # (B, D, K - 1)
     if final_states_out is not None:
         final_states_out.copy_(final)
         final = final_states_out
