@@ -55,11 +55,20 @@ FAMILIES = {
                         "attention_head_dim": 16, "num_key_value_heads": 2, "attention_hidden_size": 64}),
     "LFM2": ("lfm2", {**COMMON, "layer_types": ["conv", "full_attention"], "conv_L_cache": 3,
                       "block_auto_adjust_ff_dim": False}),
+    # num_dense_layers=1: the second layer's feed-forward is the sparse MoE
+    "LFM2-MoE": ("lfm2_moe", {**COMMON, "layer_types": ["conv", "full_attention"], "conv_L_cache": 3,
+                              "num_dense_layers": 1, "num_experts": 4, "num_experts_per_tok": 2,
+                              "moe_intermediate_size": 16}),
+    "LFM3": ("lfm3", {**COMMON, "layer_types": ["conv", "full_attention"], "conv_L_cache": 3}),
+    "Lara-Mini": ("lara_mini", {**COMMON, **GDN, **MOE}),
+    # the QSA indexer's budget (64 tokens in blocks of 4) covers every block at the harness's lengths
+    # (T <= 40): its top-k keeps every visible token, so no selection can flip between two float paths
+    "Qwen4-Exp": ("qwen4_exp_text", {**COMMON, **GDN, **MOE, "layer_types": ["linear_attention", "indexed_attention"],
+                                     "hc_count": 2, "hc_lowrank": 8, "indexer_n_heads": 2, "indexer_kv_heads": 1,
+                                     "indexer_head_dim": 16, "indexer_budget": 64, "indexer_compress_ratio": 4}),
 }
 
 NOT_IN_HARNESS = {
-    "LFM2-MoE, LFM3": "causal_conv1d only (as LFM2); no tiny config written yet",
-    "Lara-Mini, Qwen4-Exp": "Gated DeltaNet as Qwen3-Next; no tiny config written yet",
     "GLM-5-Next": "KDA as Kimi Linear; a multimodal config without a causal-LM class in the auto mapping",
     "Inkling, Inkling2, Inkling2-Loop": "causal_conv1d only; not in transformers' auto mappings as a causal LM",
 }

@@ -5,9 +5,11 @@ path, and the same model under ``register_hf(recurrent=True)`` (qkv.torch.hf_ker
 float64 (transformers' float32 casts kept float64, recurrent_hf.float64): logits, loss and every
 parameter gradient to 1e-9; float32: qkv within twice the torch path's own float32 error; greedy
 generation with the cache token for token; a left-padded batch and packed sequences equal to
-each sequence alone. A family that calls a function qkv.torch.hf_kernels does not have yet skips
-naming it. ``QKV_HF_STANDIN=1`` serves the functions with transformers' own torch fallbacks (the
-harness checking itself; the packed test skips there: the fallbacks cannot take them).
+each sequence alone (packed on qkv's attention too, but in the families of ``EAGER_WHEN_PACKED``,
+whose attention qkv's attention function cannot serve). A family that calls a function
+qkv.torch.hf_kernels does not have yet skips naming it. ``QKV_HF_STANDIN=1`` serves the functions
+with transformers' own torch fallbacks (the harness checking itself; the packed test skips there:
+the fallbacks cannot take them).
 """
 from __future__ import annotations
 
@@ -31,6 +33,13 @@ STANDIN = os.environ.get("QKV_HF_STANDIN") == "1"
 # selective_scan_fn (mamba_ssm's and transformers') has no seq_idx / cu_seqlens: a packed row
 # cannot be kept apart by these families' Mamba-1 layers
 NO_PACKING = {"Mamba", "FalconMamba", "Jamba", "Zamba"}   # Mamba-1: selective_scan_fn takes no seq_idx (nor mamba_ssm's)
+# families whose attention qkv's attention function cannot serve: their packed check keeps eager
+# attention, where transformers keeps packed sequences apart from the restarting position_ids (no
+# cache) as a mask; the recurrent functions are still qkv's
+EAGER_WHEN_PACKED = {
+    "Qwen4-Exp": "its QSA indexer reads the attention mask itself and needs transformers' dense one; qkv's "
+                 "mask function makes none for a plain causal pattern",
+}
 STANDIN_SOURCES = {"fla": ("qwen3_next", "kimi_linear"), "mamba_ssm": ("mamba2", "falcon_mamba"),
                    "causal_conv1d": ("mamba2",)}
 
@@ -169,7 +178,8 @@ def test_packed_sequences_equal_each_sequence_alone(family):
         pytest.skip("transformers' torch fallbacks cannot keep packed sequences apart")
     _, ours = pair(family)
     import qkv.torch
-    ours.set_attn_implementation(qkv.torch.register_hf())   # its attention layers keep the sequences apart too
+    if family not in EAGER_WHEN_PACKED:
+        ours.set_attn_implementation(qkv.torch.register_hf())   # its attention layers keep the sequences apart too
     first, second = ids(B=1, T=7, seed=4), ids(B=1, T=9, seed=5)
     x = torch.cat([first, second], 1)
     cu = torch.tensor([0, 7, 16], dtype=torch.int32)
