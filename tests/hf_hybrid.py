@@ -2,7 +2,8 @@
 (fla's, mamba_ssm's, causal_conv1d's), each as a tiny random config: 2 layers, hidden 32, a
 recurrent layer first. Used by tests/torch_hf/test_hf_hybrid_families.py.
 
-``FAMILIES``: name -> (model_type, config overrides). ``NOT_IN_HARNESS``: the families that call
+``FAMILIES``: name -> (model_type, config overrides). ``BY_CLASS``: the families built by class,
+their causal LM not being in transformers' auto mapping. ``NOT_IN_HARNESS``: the families that call
 the functions but have no tiny config here yet, with why (docs/torch.md lists both).
 """
 from __future__ import annotations
@@ -66,10 +67,35 @@ FAMILIES = {
     "Qwen4-Exp": ("qwen4_exp_text", {**COMMON, **GDN, **MOE, "layer_types": ["linear_attention", "indexed_attention"],
                                      "hc_count": 2, "hc_lowrank": 8, "indexer_n_heads": 2, "indexer_kv_heads": 1,
                                      "indexer_head_dim": 16, "indexer_budget": 64, "indexer_compress_ratio": 4}),
+    # NoPE MLA (DSA) with q_lora_rank, as GLM-5-Next's config requires; the DSA indexer's top-k (64 in
+    # pools of 4) covers every token at the harness's lengths, as Qwen4-Exp's indexer above
+    "GLM-5-Next": ("glm5_next_text", {**COMMON, "num_key_value_heads": 2, "q_lora_rank": 16, "kv_lora_rank": 8,
+                                      "qk_rope_head_dim": 0, "qk_nope_head_dim": 16, "v_head_dim": 16,
+                                      "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                                      "mlp_layer_types": ["dense", "sparse"],
+                                      "layer_types": ["linear_attention", "indexed_attention"],
+                                      "index_topk": 64, "index_kpool": 4, "index_head_dim": 16, "index_n_heads": 2,
+                                      "linear_head_dim": 8, "linear_num_heads": 2, "linear_conv_kernel_dim": 4,
+                                      "hc_mult": 2}),
+}
+
+# Families whose causal LM is not in AutoModelForCausalLM's mapping under their text config's
+# model_type: family -> (the transformers class to build, the model_type of the config that wraps
+# the text config as its text_config, that config's other overrides).
+#
+# GLM-5-Next has no text-only causal-LM class: its language model is the text half of
+# Glm5NextForConditionalGeneration, which its text-only checkpoints load into (Glm5NextConfig takes a
+# flat checkpoint's fields as its text_config). Given input_ids alone it is a causal LM over text,
+# with transformers' own head, loss and generate, so the harness's checks run on it unchanged. Its
+# vision tower is built tiny and never called; its weights get no gradient, and the gradient check
+# compares the parameters that have one.
+BY_CLASS = {
+    "GLM-5-Next": ("Glm5NextForConditionalGeneration", "glm5_next",
+                   {"vision_config": {"depth": 1, "hidden_size": 16, "num_heads": 2, "intermediate_size": 16,
+                                      "out_hidden_size": 32, "projection_intermediate_size": 16}}),
 }
 
 NOT_IN_HARNESS = {
-    "GLM-5-Next": "KDA as Kimi Linear; a multimodal config without a causal-LM class in the auto mapping",
     "Inkling, Inkling2, Inkling2-Loop": "causal_conv1d only; not in transformers' auto mappings as a causal LM",
 }
 
@@ -77,12 +103,19 @@ NOT_IN_HARNESS = {
 def build(family: str, seed: int = 0, dtype=None, **extra):
     """The family's tiny causal LM, random weights from ``seed``, in eval mode."""
     import torch
+    import transformers
     from transformers import AutoModelForCausalLM, CONFIG_MAPPING
 
     model_type, overrides = FAMILIES[family]
     cfg = CONFIG_MAPPING[model_type](**{**overrides, **extra})
+    kw = dict(attn_implementation="eager", experts_implementation="eager")
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", experts_implementation="eager")
+    if family in BY_CLASS:
+        class_name, wrapper_type, wrapper_overrides = BY_CLASS[family]
+        cfg = CONFIG_MAPPING[wrapper_type](text_config=cfg, **wrapper_overrides)
+        model = getattr(transformers, class_name)._from_config(cfg, **kw)
+    else:
+        model = AutoModelForCausalLM.from_config(cfg, **kw)
     if dtype is not None:
         model = model.to(dtype)
     return model.eval()
