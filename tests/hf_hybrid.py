@@ -18,6 +18,10 @@ MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, share
 MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4,
               mamba_chunk_size=8)
 SELECTIVE = dict(mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4)
+INKLING = dict(layer_types=["hybrid_sliding", "hybrid"], swa_num_attention_heads=2, swa_num_key_value_heads=1,
+               swa_head_dim=16, sliding_window_size=8, d_rel=4, rel_extent=16)
+# the head has unpadded_vocab_size rows (default 200058); intermediate_size is the experts' width
+INKLING2 = dict(INKLING, unpadded_vocab_size=97, n_routed_experts=4, num_experts_per_tok=2, intermediate_size=16)
 
 FAMILIES = {
     "Qwen3-Next": ("qwen3_next", {**COMMON, **GDN, **MOE}),
@@ -77,6 +81,18 @@ FAMILIES = {
                                       "index_topk": 64, "index_kpool": 4, "index_head_dim": 16, "index_n_heads": 2,
                                       "linear_head_dim": 8, "linear_num_heads": 2, "linear_conv_kernel_dim": 4,
                                       "hc_mult": 2}),
+    # The Inklings: every decoder layer is attention with causal short convolutions (Inkling: on k, v and
+    # after the attention and the MLP; Inkling2: the same in the sliding-window layers, after the attention
+    # and the MLP in the full ones), so the sliding-window layer first; the window (8) is shorter than the
+    # harness's sequences. Their text causal LMs are in the auto mapping under the *_text model types.
+    "Inkling": ("inkling_text", {**COMMON, **INKLING, "mlp_layer_types": ["dense", "sparse"], "n_routed_experts": 4,
+                                 "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 16}),
+    "Inkling2": ("inkling2_text", {**COMMON, **INKLING2}),
+    # the loop (loop_layer_index_start..end) is the sliding-window layer, run twice, each pass on its own
+    # cache layer for every convolution state
+    "Inkling2-Loop": ("inkling2_loop_text", {**COMMON, **INKLING2, "layer_types": ["hybrid", "hybrid_sliding"],
+                                             "n_layers_per_attn_res_block": 1, "loop_layer_index_start": 1,
+                                             "loop_layer_index_end": 2, "loop_num_passes": 2, "loop_gate_rank": 8}),
 }
 
 # Families whose causal LM is not in AutoModelForCausalLM's mapping under their text config's
@@ -95,9 +111,7 @@ BY_CLASS = {
                                       "out_hidden_size": 32, "projection_intermediate_size": 16}}),
 }
 
-NOT_IN_HARNESS = {
-    "Inkling, Inkling2, Inkling2-Loop": "causal_conv1d only; not in transformers' auto mappings as a causal LM",
-}
+NOT_IN_HARNESS: dict[str, str] = {}
 
 
 def build(family: str, seed: int = 0, dtype=None, **extra):
