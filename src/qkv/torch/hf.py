@@ -29,7 +29,7 @@ cannot run on qkv: building it with ``attn_implementation="qkv"``, or switching 
 
 Logit soft-capping (``softcap``, Gemma 2), attention dropout (in training mode, with a seed
 from torch's generator) and a learned relative-position bias (T5's ``position_bias``, which
-gets its gradient) are qkv options; attention sinks (``s_aux``) are not: they raise.
+gets its gradient) are qkv options; attention sinks (``s_aux``, ``sinks``) are not: they raise.
 
 ``output_attentions=True`` returns each layer's weights as eager attention does (``sdpa``
 and flash-attention warn and return none; qkv can make them): ``(B, Hq, Tq, Tk)`` after
@@ -59,8 +59,10 @@ def hf_attention(module, query, key, value, attention_mask, dropout: float = 0.0
     ``query (B, Hq, Tq, D)``, ``key``/``value (B, Hkv, Tk, D)``; returns ``(out (B, Tq, Hq, D), None)``,
     or ``(out, weights (B, Hq, Tq, Tk))`` with ``output_attentions=True``.
     """
-    if kwargs.get("s_aux") is not None:
-        raise ShapeError("s_aux (attention sinks) is not a qkv option; use attn_implementation='eager' for this model")
+    for sink in ("s_aux", "sinks"):   # gpt-oss's learned sink a head; Inkling2's a token and head
+        if kwargs.get(sink) is not None:
+            raise ShapeError(f"{sink} (attention sinks: a logit beside the keys') is not a qkv option; "
+                             f"use attn_implementation='eager' for {type(module).__name__}")
     layer_is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     # softcap (Gemma 2's attn_logit_softcapping) and dropout (transformers passes 0.0 in eval());
     # the dropout seed comes from torch's generator, as eager's nn.functional.dropout's mask does

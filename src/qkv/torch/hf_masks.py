@@ -22,7 +22,9 @@ bool ``(B, L)``               a causal pattern, queries aligned with the last ke
 int32 ``(B, L)``              a causal sliding window ``W`` that some query reaches past:
                               ``W`` at real keys, 0 at padding (``window=(W - 1, 0)``)
 bool ``(B, 1, Tq | 1, Tk)``   complete: nothing is added to it (bidirectional padding,
-                              and every other pattern, made by transformers' ``sdpa_mask``)
+                              and every other pattern, made by transformers' ``sdpa_mask``;
+                              and any pattern where the model asks for the whole mask,
+                              ``allow_is_causal_skip=False``, to lay its own selection over it)
 ============================  ==========================================================
 
 A 2-D mask holds the whole history and is cut only from the right, so that transformers,
@@ -97,7 +99,9 @@ def hf_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offse
         if padding is None:
             return torch.ones(batch_size, 1, 1, kv_length, dtype=torch.bool, device=kwargs.get("device", "cpu"))
         return padding[:, None, None, kv_offset:history].to(torch.bool)  # (B, 1, 1, Tk): complete for every query
-    if kind is not None and aligned:
+    if kind is not None and aligned and kwargs.get("allow_is_causal_skip", True) is not False:
+        # (a model that overlays its own selection on the mask asks for the whole mask:
+        # allow_is_causal_skip=False, as Qwen4-Exp's indexed attention and Doge do)
         padding = mu.prepare_padding_mask(attention_mask, kv_length, kv_offset)
         if padding is not None:
             padding = padding[:, :history].to(torch.bool)  # (B, L): cut from the right only
