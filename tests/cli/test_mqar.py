@@ -262,3 +262,37 @@ def test_quick_is_attention_against_a_narrow_recurrence():
     cfg = MQARConfig.quick()
     cfg.check()
     assert cfg.mixers == ("attention", "gated_delta") and cfg.vocab_size == 8192 and cfg.runs() == 2
+
+
+def _record(table: dict, widths=(32, 64), pairs=(4, 8)) -> dict:
+    """A record of the shape mqar_experiment writes: ``table[mixer] = {(width, pairs): [seed accs]}``."""
+    rows = [{"mixer": m, "width": w, "pairs": p, "accuracy": a, "lr": 1e-3, "seed": s, "steps": 100,
+             "val_accuracy": 0.5, "chosen": True}
+            for m, cellz in table.items() for (w, p), accs in cellz.items() for s, a in enumerate(accs)]
+    rows.append({**rows[0], "accuracy": 0.0, "lr": 1e-2, "chosen": False})   # a sweep run not chosen: not counted
+    return {"rows": rows, "runs": [], "chosen_lr": {}, "config": {}}
+
+
+def test_claims_say_what_held_and_where_it_failed_with_the_seeds():
+    from qkv.experiments.mqar_report import claims
+
+    grid = lambda f: {(w, p): f(w, p) for w in (32, 64) for p in (4, 8)}  # noqa: E731
+    rec = _record({
+        "attention": grid(lambda w, p: [0.99, 0.97, 0.90] if (w, p) == (32, 8) else [0.99, 0.99, 0.98]),
+        "gated_delta": grid(lambda w, p: [0.1 * w / 32 / p * 4] * 3),                 # rises with width, falls with pairs
+        "mamba2": grid(lambda w, p: {(32, 4): [0.3, 0.2, 0.25], (64, 4): [0.1, 0.1, 0.12]}.get((w, p), [0.01, 0.02, 0.0])),
+        "linear": grid(lambda w, p: [0.0, 0.01, 0.02]),                               # at chance everywhere
+        "attention+gated_delta": grid(lambda w, p: [0.05] * 3),
+    })
+    said = claims(rec)
+    assert said[0] == ("attention >= 0.95 at every width and pair count, every seed: fails at width 32, 8 pairs "
+                       "(seeds 0.990, 0.970, 0.900)")
+    assert "gated_delta: rising with width, falling with pairs: holds" in said
+    assert any(c.startswith("linear: rising with width, falling with pairs: at chance in every cell") for c in said)
+    mamba = next(c for c in said if c.startswith("mamba2:"))
+    assert mamba == ("mamba2: rising with width, falling with pairs: fails: 4 pairs, width 32 -> 64: 0.250 -> 0.100 "
+                     "(seeds 0.300, 0.200, 0.250 -> 0.100, 0.100, 0.120)")      # 8 pairs: both at chance, not counted
+    order = next(c for c in said if c.startswith("gated_delta >= mamba2 >= linear"))
+    assert order.endswith("fails at width 32, 4 pairs: gated_delta 0.100, mamba2 0.250, linear 0.010")
+    hybrid = next(c for c in said if c.startswith("attention+gated_delta >= gated_delta"))
+    assert "fails at" in hybrid and "width 64, 4 pairs: 0.050 < 0.200" in hybrid

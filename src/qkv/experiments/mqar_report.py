@@ -55,6 +55,10 @@ def format_table(rec: dict) -> str:
             st = steps.get((m, w), [])
             cells_ = [_cell(acc[(m, w, p)]) if (m, w, p) in acc else "-" for p in pairs]
             lines.append(f"| {m} | {w} | {lr:g} | {'/'.join(map(str, st))} | " + " | ".join(cells_) + " |")
+    found = claims(rec)
+    if found:
+        lines += ["", "Issue 53's claims, read off these rows (`qkv.experiments.mqar_report.claims`):", ""]
+        lines += [f"- {c}" for c in found]
     return "\n".join(lines)
 
 
@@ -101,3 +105,74 @@ def plot(rec: dict, path) -> None:
                  f"{len(c['seeds'])} seed(s)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+SOLVED = 0.95    # issue 53's bar for attention
+CHANCE = 0.05    # below it (every seed), a cell is "at chance": a rise or a fall between two such is noise
+
+
+def _med(acc, key):
+    return float(np.median(acc[key])) if key in acc else None
+
+
+def _seeds(values) -> str:
+    return ", ".join(f"{v:.3f}" for v in values)
+
+
+def claims(rec: dict) -> list[str]:
+    """Issue 53's item 4, read off the record: one line a claim, ``holds`` or ``fails`` with the
+    cells and seeds where it fails. Over the seeds of the chosen lr: attention >= 0.95 at every
+    width and pair count (every seed); each recurrence's median rising with width at fixed pairs
+    and falling with pairs at fixed width (a step between two cells at chance, every seed under
+    0.05, is not counted either way); Gated DeltaNet >= Mamba-2 >= linear attention (medians,
+    each width and pair count, the widths equal, not the states); each hybrid ``attention+X`` >=
+    X alone (medians)."""
+    from .mqar import RECURRENT
+
+    mixers, widths, pairs, acc = cells(rec)
+    out = []
+    if "attention" in mixers:
+        low = [(w, p, acc[("attention", w, p)]) for w in widths for p in pairs
+               if ("attention", w, p) in acc and min(acc[("attention", w, p)]) < SOLVED]
+        out.append(f"attention >= {SOLVED} at every width and pair count, every seed: " + (
+            "holds" if not low else "fails at " + "; ".join(f"width {w}, {p} pairs (seeds {_seeds(v)})"
+                                                           for w, p, v in low)))
+
+    def at_chance(*keys):
+        return all(k in acc and max(acc[k]) < CHANCE for k in keys)
+
+    for m in [m for m in RECURRENT if m in mixers]:
+        bad = []
+        for p in pairs:
+            for a, b in zip(widths, widths[1:]):
+                x, y = (m, a, p), (m, b, p)
+                if x in acc and y in acc and not at_chance(x, y) and _med(acc, y) < _med(acc, x):
+                    bad.append(f"{p} pairs, width {a} -> {b}: {_med(acc, x):.3f} -> {_med(acc, y):.3f} "
+                               f"(seeds {_seeds(acc[x])} -> {_seeds(acc[y])})")
+        for w in widths:
+            for a, b in zip(pairs, pairs[1:]):
+                x, y = (m, w, a), (m, w, b)
+                if x in acc and y in acc and not at_chance(x, y) and _med(acc, y) > _med(acc, x):
+                    bad.append(f"width {w}, {a} -> {b} pairs: {_med(acc, x):.3f} -> {_med(acc, y):.3f}")
+        flat = all(at_chance((m, w, p)) for w in widths for p in pairs if (m, w, p) in acc)
+        out.append(f"{m}: rising with width, falling with pairs: " + (
+            "at chance in every cell (every seed < 0.05): neither shows" if flat else
+            "holds" if not bad else "fails: " + "; ".join(bad)))
+    order = [m for m in ("gated_delta", "mamba2", "linear") if m in mixers]
+    if len(order) > 1:
+        bad = []
+        for w in widths:
+            for p in pairs:
+                meds = [_med(acc, (m, w, p)) for m in order]
+                if None not in meds and any(a < b for a, b in zip(meds, meds[1:])) and \
+                        not at_chance(*[(m, w, p) for m in order]):
+                    bad.append(f"width {w}, {p} pairs: " + ", ".join(f"{m} {v:.3f}" for m, v in zip(order, meds)))
+        out.append(" >= ".join(order) + " (medians, equal width): " + ("holds" if not bad else "fails at " +
+                                                                       "; ".join(bad)))
+    for m in [m for m in RECURRENT if f"attention+{m}" in mixers and m in mixers]:
+        h = f"attention+{m}"
+        bad = [f"width {w}, {p} pairs: {_med(acc, (h, w, p)):.3f} < {_med(acc, (m, w, p)):.3f}"
+               for w in widths for p in pairs
+               if (h, w, p) in acc and (m, w, p) in acc and _med(acc, (h, w, p)) < _med(acc, (m, w, p))]
+        out.append(f"{h} >= {m} alone (medians): " + ("holds" if not bad else "fails at " + "; ".join(bad)))
+    return out
