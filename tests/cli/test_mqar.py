@@ -296,3 +296,41 @@ def test_claims_say_what_held_and_where_it_failed_with_the_seeds():
     assert order.endswith("fails at width 32, 4 pairs: gated_delta 0.100, mamba2 0.250, linear 0.010")
     hybrid = next(c for c in said if c.startswith("attention+gated_delta >= gated_delta"))
     assert "fails at" in hybrid and "width 64, 4 pairs: 0.050 < 0.200" in hybrid
+
+
+def test_an_interrupted_command_resumes_from_the_runs_it_kept(tmp_path, monkeypatch, capsys):
+    """A run is never lost: each finished run is kept (mqar.runs.jsonl) as it ends; the same
+    command after a kill trains only the missing runs, and its record has the rows an
+    uninterrupted command writes. The kept file goes once mqar.json is written."""
+    from qkv.experiments import mqar_runs
+
+    monkeypatch.chdir(tmp_path)
+    args = ["experiment", "mqar", "--no-progress", "--mixers", "attention", "linear", "--widths", "8",
+            "--pairs", "2", "--seq-len", "16", "--vocab-size", "32", "--steps", "2", "--batch", "4",
+            "--lrs", "1e-3", "1e-2", "--seeds", "0", "1"]
+    assert main([*args, "--out", "whole"]) == 0
+    whole = json.loads((tmp_path / "whole" / "mqar.json").read_text())
+    assert not (tmp_path / "whole" / mqar_runs.KEPT).exists()
+    real, trained = mqar_runs.train_one, []
+
+    def killed_after_three(cfg, *run):
+        if len(trained) == 3:
+            raise KeyboardInterrupt
+        trained.append(run)
+        return real(cfg, *run)
+    monkeypatch.setattr(mqar_runs, "train_one", killed_after_three)
+    assert main([*args, "--out", "cut"]) != 0                          # Ctrl-C: the command says so and exits
+    kept = (tmp_path / "cut" / mqar_runs.KEPT).read_text().splitlines()
+    assert len(kept) == 3 and not (tmp_path / "cut" / "mqar.json").exists()
+    (tmp_path / "cut" / mqar_runs.KEPT).write_text("\n".join(kept) + '\n{"key": "cut sh')   # a line the kill cut
+    again = []
+    monkeypatch.setattr(mqar_runs, "train_one", lambda cfg, *run: again.append(run) or real(cfg, *run))
+    assert main([*args, "--out", "cut"]) == 0
+    assert "3 run(s) of this config kept" in capsys.readouterr().out
+    assert len(again) == len(whole["runs"]) - 3 and not set(again) & set(trained)
+    resumed = json.loads((tmp_path / "cut" / "mqar.json").read_text())
+    assert resumed["rows"] == whole["rows"] and resumed["chosen_lr"] == whole["chosen_lr"]
+    assert not (tmp_path / "cut" / mqar_runs.KEPT).exists()
+    other = mqar_runs.Kept(tmp_path / "cut" / "x.jsonl", MQARConfig(**TINY))
+    other.add(("attention", 8, 1e-3, 0), {"accuracy": [1.0]})
+    assert mqar_runs.Kept(other.path, MQARConfig(**{**TINY, "steps": 99})).done == {}   # another config's lines

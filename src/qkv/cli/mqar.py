@@ -56,7 +56,7 @@ def configure(args):
 
 def run(args) -> int:
     from ..experiments.mqar_report import format_table, plot, quick_finding
-    from ..experiments.mqar_runs import mqar_experiment
+    from ..experiments.mqar_runs import KEPT, Kept, mqar_experiment
 
     require("matplotlib", "viz")
     cfg = configure(args)
@@ -77,11 +77,15 @@ def run(args) -> int:
                   f"({len(cfg.lrs)} lrs + {len(cfg.seeds) - 1} more seeds)), {cfg.steps} steps of {cfg.batch} at most, "
                   f"tasks {cfg.tasks()}, vocabulary {cfg.vocab_size}"
                   + (f", over {comm.Get_size()} MPI ranks" if comm else f", {cfg.workers} worker(s)"), flush=True)
+        kept = None if mpi else Kept(out / KEPT, cfg)      # each finished run, kept as it ends
+        if kept is not None and kept.done:
+            print(f"qkv experiment mqar: {len(kept.done)} run(s) of this config kept in {kept.path} from an "
+                  f"interrupted call: taken as they are, the other {cfg.runs() - len(kept.done)} trained", flush=True)
         if show:
             with progress_bar("mqar", cfg.runs()) as update:
-                rec = mqar_experiment(cfg, progress=lambda *_: update(), comm=comm)
+                rec = mqar_experiment(cfg, progress=lambda *_: update(), comm=comm, kept=kept)
         else:
-            rec = mqar_experiment(cfg, comm=comm)
+            rec = mqar_experiment(cfg, comm=comm, kept=kept)
         if rank != 0:
             return 0
     lost = _diverged_everywhere(rec)
@@ -93,6 +97,8 @@ def run(args) -> int:
         print(quick_finding(rec))
     (out / "mqar.json").write_text(json.dumps(rec, indent=2))
     plot(rec, out / "mqar.png")
+    if kept is not None:
+        kept.remove()
     print(f"\nwrote {out / 'mqar.json'} and {out / 'mqar.png'}")
     return 0
 

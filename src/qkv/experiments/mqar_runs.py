@@ -14,13 +14,23 @@ rank r takes the runs ``r, r + N, r + 2N, ...`` of each phase, each run on one r
 ``workers`` processes of its own), and the results are gathered to every rank after the sweep
 (each rank then knows the chosen lrs) and to rank 0 after the seeds; rank 0 returns the
 record, the other ranks ``None``.
+
+**A run is never lost** (:class:`Kept`): without MPI, each finished run is appended to
+``mqar.runs.jsonl`` in the output folder as it ends (a line a run, flushed to disk), under a
+key of everything in the config a result depends on (not ``workers``). The same command after
+an interruption reads the lines of that key back and trains only the runs that are missing;
+the record is the same bits as an uninterrupted run's (every run is made from its seed alone).
+The file is removed once ``mqar.json`` is written. Under MPI every rank trains its share again.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import platform
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 from .mqar import MQARConfig, train_one
 
@@ -41,24 +51,69 @@ def machine() -> str:
     return f"{name}, {os.cpu_count()} cores, {'AVX-512' if 'avx512f' in flags else 'no AVX-512'}"
 
 
+KEPT = "mqar.runs.jsonl"
+
+
+def config_key(cfg: MQARConfig) -> str:
+    """A hash of every setting a run's result depends on (the config less ``workers``)."""
+    settings = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(cfg).items() if k != "workers"}
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class Kept:
+    """The runs of one config finished so far, kept in ``path`` (JSON lines ``{"key", "run",
+    "result"}``): ``done`` maps ``(mixer, width, lr, seed)`` to its result; :meth:`add` appends
+    one and syncs it to disk. A line of another config, or one cut short by a kill, is skipped."""
+
+    def __init__(self, path, cfg: MQARConfig):
+        self.path, self.key, self.done = Path(path), config_key(cfg), {}
+        if self.path.is_file():
+            for line in self.path.read_text().splitlines():
+                try:
+                    kept = json.loads(line)
+                    if kept["key"] == self.key:
+                        m, w, lr, seed = kept["run"]
+                        self.done[(str(m), int(w), float(lr), int(seed))] = kept["result"]
+                except (ValueError, KeyError, TypeError):
+                    continue
+
+    def add(self, run: tuple, result: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"key": self.key, "run": list(run), "result": result}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
 def _job(args: tuple) -> tuple:
     cfg, run = args
     return run, train_one(cfg, *run)
 
 
-def run_all(cfg: MQARConfig, runs: list, progress=None, comm=None) -> dict:
+def run_all(cfg: MQARConfig, runs: list, progress=None, comm=None, kept: Kept | None = None) -> dict:
     """``{run: result}`` of :func:`~qkv.experiments.mqar.train_one` for each ``(mixer, width, lr,
     seed)`` of ``runs``: this rank's share (every run without ``comm``) in ``cfg.workers``
     processes or this one, then, with ``comm``, every rank's results gathered to every rank.
-    ``progress(run)`` is called as each run of this rank ends."""
+    ``progress(run)`` is called as each run of this rank ends; ``kept``: the runs already done
+    (taken as they are) and where each new one is added."""
     rank, size = (0, 1) if comm is None else (comm.Get_rank(), comm.Get_size())
-    mine = runs[rank::size]
-    results = {}
+    results = {} if kept is None else {run: kept.done[run] for run in runs if run in kept.done}
+    for run in results:
+        if progress is not None:
+            progress(run)
+    mine = [run for run in runs[rank::size] if run not in results]
+
+    def finished(run, result):
+        results[run] = result
+        if kept is not None:
+            kept.add(run, result)
+        if progress is not None:
+            progress(run)
     if cfg.workers == 1 or len(mine) <= 1:
         for run in mine:
-            results[run] = train_one(cfg, *run)
-            if progress is not None:
-                progress(run)
+            finished(run, train_one(cfg, *run))
     else:
         import multiprocessing
 
@@ -67,9 +122,7 @@ def run_all(cfg: MQARConfig, runs: list, progress=None, comm=None) -> dict:
         ctx = multiprocessing.get_context("spawn")  # no inherited thread pools or locks
         with ctx.Pool(min(cfg.workers, len(mine)), initializer=keep_freed_memory) as pool:
             for run, r in pool.imap_unordered(_job, [(cfg, run) for run in mine]):
-                results[run] = r
-                if progress is not None:
-                    progress(run)
+                finished(run, r)
     if comm is not None and size > 1:
         for part in comm.allgather(results):
             results.update(part)
@@ -87,7 +140,7 @@ def choose(cfg: MQARConfig, sweep: dict) -> dict:
     return {mw: lr for mw, (_, lr) in best.items()}
 
 
-def mqar_experiment(cfg: MQARConfig | None = None, progress=None, comm=None) -> dict | None:
+def mqar_experiment(cfg: MQARConfig | None = None, progress=None, comm=None, kept: Kept | None = None) -> dict | None:
     """Sweep, choose, train the seeds; returns the record written as ``mqar.json`` (on rank 0;
     ``None`` on the other ranks).
 
@@ -97,6 +150,7 @@ def mqar_experiment(cfg: MQARConfig | None = None, progress=None, comm=None) -> 
     val_accuracy, final_loss, seconds, params, diverged, chosen}`` per run; ``chosen_lr``
     (``"mixer@width": lr``); ``chance`` (1 / values); ``tasks``; ``machine``; ``ranks``;
     ``seconds`` (wall); ``config``. ``progress(done, total)`` after each run of this rank.
+    ``kept``: the runs of an interrupted call taken as they are, and every new one added (no MPI).
     """
     cfg = cfg or MQARConfig()
     cfg.check()
@@ -111,9 +165,9 @@ def mqar_experiment(cfg: MQARConfig | None = None, progress=None, comm=None) -> 
     start = time.perf_counter()
     models = [(m, int(w)) for m in cfg.mixers for w in cfg.widths]
     seed0, others = cfg.seeds[0], cfg.seeds[1:]
-    sweep = run_all(cfg, [(m, w, float(lr), int(seed0)) for m, w in models for lr in cfg.lrs], step, comm)
+    sweep = run_all(cfg, [(m, w, float(lr), int(seed0)) for m, w in models for lr in cfg.lrs], step, comm, kept)
     chosen = choose(cfg, sweep)
-    seeds = run_all(cfg, [(m, w, chosen[(m, w)], int(s)) for m, w in models for s in others], step, comm)
+    seeds = run_all(cfg, [(m, w, chosen[(m, w)], int(s)) for m, w in models for s in others], step, comm, kept)
     if comm is not None and comm.Get_rank() != 0:
         return None
     results = {**sweep, **seeds}
