@@ -8,6 +8,7 @@ in float64 and the layers can be held to 1e-10; without it the module is the flo
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import numpy as np
 
@@ -38,7 +39,7 @@ def _modeling_modules(extra=()):
     import importlib
 
     names = ("mamba2.modeling_mamba2", "qwen3_next.modeling_qwen3_next", "recurrent_gemma.modeling_recurrent_gemma",
-             "falcon_h1.modeling_falcon_h1")
+             "falcon_h1.modeling_falcon_h1") + tuple(m for _, m, _ in GATED_DELTA_FAMILIES.values())
     found = list(extra)
     for name in names:
         try:
@@ -173,6 +174,31 @@ def gated_delta(*, hidden=16, k_heads=2, v_heads=4, k_dim=8, v_dim=8, conv=4, se
     return m, cfg
 
 
+GATED_DELTA_FAMILIES = {  # kind -> (tests/hf_hybrid.py's family, modeling module, the layer's class)
+    "qwen3_5": ("Qwen3.5", "qwen3_5.modeling_qwen3_5", "Qwen3_5GatedDeltaNet"),
+    "qwen3_5_moe": ("Qwen3.5-MoE", "qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet"),
+    "olmo_hybrid": ("OLMo-Hybrid", "olmo_hybrid.modeling_olmo_hybrid", "OlmoHybridGatedDeltaNet"),
+}
+
+
+def gated_delta_family(kind: str, *, seed=0, **config):
+    """The Gated DeltaNet layer (layer 0) of a family other than Qwen3-Next: hf_hybrid's tiny config
+    (hidden 32, 2 key heads and 4 value heads of 8, conv 4; OLMo-Hybrid's ``allow_neg_eigval`` on, its
+    default) with ``config`` (transformers' names) over it, every weight moved off its init."""
+    import importlib
+
+    import hf_hybrid as H
+    t = _torch()
+    from transformers import CONFIG_MAPPING
+    family, module, cls = GATED_DELTA_FAMILIES[kind]
+    model_type, overrides = H.FAMILIES[family]
+    cfg = CONFIG_MAPPING[model_type](**{**overrides, **config})
+    t.manual_seed(seed)
+    m = getattr(importlib.import_module(f"transformers.models.{module}"), cls)(cfg, layer_idx=0).eval()
+    perturb(m, seed)
+    return m, cfg
+
+
 def rglru(*, hidden=16, lru_width=24, heads=3, conv=4, seed=0):
     t = _torch()
     from transformers.models.recurrent_gemma.configuration_recurrent_gemma import RecurrentGemmaConfig
@@ -231,4 +257,5 @@ def hf_grads(layer_class, module) -> dict:
                 p.copy_(w)
 
 
-BUILD = {"mamba2": mamba2, "falcon_h1": falcon_h1, "gated_delta": gated_delta, "rglru": rglru}
+BUILD = {"mamba2": mamba2, "falcon_h1": falcon_h1, "gated_delta": gated_delta, "rglru": rglru,
+         **{kind: functools.partial(gated_delta_family, kind) for kind in GATED_DELTA_FAMILIES}}

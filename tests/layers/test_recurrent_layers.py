@@ -1,6 +1,7 @@
 """qkv.nn.Mamba2, GatedDeltaNet and RGLRU against transformers' own modules (Mamba2Mixer,
-Qwen3NextGatedDeltaNet, RecurrentGemmaRecurrentBlock): outputs, input and parameter gradients,
-and cached decoding, in float64 to 1e-10 and in float32 within a budget.
+Qwen3NextGatedDeltaNet, Qwen3_5GatedDeltaNet, Qwen3_5MoeGatedDeltaNet, OlmoHybridGatedDeltaNet,
+RecurrentGemmaRecurrentBlock): outputs, input and parameter gradients, and cached decoding, in
+float64 to 1e-10 and in float32 within a budget.
 
 transformers runs these recurrences in float32 inside even a ``.double()`` module;
 ``recurrent_hf.float64()`` keeps its casts in float64 so its own code is the float64 reference.
@@ -17,7 +18,8 @@ import recurrent_hf as R  # noqa: E402
 
 from qkv import nn  # noqa: E402
 
-LAYERS = {"mamba2": nn.Mamba2, "falcon_h1": nn.Mamba2, "gated_delta": nn.GatedDeltaNet, "rglru": nn.RGLRU}
+LAYERS = {"mamba2": nn.Mamba2, "falcon_h1": nn.Mamba2, "gated_delta": nn.GatedDeltaNet, "rglru": nn.RGLRU,
+          **{kind: nn.GatedDeltaNet for kind in R.GATED_DELTA_FAMILIES}}
 CONFIGS = [  # (kind, config, B, T): head counts, groups, state sizes, Hk < Hv, conv widths, T = 37 and 1
     ("mamba2", dict(), 2, 37),
     ("mamba2", dict(groups=2, heads=4, state=6, conv=3, bias=True, seed=1), 1, 37),
@@ -32,6 +34,16 @@ CONFIGS = [  # (kind, config, B, T): head counts, groups, state sizes, Hk < Hv, 
     ("gated_delta", dict(k_heads=2, v_heads=2, k_dim=6, v_dim=4, conv=3, seed=1), 1, 37),
     ("gated_delta", dict(k_heads=1, v_heads=3, conv=2, seed=2), 2, 11),
     ("gated_delta", dict(seed=3), 2, 1),
+    # Qwen3.5's and Qwen3.5-MoE's layers (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a) and OLMo-Hybrid's
+    # (q/k/v/a/b/g_proj, o_norm of eps 1e-5, beta = 2·sigmoid(b) with allow_neg_eigval, its default)
+    ("qwen3_5", dict(), 2, 37),
+    ("qwen3_5", dict(linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=6,
+                     linear_value_head_dim=4, linear_conv_kernel_dim=3, seed=1), 1, 37),
+    ("qwen3_5_moe", dict(), 2, 37),
+    ("olmo_hybrid", dict(), 2, 37),
+    ("olmo_hybrid", dict(linear_allow_neg_eigval=False, linear_num_key_heads=1, linear_num_value_heads=3,
+                         linear_conv_kernel_dim=2, seed=2), 2, 11),
+    ("olmo_hybrid", dict(seed=3), 2, 1),
     ("rglru", dict(), 2, 37),
     ("rglru", dict(lru_width=16, heads=4, conv=2, seed=1), 1, 37),
     ("rglru", dict(lru_width=8, heads=1, conv=1, seed=2), 2, 11),
@@ -41,6 +53,8 @@ IDS = [f"{k}-{i}-T{t}" for i, (k, _, _, t) in enumerate(CONFIGS)]
 
 
 def hidden(kind, cfg):
+    if kind in R.GATED_DELTA_FAMILIES:
+        return cfg.get("hidden_size", 32)   # tests/hf_hybrid.py's tiny configs
     return cfg.get("hidden", 16)
 
 
@@ -105,7 +119,10 @@ class _nothing:
 
 DECODE = [("mamba2", dict(groups=2), 5), ("mamba2", dict(conv=2, seed=4), 1), ("gated_delta", dict(), 5),
           ("gated_delta", dict(k_heads=1, v_heads=2, conv=3, seed=4), 2), ("rglru", dict(), 5),
-          ("rglru", dict(conv=2, seed=4), 2)]
+          ("rglru", dict(conv=2, seed=4), 2), ("qwen3_5", dict(), 5), ("qwen3_5_moe", dict(seed=4), 1),
+          ("olmo_hybrid", dict(), 5),
+          ("olmo_hybrid", dict(linear_allow_neg_eigval=False, linear_num_key_heads=1, linear_conv_kernel_dim=3,
+                               seed=4), 2)]
 
 
 @pytest.mark.parametrize("kind, cfg, prefill", DECODE, ids=[f"{k}-{p}" for k, _, p in DECODE])
@@ -202,10 +219,34 @@ def test_from_hf_refuses_by_name_each_setting_it_does_not_compute():
     gdn.norm.activation = "gelu"
     with pytest.raises(nn_errors(), match=r"Qwen3NextGatedDeltaNet gates its norm with 'gelu'"):
         nn.GatedDeltaNet.from_hf(gdn)
-    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
-    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
-    cfg = Qwen3_5TextConfig(hidden_size=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-                            linear_value_head_dim=8, num_hidden_layers=1, layer_types=["linear_attention"],
-                            vocab_size=11, num_attention_heads=2, num_key_value_heads=1, head_dim=8)
-    with pytest.raises(nn_errors(), match=r"got Qwen3_5GatedDeltaNet \(no in_proj_qkvz, in_proj_ba\)"):
-        nn.GatedDeltaNet.from_hf(Qwen3_5GatedDeltaNet(cfg, layer_idx=0))
+    with pytest.raises(nn_errors(), match=r"GatedDeltaNet.from_hf needs a transformers Gated DeltaNet layer; got "
+                                          r"Mamba2Mixer \(no num_k_heads"):
+        nn.GatedDeltaNet.from_hf(R.mamba2()[0])
+
+
+def test_gated_delta_from_hf_refuses_by_name_each_setting_of_the_other_families():
+    """Qwen3.5's and OLMo-Hybrid's layers are known by their weights; one with none of the three
+    layouts, a bias qkv's layer does not hold, another conv activation or an allow_neg_eigval that
+    is not a bool is refused with the class and the setting."""
+    qwen, _ = R.gated_delta_family("qwen3_5")
+    del qwen.in_proj_z
+    with pytest.raises(nn_errors(), match=r"needs a transformers Gated DeltaNet layer \(Qwen3-Next's in_proj_qkvz, "
+                                          r".*; got Qwen3_5GatedDeltaNet, which has none of these sets"):
+        nn.GatedDeltaNet.from_hf(qwen)
+    qwen, _ = R.gated_delta_family("qwen3_5")
+    qwen.activation = "gelu"
+    with pytest.raises(nn_errors(), match=r"Qwen3_5GatedDeltaNet has the conv activation 'gelu'"):
+        nn.GatedDeltaNet.from_hf(qwen)
+    olmo, _ = R.gated_delta_family("olmo_hybrid")
+    olmo.q_proj.bias = torch.nn.Parameter(torch.zeros(olmo.q_proj.out_features))
+    with pytest.raises(nn_errors(), match=r"GatedDeltaNet.from_hf: OlmoHybridGatedDeltaNet has a bias in q_proj, "
+                                          r"which qkv's layer does not compute"):
+        nn.GatedDeltaNet.from_hf(olmo)
+    olmo, _ = R.gated_delta_family("olmo_hybrid")
+    olmo.allow_neg_eigval = 2.0
+    with pytest.raises(nn_errors(), match=r"OlmoHybridGatedDeltaNet has allow_neg_eigval = 2.0"):
+        nn.GatedDeltaNet.from_hf(olmo)
+    olmo, _ = R.gated_delta_family("olmo_hybrid")
+    olmo.o_norm.activation = "gelu"
+    with pytest.raises(nn_errors(), match=r"OlmoHybridGatedDeltaNet gates its norm with 'gelu'"):
+        nn.GatedDeltaNet.from_hf(olmo)

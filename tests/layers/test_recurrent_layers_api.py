@@ -29,9 +29,12 @@ MAKERS = {
                                                                 conv_bias=False, dtype=dtype, rng=rng(seed)),
     "gated_delta": lambda dtype=np.float64, seed=0: nn.GatedDeltaNet(10, 1, 2, 4, 3, conv_kernel=3, dtype=dtype,
                                                                       rng=rng(seed)),
+    "gated_delta_neg_eigval": lambda dtype=np.float64, seed=0: nn.GatedDeltaNet(10, 2, 2, 3, 4, conv_kernel=2,
+                                                                                 allow_neg_eigval=True, dtype=dtype,
+                                                                                 rng=rng(seed)),
     "rglru": lambda dtype=np.float64, seed=0: nn.RGLRU(10, 8, 2, conv_width=3, dtype=dtype, rng=rng(seed)),
 }
-D_MODEL = {"mamba2": 12, "mamba2_limit": 8, "gated_delta": 10, "rglru": 10}
+D_MODEL = {"mamba2": 12, "mamba2_limit": 8, "gated_delta": 10, "gated_delta_neg_eigval": 10, "rglru": 10}
 
 
 @pytest.mark.parametrize("name", MAKERS)
@@ -149,6 +152,8 @@ def test_misuse_is_named():
         nn.Mamba2(8, 2, 2, 4, dt_limit=(0.5, 0.1))
     with pytest.raises(qkv.ShapeError, match="n_v_heads must be a multiple of n_k_heads"):
         nn.GatedDeltaNet(8, 2, 3, 4, 4)
+    with pytest.raises(qkv.OptionError, match="allow_neg_eigval must be True or False; got 'yes'"):
+        nn.GatedDeltaNet(8, 2, 2, 4, 4, allow_neg_eigval="yes")
     with pytest.raises(qkv.ShapeError, match="lru_width must be a multiple of n_heads"):
         nn.RGLRU(8, 10, 3)
     with pytest.raises(qkv.ShapeError, match="conv_width must be"):

@@ -1,4 +1,5 @@
-"""Gated DeltaNet (transformers' ``Qwen3NextGatedDeltaNet``) as a trainable NumPy layer.
+"""Gated DeltaNet (transformers' ``Qwen3NextGatedDeltaNet``, ``Qwen3_5GatedDeltaNet``,
+``OlmoHybridGatedDeltaNet``) as a trainable NumPy layer.
 
 Forward, for ``x (B, T, d_model)``, ``Hk`` key heads of width ``Dk`` and ``Hv`` value heads of
 width ``Dv`` (``Hv`` a multiple of ``Hk``: value heads ``h·r .. h·r + r - 1`` share key head h,
@@ -7,15 +8,23 @@ width ``Dv`` (``Hv`` a multiple of ``Hk``: value heads ``h·r .. h·r + r - 1`` 
     [q | k | v | z | b | a] = x W_in                       (Hk·Dk, Hk·Dk, Hv·Dv, Hv·Dv, Hv, Hv)
     [q | k | v] = silu(conv([q | k | v]))                  short causal depthwise conv, K taps
     q, k = l2norm(q), l2norm(k)                            per head, x (Σx² + 1e-6)^(-1/2)
-    beta = sigmoid(b),   g = -exp(A_log) softplus(a + dt_bias)                 (B, T, Hv)
+    beta = sigmoid(b) (2·sigmoid(b): allow_neg_eigval),   g = -exp(A_log) softplus(a + dt_bias)
     S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - exp(g_t) S_{t-1}ᵀ k_t))ᵀ      per value head
     o_t = S_tᵀ q_t / sqrt(Dk)                               delta_rule(q, k, v, beta, g)
     out = (norm_w ∘ rms(o) ∘ silu(z)) W_out                 RMSNorm per head, then the gate
 
-``W_in`` holds transformers' two projections (``in_proj_qkvz``, ``in_proj_ba``) in the plain
-order above: transformers interleaves them per key head
+``W_in`` holds transformers' input projections in the plain order above: Qwen3-Next's two
+(``in_proj_qkvz``, ``in_proj_ba``) interleave them per key head
 (``[q_h | k_h | v_{h·r..} | z_{h·r..}]`` and ``[b_{h·r..} | a_{h·r..}]``), which
-:meth:`GatedDeltaNet.from_hf` undoes. The recurrence is :func:`qkv.recurrent.delta_rule`.
+:meth:`GatedDeltaNet.from_hf` undoes; Qwen3.5's four (``in_proj_qkv``, ``in_proj_z``,
+``in_proj_b``, ``in_proj_a``) and OLMo-Hybrid's six (``q_proj``, ``k_proj``, ``v_proj``,
+``g_proj`` = z, ``b_proj``, ``a_proj``) are those column blocks as they are.
+The recurrence is :func:`qkv.recurrent.delta_rule`.
+
+**allow_neg_eigval** (OLMo-Hybrid's option, and fla's): ``beta = 2·sigmoid(b)`` in (0, 2), so the
+transition ``exp(g)(I - beta k kᵀ)`` has the eigenvalue ``exp(g)(1 - beta)`` along k, negative for
+beta > 1 (with ``|k| = 1`` still inside (-1, 1): the state stays bounded). Its derivative:
+``d beta / d b = beta (1 - beta / 2)`` (``beta (1 - beta)`` without it).
 
 **Decoding.** ``new_state(batch)`` holds the convolution's last ``K - 1`` inputs and the
 delta-rule state ``S (B, Hv, Dk, Dv)`` (transformers' layout); ``forward(x_new, state=state)``
@@ -23,22 +32,25 @@ continues the sequence. A backward after a forward with a state treats that stat
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
 
 from .. import recurrent
 from ..errors import ShapeError, positive_int
+from ..options import parse_flag
 from .activations import sigmoid, silu_backward, silu_forward
 from .base import Layer, check_input, linear_grad
-from .hf_variants import gated_delta_settings
+from .hf_variants import GATED_DELTA_LAYOUTS, gated_delta_settings, gated_delta_widths
 from .recurrent_parts import (RecurrentState, check_state, compute_dtype, conv_backward, conv_forward, conv_tail,
                               grad_output, hf_tensors, l2norm_backward, l2norm_forward, load_hf,
                               norm_then_gate_backward, norm_then_gate_forward, softplus)
 
 
 class GatedDeltaNet(Layer):
-    """Gated DeltaNet with ``n_k_heads`` key heads of ``d_k`` and ``n_v_heads`` value heads of ``d_v``.
+    """Gated DeltaNet with ``n_k_heads`` key heads of ``d_k`` and ``n_v_heads`` value heads of ``d_v``;
+    ``allow_neg_eigval``: beta = 2·sigmoid(b) (OLMo-Hybrid's), else sigmoid(b).
 
     Parameters (``x @ W``, no biases, as Qwen3-Next; ``C = 2·Hk·Dk + Hv·Dv``)::
 
@@ -53,7 +65,8 @@ class GatedDeltaNet(Layer):
     """
 
     def __init__(self, d_model: int, n_k_heads: int, n_v_heads: int, d_k: int, d_v: int, *, conv_kernel: int = 4,
-                 eps: float = 1e-6, dtype=np.float32, rng: np.random.Generator | None = None):
+                 eps: float = 1e-6, allow_neg_eigval: bool = False, dtype=np.float32,
+                 rng: np.random.Generator | None = None):
         super().__init__(dtype=dtype, rng=rng)
         self.d_model = positive_int("d_model", d_model)
         self.n_k_heads, self.n_v_heads = positive_int("n_k_heads", n_k_heads), positive_int("n_v_heads", n_v_heads)
@@ -62,6 +75,7 @@ class GatedDeltaNet(Layer):
             raise ShapeError(f"n_v_heads must be a multiple of n_k_heads; got n_v_heads = {n_v_heads}, "
                              f"n_k_heads = {n_k_heads}")
         self.conv_kernel, self.eps = positive_int("conv_kernel", conv_kernel), float(eps)
+        self.allow_neg_eigval = parse_flag("allow_neg_eigval", allow_neg_eigval)
         Hv = self.n_v_heads
         self._add("W_in", (self.d_model, sum(self._widths)))
         self._add("conv_weight", (self.conv_dim, self.conv_kernel), std=1 / math.sqrt(self.conv_kernel))
@@ -76,8 +90,12 @@ class GatedDeltaNet(Layer):
     @property
     def _widths(self) -> list[int]:
         """Widths of ``q, k, v, z, b, a`` in ``W_in``'s columns."""
-        kd, vd, hv = self.n_k_heads * self.d_k, self.n_v_heads * self.d_v, self.n_v_heads
-        return [kd, kd, vd, vd, hv, hv]
+        return list(gated_delta_widths(self.n_k_heads, self.n_v_heads, self.d_k, self.d_v).values())
+
+    @property
+    def beta_max(self) -> float:
+        """beta's upper bound: 2 with ``allow_neg_eigval``, else 1."""
+        return 2.0 if self.allow_neg_eigval else 1.0
 
     @property
     def conv_dim(self) -> int:
@@ -120,6 +138,8 @@ class GatedDeltaNet(Layer):
         v = self._heads(act[..., ends[1]:], Hv)                                 # (B, Hv, T, Dv)
         q, k = (qn, kn) if r == 1 else (np.repeat(qn, r, axis=1), np.repeat(kn, r, axis=1))  # (B, Hv, T, Dk)
         beta = sigmoid(b).transpose(0, 2, 1)                                   # (B, Hv, T)
+        if self.allow_neg_eigval:
+            beta = 2 * beta                                                    # in (0, 2)
         raw = a + self._p("dt_bias")
         neg_a = -np.exp(self._p("A_log"))
         g = (neg_a * softplus(raw)).transpose(0, 2, 1)                          # (B, Hv, T)
@@ -161,7 +181,7 @@ class GatedDeltaNet(Layer):
         self._heads(dact[..., ends[1]:], Hv)[...] = dv
         dqkv, self.grads["conv_weight"][...], _ = conv_backward(silu_backward(dact, s["silu"]), s["padded"],
                                                                 self._p("conv_weight"))
-        db = (dbeta * s["beta"] * (1 - s["beta"])).transpose(0, 2, 1)           # (B, T, Hv)
+        db = (dbeta * s["beta"] * (1 - s["beta"] / self.beta_max)).transpose(0, 2, 1)  # (B, T, Hv)
         dgt = dg.transpose(0, 2, 1)                                            # (B, T, Hv)
         self.grads["A_log"][...] = np.einsum("bth,bth->h", dgt, s["g"].transpose(0, 2, 1))  # dg/dA_log = g
         da = dgt * s["neg_a"] * sigmoid(s["raw"])
@@ -174,26 +194,44 @@ class GatedDeltaNet(Layer):
     # --- transformers --------------------------------------------------------------------------
     @classmethod
     def from_hf(cls, module, *, dtype=np.float32) -> GatedDeltaNet:
-        """The layer of a transformers ``Qwen3NextGatedDeltaNet``, weight for weight (shapes checked)."""
-        settings = gated_delta_settings(module, "GatedDeltaNet.from_hf")
-        t = hf_tensors(module, "GatedDeltaNet.from_hf", "Qwen3NextGatedDeltaNet", ())
+        """The layer of a transformers Gated DeltaNet (Qwen3-Next's, Qwen3.5's, Qwen3.5-MoE's or
+        OLMo-Hybrid's, known by its weights: :func:`qkv.nn.hf_variants.gated_delta_settings`),
+        weight for weight (shapes checked); a setting the layer does not compute is refused by name."""
+        where = "GatedDeltaNet.from_hf"
+        settings = gated_delta_settings(module, where)
+        lay = GATED_DELTA_LAYOUTS[settings.pop("layout")]
+        t = hf_tensors(module, where, "Gated DeltaNet layer", ())
         layer = cls(**settings, dtype=dtype)
-        Hk, r, Dk, Dv = layer.n_k_heads, layer.n_v_heads // layer.n_k_heads, layer.d_k, layer.d_v
-        d = layer.d_model
-
-        def in_proj(qkvz: np.ndarray, ba: np.ndarray) -> np.ndarray:
-            """transformers' per-key-head interleaving -> columns ``[q | k | v | z | b | a]``."""
-            if qkvz.shape != (Hk * (2 * Dk + 2 * r * Dv), d) or ba.shape != (Hk * 2 * r, d):
-                return np.zeros((0, 0))  # load_hf names the shapes
-            per = qkvz.reshape(Hk, 2 * Dk + 2 * r * Dv, d)                      # (Hk, rows of one key head, d)
-            parts = np.split(per, np.cumsum([Dk, Dk, r * Dv]), axis=1)          # q, k, v, z of each key head
-            bas = np.split(ba.reshape(Hk, 2 * r, d), [r], axis=1)               # b, a of each key head
-            return np.concatenate([p.reshape(-1, d) for p in parts + bas], axis=0).T
-
-        table = {"in_proj_qkvz.weight": ("W_in", lambda w: in_proj(w, t["in_proj_ba.weight"])),
-                 "in_proj_ba.weight": ("W_in", lambda w: in_proj(t["in_proj_qkvz.weight"], w)),
-                 "conv1d.weight": ("conv_weight", lambda w: w[:, 0, :]), "dt_bias": ("dt_bias", lambda a: a),
-                 "A_log": ("A_log", lambda a: a), "norm.weight": ("norm_weight", lambda a: a),
-                 "out_proj.weight": ("W_out", np.transpose)}
-        load_hf(layer, t, table, "GatedDeltaNet.from_hf")
+        w_in = functools.cache(lambda: (_interleaved_w_in if lay.interleaved else _stacked_w_in)(layer, lay, t))
+        table = {f"{name}.weight": ("W_in", lambda _: w_in()) for name, _ in lay.projections}
+        table.update({"conv1d.weight": ("conv_weight", lambda w: w[:, 0, :]), "dt_bias": ("dt_bias", lambda a: a),
+                      "A_log": ("A_log", lambda a: a), f"{lay.norm}.weight": ("norm_weight", lambda a: a),
+                      f"{lay.out}.weight": ("W_out", np.transpose)})
+        load_hf(layer, t, table, where)
         return layer
+
+
+def _interleaved_w_in(layer: GatedDeltaNet, lay, t: dict) -> np.ndarray:
+    """Qwen3-Next's per-key-head interleaving -> ``W_in (d_model, W)``, columns ``[q | k | v | z | b | a]``."""
+    Hk, r, Dk, Dv, d = layer.n_k_heads, layer.n_v_heads // layer.n_k_heads, layer.d_k, layer.d_v, layer.d_model
+    qkvz, ba = (t[f"{name}.weight"] for name, _ in lay.projections)
+    if qkvz.shape != (Hk * (2 * Dk + 2 * r * Dv), d) or ba.shape != (Hk * 2 * r, d):
+        return np.zeros((0, 0))  # load_hf names the shapes
+    per = qkvz.reshape(Hk, 2 * Dk + 2 * r * Dv, d)                      # (Hk, rows of one key head, d)
+    parts = np.split(per, np.cumsum([Dk, Dk, r * Dv]), axis=1)          # q, k, v, z of each key head
+    bas = np.split(ba.reshape(Hk, 2 * r, d), [r], axis=1)               # b, a of each key head
+    return np.concatenate([p.reshape(-1, d) for p in parts + bas], axis=0).T
+
+
+def _stacked_w_in(layer: GatedDeltaNet, lay, t: dict) -> np.ndarray:
+    """Projections that hold whole parts in order (Qwen3.5's ``in_proj_qkv`` = ``[q | k | v]``,
+    OLMo-Hybrid's one part each) -> ``W_in (d_model, W)``, columns ``[q | k | v | z | b | a]``."""
+    widths = gated_delta_widths(layer.n_k_heads, layer.n_v_heads, layer.d_k, layer.d_v)
+    blocks = {}
+    for name, parts in lay.projections:
+        w = t[f"{name}.weight"]                                                # (rows, d_model)
+        sizes = [widths[p] for p in parts]
+        if w.shape != (sum(sizes), layer.d_model):
+            return np.zeros((0, 0))  # load_hf names the shapes
+        blocks.update(zip(parts, np.split(w, np.cumsum(sizes)[:-1], axis=0)))
+    return np.concatenate([blocks[p] for p in "qkvzba"], axis=0).T

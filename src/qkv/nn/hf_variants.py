@@ -17,8 +17,18 @@ the module carries, each read here:
 - the conv activation (SiLU) and ``time_step_limit``.
 
 Used by both :meth:`qkv.nn.Mamba2.from_hf` and :meth:`qkv.torch.Mamba2.from_hf`.
+
+transformers' Gated DeltaNet layers compute one function under three weight layouts
+(:data:`GATED_DELTA_LAYOUTS`), each known by its weights: Qwen3-Next's two projections
+interleaved per key head; Qwen3.5's (and Qwen3.5-MoE's) ``in_proj_qkv``, ``in_proj_z``,
+``in_proj_b``, ``in_proj_a``; OLMo-Hybrid's ``q_proj`` ... ``g_proj`` (the gate z), ``o_proj`` and
+``o_norm``. OLMo-Hybrid's ``allow_neg_eigval`` (its default) doubles beta, ``beta = 2·sigmoid(b)``
+in (0, 2), which qkv's layers compute under the same name. Read by both
+:meth:`qkv.nn.GatedDeltaNet.from_hf` and :meth:`qkv.torch.GatedDeltaNet.from_hf`.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -98,28 +108,79 @@ def _mamba2_norm(module, where: str, inner: int, groups: int) -> tuple[str, floa
     return kind, float(norm.variance_epsilon)
 
 
+@dataclass(frozen=True)
+class GatedDeltaLayout:
+    """Where a transformers Gated DeltaNet keeps its weights: its input projections, each with the
+    parts (``q k v z b a``) it holds in order, the norm's and the output projection's names, and
+    whether the parts are interleaved per key head (Qwen3-Next's ``in_proj_qkvz``/``in_proj_ba``)."""
+
+    family: str
+    projections: tuple[tuple[str, str], ...]
+    norm: str = "norm"
+    out: str = "out_proj"
+    interleaved: bool = False
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.projections) + (self.norm, self.out)
+
+
+GATED_DELTA_LAYOUTS = {
+    "qwen3_next": GatedDeltaLayout("Qwen3-Next", (("in_proj_qkvz", "qkvz"), ("in_proj_ba", "ba")), interleaved=True),
+    "qwen3_5": GatedDeltaLayout("Qwen3.5", (("in_proj_qkv", "qkv"), ("in_proj_z", "z"), ("in_proj_b", "b"),
+                                            ("in_proj_a", "a"))),
+    "olmo_hybrid": GatedDeltaLayout("OLMo-Hybrid", (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v"), ("a_proj", "a"),
+                                                    ("b_proj", "b"), ("g_proj", "z")), norm="o_norm", out="o_proj"),
+}
+
+
+def gated_delta_widths(n_k_heads: int, n_v_heads: int, d_k: int, d_v: int) -> dict[str, int]:
+    """The width of each part of the input projection, in ``W_in``'s column order: ``q, k`` (Hk·Dk),
+    ``v, z`` (Hv·Dv), ``b, a`` (Hv)."""
+    kd, vd = n_k_heads * d_k, n_v_heads * d_v
+    return dict(q=kd, k=kd, v=vd, z=vd, b=n_v_heads, a=n_v_heads)
+
+
 GATED_DELTA_NEEDS = ("hidden_size", "num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "conv_kernel_size",
-                     "activation", "norm", "in_proj_qkvz", "in_proj_ba", "conv1d", "out_proj", "A_log", "dt_bias")
+                     "activation", "conv1d", "A_log", "dt_bias")
+
+
+def gated_delta_layout(module, where: str) -> str:
+    """The name of the :data:`GATED_DELTA_LAYOUTS` entry whose weights ``module`` has."""
+    for name, layout in GATED_DELTA_LAYOUTS.items():
+        if all(hasattr(module, n) for n in layout.names):
+            return name
+    known = "; ".join(f"{lay.family}'s {', '.join(lay.names)}" for lay in GATED_DELTA_LAYOUTS.values())
+    raise ShapeError(f"{where} needs a transformers Gated DeltaNet layer ({known}); got {type(module).__name__}, "
+                     f"which has none of these sets")
 
 
 def gated_delta_settings(module, where: str) -> dict:
-    """The arguments of qkv's Gated DeltaNet for transformers' Qwen3-Next layer ``module``:
-    ``(d_model, n_k_heads, n_v_heads, d_k, d_v)`` and ``conv_kernel``, ``eps``. A layer with
-    other projections (Qwen3.5's ``in_proj_qkv``, ``in_proj_z``, ...) is refused by name."""
-    require(module, where, "Qwen3NextGatedDeltaNet (in_proj_qkvz / in_proj_ba layout)", GATED_DELTA_NEEDS)
+    """The arguments of qkv's Gated DeltaNet for a transformers Gated DeltaNet layer ``module``
+    (Qwen3-Next's, Qwen3.5's and Qwen3.5-MoE's, OLMo-Hybrid's, told apart by their weights)::
+
+        d_model, n_k_heads, n_v_heads, d_k, d_v, conv_kernel, eps,
+        allow_neg_eigval (beta = 2·sigmoid(b), OLMo-Hybrid's), layout (a GATED_DELTA_LAYOUTS key)
+    """
+    require(module, where, "Gated DeltaNet layer", GATED_DELTA_NEEDS)
+    layout = gated_delta_layout(module, where)
+    lay = GATED_DELTA_LAYOUTS[layout]
     if module.activation not in SILU:
         raise refuse(where, module, f"has the conv activation {module.activation!r} (qkv's is silu)")
-    norm = module.norm
+    norm = getattr(module, lay.norm)
     if not (hasattr(norm, "weight") and hasattr(norm, "variance_epsilon")):
         raise refuse(where, module, f"has the norm {type(norm).__name__} (qkv's is a gated RMSNorm)")
     if getattr(norm, "activation", "silu") not in SILU:
         raise refuse(where, module, f"gates its norm with {norm.activation!r} (qkv's gate is silu)")
-    for name in ("in_proj_qkvz", "in_proj_ba", "out_proj", "conv1d"):
+    for name in [n for n, _ in lay.projections] + [lay.out, "conv1d"]:
         if getattr(getattr(module, name), "bias", None) is not None:
             raise refuse(where, module, f"has a bias in {name}")
+    neg = getattr(module, "allow_neg_eigval", False)
+    if not isinstance(neg, bool):
+        raise refuse(where, module, f"has allow_neg_eigval = {neg!r} (qkv reads True or False)")
     return dict(d_model=module.hidden_size, n_k_heads=module.num_k_heads, n_v_heads=module.num_v_heads,
                 d_k=module.head_k_dim, d_v=module.head_v_dim, conv_kernel=module.conv_kernel_size,
-                eps=float(norm.variance_epsilon))
+                eps=float(norm.variance_epsilon), allow_neg_eigval=neg, layout=layout)
 
 
 RGLRU_NEEDS = ("hidden_size", "lru_width", "rg_lru", "conv1d_width", "act_fn", "linear_x", "linear_y",
