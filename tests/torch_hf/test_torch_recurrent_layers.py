@@ -1,5 +1,6 @@
 """qkv.torch.Mamba2, GatedDeltaNet and RGLRU against transformers' Mamba2Mixer,
-Qwen3NextGatedDeltaNet and RecurrentGemmaRecurrentBlock: outputs, input and parameter
+Qwen3NextGatedDeltaNet (and Qwen3.5's, Qwen3.5-MoE's, OLMo-Hybrid's Gated DeltaNet) and
+RecurrentGemmaRecurrentBlock: outputs, input and parameter
 gradients, prefill-then-step decoding against the whole sequence and against transformers'
 own cached decoding, float64 and float32.
 
@@ -70,6 +71,10 @@ DELTA = {
     "k1_v3": dict(linear_num_key_heads=1, linear_num_value_heads=3, linear_key_head_dim=4, linear_value_head_dim=2,
                   linear_conv_kernel_dim=3),
 }
+# Qwen3.5's, Qwen3.5-MoE's and OLMo-Hybrid's Gated DeltaNet (recurrent_hf.GATED_DELTA_FAMILIES): the same
+# head layouts; OLMo-Hybrid with allow_neg_eigval (beta = 2·sigmoid(b), its default) and without
+GDN_FAMILIES = {"qwen3_5": DELTA, "qwen3_5_moe": {"k2_v4": DELTA["k2_v4"]},
+                "olmo_hybrid": {**DELTA, "k2_v4_beta1": dict(DELTA["k2_v4"], linear_allow_neg_eigval=False)}}
 GRIFFIN = {
     "w6_h2": dict(hidden_size=8, lru_width=6, num_attention_heads=2, conv1d_width=4),
     "w8_h4": dict(hidden_size=8, lru_width=8, num_attention_heads=4, conv1d_width=2),
@@ -93,11 +98,14 @@ def hf_layer(family, case, dtype=DT, seed=0):
         hf = q3.Qwen3NextGatedDeltaNet(cfg, 0)
     elif family == "falcon":
         hf, cfg = R.falcon_h1(**FALCON[case])
+    elif family in GDN_FAMILIES:
+        hf, cfg = R.gated_delta_family(family, seed=seed, hidden_size=8, **GDN_FAMILIES[family][case])
     else:
         cfg = RecurrentGemmaConfig(num_hidden_layers=1, **GRIFFIN[case])
         hf = rg.RecurrentGemmaRecurrentBlock(cfg, 0)
     hf = _perturb(hf, seed).to(dtype).eval()
-    layers = {"mamba2": qt.Mamba2, "falcon": qt.Mamba2, "delta": qt.GatedDeltaNet, "griffin": qt.RGLRU}
+    layers = {"mamba2": qt.Mamba2, "falcon": qt.Mamba2, "delta": qt.GatedDeltaNet, "griffin": qt.RGLRU,
+              **{f: qt.GatedDeltaNet for f in GDN_FAMILIES}}
     ours = layers[family].from_hf(hf)
     return hf, cfg, ours
 
@@ -126,7 +134,9 @@ def ours_decoding(layer, x, decode_from):
     return torch.cat(ys, dim=1)
 
 
-CASES = [(f, c) for f, table in (("mamba2", MAMBA), ("delta", DELTA), ("griffin", GRIFFIN)) for c in table]
+CASES = [(f, c) for f, table in (("mamba2", MAMBA), ("delta", DELTA), ("griffin", GRIFFIN), *GDN_FAMILIES.items())
+         for c in table]
+GDN_ONE = [("qwen3_5", "k2_v4"), ("qwen3_5_moe", "k2_v4"), ("olmo_hybrid", "k2_v4")]   # one case of each class
 
 
 def _inputs(cfg, t, dtype=DT):
@@ -173,7 +183,8 @@ def test_float64_decoding_equals_the_whole_sequence_and_transformers_cache(hf64,
             assert (stepped - theirs).abs().max() <= 1e-10, start
 
 
-@pytest.mark.parametrize("family, case", [("mamba2", "h4_g2"), ("delta", "k2_v4"), ("griffin", "w6_h2")])
+@pytest.mark.parametrize("family, case", [("mamba2", "h4_g2"), ("delta", "k2_v4"), ("griffin", "w6_h2"),
+                                          ("olmo_hybrid", "k2_v4")])
 def test_gradients_flow_through_the_state_between_calls(family, case):
     """Training through prefill-then-step (the state carries the gradient) gives the whole
     sequence's gradients: the final state's gradient reaches the initial state's operator."""
@@ -193,14 +204,14 @@ def test_gradients_flow_through_the_state_between_calls(family, case):
 
 def test_float64_sequence_past_a_chunk(hf64):
     # T = 70: transformers' chunked forms (16 and 64) pad their last chunk
-    for family, case in (("mamba2", "h4_g2"), ("delta", "k2_v4"), ("griffin", "w6_h2")):
+    for family, case in (("mamba2", "h4_g2"), ("delta", "k2_v4"), ("griffin", "w6_h2"), *GDN_ONE):
         hf, cfg, ours = hf_layer(family, case)
         x = _inputs(cfg, 70)[:1]
         with torch.no_grad():
             assert (ours(x) - hf_call(family, hf, cfg, x)).abs().max() <= 1e-10, family
 
 
-@pytest.mark.parametrize("family, case", [("mamba2", "h4_g2"), ("delta", "k2_v4"), ("griffin", "w6_h2")])
+@pytest.mark.parametrize("family, case", [("mamba2", "h4_g2"), ("delta", "k2_v4"), ("griffin", "w6_h2"), *GDN_ONE])
 def test_float32_within_twice_transformers_own_error(family, case, monkeypatch, request):
     """Budget: qkv's float32 layer errs against the float64 reference at most twice what
     transformers' float32 layer errs (plus 1e-7 · the output's scale), outputs and input
@@ -262,6 +273,57 @@ def test_from_hf_refuses_by_name_what_it_does_not_compute():
     x = _inputs(cfg, 7)
     with torch.no_grad():
         assert (qt.Mamba2.from_hf(bamba)(x) - bamba(x)).abs().max() <= 1e-5 * bamba(x).abs().max()
+
+
+def test_gated_delta_from_hf_refuses_by_name_each_setting_of_the_other_families():
+    """Qwen3.5's and OLMo-Hybrid's layers are read as qkv.nn reads them: a layer with none of the
+    three weight layouts, a bias, or an allow_neg_eigval that is not a bool is refused with the
+    class and the setting; the layout and allow_neg_eigval options are checked where they are given."""
+    qwen, _, _ = hf_layer("qwen3_5", "k2_v4")
+    del qwen.in_proj_b
+    with pytest.raises(qkv.ShapeError, match=r"qkv.torch.GatedDeltaNet.from_hf needs a transformers Gated DeltaNet "
+                                             r"layer \(.*OLMo-Hybrid's q_proj.*\); got Qwen3_5GatedDeltaNet"):
+        qt.GatedDeltaNet.from_hf(qwen)
+    olmo, _, _ = hf_layer("olmo_hybrid", "k2_v4")
+    olmo.g_proj.bias = torch.nn.Parameter(torch.zeros(olmo.g_proj.out_features, dtype=DT))
+    with pytest.raises(qkv.ShapeError, match=r"OlmoHybridGatedDeltaNet has a bias in g_proj, which qkv's layer"):
+        qt.GatedDeltaNet.from_hf(olmo)
+    olmo, _, _ = hf_layer("olmo_hybrid", "k2_v4")
+    olmo.allow_neg_eigval = "yes"
+    with pytest.raises(qkv.ShapeError, match=r"OlmoHybridGatedDeltaNet has allow_neg_eigval = 'yes'"):
+        qt.GatedDeltaNet.from_hf(olmo)
+    with pytest.raises(qkv.OptionError, match=r"layout must be one of \('qwen3_next', 'qwen3_5', 'olmo_hybrid'\); "
+                                              r"got 'olmo'"):
+        qt.GatedDeltaNet(8, 1, 2, 3, 2, layout="olmo")
+    with pytest.raises(qkv.OptionError, match="allow_neg_eigval must be True or False; got 1"):
+        qt.GatedDeltaNet(8, 1, 2, 3, 2, allow_neg_eigval=1)
+
+
+@pytest.mark.parametrize("layout", ["qwen3_5", "olmo_hybrid"])
+def test_gated_delta_layouts_hold_transformers_names_and_compute_one_function(layout):
+    """A layer made with a layout has that transformers layer's parameter names; the same weights
+    under each layout (and Qwen3-Next's interleaving) give the same output."""
+    hf, cfg, ours = hf_layer(layout, "k2_v4")
+    assert ours.state_dict().keys() == hf.state_dict().keys()
+    assert ours.layout == layout and ours.allow_neg_eigval == (layout == "olmo_hybrid")
+    qwen3_next = qt.GatedDeltaNet(8, 2, 4, 4, 3, eps=ours.eps, allow_neg_eigval=ours.allow_neg_eigval, dtype=DT)
+    w = dict(ours.named_parameters())
+    W = {"qwen3_5": lambda: (w["in_proj_qkv.weight"], w["in_proj_z.weight"], w["in_proj_b.weight"],
+                             w["in_proj_a.weight"]),
+         "olmo_hybrid": lambda: (w["q_proj.weight"], w["k_proj.weight"], w["v_proj.weight"], w["g_proj.weight"],
+                                 w["b_proj.weight"], w["a_proj.weight"])}[layout]()
+    q, k, v, z, b, a = torch.cat(W).split([8, 8, 12, 12, 4, 4])            # rows [q | k | v | z | b | a]
+    per_key_head = [t.reshape(2, -1, 8) for t in (q, k, v, z)]              # Hk = 2, r = 2
+    with torch.no_grad():
+        qwen3_next.in_proj_qkvz.weight.copy_(torch.cat(per_key_head, dim=1).reshape(-1, 8))
+        qwen3_next.in_proj_ba.weight.copy_(torch.cat([b.reshape(2, 2, 8), a.reshape(2, 2, 8)], 1).reshape(-1, 8))
+        for name in ("conv1d.weight", "dt_bias", "A_log"):
+            qwen3_next.get_parameter(name).copy_(w[name])
+        norm, out = ("o_norm", "o_proj") if layout == "olmo_hybrid" else ("norm", "out_proj")
+        qwen3_next.norm.weight.copy_(w[f"{norm}.weight"])
+        qwen3_next.out_proj.weight.copy_(w[f"{out}.weight"])
+        x = _inputs(cfg, 6)
+        assert (qwen3_next(x) - ours(x)).abs().max() <= 1e-12 * ours(x).abs().max()
 
 
 @pytest.mark.parametrize("layer", [qt.Mamba2(8, 2, 4, state_size=3), qt.GatedDeltaNet(8, 1, 2, 3, 2),

@@ -1,8 +1,8 @@
 """Mamba-2 and Gated DeltaNet mixers as ``nn.Module``s on qkv's recurrence operators.
 
-Both are the layers of transformers (``Mamba2Mixer``, ``Qwen3NextGatedDeltaNet``), their
-parameters under the same names, with the recurrence computed by
-:func:`qkv.torch.decay_attention` / :func:`qkv.torch.delta_rule`.
+Both are the layers of transformers (``Mamba2Mixer``; ``Qwen3NextGatedDeltaNet``,
+``Qwen3_5GatedDeltaNet``, ``OlmoHybridGatedDeltaNet``), their parameters under the same names,
+with the recurrence computed by :func:`qkv.torch.decay_attention` / :func:`qkv.torch.delta_rule`.
 
 **Mamba-2 as decayed attention.** Per head h (of ``H``, in ``G`` groups sharing ``B`` and
 ``C``), with ``Δ_t = softplus(dt_t + dt_bias)`` and ``A = -exp(A_log)``, the SSM is::
@@ -15,9 +15,11 @@ which is :func:`~qkv.torch.decay_attention` with ``q = C``, ``k = B``, ``v = Δ 
 is qkv's ``(Dk, Dv) = (N, P)``, the transpose of transformers' ``(P, N)``.
 
 **Gated DeltaNet.** With ``q, k`` L2-normalised (``x / sqrt(Σx² + 1e-6)``), ``β =
-sigmoid(b)`` and ``g = -exp(A_log) · softplus(a + dt_bias)``, the state follows the gated
-delta rule (:func:`~qkv.torch.delta_rule`, scale ``1/sqrt(d_k)``). With fewer key heads
-than value heads each key head serves ``n_v / n_k`` consecutive value heads.
+sigmoid(b)`` (``2·sigmoid(b)`` with ``allow_neg_eigval``, OLMo-Hybrid's) and ``g = -exp(A_log) ·
+softplus(a + dt_bias)``, the state follows the gated delta rule (:func:`~qkv.torch.delta_rule`,
+scale ``1/sqrt(d_k)``). With fewer key heads than value heads each key head serves ``n_v / n_k``
+consecutive value heads. The projections of q, k, v, the gate z, b and a are laid out as one of
+transformers' layers (``layout``, :data:`qkv.nn.hf_variants.GATED_DELTA_LAYOUTS`), under its names.
 
 Both then normalise with a gate ``z``: Mamba-2 ``rms_G(y · silu(z)) · w`` (RMS over each of the
 G groups of channels), Gated DeltaNet ``rms(y) · w · silu(z)`` over each head; in float32
@@ -32,7 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import OptionError, ShapeError, positive_int
-from ..nn.hf_variants import NORMS, gated_delta_settings, mamba2_settings
+from ..options import parse_flag
+from ..nn.hf_variants import GATED_DELTA_LAYOUTS, NORMS, gated_delta_settings, gated_delta_widths, mamba2_settings
 from .layer_state import (NormWeight, RecurrentState, activation as activation_fn, causal_conv, check_input,
                           check_state, load_hf, wide)
 from .recurrent_ops import decay_attention, delta_rule
@@ -170,52 +173,75 @@ class Mamba2(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    """Gated DeltaNet (transformers' ``Qwen3NextGatedDeltaNet``): in_proj_qkvz, in_proj_ba ->
-    causal conv + SiLU over q, k, v -> L2-normalised q, k -> the gated delta rule (qkv) ->
-    gated RMS norm per head -> out_proj.
+    """Gated DeltaNet (transformers' ``Qwen3NextGatedDeltaNet``, ``Qwen3_5GatedDeltaNet``,
+    ``OlmoHybridGatedDeltaNet``): input projections -> causal conv + SiLU over q, k, v ->
+    L2-normalised q, k -> the gated delta rule (qkv) -> gated RMS norm per head -> output projection.
 
     Args:
         d_model: the width of x. n_k_heads, n_v_heads: key and value heads (n_k_heads divides
             n_v_heads). d_k, d_v: their widths. conv_kernel: the convolution's width.
         eps: the norm's. activation: the conv's. chunk_size: qkv's chunk (None: default).
+        layout: whose weights, under whose names: ``"qwen3_next"`` (``in_proj_qkvz``,
+            ``in_proj_ba`` interleaved per key head; ``norm``, ``out_proj``), ``"qwen3_5"``
+            (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``; ``norm``, ``out_proj``) or
+            ``"olmo_hybrid"`` (``q_proj``, ``k_proj``, ``v_proj``, ``a_proj``, ``b_proj``, ``g_proj``;
+            ``o_norm``, ``o_proj``). The same function whichever.
+        allow_neg_eigval: beta = 2·sigmoid(b) in (0, 2) (OLMo-Hybrid's default), else sigmoid(b).
 
     ``forward(x (B, T, d_model), state=None, *, return_state=False)`` as :class:`Mamba2`.
     """
 
     def __init__(self, d_model: int, n_k_heads: int, n_v_heads: int, d_k: int, d_v: int, *, conv_kernel: int = 4,
-                 eps: float = 1e-6, activation: str = "silu", chunk_size: int | None = None, dtype=None, device=None):
+                 eps: float = 1e-6, activation: str = "silu", chunk_size: int | None = None,
+                 layout: str = "qwen3_next", allow_neg_eigval: bool = False, dtype=None, device=None):
         super().__init__()
         for name, v in (("d_model", d_model), ("n_k_heads", n_k_heads), ("n_v_heads", n_v_heads), ("d_k", d_k),
                         ("d_v", d_v)):
             positive_int(name, v)
         if n_v_heads % n_k_heads:
             raise ShapeError(f"n_k_heads must divide n_v_heads = {n_v_heads}; got {n_k_heads}")
+        if layout not in GATED_DELTA_LAYOUTS:
+            raise OptionError(f"layout must be one of {tuple(GATED_DELTA_LAYOUTS)}; got {layout!r}")
         self.d_model, self.n_k_heads, self.n_v_heads, self.d_k, self.d_v = d_model, n_k_heads, n_v_heads, d_k, d_v
         self.key_dim, self.value_dim = n_k_heads * d_k, n_v_heads * d_v
         self.eps, self.chunk_size = float(eps), chunk_size
         self.activation, self.act = activation, activation_fn(activation)
+        self.layout, self.allow_neg_eigval = layout, parse_flag("allow_neg_eigval", allow_neg_eigval)
+        self._layout = GATED_DELTA_LAYOUTS[layout]
+        self._widths = gated_delta_widths(n_k_heads, n_v_heads, d_k, d_v)
         kw = dict(dtype=dtype, device=device)
         conv_dim = 2 * self.key_dim + self.value_dim
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, conv_kernel, groups=conv_dim, bias=False,
                                 padding=conv_kernel - 1, **kw)
-        self.in_proj_qkvz = nn.Linear(d_model, 2 * self.key_dim + 2 * self.value_dim, bias=False, **kw)
-        self.in_proj_ba = nn.Linear(d_model, 2 * n_v_heads, bias=False, **kw)
+        for name, parts in self._layout.projections:
+            setattr(self, name, nn.Linear(d_model, sum(self._widths[p] for p in parts), bias=False, **kw))
         self.dt_bias = nn.Parameter(torch.empty(n_v_heads, **kw))
         self.A_log = nn.Parameter(torch.log(torch.empty(n_v_heads, **kw).uniform_(1, 16)))
-        self.norm = NormWeight(d_v, **kw)
-        self.out_proj = nn.Linear(self.value_dim, d_model, bias=False, **kw)
+        setattr(self, self._layout.norm, NormWeight(d_v, **kw))
+        setattr(self, self._layout.out, nn.Linear(self.value_dim, d_model, bias=False, **kw))
         with torch.no_grad():   # as qkv.nn.GatedDeltaNet: Mamba's Δ, log-uniform in [1e-3, 1e-1], not dt_bias = 1
             dt = torch.exp(torch.rand(n_v_heads, **kw) * math.log(100) + math.log(1e-3))
             self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, n_k_heads={self.n_k_heads}, n_v_heads={self.n_v_heads}, "
-                f"d_k={self.d_k}, d_v={self.d_v}")
+                f"d_k={self.d_k}, d_v={self.d_v}, layout={self.layout!r}, allow_neg_eigval={self.allow_neg_eigval}")
 
     def _project(self, x: torch.Tensor) -> tuple:
-        """``(qkv (B, T, 2·key_dim + value_dim), z (B, T, Hv, d_v), b, a (B, T, Hv))``: the
-        projections are laid out per key head, ``[q, k, v·r, z·r]`` and ``[b·r, a·r]`` with
-        ``r = n_v / n_k`` (transformers' ``fix_query_key_value_ordering``)."""
+        """``(qkv (B, T, 2·key_dim + value_dim), z (B, T, Hv, d_v), b, a (B, T, Hv))``."""
+        if self._layout.interleaved:
+            return self._project_interleaved(x)
+        B, T, _ = x.shape
+        parts = {}
+        for name, held in self._layout.projections:                  # whole parts, in order
+            y = getattr(self, name)(x)                                # (B, T, Σ widths)
+            parts.update(zip(held, y.split([self._widths[p] for p in held], dim=-1)))
+        qkv = torch.cat([parts["q"], parts["k"], parts["v"]], dim=-1)
+        return qkv, parts["z"].reshape(B, T, self.n_v_heads, self.d_v), parts["b"], parts["a"]
+
+    def _project_interleaved(self, x: torch.Tensor) -> tuple:
+        """As :meth:`_project`; Qwen3-Next's projections are laid out per key head, ``[q, k, v·r, z·r]``
+        and ``[b·r, a·r]`` with ``r = n_v / n_k`` (transformers' ``fix_query_key_value_ordering``)."""
         B, T, _ = x.shape
         Hk, r = self.n_k_heads, self.n_v_heads // self.n_k_heads
         split = [self.d_k, self.d_k, r * self.d_v, r * self.d_v]
@@ -237,23 +263,27 @@ class GatedDeltaNet(nn.Module):
         q, k = (_heads(t, self.n_k_heads).repeat_interleave(r, dim=1) for t in (q, k))   # (B, Hv, T, d_k)
         q, k = (t * torch.rsqrt((t * t).sum(-1, keepdim=True) + 1e-6) for t in (q, k))   # L2 norm
         beta = torch.sigmoid(b).transpose(1, 2)                                        # (B, Hv, T)
+        if self.allow_neg_eigval:
+            beta = beta * 2.0                                                          # in (0, 2)
         g = (-torch.exp(self.A_log) * F.softplus(a + self.dt_bias)).transpose(1, 2)    # (B, Hv, T)
         o, final = delta_rule(q, k, _heads(v, self.n_v_heads), beta, g,
                               initial_state=None if state is None else state.recurrent,
                               return_state=True, chunk_size=self.chunk_size)          # (B, Hv, T, d_v)
         o = o.transpose(1, 2)                                                          # (B, T, Hv, d_v)
         h = wide(o) * torch.rsqrt(wide(o).pow(2).mean(-1, keepdim=True) + self.eps)
-        y = (self.norm.weight * h.to(o.dtype)) * F.silu(wide(z))
-        return _result(self.out_proj(y.to(o.dtype).reshape(B, T, self.value_dim)), window, final, return_state)
+        y = (getattr(self, self._layout.norm).weight * h.to(o.dtype)) * F.silu(wide(z))
+        out = getattr(self, self._layout.out)(y.to(o.dtype).reshape(B, T, self.value_dim))
+        return _result(out, window, final, return_state)
 
     @classmethod
     def from_hf(cls, layer) -> "GatedDeltaNet":
-        """This layer with the weights of transformers' ``Qwen3NextGatedDeltaNet`` (a layer of
-        other projections or settings is refused by name: :func:`qkv.nn.hf_variants.gated_delta_settings`)."""
+        """This layer with the weights of a transformers Gated DeltaNet (Qwen3-Next's, Qwen3.5's,
+        Qwen3.5-MoE's or OLMo-Hybrid's, known by its weights, under their names); a setting it does
+        not compute is refused by name (:func:`qkv.nn.hf_variants.gated_delta_settings`)."""
         st = gated_delta_settings(layer, "qkv.torch.GatedDeltaNet.from_hf")
-        w = layer.in_proj_qkvz.weight
+        w = layer.conv1d.weight
         ours = cls(st["d_model"], st["n_k_heads"], st["n_v_heads"], st["d_k"], st["d_v"],
-                   conv_kernel=st["conv_kernel"], eps=st["eps"], activation=layer.activation,
-                   dtype=w.dtype, device=w.device)
+                   conv_kernel=st["conv_kernel"], eps=st["eps"], activation=layer.activation, layout=st["layout"],
+                   allow_neg_eigval=st["allow_neg_eigval"], dtype=w.dtype, device=w.device)
         load_hf(ours, layer, type(layer).__name__)
         return ours
