@@ -21,8 +21,8 @@ computes its attention through :func:`qkv.attention` / :func:`qkv.attention_back
   of the attention layers): what :class:`qkv.models.GPT` is made of; :class:`AdamW` (decoupled
   weight decay, gradient clipping, a state to resume from) and :func:`cosine_lr` train it.
 - :class:`Mamba2`, :class:`GatedDeltaNet`, :class:`RGLRU`: the recurrent blocks of Mamba-2,
-  Qwen3-Next and Griffin (``from_hf(module)`` from transformers), decoding through a
-  :class:`RecurrentState` whose size does not grow with the tokens seen.
+  Qwen3-Next (Qwen3.5, OLMo-Hybrid) and Griffin (``from_hf(module)`` from transformers),
+  decoding through a :class:`RecurrentState` whose size does not grow with the tokens seen.
 - :class:`BaseConv` and :class:`ConvAttention` (``nn/short_conv.py``): Zoology's short
   convolution, and its conv-then-attention mixer (cache :class:`ConvKVCache`); :class:`ConvMixer`
   (a BaseConv as a block's mixer) and :class:`BasedAttention` (Based's Taylor linear attention),

@@ -15,9 +15,9 @@ the texts' modules, and ``attn_implementation="qkv"`` for Hugging Face transform
   recurrences of :mod:`qkv.recurrent` on CPU tensors, differentiable in every tensor input
   (the initial state, and through the returned final state, too), one node under
   ``torch.compile``.
-- :class:`Mamba2`, :class:`GatedDeltaNet`, :class:`RGLRU`: transformers' ``Mamba2Mixer``,
-  ``Qwen3NextGatedDeltaNet`` and ``RecurrentGemmaRecurrentBlock`` on those operators
-  (``from_hf``), decoding token by token with a :class:`RecurrentState`.
+- :class:`Mamba2`, :class:`GatedDeltaNet`, :class:`RGLRU`: transformers' ``Mamba2Mixer``, Gated
+  DeltaNet (Qwen3-Next's, Qwen3.5's, OLMo-Hybrid's) and ``RecurrentGemmaRecurrentBlock`` on
+  those operators (``from_hf``), decoding token by token with a :class:`RecurrentState`.
 
 - :mod:`qkv.torch.hf_kernels`: transformers' replaceable recurrent kernels (fla's
   ``chunk_gated_delta_rule``, ``chunk_kda``, ...) under their packages' names and signatures.
