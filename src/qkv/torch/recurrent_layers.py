@@ -34,8 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import OptionError, ShapeError, positive_int
-from ..options import parse_flag
 from ..nn.hf_variants import GATED_DELTA_LAYOUTS, NORMS, gated_delta_settings, gated_delta_widths, mamba2_settings
+from ..options import parse_flag
 from .layer_state import (NormWeight, RecurrentState, activation as activation_fn, causal_conv, check_input,
                           check_state, load_hf, wide)
 from .recurrent_ops import decay_attention, delta_rule
@@ -200,7 +200,7 @@ class GatedDeltaNet(nn.Module):
             positive_int(name, v)
         if n_v_heads % n_k_heads:
             raise ShapeError(f"n_k_heads must divide n_v_heads = {n_v_heads}; got {n_k_heads}")
-        if layout not in GATED_DELTA_LAYOUTS:
+        if not isinstance(layout, str) or layout not in GATED_DELTA_LAYOUTS:
             raise OptionError(f"layout must be one of {tuple(GATED_DELTA_LAYOUTS)}; got {layout!r}")
         self.d_model, self.n_k_heads, self.n_v_heads, self.d_k, self.d_v = d_model, n_k_heads, n_v_heads, d_k, d_v
         self.key_dim, self.value_dim = n_k_heads * d_k, n_v_heads * d_v
