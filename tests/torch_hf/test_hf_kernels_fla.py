@@ -343,3 +343,22 @@ def test_a_decoding_step_without_autograd_equals_the_kernel(compiled, gate, dtyp
     assert o.dtype == dtype and S.dtype == dtype and o.shape == o_ref.shape and S.shape == S_ref.shape
     tol = 1e-12 if dtype == torch.float64 else 1e-6
     assert _rel(o.double(), o_ref.detach()) <= tol and _rel(S.double(), S_ref.detach()) <= tol
+
+
+@pytest.mark.parametrize("bad", ["beta nan", "beta inf", "g positive", "g nan"])
+def test_a_decoding_step_refuses_the_gates_the_kernel_refuses(bad):
+    """Under no_grad one step takes the decoding path; a gate qkv's kernel refuses (with autograd
+    on) is refused there too, with the same message, never a silent NaN head."""
+    import qkv
+    from qkv.torch import hf_kernels as K
+    g_ = torch.Generator().manual_seed(4)
+    q, k = (torch.randn(1, 1, 2, 8, generator=g_) for _ in range(2))
+    v = torch.randn(1, 1, 4, 8, generator=g_)
+    g, beta = -torch.rand(1, 1, 4, generator=g_), torch.rand(1, 1, 4, generator=g_)
+    what, how = bad.split()
+    (beta if what == "beta" else g)[0, 0, 1] = {"nan": float("nan"), "inf": float("inf"), "positive": 0.5}[how]
+    match = "beta must be finite" if what == "beta" else "log_decay must be finite and <= 0"
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad), pytest.raises(qkv.ShapeError, match=match):
+            K.fused_recurrent_gated_delta_rule(q.clone().requires_grad_(grad), k, v, g=g, beta=beta,
+                                               initial_state=torch.zeros(1, 4, 8, 8), output_final_state=True)

@@ -19,6 +19,18 @@ __all__ = ["decay_attention", "decay_attention_backward", "delta_rule", "delta_r
            "dplr", "dplr_backward", "linear_scan", "linear_scan_backward"]
 
 
+def check_gate(name: str, x: np.ndarray) -> None:
+    """The gates' values: ``log_decay`` finite and <= 0, ``beta`` finite; a ShapeError naming
+    the first that is not (every other argument passes). Also read by qkv.torch's decoding step,
+    which does not come through here."""
+    if name == "log_decay" and not (np.isfinite(x).all() and (x <= 0).all()):
+        bad = x[~(np.isfinite(x) & (x <= 0))].ravel()[0]
+        raise ShapeError(f"log_decay must be finite and <= 0 (a decay exp(g) in (0, 1] each step); got {bad}")
+    if name == "beta" and not np.isfinite(x).all():
+        raise ShapeError(f"beta must be finite (a write strength, in (0, 1) in the layers); "
+                         f"got {x[~np.isfinite(x)].ravel()[0]}")
+
+
 class _Call:
     """Checked arrays of one call, in the compute dtype (float32 for float16 and float32 inputs)."""
 
@@ -58,12 +70,7 @@ class _Call:
             want = " or ".join(f"{lab} = {fmt_shape(s)}" for lab, s in shapes.items() if s is not None)
             raise ShapeError(f"{name} must have shape {want}; got {fmt_shape(x.shape)}")
         x = np.ascontiguousarray(x, dtype=self.dtype)
-        if name == "log_decay" and not (np.isfinite(x).all() and (x <= 0).all()):
-            bad = x[~(np.isfinite(x) & (x <= 0))].ravel()[0]
-            raise ShapeError(f"log_decay must be finite and <= 0 (a decay exp(g) in (0, 1] each step); got {bad}")
-        if name == "beta" and not np.isfinite(x).all():
-            raise ShapeError(f"beta must be finite (a write strength, in (0, 1) in the layers); "
-                             f"got {x[~np.isfinite(x)].ravel()[0]}")
+        check_gate(name, x)
         return x
 
     def _state(self, name, s):

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ... import jit
+from ...recurrent.api import check_gate
 from .fla_args import L2NORM_EPS, l2norm as _l2norm
 
 
@@ -23,7 +24,11 @@ def _array(x: torch.Tensor, dt) -> np.ndarray:
 
 def step(q, k, v, beta, g, scale: float, S0, l2norm: bool):
     """One step on fla's layout: ``q, k (B, 1, H, K)``, ``v (B, 1, HV, V)``, ``beta (B, 1, HV)``,
-    ``g`` None, ``(B, 1, HV)`` or ``(B, 1, HV, K)``, ``S0`` None or ``(B, HV, K, V)``."""
+    ``g`` None, ``(B, 1, HV)`` or ``(B, 1, HV, K)``, ``S0`` None or ``(B, HV, K, V)``. The gates
+    are checked as the chunked path checks them (:func:`qkv.recurrent.api.check_gate`)."""
+    check_gate("beta", beta.detach().double().numpy())
+    if g is not None:
+        check_gate("log_decay", g.detach().double().numpy())
     compiled = jit.load(jit.DELTA)
     if compiled is None:
         return torch_step(q, k, v, beta, g, scale, S0, l2norm)
