@@ -10,7 +10,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 KEYS = {"family": str, "shape": str, "what": str, "qkv_s": float, "peer_s": float, "ratio": float,
-        "peer_kernel_s": float, "bound": float, "served": list, "missing": list}
+        "peer_kernel_s": float, "bound": float, "qkv_kernel_s": float, "kernel_ratio": float, "served": list, "missing": list}
 
 
 def test_quick_rows(tmp_path, capsys):
@@ -29,8 +29,9 @@ def test_quick_rows(tmp_path, capsys):
         assert r["qkv_s"] > 0 and r["peer_s"] > 0 and "T=32" in r["shape"]
         assert sorted(r["served"] + r["missing"]) == sorted(set(r["served"] + r["missing"])) and r["served"] + r["missing"]
         assert 0 < r["peer_kernel_s"] <= r["peer_s"] and r["bound"] >= 1
+        assert 0 < r["qkv_kernel_s"] <= r["qkv_s"] and r["kernel_ratio"] == r["peer_kernel_s"] / r["qkv_kernel_s"]
     table = capsys.readouterr().out
-    assert "transformers' hybrids" in table and "peer in kernels" in table   # the table the docs render
+    assert "transformers' hybrids" in table and "peer in kernels" in table and "kernels: peer ÷ qkv" in table
 
 
 def test_the_kernel_clock_counts_only_the_replaced_functions_and_puts_them_back():
@@ -54,3 +55,39 @@ def test_the_kernel_clock_counts_only_the_replaced_functions_and_puts_them_back(
     spent = suite._kernel_seconds(module, call)
     assert 0 < spent < 0.05
     assert {a: getattr(module, a) for a in names} == names
+
+    seen = []
+
+    def ours():                                                      # qkv's side: its functions, clocked
+        seen.append(module.causal_conv1d_fn._qkv_serves)
+        call()
+    assert 0 < suite._kernel_seconds(module, ours, qkv=True) < 0.05 and seen == ["causal_conv1d_fn"]
+    assert {a: getattr(module, a) for a in names} == names          # transformers' functions back
+
+
+def test_the_sides_switch_functions_without_patching_inside_the_clock():
+    """_switch: one module patched for the whole timing; each side says which functions serve
+    (qkv's or transformers'), and transformers' are back afterwards."""
+    import importlib
+
+    import torch
+
+    from qkv_benchmarks import hf_hybrid_suite as suite
+    from qkv.torch import hf_recurrent
+
+    module = importlib.import_module("transformers.models.qwen3_next.modeling_qwen3_next")
+    before = dict(vars(module))
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(1, 4, 8, dtype=torch.float64, generator=g), torch.randn(4, 3, dtype=torch.float64, generator=g)
+    hf_recurrent.patch_module(module)
+    want_qkv = module.causal_conv1d_fn(x, w)
+    hf_recurrent.unpatch_module(module)
+    want_peer = module.causal_conv1d_fn(x, w)
+    calls = []
+    with suite._switch(module) as use:
+        sides = suite._sides(use, lambda: calls.append(module.causal_conv1d_fn(x, w)))
+        sides["qkv"](), sides["peer"](), sides["qkv"]()
+        assert module.causal_conv1d_fn is not before["causal_conv1d_fn"]
+    assert torch.equal(calls[0], want_qkv) and torch.equal(calls[2], want_qkv) and torch.equal(calls[1], want_peer)
+    assert not torch.equal(want_qkv, want_peer)       # the two sides' sums round apart (fixed draw)
+    assert dict(vars(module)) == before and not hf_recurrent.served(module)
