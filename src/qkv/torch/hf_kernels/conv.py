@@ -199,7 +199,7 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cach
         order = (torch.arange(L)[None, :] + (cache_seqlens.long() % L)[:, None]) % L               # (B, L)
         state = torch.gather(state, 2, order[:, None, :].expand(Bsz, Dd, L))
     xp = torch.cat([state.to(weight.dtype), x3.to(weight.dtype)], dim=-1)                         # (B, D, L + T)
-    out = F.conv1d(xp[:, :, L - (K - 1):], weight.unsqueeze(1), bias, groups=Dd)                # (B, D, T)
+    out = _taps(xp[:, :, L - (K - 1):], weight, bias, T, 2)   # (B, D, T): conv1d took 270 µs a token at D = 2048
     new = xp[:, :, T:]                                                                          # (B, D, L), oldest first
     if cache_seqlens is not None:   # back into ring order: the oldest now at (cache_seqlens + T) % L
         start = (cache_seqlens.long() + T) % L
