@@ -226,7 +226,9 @@ def table(rows: list[dict], repeats: int | None = None, threads: int | None = No
                    "peer in kernels: the share of the peer's time inside the functions qkv replaces; bound: peer ÷ "
                    "(peer - that time), the speed-up if qkv's functions took no time at all (the projections, MLPs "
                    "and attention layers run the same on both sides); kernels: peer ÷ qkv: the replaced functions' own speed-up, "
-                   "each side's time inside them clocked in one more call")
+                   "each side's time inside them clocked in one more call. In a train row the clock holds the "
+                   "functions' forward only (their backward runs in autograd after they return), so its share and "
+                   "bound are lower limits and its kernel ratio the forward's")
     return t
 
 

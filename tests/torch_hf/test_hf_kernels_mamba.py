@@ -392,6 +392,22 @@ def test_conv_update_equals_fallback_ring_and_indices(T):
     close((out_idx, big[[3, 1]]), (ref, s_ref))
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("layout", ["(B, D, T)", "(B, T, D) transposed"])
+def test_conv_update_token_by_token_has_the_prefills_bits(dtype, layout):
+    """Decoding T tokens one at a time from a zero state gives causal_conv1d_fn's outputs bit
+    for bit: both sum the K taps in the same order (a generation's first tokens and its cached
+    continuation round alike)."""
+    g = torch.Generator().manual_seed(7)
+    x, w, b = (torch.randn(*s, generator=g, dtype=dtype) for s in [(2, 48, 9), (48, 4), (48,)])
+    xx = x if layout == "(B, D, T)" else x.transpose(1, 2).contiguous().transpose(1, 2)
+    full = K.causal_conv1d_fn(xx, w, b, activation="silu")
+    state = torch.zeros(2, 48, 3, dtype=dtype)
+    steps = torch.stack([K.causal_conv1d_update(x[:, :, t], state, w, b, activation="silu") for t in range(9)], -1)
+    assert torch.equal(full, steps)
+    assert torch.equal(state, x[:, :, -3:])
+
 # --- refusals by name -----------------------------------------------------------------------
 
 def test_refusals_name_the_argument():
