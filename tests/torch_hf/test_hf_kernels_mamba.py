@@ -392,7 +392,6 @@ def test_conv_update_equals_fallback_ring_and_indices(T):
     close((out_idx, big[[3, 1]]), (ref, s_ref))
 
 
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("layout", ["(B, D, T)", "(B, T, D) transposed"])
 def test_conv_update_token_by_token_has_the_prefills_bits(dtype, layout):
@@ -407,6 +406,7 @@ def test_conv_update_token_by_token_has_the_prefills_bits(dtype, layout):
     steps = torch.stack([K.causal_conv1d_update(x[:, :, t], state, w, b, activation="silu") for t in range(9)], -1)
     assert torch.equal(full, steps)
     assert torch.equal(state, x[:, :, -3:])
+
 
 # --- refusals by name -----------------------------------------------------------------------
 
