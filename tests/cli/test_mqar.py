@@ -326,7 +326,9 @@ def test_an_interrupted_command_resumes_from_the_runs_it_kept(tmp_path, monkeypa
     again = []
     monkeypatch.setattr(mqar_runs, "train_one", lambda cfg, *run: again.append(run) or real(cfg, *run))
     assert main([*args, "--out", "cut"]) == 0
-    assert "3 run(s) of this config kept" in capsys.readouterr().out
+    said = capsys.readouterr()
+    assert "3 run(s) of this config kept" in said.out
+    assert "1 line(s) of" in said.err and "skipped, their runs trained again: 1 not JSON" in said.err
     assert len(again) == len(whole["runs"]) - 3 and not set(again) & set(trained)
     resumed = json.loads((tmp_path / "cut" / "mqar.json").read_text())
     assert resumed["rows"] == whole["rows"] and resumed["chosen_lr"] == whole["chosen_lr"]

@@ -17,17 +17,21 @@ record, the other ranks ``None``.
 
 **A run is never lost** (:class:`Kept`): without MPI, each finished run is appended to
 ``mqar.runs.jsonl`` in the output folder as it ends (a line a run, flushed to disk), under a
-key of everything in the config a result depends on (not ``workers``). The same command after
-an interruption reads the lines of that key back and trains only the runs that are missing;
-the record is the same bits as an uninterrupted run's (every run is made from its seed alone).
-The file is removed once ``mqar.json`` is written. Under MPI every rank trains its share again.
+key of everything in the config a result depends on (not ``workers``), with the qkv version
+and a checksum. The same command after an interruption reads the lines of that key and
+version back and trains only the runs that are missing, or whose line is damaged or
+implausible (skipped, and counted on stderr); the record is the same bits as an uninterrupted
+run's (every run is made from its seed alone). The file is only appended to, and removed once
+``mqar.json`` is written. Under MPI every rank trains its share again.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -52,6 +56,7 @@ def machine() -> str:
 
 
 KEPT = "mqar.runs.jsonl"
+CHECKSUM = "sha256"
 
 
 def config_key(cfg: MQARConfig) -> str:
@@ -60,26 +65,123 @@ def config_key(cfg: MQARConfig) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def _canonical(record: dict) -> str:
+    """One record as the JSON its checksum is taken of: sorted keys, no spaces, one line."""
+    return json.dumps(record, sort_keys=True, separators=(",", ":"))
+
+
+def _real(x) -> bool:
+    """A finite float: what train_one writes for its accuracies, losses and seconds."""
+    return isinstance(x, float) and math.isfinite(x)
+
+
+def _fraction(x) -> bool:
+    return _real(x) and 0 <= x <= 1
+
+
+def _int_in(x, low: int, high: float) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and low <= x <= high
+
+
+def _flaw(cfg: MQARConfig, run, r) -> str | None:
+    """What makes ``run`` and its result ``r`` implausible for ``cfg`` (not what
+    :func:`~qkv.experiments.mqar.train_one` returns for a run of its grid); None for a good one."""
+    if not (isinstance(run, list) and len(run) == 4 and isinstance(run[0], str) and run[0] in cfg.mixers
+            and _int_in(run[1], 1, math.inf) and run[1] in cfg.widths and isinstance(run[2], float)
+            and run[2] in cfg.lrs and _int_in(run[3], 0, math.inf) and run[3] in cfg.seeds):
+        return "run not one of this grid's (mixer, width, lr, seed)"
+    if not isinstance(r, dict):
+        return "result not a dict"
+    missing = sorted({"accuracy", "val_accuracy", "diverged", "diverged_at", "final_loss", "seconds", "params",
+                      "steps"} - set(r))
+    if missing:
+        return f"result missing {', '.join(missing)}"
+    if not (isinstance(r["accuracy"], list) and len(r["accuracy"]) == len(cfg.pairs)
+            and all(_fraction(a) for a in r["accuracy"])):
+        return f"accuracy not {len(cfg.pairs)} float(s) in [0, 1]"
+    if not _fraction(r["val_accuracy"]):
+        return "val_accuracy not a float in [0, 1]"
+    if not (isinstance(r["diverged"], bool) and (r["diverged_at"] is None) != r["diverged"]
+            and (r["diverged_at"] is None or isinstance(r["diverged_at"], str))):
+        return "diverged not a bool with its diverged_at"
+    if not _int_in(r["steps"], 0, cfg.steps):
+        return f"steps not a whole number in [0, {cfg.steps}]"
+    if not (_real(r["final_loss"]) or (r["steps"] == 0 and isinstance(r["final_loss"], float))):
+        return "final_loss not a finite float (NaN only before a first step)"
+    if not (_real(r["seconds"]) and r["seconds"] >= 0):
+        return "seconds not a finite float >= 0"
+    if not _int_in(r["params"], 1, 2**63 - 1):
+        return "params not a whole number in [1, 2**63)"
+    return None
+
+
 class Kept:
-    """The runs of one config finished so far, kept in ``path`` (JSON lines ``{"key", "run",
-    "result"}``): ``done`` maps ``(mixer, width, lr, seed)`` to its result; :meth:`add` appends
-    one and syncs it to disk. A line of another config, or one cut short by a kill, is skipped."""
+    """The runs of one config finished so far, kept in ``path``: ``done`` maps ``(mixer, width, lr,
+    seed)`` to its result; :meth:`add` appends one line and syncs it to disk; nothing is ever
+    rewritten in place.
+
+    A line is the JSON ``{"key", "qkv", "run", "result", "sha256"}``: the config's key
+    (:func:`config_key`), the qkv version that trained it, the run, the result of
+    :func:`~qkv.experiments.mqar.train_one` and the SHA-256 of the line's canonical JSON without
+    ``sha256``. A line of another config is passed over; a line that is not JSON (one a kill cut
+    short), whose checksum is wrong, of another qkv version, or whose run or result is not
+    plausible (an accuracy not a float in [0, 1], a field missing or of the wrong type, ...) is
+    skipped, so its run is trained again, and the skipped lines are counted in ``skipped``
+    (``{why: lines}``) and said in one line on stderr."""
 
     def __init__(self, path, cfg: MQARConfig):
-        self.path, self.key, self.done = Path(path), config_key(cfg), {}
+        from .. import __version__
+
+        self.path, self.key, self.version, self.done, self.skipped = Path(path), config_key(cfg), __version__, {}, {}
         if self.path.is_file():
-            for line in self.path.read_text().splitlines():
-                try:
-                    kept = json.loads(line)
-                    if kept["key"] == self.key:
-                        m, w, lr, seed = kept["run"]
-                        self.done[(str(m), int(w), float(lr), int(seed))] = kept["result"]
-                except (ValueError, KeyError, TypeError):
-                    continue
+            for line in self.path.read_bytes().split(b"\n"):
+                if line.strip():
+                    self._read(cfg, line)
+        if self.skipped:
+            why = "; ".join(f"{n} {reason}" for reason, n in self.skipped.items())
+            print(f"qkv experiment mqar: {sum(self.skipped.values())} line(s) of {self.path} skipped, their runs "
+                  f"trained again: {why}", file=sys.stderr, flush=True)
+
+    def _read(self, cfg: MQARConfig, line: bytes) -> None:
+        try:
+            kept = json.loads(line.decode("utf-8"))
+        except (ValueError, RecursionError):        # bad UTF-8 or JSON (a line cut short), too deep
+            return self._skip("not JSON (cut short or damaged)")
+        if not isinstance(kept, dict) or not isinstance(kept.get(CHECKSUM), str):
+            return self._skip("without a checksum")
+        record = {k: v for k, v in kept.items() if k != CHECKSUM}
+        try:
+            good = hashlib.sha256(_canonical(record).encode()).hexdigest() == kept[CHECKSUM]
+        except (ValueError, RecursionError):        # nesting json.loads took but json.dumps does not
+            good = False
+        if not good:
+            return self._skip("with a wrong checksum")
+        if record.get("key") != self.key:
+            return None                             # another config's run: not ours to judge
+        if record.get("qkv") != self.version:
+            return self._skip(f"of another qkv version than {self.version}")
+        flaw = _flaw(cfg, record.get("run"), record.get("result"))
+        if flaw:
+            return self._skip(flaw)
+        m, w, lr, seed = record["run"]
+        self.done.setdefault((m, w, float(lr), seed), record["result"])
+
+    def _skip(self, reason: str) -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
 
     def add(self, run: tuple, result: dict) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"key": self.key, "run": list(run), "result": result}) + "\n")
+        """Append ``run`` and its ``result`` as one line, on a line of its own (a last line a kill
+        cut short is ended first, so that it alone is lost), and sync it to disk."""
+        m, w, lr, seed = run
+        record = {"key": self.key, "qkv": self.version, "run": [str(m), int(w), float(lr), int(seed)],
+                  "result": result}
+        line = _canonical({**record, CHECKSUM: hashlib.sha256(_canonical(record).encode()).hexdigest()}) + "\n"
+        with open(self.path, "a+b") as f:
+            if f.seek(0, os.SEEK_END) > 0:
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    line = "\n" + line
+            f.write(line.encode())                  # "a": at the end whatever was read
             f.flush()
             os.fsync(f.fileno())
 
