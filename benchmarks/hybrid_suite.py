@@ -74,7 +74,7 @@ def decode_count(quick: bool) -> int:
 
 def _train(name: str, layers, n_layer: int, ds, steps: int, quick: bool) -> dict:
     """One pattern trained ``steps`` steps (see the module docstring)."""
-    from qkv.models.training import data_rng, eval_rng, gpt_config, lr_at
+    from qkv.training.loop import data_rng, eval_rng, gpt_config, lr_at
 
     from .gpt_suite import QkvSide
 
@@ -103,7 +103,7 @@ def _train(name: str, layers, n_layer: int, ds, steps: int, quick: bool) -> dict
 
 def measure_lm(*, quick: bool, steps: int | None, threads: int, data: str | None = None, told=None) -> list[dict]:
     """One trained row per pattern of :data:`PATTERNS` (see the module docstring)."""
-    from qkv.models.chardata import CharDataset
+    from qkv.training.chardata import CharDataset
 
     told = told or (lambda label: None)
     steps = STEPS["quick" if quick else "full"] if steps is None else steps
@@ -213,7 +213,7 @@ def _told(progress, suite: str):
 def suite(p, progress) -> tuple[list[dict], str | None]:
     """The ``hybrid`` suite's rows for the plan ``p`` of ``suites.run_suites``, or ``([], reason)``
     when the default text cannot be had."""
-    from qkv.models.corpus import CorpusError
+    from qkv.training.corpus import CorpusError
 
     try:
         rows = measure_lm(quick=p.quick, steps=p.steps, threads=p.threads, data=p.data, told=_told(progress, "hybrid"))

@@ -12,7 +12,7 @@ pytest.importorskip("matplotlib", reason="qkv explain needs the viz extra")
 
 from qkv.experiments import explain  # noqa: E402
 from qkv.cli import build_parser, main  # noqa: E402
-from qkv.models import locate  # noqa: E402
+from qkv.io import locate  # noqa: E402
 
 
 @pytest.fixture(scope="module")

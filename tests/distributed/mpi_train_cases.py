@@ -17,9 +17,9 @@ from mpi4py import MPI
 
 from qkv.distributed.train import ParallelGPT, parallelize
 from qkv.models import GPT, GPTConfig
-from qkv.models.chardata import CharDataset
-from qkv.models.runfiles import load_run, save_run
-from qkv.models.training import TrainConfig, new_run, train
+from qkv.training.chardata import CharDataset
+from qkv.io.runfiles import load_run, save_run
+from qkv.training.loop import TrainConfig, new_run, train
 
 comm = MPI.COMM_WORLD
 W, r = comm.Get_size(), comm.Get_rank()

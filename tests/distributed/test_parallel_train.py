@@ -94,7 +94,7 @@ TINY = ["--batch-size", "6", "--block-size", "12", "--n-layer", "1", "--n-head",
         "--dtype", "float64", "--no-progress"]
 FAIL_AT_STEP_2 = """import sys
 from mpi4py import MPI
-import qkv.models.training as training
+import qkv.training.loop as training
 if MPI.COMM_WORLD.Get_rank() == 1:
     step = training.train_step
     def broken(run, x, y):

@@ -22,8 +22,8 @@ pytest.importorskip("safetensors", reason="qkv convert writes safetensors: pip i
 
 from qkv.cli import main  # noqa: E402
 from qkv.models import GPT, GPTConfig  # noqa: E402
-from qkv.models.checkpoint import CheckpointError  # noqa: E402
-from qkv.models.nanogpt import from_nanogpt, nanogpt_refusals, to_nanogpt  # noqa: E402
+from qkv.io.checkpoint import CheckpointError  # noqa: E402
+from qkv.io.nanogpt import from_nanogpt, nanogpt_refusals, to_nanogpt  # noqa: E402
 
 CHARS = "".join(sorted("\n !,.:;?abcdefghijklmnopqrstuvwxyzT"))  # meta.pkl's characters: sorted, as prepare.py
 TINY = ["--block-size", "16", "--batch-size", "4", "--n-layer", "2", "--n-head", "2", "--n-embd", "16",
@@ -228,7 +228,7 @@ def test_qkv_run_sampled_and_resumed_by_nanogpt(tmp_path, monkeypatch, capsys):
     assert _sample(capsys, tmp_path / "run", 30) == decode(nanogpt_greedy(model, encode("\n"), 30)) + "\n"
     opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.99))
     opt.load_state_dict(checkpoint["optimizer"])                     # train.py --init_from=resume
-    from qkv.models.runfiles import load_state
+    from qkv.io.runfiles import load_state
 
     adam = load_state(tmp_path / "run" / "optim.safetensors")
     w = model.transformer.h[1].attn.c_attn.weight

@@ -42,7 +42,7 @@ if sys.argv[1] == "keep":
 from qkv.experiments.mqar import MQARConfig
 from qkv.experiments.mqar_data import mqar_batch
 from qkv.models import GPT
-from qkv.models.training import Run, make_optimizer, train_step
+from qkv.training.loop import Run, make_optimizer, train_step
 cfg = MQARConfig()
 tc = cfg.train_config("attention+gated_delta", 32, 3e-3, 0).resolved()
 model = GPT(cfg.model_config("attention+gated_delta", 32, 0))

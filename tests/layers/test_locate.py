@@ -1,4 +1,4 @@
-"""qkv.models.locate: a model named by folder, by Hugging Face id (hub cache first, a download
+"""qkv.io.locate: a model named by folder, by Hugging Face id (hub cache first, a download
 only where allowed) or not at all (the offline package, else the hub cache).
 
 The id path is tested offline: the offline checkpoint is laid out as a hub cache in a
@@ -16,7 +16,8 @@ hub = pytest.importorskip("huggingface_hub", reason="needs the models extra (hug
 
 import qkv  # noqa: E402
 from qkv.extras import MissingExtra  # noqa: E402
-from qkv.models import CheckpointError, default_model_path, load_bert, locate  # noqa: E402
+from qkv.io import locate  # noqa: E402
+from qkv.models import CheckpointError, default_model_path, load_bert  # noqa: E402
 
 ID = "sentence-transformers/all-MiniLM-L6-v2"
 COMMIT = "c9745ed1d9f207416be6d2e6f8de32d1f16199bf"  # any 40 hex digits name a snapshot

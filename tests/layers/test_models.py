@@ -20,7 +20,7 @@ from safetensors.numpy import save_file  # noqa: E402
 import qkv  # noqa: E402
 from qkv.extras import MissingExtra  # noqa: E402
 from qkv.models import BertConfig, CheckpointError, default_model_path, load_bert, name_table  # noqa: E402
-from qkv.models import locate  # noqa: E402
+from qkv.io import locate  # noqa: E402
 from qkv.models.functional import add_layer_norm, bias_act, erf, gelu, gelu_tanh, layer_norm  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("safetensors", reason="qkv train gpt writes safetensors: pip install 'qkv[models]'")
 
 from qkv.cli import main  # noqa: E402
-from qkv.models.checkpoint import CheckpointError  # noqa: E402
+from qkv.io.checkpoint import CheckpointError  # noqa: E402
 from helpers import text_corpus  # noqa: E402
 
 TINY = ["--block-size", "16", "--batch-size", "4", "--n-layer", "1", "--n-head", "2", "--n-embd", "16",
@@ -59,7 +59,7 @@ def _weights(folder):
 
 def test_bin_folder_trains_as_the_same_text(text_file, tmp_path, capsys):
     """float64: nanoGPT's train.bin/val.bin/meta.pkl of a text give the losses and weights of the text itself."""
-    from qkv.models.bindata import bin_dataset
+    from qkv.training.bindata import bin_dataset
 
     folder = char_bin_folder(text_file.read_text(), tmp_path / "data")
     ds = bin_dataset(folder)
@@ -81,7 +81,7 @@ def test_bin_folder_trains_as_the_same_text(text_file, tmp_path, capsys):
 
 
 def test_text_ids_are_held_in_two_bytes():
-    from qkv.models.chardata import CharDataset
+    from qkv.training.chardata import CharDataset
 
     ds = CharDataset(text_corpus(20))
     x, y = ds.batch("train", 2, 8, np.random.default_rng(0))
@@ -94,7 +94,7 @@ class _Runs:
 
 
 def test_a_meta_pkl_that_names_code_is_refused_unrun(tmp_path, monkeypatch):
-    from qkv.models.bindata import bin_dataset, read_meta
+    from qkv.training.bindata import bin_dataset, read_meta
 
     monkeypatch.chdir(tmp_path)
     folder = char_bin_folder("abcdefgh" * 20, tmp_path / "d")
@@ -125,7 +125,7 @@ def bpe_folder(tmp_path_factory):
 
 
 def test_a_text_encoded_with_bpe_trains_resumes_and_samples(text_file, bpe_folder, tmp_path, capsys):
-    from qkv.models.bpe import load_bpe
+    from qkv.training.bpe import load_bpe
 
     tok = load_bpe(bpe_folder)
     text = text_file.read_text()
@@ -192,8 +192,8 @@ def test_init_from_a_saved_gpt2_starts_at_transformers_loss(gpt2_folder, tmp_pat
     batch, drawn again from the data Generator); --block-size 16 crops the 24 positions."""
     import torch
 
-    from qkv.models.bindata import bin_dataset
-    from qkv.models.training import data_rng
+    from qkv.training.bindata import bin_dataset
+    from qkv.training.loop import data_rng
 
     folder, hf = gpt2_folder
     data = tmp_path / "data"
@@ -253,7 +253,7 @@ def test_gradient_accumulation_equals_the_bigger_batch(text_file, tmp_path):
 
 
 def test_recipe_flags_reach_the_model_and_the_optimizer(text_file, tmp_path, capsys):
-    from qkv.models.runfiles import load_run
+    from qkv.io.runfiles import load_run
 
     out = tmp_path / "run"
     assert main(["train", "gpt", "--data", str(text_file), "--out", str(out), "--steps", "1", *TINY,

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from qkv.errors import ShapeError
-from qkv.models.nanoconfig import map_settings, read_config_file, read_override
+from qkv.io.nanoconfig import map_settings, read_config_file, read_override
 
 pytest.importorskip("safetensors", reason="qkv train gpt writes safetensors: pip install 'qkv[models]'")
 

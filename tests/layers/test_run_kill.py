@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.slow,
 
 def _save_killed_at(run, folder: Path, n: int) -> bool:
     """Save ``run`` into ``folder`` in a child killed at the n-th line of the save; True if it was killed."""
-    from qkv.models.runfiles import save_run
+    from qkv.io.runfiles import save_run
 
     pid = os.fork()
     if pid == 0:  # the child: trace the save's lines in qkv.models, die at the n-th
@@ -65,8 +65,8 @@ def _save_killed_at(run, folder: Path, n: int) -> bool:
 
 
 def _next_step(run, corpus: str):
-    from qkv.models.chardata import CharDataset
-    from qkv.models.training import next_batch, train_step
+    from qkv.training.chardata import CharDataset
+    from qkv.training.loop import next_batch, train_step
 
     train_step(run, *next_batch(run, CharDataset(corpus, run.tokenizer)))
     return run
@@ -77,7 +77,7 @@ def test_a_save_killed_at_every_point_resumes_at_the_old_or_the_new_checkpoint(t
     """Before: killed between two of the renames, the folder held some new files and some old ones,
     and --resume refused it ("the files come from different saves") while the new checkpoint sat
     complete in .saving/."""
-    from qkv.models.runfiles import load_run
+    from qkv.io.runfiles import load_run
 
     corpus = text_corpus(400)
     (tmp_path / "play.txt").write_text(corpus)
@@ -117,7 +117,7 @@ def test_a_save_killed_at_every_point_resumes_at_the_old_or_the_new_checkpoint(t
 def test_resume_completes_a_first_save_killed_after_its_commit(tmp_path, capsys):
     """The first save of a run, killed after its commit but before config.json moved: --resume
     finds the run (before: "holds no run (no config.json)") and continues it."""
-    from qkv.models.runfiles import load_run
+    from qkv.io.runfiles import load_run
 
     (tmp_path / "play.txt").write_text(text_corpus(400))
     out = tmp_path / "run"

@@ -14,7 +14,7 @@ from qkv.errors import ShapeError
 pytest.importorskip("safetensors", reason="qkv train gpt writes safetensors: pip install 'qkv[models]'")
 
 from qkv.cli import main  # noqa: E402
-from qkv.models.checkpoint import CheckpointError  # noqa: E402
+from qkv.io.checkpoint import CheckpointError  # noqa: E402
 from helpers import text_corpus  # noqa: E402
 
 TINY = ["--block-size", "16", "--batch-size", "4", "--n-layer", "1", "--n-head", "2", "--n-embd", "16",
@@ -45,8 +45,8 @@ def _bin_folder(folder, text, *, extra_id=None, meta=None):
 # --- sizes the machine cannot hold ---------------------------------------------------------------
 
 def test_the_estimate_refuses_what_exceeds_the_memory_and_names_the_flag_and_figure():
-    from qkv.models.memory import check_fits, training_bytes
-    from qkv.models.trainconfig import TrainConfig
+    from qkv.training.memory import check_fits, training_bytes
+    from qkv.training.config import TrainConfig
 
     cfg = TrainConfig().resolved()
     parts = training_bytes(cfg, 65)
@@ -101,7 +101,7 @@ def test_token_ids_outside_the_vocabulary_are_found_up_front_naming_the_file(tmp
 
 
 def test_check_ids_reads_the_file_in_chunks_and_names_the_first_bad_id():
-    from qkv.models.bindata import check_ids
+    from qkv.training.bindata import check_ids
 
     ids = np.zeros(1000, np.uint16)
     ids[777], ids[900] = 50, 60
@@ -119,7 +119,7 @@ def test_check_ids_reads_the_file_in_chunks_and_names_the_first_bad_id():
 def test_a_meta_pkl_that_is_not_nanogpts_is_named(tmp_path, meta, said):
     """Before: vocab_size 10**12 was a raw MemoryError, a non-integer one a generic message, and
     mixed keys a raw TypeError."""
-    from qkv.models.bindata import read_meta
+    from qkv.training.bindata import read_meta
 
     (tmp_path / "meta.pkl").write_bytes(pickle.dumps(meta))
     with pytest.raises(CheckpointError, match="meta.pkl") as info:
@@ -161,8 +161,8 @@ def test_a_recurrent_layer_diverging_takes_the_divergence_path(corpus_file, tmp_
 
 def test_a_refusal_at_the_first_forward_stays_the_settings_error():
     """The same ShapeError before any update (the settings, not the weights) is not called divergence."""
-    from qkv.models.chardata import CharDataset
-    from qkv.models.training import TrainConfig, new_run, train_step
+    from qkv.training.chardata import CharDataset
+    from qkv.training.loop import TrainConfig, new_run, train_step
 
     ds = CharDataset(text_corpus(50))
     run = new_run(TrainConfig(block_size=8, batch_size=2, n_layer=1, n_head=2, n_embd=8), ds, "x", text_corpus(50))
@@ -184,7 +184,7 @@ def test_mqar_divergence_is_named_with_its_model_and_exits_1(tmp_path, capsys):
 
 
 def test_diverged_crosses_processes_with_its_model():
-    from qkv.models.training import Diverged, TrainConfig
+    from qkv.training.loop import Diverged, TrainConfig
 
     err = Diverged(3, "the batch loss is nan", TrainConfig())
     err.model = "mamba2 at width 8"

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from qkv.errors import ShapeError
-from qkv.models import chardata, corpus
-from qkv.models.chardata import CharDataset, CharTokenizer, get_batch, split
+from qkv.training import chardata, corpus
+from qkv.training.chardata import CharDataset, CharTokenizer, get_batch, split
 from helpers import text_corpus
 
 # --- data ------------------------------------------------------------------------------------
@@ -209,7 +209,7 @@ def test_a_stopped_and_resumed_run_equals_one_that_was_not(corpus_file, tmp_path
     """float64, bit for bit: 6 steps at once against 3 steps, then --resume to 6 (the schedule
     of both decays over 6 steps), the losses, the weights and AdamW's state."""
     from qkv.models import load_gpt
-    from qkv.models.runfiles import load_state
+    from qkv.io.runfiles import load_state
 
     a, b = tmp_path / "a", tmp_path / "b"
     data = ["--data", str(corpus_file)]
@@ -232,9 +232,9 @@ def test_a_stopped_and_resumed_run_equals_one_that_was_not(corpus_file, tmp_path
 def test_a_run_stopped_between_steps_saves_and_continues_the_same_stream(corpus_file, tmp_path):
     """What Ctrl-C does (train(stop=...)): a checkpoint at the step it stopped after, with the
     data Generator's and the dropout Generator's states, so the rest is the same (dropout on)."""
-    from qkv.models.chardata import CharDataset
-    from qkv.models.runfiles import load_run, save_run
-    from qkv.models.training import TrainConfig, new_run, train
+    from qkv.training.chardata import CharDataset
+    from qkv.io.runfiles import load_run, save_run
+    from qkv.training.loop import TrainConfig, new_run, train
 
     text = corpus_file.read_text()
     cfg = TrainConfig(block_size=16, batch_size=4, n_layer=1, n_head=2, n_embd=16, eval_iters=2, warmup=2,

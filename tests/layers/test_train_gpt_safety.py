@@ -56,7 +56,7 @@ def test_a_diverging_run_stops_and_keeps_its_last_good_checkpoint(corpus_file, t
     """lr 100 with a checkpoint every step: the run ends with status 1 and a message naming the
     step, what went non-finite and the cure, and what the folder keeps is a run that loads,
     samples and resumes (before: NaN weights saved over it, refused by sample and --resume)."""
-    from qkv.models.runfiles import load_run
+    from qkv.io.runfiles import load_run
 
     out = tmp_path / "run"
     assert _train(corpus_file, out, "--lr", "100", "--warmup", "3", "--eval-interval", "1", "--steps", "60") == 1
@@ -74,9 +74,9 @@ def test_a_diverging_run_stops_and_keeps_its_last_good_checkpoint(corpus_file, t
 def test_a_non_finite_loss_or_gradient_stops_before_the_update(corpus_file, tmp_path):
     """train(): a NaN gradient at step 3 raises Diverged naming the step and the arrays, with
     the weights and AdamW's moments as step 2 left them, and the checkpoint of step 2 untouched."""
-    from qkv.models.chardata import CharDataset
-    from qkv.models.runfiles import save_run
-    from qkv.models.training import Diverged, TrainConfig, new_run, train
+    from qkv.training.chardata import CharDataset
+    from qkv.io.runfiles import save_run
+    from qkv.training.loop import Diverged, TrainConfig, new_run, train
 
     text = corpus_file.read_text()
     cfg = TrainConfig(block_size=16, batch_size=4, n_layer=1, n_head=2, n_embd=16, eval_iters=2, warmup=2,
@@ -132,7 +132,7 @@ def test_the_optimizers_refuse_what_they_cannot_train():
     """float16 parameters (eps = 1e-8 is 0 there: one step made 18 of 20 arrays NaN) and
     non-finite hyper-parameters are refused when the optimizer is made."""
     from qkv.models import GPT, GPTConfig
-    from qkv.models.training import TrainConfig
+    from qkv.training.loop import TrainConfig
     from qkv.nn import Adam, AdamW
 
     half = GPT(GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=8, dtype=np.float16))
@@ -256,9 +256,10 @@ def test_an_out_folder_that_cannot_be_written_is_refused_before_training(corpus_
 # every Ctrl-C the command has handled writes pressed-<n>.
 DRIVER = """
 import sys, time, pathlib
-from qkv.cli import main, train_gpt
-from qkv.models import runfiles
-marks, real_save, real_handler, n = pathlib.Path(sys.argv[1]), runfiles.save_run, train_gpt.CtrlC.handler, [0]
+from qkv.cli import main
+from qkv.io import runfiles
+from qkv.training.interrupt import CtrlC
+marks, real_save, real_handler, n = pathlib.Path(sys.argv[1]), runfiles.save_run, CtrlC.handler, [0]
 def save_run(run, folder):
     n[0] += 1
     (marks / f"saving-{n[0]}").touch()
@@ -270,7 +271,7 @@ def handler(self, signum, frame):
         real_handler(self, signum, frame)
     finally:
         (marks / f"pressed-{self.presses}").touch()
-runfiles.save_run, train_gpt.CtrlC.handler = save_run, handler
+runfiles.save_run, CtrlC.handler = save_run, handler
 sys.exit(main(sys.argv[2:]))
 """
 
@@ -308,7 +309,7 @@ def test_ctrl_c_then_ctrl_c_again_while_saving_leaves_a_complete_run_and_exits_1
     """The first Ctrl-C (during the checkpoint of step 2) stops the run after step 3; the second,
     during that last save, waits for it: the files are step 3's, loss.png is drawn, no
     traceback, status 130 (before: a 40-line traceback, no loss.png, status 0 when once)."""
-    from qkv.models.runfiles import load_run
+    from qkv.io.runfiles import load_run
 
     out = tmp_path / "run"
     proc, marks = _driven(corpus_file, tmp_path, out)
@@ -332,7 +333,7 @@ def test_ctrl_c_then_ctrl_c_again_while_saving_leaves_a_complete_run_and_exits_1
 
 
 def test_two_ctrl_c_during_a_save_abort_once_it_is_complete(corpus_file, tmp_path):
-    from qkv.models.runfiles import load_run
+    from qkv.io.runfiles import load_run
 
     out = tmp_path / "run"
     proc, marks = _driven(corpus_file, tmp_path, out)
@@ -389,7 +390,7 @@ def test_a_float32_run_resumed_in_another_process_equals_one_that_was_not(corpus
     """float32, 6 steps in one process against 3 steps and --resume to 6 in two others: every
     loss, the weights and AdamW's moments bit for bit (the module's promise), with the compiled
     kernels and without (QKV_JIT=0)."""
-    from qkv.models.runfiles import load_state
+    from qkv.io.runfiles import load_state
 
     env = dict(os.environ, QKV_JIT=jit)
     a, b = tmp_path / "a", tmp_path / "b"

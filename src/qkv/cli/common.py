@@ -1,8 +1,6 @@
 """What every subcommand shares: output paths checked before the work (progress is in ``progress``)."""
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 
@@ -19,18 +17,11 @@ def named_path(path, option: str) -> Path:
 
 
 def out_folder(path, option: str = "--out") -> Path:
-    """Make ``path`` a folder (parents too) that qkv can write into, before any work is done, or
-    raise UsageError naming ``option``. Writing is tried (a file made and removed): permission
-    bits do not tell, a read-only file system or an ACL can refuse what they allow."""
-    folder = named_path(path, option)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".qkv-write-test-", dir=folder)
-        os.close(fd)
-        os.remove(probe)
-    except OSError as err:
-        raise UsageError(f"{option} must be a folder qkv can write to; {str(folder)!r}: {err.strerror}") from None
-    return folder
+    """Make ``path`` a folder qkv can write into, before any work is done, or raise a ShapeError
+    naming ``option`` (:func:`qkv.io.runsave.writable_folder`; the empty name refused first)."""
+    from ..io.runsave import writable_folder
+
+    return writable_folder(named_path(path, option), option)
 
 
 def out_file(path, option: str, suffixes: tuple[str, ...] = ()) -> Path:

@@ -1,4 +1,4 @@
-"""``qkv convert SRC DST``: checkpoints between qkv, nanoGPT and transformers (qkv.models.convert).
+"""``qkv convert SRC DST``: checkpoints between qkv, nanoGPT and transformers (qkv.io.convert).
 
 - ``SRC`` a nanoGPT ``ckpt.pt``: ``DST`` a folder ``qkv sample`` reads (its vocabulary from
   ``data/<dataset>/meta.pkl``, as nanoGPT's ``sample.py`` finds it, or ``--meta``).
@@ -60,7 +60,7 @@ def _target(args, src: Path, dst: Path) -> str:
 
 def run(args) -> int:
     require("safetensors", "models")
-    from ..models import convert
+    from ..io import convert
 
     src, dst = named_path(args.src, "SRC"), named_path(args.dst, "DST")
     if not src.exists():

@@ -1,7 +1,7 @@
 """nanoGPT's spelling on ``qkv train gpt``: ``CONFIG.py`` files and ``--name=value`` overrides.
 
 ``qkv train gpt config/train_shakespeare_char.py --max_iters=600`` reads the file as data
-(:mod:`qkv.models.nanoconfig`: plain assignments, nothing run), then the overrides in order,
+(:mod:`qkv.io.nanoconfig`: plain assignments, nothing run), then the overrides in order,
 and maps each setting to the flag of the table in docs/gpt.md. A qkv flag given beside a
 nanoGPT setting of the same meaning must agree with it. A config file is nanoGPT's run: its
 model computes the exact GELU and its AdamW decays the embeddings too, so those are
@@ -19,7 +19,7 @@ OVERRIDE = re.compile(r"^--([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.S)
 def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     """``(argv without them, the overrides)``: ``--name=value`` tokens whose name is nanoGPT's
     (one of its settings, or any name with an underscore: an unknown one is refused by name)."""
-    from ..models.nanoconfig import IGNORED, SETTINGS
+    from ..io.nanoconfig import IGNORED, SETTINGS
 
     rest, overrides = [], []
     for tok in argv:
@@ -35,8 +35,8 @@ def apply(args, flags: dict) -> list[str]:
     """Fold ``args.config`` (files) and ``args.nanogpt`` (overrides) into ``args``; returns the
     notes to print. ``flags``: TrainConfig field -> its flag, for the messages."""
     from ..errors import ShapeError
-    from ..models.nanoconfig import map_settings, read_config_file, read_override
-    from ..models.trainconfig import TrainConfig
+    from ..io.nanoconfig import map_settings, read_config_file, read_override
+    from ..training.config import TrainConfig
 
     files, overrides = list(getattr(args, "config", None) or []), list(getattr(args, "nanogpt", None) or [])
     if not files and not overrides:
@@ -73,7 +73,7 @@ def _merge(args, name: str, value, flag: str, said: dict) -> None:
 
 
 def _where(name: str, said: dict) -> str:
-    from ..models.nanoconfig import SETTINGS
+    from ..io.nanoconfig import SETTINGS
 
     for nano, (target, _) in SETTINGS.items():
         if target.split(":")[-1] == name and nano in said:

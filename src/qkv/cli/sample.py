@@ -50,7 +50,7 @@ def _prompt(text: str) -> str:
 
 
 def _tokenizer(args, extra):
-    from ..models.bpe import NoTokenizer, load_bpe, tokenizer_from_dict
+    from ..training.bpe import NoTokenizer, load_bpe, tokenizer_from_dict
 
     if not isinstance(extra, dict) or "tokenizer" not in extra:
         raise UsageError(f"{args.dir} holds a GPT without a vocabulary (not written by qkv train gpt)")
@@ -72,7 +72,7 @@ def _is_run(name: str) -> bool:
     import json
 
     from ..models.gpt import SAVED_FORMAT
-    from ..models.runsave import STAGING
+    from ..io.runsave import STAGING
 
     folder = Path(name)
     if (folder / STAGING).is_dir():
@@ -89,9 +89,9 @@ def _gpt2(args):
     """A GPT-2 named as ``--init-from`` names it, and its tokenizer (``--tokenizer``, else GPT-2's,
     the model's folder first)."""
     from ..models import load_gpt2
-    from ..models.bpe import load_bpe
-    from ..models.checkpoint import CheckpointError
-    from ..models.finetune import checkpoint_folder
+    from ..training.bpe import load_bpe
+    from ..io.checkpoint import CheckpointError
+    from ..training.finetune import checkpoint_folder
 
     if Path(args.dir).is_dir() and not (Path(args.dir) / "config.json").is_file():
         raise UsageError(f"DIR must be a folder qkv train gpt wrote or a GPT-2 folder; {args.dir!r} has no config.json")
@@ -113,7 +113,7 @@ def run(args) -> int:
 
     from ..errors import ShapeError
     from ..models import load_gpt
-    from ..models.runsave import finish_save, folder_lock
+    from ..io.runsave import finish_save, folder_lock
 
     for name, low in (("tokens", 0), ("num_samples", 1), ("top_k", 0)):
         if getattr(args, name) < low:

@@ -1,7 +1,8 @@
 """``qkv train gpt``: train a character-level GPT (qkv.models.GPT) and write a resumable run to ``--out``.
 
-Parses, reads the text, makes or loads the run, draws the progress bar and handles Ctrl-C;
-the training itself is :mod:`qkv.models.training`, the files :mod:`qkv.models.runfiles`.
+Parses the flags (and nanoGPT's config files), calls :func:`qkv.training.session.train_gpt` once,
+and prints what it says: the run, a progress bar or nanoGPT's log lines, how the run ended.
+Making or resuming the run, its data, Ctrl-C and the saves are the library's (:mod:`qkv.training`).
 """
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import sys
 from pathlib import Path
 
 from ..extras import require
-from .common import UsageError, named_path, out_folder
-from .ctrl_c import CtrlC
+from ..training.session import Events
+from .common import UsageError, named_path
 from .mpi import abort_on_error, mpiexec_ranks
 from .progress import progress_bar, check_progress
 
@@ -83,14 +84,13 @@ CHOICES = {"dtype": ["float32", "float64"], "activation": ["gelu", "gelu_tanh"]}
 METAVARS = {"layers": "PATTERN|MIXER,..."}
 # TrainConfig field -> the flag a user typed, so errors name what the user can change.
 FLAGS = {name: flag for flag, name, _, _ in OPTIONS}
-# What --resume may change: the rest is the run's model, optimizer or data stream.
-RESUMABLE = {"steps", "eval_interval", "eval_iters", "lr_decay_steps", "keep_best"}
+# (What --resume may change is the library's RESUMABLE.)
 
 
 def add_arguments(parser) -> None:
     import argparse
 
-    from ..models.training import TrainConfig
+    from ..training.config import TrainConfig
 
     d = TrainConfig()
     parser.add_argument("config", nargs="*", metavar="CONFIG.py",
@@ -133,163 +133,90 @@ def add_arguments(parser) -> None:
                         "sequence's tokens over the ranks (context: ring attention, block-size a multiple of 2W)")
 
 
-def _given(args) -> dict:
-    return {name: getattr(args, name) for _, name, _, _ in OPTIONS if getattr(args, name) is not None}
-
-
-def _new_run(args, out: Path):
-    from dataclasses import replace
-
-    from ..models.memory import check_fits
-    from ..models.runsave import finish_save
-    from ..models.training import TrainConfig, new_run
-    from .gpt_data import new_data
-
-    finish_save(out)  # a save killed half way is completed (or discarded) before the folder is judged
-    if (out / "config.json").exists() and not args.eval_only:
-        raise UsageError(f"{out} already holds a run: continue it with --resume, or choose another --out")
-    given = _given(args)
-    cfg = replace(TrainConfig(), **given).resolved(FLAGS)  # before reading (or fetching) the text
-    check_fits(cfg, cfg.vocab_size or 1, FLAGS)  # what the sizes need whatever the vocabulary
-    model = folder = None
-    if args.init_from is not None:
-        from ..models.finetune import init_model
-
-        cfg, model, folder = init_model(cfg, args.init_from, set(given), FLAGS)
-    dataset, data = new_data(args, cfg.vocab_size, folder)
-    return new_run(cfg, dataset, data["source"], data=data, model=model, names=FLAGS), dataset
-
-
-def _resumed_run(args, out: Path):
-    from dataclasses import replace
-
-    from ..models.memory import check_fits
-    from ..models.runfiles import load_run
-    from ..models.training import check_data
-    from ..models.runsave import finish_save
-    from .gpt_data import resumed_data
-
-    finish_save(out)  # the first save killed after its commit: its config.json is still in .saving
-    if not (out / "config.json").exists():
-        raise UsageError(f"--resume: {out} holds no run (no config.json); start one without --resume")
-    for flag, value in (("--init-from", args.init_from), ("--tokenizer", args.tokenizer)):
-        if value is not None:
-            raise UsageError(f"--resume cannot take {flag}: the run in {out} keeps its weights and tokenizer")
-    run = load_run(out)
-    given = _given(args)
-    fixed = {k: v for k, v in given.items() if k not in RESUMABLE and v != getattr(run.cfg, k)}
-    if fixed:
-        said = ", ".join(f"{FLAGS[k]} {v} (the run has {getattr(run.cfg, k)})" for k, v in fixed.items())
-        raise UsageError(f"--resume cannot change the run's model, optimizer or data stream: {said}")
-    run.cfg = replace(run.cfg, **{k: v for k, v in given.items() if k in RESUMABLE})
-    run.cfg.check(FLAGS)
-    if run.cfg.steps < run.step:
-        raise UsageError(f"--steps {run.cfg.steps}: the run in {out} is already at step {run.step}")
-    check_fits(run.cfg, run.model.config.vocab_size, FLAGS)  # this machine may have less than the one it ran on
-    dataset = resumed_data(args, run, out)
-    check_data(run.cfg, dataset)
-    return run, dataset
-
-
 def run(args) -> int:
     from . import nanogpt_args
+    from ..training.session import Request, train_gpt
 
     for note in nanogpt_args.apply(args, FLAGS):  # nanoGPT's config files and --name=value, as flags
         print(note, flush=True)
     args.out = "out-gpt" if args.out is None else args.out
     args.log_interval = 1 if args.log_interval is None else args.log_interval
     require("safetensors", "models")
-    _log_lines(args.log_interval)  # a bad --log-interval is said before anything is read
+    log_lines = _log_lines(args.log_interval)  # a bad --log-interval is said before anything is read
     if not args.no_progress:
         check_progress()  # rich, said before the text is read or fetched; --no-progress needs none
     out = named_path(args.out, "--out")  # before Path('') became '.': the current folder
+    given = {name: getattr(args, name) for _, name, _, _ in OPTIONS if getattr(args, name) is not None}
+    request = Request(out, given, data=args.data, tokenizer=args.tokenizer, init_from=args.init_from,
+                      resume=args.resume, eval_only=args.eval_only, names=FLAGS)
     mode = args.parallel or ("data" if mpiexec_ranks() > 1 else None)
     if mode is None:
-        run_, dataset = (_resumed_run if args.resume else _new_run)(args, out)
-        if args.eval_only:
-            return _eval_only(run_, dataset)
-        out_folder(out)  # made (and tried) only once the run is checked: a refused run leaves nothing
-        return _train(args, out, run_, dataset)
+        return _said(train_gpt(request, Shown(args, log_lines)), args)
     require("mpi4py", "mpi")
     if args.eval_only:
         raise UsageError("--eval-only evaluates in one process; run it without mpiexec")
-    with abort_on_error(True):
-        return _train_parallel(args, out, mode)
-
-
-def _eval_only(run_, dataset) -> int:
-    from ..models.training import evaluate
-
-    ev = evaluate(run_.model, dataset, run_.cfg)
-    print(f"step {run_.step}: train loss {ev['train']:.4f}, val loss {ev['val']:.4f} "
-          f"({run_.cfg.eval_iters} batches of each split; --eval-only: nothing written)")
-    return 0
-
-
-def _train_parallel(args, out: Path, mode: str) -> int:
-    """Every rank makes (or loads) the run and checks it; if any rank failed, or the ranks'
-    runs differ (``parallelize`` compares them), every rank raises the same error before the
-    first step."""
     from mpi4py import MPI
 
-    from ..distributed.agree import agree
-    from ..distributed.train import parallelize
-
     comm = MPI.COMM_WORLD
-
-    given = [(k, v) for k, v in sorted(vars(args).items()) if not callable(v)]
-
-    def make():
-        made = (_resumed_run if args.resume else _new_run)(args, out)
-        if comm.Get_rank() == 0:
-            out_folder(out)  # rank 0 writes; a refusal there stops every rank before the first step
-        return made
-    run_, dataset = agree(comm, "qkv train gpt", make, {"arguments": given})
-    return _train(args, out, parallelize(run_, mode, comm=comm), dataset, comm)
+    with abort_on_error(True):
+        outcome = train_gpt(request, Shown(args, log_lines, comm), comm=comm, mode=mode)
+        return _said(outcome, args, comm.Get_rank())
 
 
-def _train(args, out: Path, run_, dataset, comm=None) -> int:
-    """Train ``run_``; with ``comm`` every rank calls this and rank 0 alone prints and writes.
-    Returns the exit status: 0 done, 130 stopped or aborted by Ctrl-C, 1 diverged."""
-    from ..models.training import Diverged, train
-    from .gpt_data import schedule_note
+class Shown(Events):
+    """What the command shows of a run on rank 0: the run, then a progress bar (or nanoGPT's log
+    lines with --no-progress)."""
 
-    rank = 0 if comm is None else comm.Get_rank()
-    cfg, start = run_.cfg, run_.step
-    saved = [start if args.resume else None]  # the step of the checkpoint in --out
-    if rank == 0:
-        print(f"{'resuming at step ' + str(start) + ' of' if args.resume else 'training'} {cfg.steps} steps: "
-              f"{_describe(run_, dataset, comm)}", flush=True)
-        note = schedule_note(run_, args.lr_decay_steps is not None) if args.resume else None
+    def __init__(self, args, log_lines, comm=None):
+        self.args, self.log_lines, self.comm, self.bar = args, log_lines, comm, None
+
+    def started(self, run_, dataset, note):
+        self.run = run_
+        start = run_.step
+        print(f"{'resuming at step ' + str(start) + ' of' if self.args.resume else 'training'} {run_.cfg.steps} "
+              f"steps: {_describe(run_, dataset, self.comm)}", flush=True)
         if note:
             print(note, flush=True)
-    with CtrlC.installed() as ctrl_c:
-        checkpoint = (lambda r: _save(r, out, ctrl_c, saved)) if rank == 0 else None
-        stop = ctrl_c.pressed if comm is None else _agreed(comm, ctrl_c.pressed)
-        try:
-            if args.no_progress or rank:
-                log = _log_lines(args.log_interval) if rank == 0 else None
-                status = train(run_, dataset, checkpoint=checkpoint, stop=stop, log=log)
-            else:
-                with progress_bar("gpt", cfg.steps, "loss", "val", "tok/s", completed=start) as update:
-                    status = train(run_, dataset, checkpoint=checkpoint, stop=stop,
-                                   progress=lambda step, loss, val, rate: update(
-                                       loss=loss, val=_val(run_, val), **{"tok/s": f"{rate:,.0f}"}))
-            if rank == 0:
-                with ctrl_c.saving(last=True):
-                    _report(run_, out, status, start, saved[0], args.no_progress)
-        except Diverged as err:
-            if rank == 0:
-                print(f"qkv train gpt: error: {err}.\n{_kept(out, saved[0])}; start a new run (another --out) "
-                      f"with a lower --lr", file=sys.stderr)
-            return 1
-        except KeyboardInterrupt:
-            if rank == 0:
-                again = f" (continue it with: qkv train gpt --out {out} --resume)" if saved[0] is not None else ""
-                print(f"\naborted at step {run_.step} of {cfg.steps}. {_kept(out, saved[0])}{again}",
-                      file=sys.stderr)
-            return 130
-    return 130 if status == "stopped" else 0
+        if not self.args.no_progress:
+            self.bar = progress_bar("gpt", run_.cfg.steps, "loss", "val", "tok/s", completed=start)
+            self.update = self.bar.__enter__()
+
+    def progress(self, step, loss, val, rate):
+        if self.bar is not None:
+            self.update(loss=loss, val=_val(self.run, val), **{"tok/s": f"{rate:,.0f}"})
+
+    def logged(self, entry):
+        if self.args.no_progress:
+            self.log_lines(entry)
+
+    def finished(self):
+        if self.bar is not None:
+            bar, self.bar = self.bar, None
+            bar.__exit__(None, None, None)
+
+
+def _said(outcome, args, rank: int = 0) -> int:
+    """Print how the run ended (rank 0); the exit status: 0 done, 130 stopped or aborted, 1 diverged."""
+    run_, out = outcome.run, Path(args.out)
+    if outcome.status == "evaluated":
+        ev = outcome.evaluation
+        print(f"step {run_.step}: train loss {ev['train']:.4f}, val loss {ev['val']:.4f} "
+              f"({run_.cfg.eval_iters} batches of each split; --eval-only: nothing written)")
+        return 0
+    if outcome.status == "diverged":
+        if rank == 0:
+            print(f"qkv train gpt: error: {outcome.error}.\n{_kept(out, outcome.saved)}; start a new run "
+                  f"(another --out) with a lower --lr", file=sys.stderr)
+        return 1
+    if outcome.status == "aborted":
+        if rank == 0:
+            again = f" (continue it with: qkv train gpt --out {out} --resume)" if outcome.saved is not None else ""
+            print(f"\naborted at step {run_.step} of {run_.cfg.steps}. {_kept(out, outcome.saved)}{again}",
+                  file=sys.stderr)
+        return 130
+    if rank == 0:
+        _report(outcome, out, args.no_progress)
+    return 130 if outcome.status == "stopped" else 0
 
 
 def _val(run_, val) -> str:
@@ -312,30 +239,10 @@ def _log_lines(every: int):
     return log
 
 
-def _save(run_, out: Path, ctrl_c: CtrlC, saved: list) -> None:
-    """The checkpoint: the run's files written whole (a Ctrl-C waits), or the folder as it was."""
-    from ..models.runfiles import save_run
-
-    with ctrl_c.saving():
-        try:
-            save_run(run_, out)
-        except OSError as err:
-            raise UsageError(f"cannot save step {run_.step} into --out {str(out)!r}: {err}. "
-                             f"{_kept(out, saved[0])}") from None
-        saved[0] = run_.step
-
-
 def _kept(out: Path, step) -> str:
     if step is None:
         return f"Nothing was saved to {out}"
     return f"{out} keeps the checkpoint of step {step}"
-
-
-def _agreed(comm, pressed):
-    """``stop()`` for every rank: True on all once Ctrl-C reached any (a collective per step)."""
-    from mpi4py import MPI
-
-    return lambda: comm.allreduce(pressed(), op=MPI.LOR)
 
 
 def _describe(run, dataset, comm=None) -> str:
@@ -352,31 +259,25 @@ def _describe(run, dataset, comm=None) -> str:
             f"{accum}{split}, {len(dataset.train):,} train / {len(dataset.val):,} val {unit} from {run.data['source']}")
 
 
-def _report(run, out: Path, status: str, start: int, saved, logged: bool) -> None:
-    """The run's end: loss.png, the last evaluation (unless the log lines said it already), what
-    --out keeps and what to run next."""
-    from ..models.training import plot_log
-
-    written = ["model.safetensors", "config.json", "optim.safetensors", "log.json"]
-    try:
-        plot_log(run.log, out / "loss.png", f"qkv train gpt: {out.name}")
-        written.append("loss.png")
-    except ImportError as err:  # matplotlib missing: the run is saved, the picture is not
-        print(f"loss.png not drawn: {err}", file=sys.stderr)
+def _report(outcome, out: Path, logged: bool) -> None:
+    """The run's end: the last evaluation (unless the log lines said it already), what --out keeps
+    and what to run next."""
+    run, start, saved = outcome.run, outcome.start, outcome.saved
+    if outcome.not_drawn:
+        print(f"loss.png not drawn: {outcome.not_drawn}", file=sys.stderr)
     last = run.log["evals"][-1] if run.log["evals"] else None
+    steps = run.step - start
+    average = f"{steps} steps this time, {1e3 * run.seconds / max(run.step, 1):.1f} ms a step on average " \
+              f"(evaluations included)"
     if last is not None and not logged:
-        steps = run.step - start
-        ms = 1e3 * run.seconds / max(run.step, 1)
         print(f"step {last['step']}: train loss {last['train_loss']:.4f}, val loss {last['val_loss']:.4f}; "
-              f"{steps} steps this time, {ms:.1f} ms a step on average (evaluations included)")
+              + average)
     elif last is not None:
-        print(f"{run.step - start} steps this time, {1e3 * run.seconds / max(run.step, 1):.1f} ms a step on average "
-              f"(evaluations included)")
+        print(average)
     if run.cfg.keep_best and saved != run.step:
         print(f"--keep-best: {_kept(out, saved)} (the lowest val loss of an evaluation)")
-        written = written[4:]
-    if status == "stopped":
+    if outcome.status == "stopped":
         print(f"stopped at step {run.step} of {run.cfg.steps}; continue with: qkv train gpt --out {out} --resume"
               + (f" (from step {saved})" if run.cfg.keep_best and saved != run.step else ""))
-    if written:
-        print(f"wrote {', '.join(str(out / n) for n in written)}; sample with: qkv sample {out}")
+    if outcome.written:
+        print(f"wrote {', '.join(str(out / n) for n in outcome.written)}; sample with: qkv sample {out}")

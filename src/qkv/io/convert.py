@@ -15,7 +15,7 @@
   with the same logits. A model without biases is written with zero biases (the same
   function); the exact GELU is transformers' ``"gelu"``, the tanh form ``"gelu_new"``.
 
-The tensor table is :mod:`qkv.models.nanogpt`'s (nanoGPT) and :func:`qkv.models.gpt_io.gpt2_table`
+The tensor table is :mod:`qkv.io.nanogpt`'s (nanoGPT) and :func:`qkv.io.gpt_files.gpt2_table`
 (GPT-2). A model the target cannot compute is a CheckpointError naming what it cannot hold.
 """
 from __future__ import annotations
@@ -68,8 +68,8 @@ def load_ckpt(path) -> dict:
 
 def read_nanogpt(path, dtype=np.float32):
     """``(model, ckpt)``: the :class:`GPT` of a nanoGPT ``ckpt.pt`` in eval mode, and the checkpoint."""
-    from .gpt import GPT
-    from .gpt_io import _assign
+    from ..models.gpt import GPT
+    from .gpt_files import _assign
 
     ckpt = load_ckpt(path)
     cfg = config_of(ckpt["model_args"], f"{path}", dtype)
@@ -86,8 +86,8 @@ def read_nanogpt(path, dtype=np.float32):
 
 def nanogpt_vocab(ckpt: dict, vocab_size: int, meta=None, where=""):
     """``(tokenizer, said)``: the checkpoint's vocabulary (see the module docstring) and where it came from."""
-    from .bindata import meta_tokenizer, read_meta
-    from .bpe import NoTokenizer, load_bpe
+    from ..training.bindata import meta_tokenizer, read_meta
+    from ..training.bpe import NoTokenizer, load_bpe
 
     config = ckpt.get("config") if isinstance(ckpt.get("config"), dict) else {}
     if meta is None and isinstance(config.get("dataset"), str):
@@ -109,7 +109,7 @@ def nanogpt_vocab(ckpt: dict, vocab_size: int, meta=None, where=""):
 def nanogpt_to_folder(src, dst, meta=None) -> str:
     """Write the model of nanoGPT's ``src`` (ckpt.pt) into the folder ``dst`` (see the module
     docstring); returns where its vocabulary came from."""
-    from .bpe import TOKENIZER_FILE, BPETokenizer
+    from ..training.bpe import TOKENIZER_FILE, BPETokenizer
     from .runsave import save_files
 
     model, ckpt = read_nanogpt(src)
@@ -148,10 +148,10 @@ def _jsonable(x):
 def read_folder(folder):
     """``(model, extra, train_cfg, adam_state)`` of a folder qkv wrote (a run, or any saved GPT);
     ``train_cfg`` and ``adam_state`` are None where it holds no training state."""
-    from .gpt_io import load_gpt
+    from .gpt_files import load_gpt
     from .runfiles import load_state
     from .runsave import finish_save, folder_lock
-    from .trainconfig import TrainConfig
+    from ..training.config import TrainConfig
 
     folder = Path(folder)
     finish_save(folder)
@@ -175,7 +175,7 @@ def _refuse(what: str, src, reasons: list[str]) -> None:
 def _optimizer(model, cfg, state, step: int) -> dict:
     """torch AdamW's ``state_dict()`` for nanoGPT's two groups (decayed: the 2-D tensors)."""
     torch = _torch()
-    from .training import lr_at
+    from ..training.loop import lr_at
 
     decay, no_decay = param_groups(model.config)
     order = decay + no_decay
@@ -202,9 +202,9 @@ def _optimizer(model, cfg, state, step: int) -> dict:
 def folder_to_nanogpt(src, dst, dataset: str | None = None) -> list[str]:
     """Write the qkv folder ``src`` as nanoGPT's ``dst`` (``ckpt.pt``); returns the notes to show."""
     torch = _torch()
-    from .trainconfig import TrainConfig
+    from ..training.config import TrainConfig
     from .nanoconfig import nanogpt_config
-    from .training import best_val
+    from ..training.loop import best_val
 
     model, extra, cfg, state = read_folder(src)
     _refuse("nanoGPT's ckpt.pt", src, nanogpt_refusals(model.config))
@@ -254,8 +254,8 @@ def gpt2_refusals(cfg) -> list[str]:
 
 def folder_to_gpt2(src, dst) -> list[str]:
     """Write the qkv folder ``src`` as a transformers GPT-2 folder ``dst``; returns the notes to show."""
-    from .bpe import TOKENIZER_FILE
-    from .gpt_io import gpt2_table
+    from ..training.bpe import TOKENIZER_FILE
+    from .gpt_files import gpt2_table
     from .tensorfiles import write_tensors
 
     model, extra, _, _ = read_folder(src)

@@ -124,3 +124,22 @@ def save_files(folder, write) -> None:
         os.replace(part, tmp / COMMIT)  # the commit
         _fsync(tmp, directory=True)
         _finish(folder)
+
+
+def writable_folder(path, option: str = "--out") -> Path:
+    """Make ``path`` a folder (parents too) that qkv can write into, before any work is done, or
+    raise ShapeError naming ``option``. Writing is tried (a file made and removed): permission
+    bits do not tell, a read-only file system or an ACL can refuse what they allow."""
+    import tempfile
+
+    from ..errors import ShapeError
+
+    folder = Path(path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".qkv-write-test-", dir=folder)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as err:
+        raise ShapeError(f"{option} must be a folder qkv can write to; {str(folder)!r}: {err.strerror}") from None
+    return folder

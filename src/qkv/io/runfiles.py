@@ -5,7 +5,7 @@
     model.safetensors   the GPT's parameters                      (GPT.save)
     config.json         the GPT's config, and under its extra:    (GPT.save(extra=...))
                           tokenizer  {"kind": "char", "chars": the vocabulary}, or
-                                     {"kind": "bpe", ...}, {"kind": "none", ...} (qkv.models.bpe)
+                                     {"kind": "bpe", ...}, {"kind": "none", ...} (qkv.training.bpe)
                           train      the TrainConfig, the step, the seconds so far, the data's
                                      source and SHA-256, the bit_generator.state of the data
                                      Generator and of the model's (its dropout masks)
@@ -15,7 +15,7 @@
                          "losses": [every step's batch loss]}
     tokenizer.json      a BPE tokenizer's file (runs with one only)
 
-A save is atomic as a whole (:mod:`qkv.models.runsave`): the files are written into
+A save is atomic as a whole (:mod:`qkv.io.runsave`): the files are written into
 ``DIR/.saving``, committed by one rename, then moved into place; a process killed at any
 point leaves the previous checkpoint or the new one, which the next ``--resume`` (or ``qkv
 sample``, or save) completes. Needs the ``models`` extra (safetensors).
@@ -30,11 +30,11 @@ import numpy as np
 
 from ..errors import ShapeError
 from ..extras import require
-from .bpe import TOKENIZER_FILE, BPETokenizer, tokenizer_from_dict
+from ..training.bpe import TOKENIZER_FILE, BPETokenizer, tokenizer_from_dict
 from .checkpoint import CheckpointError, read_json
 from .runsave import finish_save, folder_lock, save_files
 from .tensorfiles import write_tensors
-from .training import Run, TrainConfig, make_optimizer
+from ..training.loop import Run, TrainConfig, make_optimizer
 
 FILES = ("model.safetensors", "config.json", "optim.safetensors", "log.json")
 
@@ -96,7 +96,7 @@ def load_state(path):
 
 
 def save_run(run: Run, folder) -> None:
-    """Write the run's files into ``folder``, atomically as a whole (:mod:`qkv.models.runsave`):
+    """Write the run's files into ``folder``, atomically as a whole (:mod:`qkv.io.runsave`):
     a kill at any point leaves the previous checkpoint or this one."""
     extra = {"tokenizer": run.tokenizer.to_dict(),
              "train": {"config": asdict(run.cfg), "step": run.step, "seconds": run.seconds, "data": run.data,
@@ -140,13 +140,13 @@ def _check_moments(state, path) -> None:
 
 
 def load_run(folder) -> Run:
-    """The run saved in ``folder``, ready for :func:`qkv.models.training.train` to continue.
+    """The run saved in ``folder``, ready for :func:`qkv.training.loop.train` to continue.
 
     Every file is checked against the others before anything is trusted: a damaged or
     truncated file, a config.json whose model (dtype included) is not the one its training
     config makes, non-finite weights or optimizer moments, or files from different saves are a
     CheckpointError naming the file. A save that was killed is completed (or discarded) first
-    (:func:`qkv.models.runsave.finish_save`)."""
+    (:func:`qkv.io.runsave.finish_save`)."""
     folder = Path(folder)
     finish_save(folder)
     with folder_lock(folder):  # a save that starts meanwhile waits until every file is read
@@ -154,8 +154,8 @@ def load_run(folder) -> Run:
 
 
 def _load_run(folder: Path) -> Run:
-    from . import load_gpt
-    from .training import gpt_config
+    from .gpt_files import load_gpt
+    from ..training.loop import gpt_config
 
     missing = [n for n in FILES if not (folder / n).is_file()]
     if missing:

@@ -116,7 +116,7 @@ class TrainConfig:
             raise ShapeError(f"{show('init_from')} must be a name, folder or hub id; got {self.init_from!r}")
 
     def _check_layers(self, show) -> None:
-        from .hybrid import normalise, resolve
+        from ..models.hybrid import normalise, resolve
 
         if not isinstance(self.layers, str):
             raise ShapeError(f"{show('layers')} must be a pattern's name or comma-separated mixers; "

@@ -7,7 +7,7 @@ to look in first (``qkv train gpt --init-from``'s), else from the Hugging Face c
 (``gpt2`` there), downloaded only where the network allows. Nothing is shipped with qkv.
 
 A run records its tokenizer in its ``config.json`` (``extra.tokenizer``):
-``{"kind": "char", "chars": ...}`` (:class:`~qkv.models.chardata.CharTokenizer`),
+``{"kind": "char", "chars": ...}`` (:class:`~qkv.training.chardata.CharTokenizer`),
 ``{"kind": "bpe", "name": ..., "file": "tokenizer.json"}`` (the file saved beside it) or
 ``{"kind": "none", "vocab_size": V}`` (nanoGPT ``.bin`` data without a ``meta.pkl``: token
 ids only; ``qkv sample --tokenizer`` names one to decode with).
@@ -21,7 +21,7 @@ import numpy as np
 
 from ..errors import ShapeError
 from .chardata import CharTokenizer
-from .checkpoint import CheckpointError
+from ..io.checkpoint import CheckpointError
 
 TOKENIZER_FILE = "tokenizer.json"
 GPT2_HUB_ID = "gpt2"
@@ -94,7 +94,7 @@ def _from_folder(folder: Path, name: str) -> BPETokenizer | None:
 
 def _gpt2_from_hub(download: bool = True) -> Path | None:
     """The cached (or, where allowed, downloaded) folder of GPT-2's tokenizer files, or None."""
-    from .locate import hub_cache, hub_offline
+    from ..io.locate import hub_cache, hub_offline
 
     try:
         from huggingface_hub import snapshot_download

@@ -22,7 +22,7 @@ rows (nanoGPT's ``gradient_accumulation_steps``).
 
 A :class:`Run` holds everything that changes while training: the model, the optimizer's
 moments and step count, the data Generator, the step and the log. Saved by
-:func:`qkv.models.runfiles.save_run` and read back by ``load_run``, a run continues exactly where it
+:func:`qkv.io.runfiles.save_run` and read back by ``load_run``, a run continues exactly where it
 stopped: a run stopped after k steps and resumed gives bit for bit the losses and weights
 of one that was not (float64 and float32 alike, on the same machine and threads).
 
@@ -43,7 +43,7 @@ import numpy as np
 
 from ..errors import ShapeError
 from .chardata import CharTokenizer, TokenDataset
-from .trainconfig import DTYPES, TrainConfig
+from .config import DTYPES, TrainConfig
 
 __all__ = ["DTYPES", "Diverged", "Run", "TrainConfig", "check_data", "evaluate", "gpt_config", "lr_at",
            "make_optimizer", "new_run", "train", "train_step"]
@@ -51,7 +51,7 @@ __all__ = ["DTYPES", "Diverged", "Run", "TrainConfig", "check_data", "evaluate",
 
 def gpt_config(cfg: TrainConfig, vocab_size: int):
     """The :class:`qkv.models.gpt.GPTConfig` of a training config."""
-    from . import GPTConfig
+    from ..models.gpt import GPTConfig
 
     return GPTConfig(vocab_size=cfg.vocab_size or vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer,
                      n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias,
@@ -101,7 +101,7 @@ class Run:
     model: object
     opt: object
     rng: np.random.Generator
-    tokenizer: CharTokenizer        # or a BPETokenizer / NoTokenizer (qkv.models.bpe)
+    tokenizer: CharTokenizer        # or a BPETokenizer / NoTokenizer (qkv.training.bpe)
     data: dict                      # {"source": path or "shakespeare", "sha256": of the text or folder, "kind"}
     step: int = 0
     seconds: float = 0.0            # training time so far (evaluations included)
@@ -113,12 +113,12 @@ def new_run(cfg: TrainConfig, dataset: TokenDataset, source: str, text: str | No
             data: dict | None = None, model=None, names=None) -> Run:
     """A fresh run of ``cfg`` on ``dataset`` (made from ``text``, read from ``source``; or
     described by ``data``, a folder's record). ``model``: the weights to start from (a GPT of
-    ``gpt_config(cfg, ...)``, :func:`qkv.models.finetune.init_model`'s), else new ones.
+    ``gpt_config(cfg, ...)``, :func:`qkv.training.finetune.init_model`'s), else new ones.
 
     A run that needs more memory than the machine has available is refused before anything is
-    allocated (:func:`qkv.models.memory.check_fits`; ``names``: how its errors show the
+    allocated (:func:`qkv.training.memory.check_fits`; ``names``: how its errors show the
     config's fields, as :meth:`TrainConfig.check`)."""
-    from . import GPT
+    from ..models.gpt import GPT
     from .memory import check_fits
 
     cfg = cfg.resolved()
@@ -193,7 +193,7 @@ def _refused(run: Run, x, y, err: ShapeError, step: int, where: str) -> Diverged
         return None
     bad = [name for name, p in run.model.params.items() if not np.isfinite(p).all()]
     if not bad:
-        from . import GPT
+        from ..models.gpt import GPT
 
         try:
             GPT(run.model.config).loss(x, y)  # the settings on this batch, at the initial weights

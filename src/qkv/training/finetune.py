@@ -16,8 +16,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..errors import ShapeError
-from .checkpoint import CheckpointError
-from .trainconfig import DTYPES, TRAIN_ACTIVATIONS, TrainConfig
+from ..io.checkpoint import CheckpointError
+from .config import DTYPES, TRAIN_ACTIVATIONS, TrainConfig
 
 ARCHITECTURE = ("n_layer", "n_head", "n_embd", "bias")
 
@@ -25,7 +25,7 @@ ARCHITECTURE = ("n_layer", "n_head", "n_embd", "bias")
 def checkpoint_folder(init_from: str) -> Path:
     """The local folder of ``init_from`` (a folder, or a hub id from the cache, downloaded where
     allowed); a CheckpointError that says how to get it otherwise."""
-    from .gpt_io import _gpt2_folder
+    from ..io.gpt_files import _gpt2_folder
 
     try:
         return _gpt2_folder(init_from)
@@ -42,9 +42,9 @@ def init_model(cfg: TrainConfig, init_from: str, given=(), names=None):
     (see the module docstring; ``given``: the fields the user set, checked against it), the
     GPT with its weights (positions cropped to ``block_size``) in training mode, and the
     checkpoint's folder (where its tokenizer may be)."""
-    from . import GPT
-    from .gpt_io import load_gpt2
-    from .training import gpt_config
+    from ..models.gpt import GPT
+    from ..io.gpt_files import load_gpt2
+    from .loop import gpt_config
 
     show = (lambda f: f) if names is None else (lambda f: names.get(f, f))
     if cfg.layers is not None:

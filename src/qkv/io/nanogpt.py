@@ -29,7 +29,7 @@ attention) is checked for shape and dropped.
 nanoGPT's architecture is GPT-2's with the exact GELU (``nn.GELU()``), a tied head, an MLP of
 ``4 C``, LayerNorm eps 1e-5 and learned positions: a qkv model that is anything else is
 refused by :func:`nanogpt_refusals`, naming what nanoGPT cannot hold. NumPy only; the
-``ckpt.pt`` files themselves are :mod:`qkv.models.convert`'s.
+``ckpt.pt`` files themselves are :mod:`qkv.io.convert`'s.
 """
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ def model_args(cfg) -> dict:
 
 def config_of(args, where: str, dtype=np.float32):
     """The :class:`GPTConfig` of nanoGPT's ``model_args``; a CheckpointError naming a bad field."""
-    from .gpt import GPTConfig
+    from ..models.gpt import GPTConfig
 
     if not isinstance(args, dict):
         raise CheckpointError(f"{where}: model_args must be a dict ({', '.join(MODEL_ARGS)}); got "

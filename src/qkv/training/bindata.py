@@ -28,7 +28,7 @@ import numpy as np
 
 from ..errors import ShapeError
 from .chardata import VAL_FRACTION, CharTokenizer, TokenDataset, ids_dtype
-from .checkpoint import CheckpointError
+from ..io.checkpoint import CheckpointError
 
 BIN_FILES = ("train.bin", "val.bin")
 META = "meta.pkl"
@@ -95,7 +95,7 @@ def check_ids(ids: np.ndarray, path, vocab_size: int, vocabulary: str, chunk: in
 
 def bin_dataset(folder, tokenizer=None, *, saved=None) -> TokenDataset:
     """nanoGPT's data folder: ``train``/``val`` memory-mapped uint16, and its tokenizer (``meta.pkl``'s
-    characters; else ``tokenizer`` if given, else a :class:`~qkv.models.bpe.NoTokenizer` of 50,304;
+    characters; else ``tokenizer`` if given, else a :class:`~qkv.training.bpe.NoTokenizer` of 50,304;
     ``saved``: a resumed run's own, whatever the folder holds). Every id is checked against the
     tokenizer's vocabulary once, up front (:func:`check_ids`: a pass over the files), not hours
     in, when a batch happens to read it."""

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..errors import ShapeError, fmt_shape
 from .checkpoint import CheckpointError, read_json
-from .gpt import GPT, SAVED_FORMAT, GPTConfig
+from ..models.gpt import GPT, SAVED_FORMAT, GPTConfig
 
 GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
                     "gelu": "gelu"}

@@ -1,4 +1,5 @@
-"""Ctrl-C while ``qkv train gpt`` trains: stop after the step and save; again: abort, never mid-save."""
+"""Ctrl-C while a run trains (:func:`qkv.training.session.train_gpt`): stop after the step and save;
+again: abort, never mid-save. Installed only where the main thread's default SIGINT handler is."""
 from __future__ import annotations
 
 import signal

@@ -4,7 +4,7 @@ nanoGPT's ``configurator.py`` runs a config file (``exec``) and then takes ``--n
 arguments (``literal_eval``, else the string). qkv runs nothing: a config file must be plain
 assignments ``name = literal`` (numbers, strings, booleans, None, and arithmetic of numbers
 such as ``5 * 8``), comments and blank lines; any other statement is refused, naming its
-line. Each name maps to a :class:`~qkv.models.trainconfig.TrainConfig` field or to one of
+line. Each name maps to a :class:`~qkv.training.config.TrainConfig` field or to one of
 the command's settings through :data:`SETTINGS` (the table in docs/gpt.md); a name with no
 equivalent is refused by name, and the settings of nanoGPT's machinery (:data:`IGNORED`:
 wandb, compile, device, ...) are skipped with a note.

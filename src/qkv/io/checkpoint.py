@@ -3,7 +3,7 @@
 A folder holds ``config.json``, ``model.safetensors`` and ``tokenizer.json`` (and, for a
 sentence-transformers model, ``modules.json``, ``sentence_bert_config.json`` and
 ``1_Pooling/config.json``). Where the folder is (a path, a hub id, the default model) is
-:mod:`qkv.models.locate`'s business.
+:mod:`qkv.io.locate`'s business.
 
 Nothing read from a folder is trusted: a file that is not the JSON object it should be, a
 field of the wrong type or out of range, a non-finite weight, each is a

@@ -26,7 +26,7 @@ GB = 1e9
 def training_bytes(cfg, vocab_size: int) -> dict[str, int]:
     """The lower bound of the module docstring, by part: ``{"weights", "activations", "batches"}``
     (Python ints: no overflow whatever the sizes)."""
-    from .trainconfig import DTYPES
+    from .config import DTYPES
 
     s = np.dtype(DTYPES.get(cfg.dtype, np.float32)).itemsize
     v, c, n, t, b = int(vocab_size), int(cfg.n_embd), int(cfg.n_layer), int(cfg.block_size), int(cfg.batch_size)
