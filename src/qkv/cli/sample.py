@@ -41,6 +41,11 @@ def add_arguments(parser) -> None:
 
 def _prompt(text: str) -> str:
     if not text.startswith("FILE:"):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # bytes the terminal's encoding could not decode (surrogate escapes)
+            raise UsageError("--prompt must be UTF-8 text; it holds bytes that are not (write it to a file and "
+                             "pass --prompt FILE:path, or fix the terminal's encoding)") from None
         return text
     path = Path(text[len("FILE:"):]).expanduser()
     try:
@@ -109,6 +114,16 @@ def _gpt2(args):
 
 def run(args) -> int:
     require("safetensors", "models")
+    try:
+        return _sample(args)
+    except OSError as err:  # a name the file system refuses (too long, not a folder, no permission)
+        name = err.filename if err.filename is not None else args.dir
+        raise UsageError(f"cannot read {str(name)[:120]!r}: {err.strerror or err}") from None
+    except RecursionError:
+        raise UsageError(f"{str(args.dir)[:120]!r}: a file nested too deeply to be a model's") from None
+
+
+def _sample(args) -> int:
     import numpy as np
 
     from ..errors import ShapeError
@@ -118,6 +133,8 @@ def run(args) -> int:
     for name, low in (("tokens", 0), ("num_samples", 1), ("top_k", 0)):
         if getattr(args, name) < low:
             raise UsageError(f"--{name.replace('_', '-')} must be >= {low}; got {getattr(args, name)}")
+    if not 0 <= args.seed < 2 ** 64:
+        raise UsageError(f"--seed must be an int in [0, 2**64); got {args.seed}")
     if not 0 <= args.temperature < float("inf"):
         raise UsageError(f"--temperature must be a finite number >= 0 (0: greedy); got {args.temperature}")
     if _is_run(args.dir):

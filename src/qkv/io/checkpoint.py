@@ -174,12 +174,21 @@ def name_table(cfg: BertConfig) -> list[Entry]:
     return rows
 
 
+MAX_JSON_BYTES = 64 << 20   # a config.json or a tokenizer's: real ones are kilobytes (a tokenizer.json megabytes)
+
+
 def read_json(path: Path, kind: type = dict):
-    """The JSON in ``path``, which must be a ``kind`` (an object, or a list); else a CheckpointError."""
+    """The JSON in ``path``, which must be a ``kind`` (an object, or a list); else a CheckpointError.
+    A file past 64 MiB, or nested too deeply for the parser, is refused before it is believed."""
     try:
+        if path.stat().st_size > MAX_JSON_BYTES:
+            raise CheckpointError(f"cannot read {path}: {path.stat().st_size:,} bytes, more than the "
+                                  f"{MAX_JSON_BYTES >> 20} MiB a config file may have")
         value = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
         raise CheckpointError(f"cannot read {path}: {err}") from None
+    except RecursionError:
+        raise CheckpointError(f"cannot read {path}: nested too deeply to be a config file") from None
     if not isinstance(value, kind):
         want = "a JSON object {...}" if kind is dict else "a JSON list [...]"
         raise CheckpointError(f"{path} must hold {want}; got {_json_kind(value)}")
@@ -310,3 +319,40 @@ def read_sentence_config(folder: Path) -> SentenceConfig:
             unsupported.append(kind or "?")
     return SentenceConfig(pooling=pooling, normalize=normalize, lowercase=lowercase, max_seq_length=max_len,
                           unsupported=", ".join(unsupported) or None)
+
+
+def layer_count(names, pattern: str) -> int:
+    """How many layers a checkpoint's tensor names hold: 1 + the largest ``i`` of a name matching
+    ``pattern`` (a regular expression with one group, the layer index), 0 if none."""
+    import re
+
+    found = [int(m.group(1)) for m in map(re.compile(pattern).match, names) if m]
+    return max(found) + 1 if found else 0
+
+
+def sizes_match(where, sizes: dict) -> None:
+    """Check a file's claimed sizes against the tensors it holds, before a model of those sizes is
+    allocated: ``sizes`` maps a size's name to ``(claimed, held, seen)``: ``held`` the size the
+    tensors show (None where they show none) and ``seen`` where (``"wte (65, 128)"``). A config
+    that says ``vocab_size = 200_000_000`` beside a (65, 128) embedding is refused here, not after
+    24 GiB were asked for."""
+    for name, (claimed, held, seen) in sizes.items():
+        if held is not None and claimed != held:
+            raise CheckpointError(f"{where}: {name} = {claimed!r}, but the tensors hold {held} ({seen}); "
+                                  f"the file's sizes do not match its tensors")
+
+
+def gpt_sizes_match(tensors: dict, claimed: dict, prefix: str, where) -> None:
+    """A GPT config's claimed ``vocab_size``, ``block_size``, ``n_embd`` and ``n_layer`` (as the file
+    says them, before any config object is made of them) against its tensors, named GPT-2's way
+    under ``prefix`` (``wte.weight``, ``wpe.weight``, ``h.<i>.``)."""
+    def dims(name):
+        x = tensors.get(prefix + name)
+        return None if x is None or np.ndim(x) != 2 else tuple(np.shape(x))
+
+    wte, wpe = dims("wte.weight"), dims("wpe.weight")
+    layers = layer_count(tensors, rf"^{prefix.replace('.', '[.]')}h[.](\d+)[.]")
+    sizes_match(where, {"vocab_size": (claimed.get("vocab_size"), wte and wte[0], f"wte {wte}"),
+                        "n_embd": (claimed.get("n_embd"), wte and wte[1], f"wte {wte}"),
+                        "block_size": (claimed.get("block_size"), wpe and wpe[0], f"wpe {wpe}"),
+                        "n_layer": (claimed.get("n_layer"), layers or None, f"h.0 to h.{layers - 1}")})

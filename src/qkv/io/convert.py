@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from ..extras import require
-from .checkpoint import CheckpointError
+from .checkpoint import CheckpointError, gpt_sizes_match
 from .nanogpt import (COMPILED, config_of, from_nanogpt, gpt2_shape_refusals, model_args, nanogpt_refusals,
                       param_groups, to_nanogpt)
 
@@ -72,12 +72,15 @@ def read_nanogpt(path, dtype=np.float32):
     from .gpt_files import _assign
 
     ckpt = load_ckpt(path)
-    cfg = config_of(ckpt["model_args"], f"{path}", dtype)
     state = {}
     for name, t in ckpt["model"].items():
+        name = str(name)
         name = name[len(COMPILED):] if name.startswith(COMPILED) else name   # sample.py's unwanted_prefix
         buffer = MASK_BUFFER.match(name) is not None   # nanoGPT without flash attention: its causal mask
         state[name] = t.detach().cpu().numpy() if buffer else _array(name, t, path)
+    if isinstance(ckpt["model_args"], dict):  # else config_of names what model_args must be
+        gpt_sizes_match(state, ckpt["model_args"], "transformer.", f"{path}: model_args")  # before any is made of them
+    cfg = config_of(ckpt["model_args"], f"{path}", dtype)
     model = GPT(cfg)
     for name, x in from_nanogpt(state, cfg, str(path)).items():
         _assign(model, name, x, str(path))
@@ -106,12 +109,15 @@ def nanogpt_vocab(ckpt: dict, vocab_size: int, meta=None, where=""):
                                          "(sample with --tokenizer gpt2|DIR)")
 
 
-def nanogpt_to_folder(src, dst, meta=None) -> str:
+def nanogpt_to_folder(src, dst, meta=None, *, force: bool = False) -> str:
     """Write the model of nanoGPT's ``src`` (ckpt.pt) into the folder ``dst`` (see the module
-    docstring); returns where its vocabulary came from."""
+    docstring); returns where its vocabulary came from. ``dst`` must be new or empty
+    (:mod:`qkv.io.targets`; ``force``: any folder, whose files of these names are replaced)."""
     from ..training.bpe import TOKENIZER_FILE, BPETokenizer
     from .runsave import save_files
+    from .targets import free_folder
 
+    free_folder(dst, force)
     model, ckpt = read_nanogpt(src)
     tok, said = nanogpt_vocab(ckpt, model.config.vocab_size, meta, src)
     plain = {k: ckpt.get(k) for k in ("model_args", "iter_num", "config")}
@@ -199,9 +205,12 @@ def _optimizer(model, cfg, state, step: int) -> dict:
         {**common, "weight_decay": 0.0, "params": list(range(len(decay), len(order)))}]}
 
 
-def folder_to_nanogpt(src, dst, dataset: str | None = None) -> list[str]:
-    """Write the qkv folder ``src`` as nanoGPT's ``dst`` (``ckpt.pt``); returns the notes to show."""
+def folder_to_nanogpt(src, dst, dataset: str | None = None, *, force: bool = False) -> list[str]:
+    """Write the qkv folder ``src`` as nanoGPT's ``dst`` (``ckpt.pt``), and a character vocabulary
+    as ``meta.pkl`` beside it; returns the notes to show. Neither replaces a file that is there
+    already (a ``meta.pkl`` of the same bytes aside) unless ``force``; both are written whole."""
     torch = _torch()
+    from .targets import free_file, write_atomic
     from ..training.config import TrainConfig
     from .nanoconfig import nanogpt_config
     from ..training.loop import best_val
@@ -223,16 +232,21 @@ def folder_to_nanogpt(src, dst, dataset: str | None = None) -> list[str]:
             "best_val_loss": float(log_best) if log_best is not None else 1e9,
             "config": nanogpt_config(cfg or TrainConfig(), dataset=dataset, out_dir=str(Path(dst).parent))}
     dst = Path(dst)
+    tok = extra.get("tokenizer", {}) if isinstance(extra, dict) else {}
+    meta = None
+    if tok.get("kind") == "char":
+        chars = tok["chars"]
+        meta = pickle.dumps({"vocab_size": len(chars), "itos": dict(enumerate(chars)),
+                             "stoi": {c: i for i, c in enumerate(chars)}})
+        free_file(dst.parent / "meta.pkl", force, same=meta)   # both refused before either is written
+    free_file(dst, force)
     part = dst.with_name(dst.name + ".part")
     torch.save(ckpt, part)
     os.replace(part, dst)   # the old ckpt.pt or the new one, never half of one
     notes = [f"wrote {dst} (iter_num {step}; nanoGPT: python sample.py --out_dir={dst.parent}, "
              f"or train.py --init_from=resume --out_dir={dst.parent})"]
-    tok = extra.get("tokenizer", {}) if isinstance(extra, dict) else {}
-    if tok.get("kind") == "char":
-        chars = tok["chars"]
-        meta = {"vocab_size": len(chars), "itos": dict(enumerate(chars)), "stoi": {c: i for i, c in enumerate(chars)}}
-        (dst.parent / "meta.pkl").write_bytes(pickle.dumps(meta))
+    if meta is not None:
+        write_atomic(dst.parent / "meta.pkl", meta)
         notes.append(f"wrote {dst.parent / 'meta.pkl'} (the characters): nanoGPT's sample.py reads it from "
                      f"data/{dataset}/meta.pkl, so copy it there (config['dataset'] = {dataset!r})")
     return notes
@@ -252,12 +266,16 @@ def gpt2_refusals(cfg) -> list[str]:
     return out
 
 
-def folder_to_gpt2(src, dst) -> list[str]:
-    """Write the qkv folder ``src`` as a transformers GPT-2 folder ``dst``; returns the notes to show."""
+def folder_to_gpt2(src, dst, *, force: bool = False) -> list[str]:
+    """Write the qkv folder ``src`` as a transformers GPT-2 folder ``dst``; returns the notes to show.
+    ``dst`` must be new or empty (``force``: any folder, whose files of these names are replaced);
+    a new folder appears whole or not at all (:func:`qkv.io.targets.publish_folder`)."""
     from ..training.bpe import TOKENIZER_FILE
     from .gpt_files import gpt2_table
+    from .targets import free_folder, publish_folder
     from .tensorfiles import write_tensors
 
+    free_folder(dst, force)
     model, extra, _, _ = read_folder(src)
     c = model.config
     _refuse("transformers' GPT-2", src, gpt2_refusals(c))
@@ -276,14 +294,24 @@ def folder_to_gpt2(src, dst) -> list[str]:
               "tie_word_embeddings": c.tie_weights, "bos_token_id": GPT2_EOS if gpt2_vocab else None,
               "eos_token_id": GPT2_EOS if gpt2_vocab else None, "dtype": "float32"}
     dst = Path(dst)
-    dst.mkdir(parents=True, exist_ok=True)
-    write_tensors(tensors, dst / "model.safetensors", metadata={"format": "pt"})
-    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tok = extra.get("tokenizer", {}) if isinstance(extra, dict) else {}
+    copy_tokenizer = tok.get("kind") == "bpe" and (Path(src) / TOKENIZER_FILE).is_file()
+
+    def write(folder: Path) -> None:
+        write_tensors(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+        (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if copy_tokenizer:
+            (folder / TOKENIZER_FILE).write_bytes((Path(src) / TOKENIZER_FILE).read_bytes())
+
+    ours = {"model.safetensors", "config.json"} | ({TOKENIZER_FILE} if copy_tokenizer else set())
+    theirs = sorted(p.name for p in dst.iterdir() if p.name not in ours) if dst.is_dir() else []
+    publish_folder(dst, write)
     notes = [f"wrote {dst / 'model.safetensors'}, {dst / 'config.json'} (transformers: "
              f"GPT2LMHeadModel.from_pretrained({str(dst)!r}))"]
-    tok = extra.get("tokenizer", {}) if isinstance(extra, dict) else {}
-    if tok.get("kind") == "bpe" and (Path(src) / TOKENIZER_FILE).is_file():
-        (dst / TOKENIZER_FILE).write_bytes((Path(src) / TOKENIZER_FILE).read_bytes())
+    if theirs:
+        notes.append(f"note: left as they were in {dst} (not this model's; --force replaces only what it writes): "
+                     f"{', '.join(theirs[:5])}{' ...' if len(theirs) > 5 else ''}")
+    if copy_tokenizer:
         notes.append(f"wrote {dst / TOKENIZER_FILE} (the run's tokenizer)")
     elif tok.get("kind") == "char":
         notes.append("the run's vocabulary is characters (config.json's extra.tokenizer.chars in the run): "

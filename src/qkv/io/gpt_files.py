@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ShapeError, fmt_shape
-from .checkpoint import CheckpointError, read_json
+from .checkpoint import CheckpointError, gpt_sizes_match, read_json
 from ..models.gpt import GPT, SAVED_FORMAT, GPTConfig
 
 GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
@@ -66,14 +66,15 @@ def load_gpt(directory) -> tuple[GPT, dict]:
     if meta.get("format") != SAVED_FORMAT or not isinstance(meta.get("config"), dict):
         raise CheckpointError(f"{where} must hold a qkv GPT's config (format {SAVED_FORMAT!r}, as GPT.save writes); "
                               f"got format {meta.get('format')!r}")
+    path = folder / "model.safetensors"
+    raw = _read_tensors(path)
+    gpt_sizes_match(raw, meta["config"], "transformer.", path)  # before a config, or GPT(config), is made of them
     try:
         config = GPTConfig(**meta["config"])
-    except (TypeError, ShapeError) as err:
+    except (TypeError, ValueError, OverflowError) as err:   # ShapeError is a ValueError
         raise CheckpointError(f"{where}: bad config: {err}") from None
     extra = meta.get("extra", {})
     model = GPT(config)
-    path = folder / "model.safetensors"
-    raw = _read_tensors(path)
     unknown, missing = sorted(set(raw) - set(model.params)), sorted(set(model.params) - set(raw))
     if unknown or missing:
         raise CheckpointError(f"{path}: the tensors do not match the config's model: missing {missing[:5]}, "
@@ -174,10 +175,14 @@ def load_gpt2(path_or_hub_id, *, dtype=np.float32) -> GPT:
     missing, unknown or misshapen tensor (see :func:`gpt2_table`) or a non-finite value.
     """
     folder = _gpt2_folder(path_or_hub_id)
-    cfg = gpt2_config(read_json(folder / "config.json"), str(folder / "config.json"), dtype)
+    meta = read_json(folder / "config.json")
     path = folder / "model.safetensors"
     raw = _read_tensors(path)
     prefix = "transformer." if any(n.startswith("transformer.") for n in raw) else ""
+    claimed = {"vocab_size": meta.get("vocab_size"), "block_size": meta.get("n_positions"),
+               "n_embd": meta.get("n_embd"), "n_layer": meta.get("n_layer")}
+    gpt_sizes_match(raw, claimed, prefix, path)  # before a config, a table of n_layer rows or GPT(cfg) is made
+    cfg = gpt2_config(meta, str(folder / "config.json"), dtype)
     table = {prefix + name: (shape, dest) for name, shape, dest in gpt2_table(cfg)}
     if cfg.tie_weights and "lm_head.weight" in raw:  # a tied head stored anyway: must be wte
         table["lm_head.weight"] = ((cfg.vocab_size, cfg.n_embd), [])

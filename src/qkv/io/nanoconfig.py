@@ -15,6 +15,7 @@ them into ``(fields, command, notes)``.
 from __future__ import annotations
 
 import ast
+import math
 import operator
 from pathlib import Path
 
@@ -42,29 +43,95 @@ _ARITH = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, 
           ast.FloorDiv: operator.floordiv, ast.Pow: operator.pow}
 
 
+# What a config file may hold, checked before anything is parsed or computed (a file from outside
+# is hostile until checked): nanoGPT's own files are a few hundred bytes of short assignments.
+MAX_FILE_BYTES = 1 << 20          # the file
+MAX_VALUE_CHARS = 4096            # one assignment's source
+MAX_NODES = 256                   # syntax nodes of one value
+MAX_DEPTH = 32                    # nesting of one value
+MAX_MAGNITUDE = 2.0 ** 63         # any number, the intermediate ones of arithmetic included
+
+
+class _Budget(ValueError):
+    """A value past what a config file may hold (the message says which bound)."""
+
+
+def _checked(node) -> None:
+    """Refuse a value of more than MAX_NODES nodes or deeper than MAX_DEPTH, by an explicit walk
+    (never recursion: the tree may be 100,000 levels deep)."""
+    stack, seen = [(node, 1)], 0
+    while stack:
+        n, depth = stack.pop()
+        seen += 1
+        if seen > MAX_NODES:
+            raise _Budget(f"more than {MAX_NODES} syntax nodes")
+        if depth > MAX_DEPTH:
+            raise _Budget(f"nested deeper than {MAX_DEPTH}")
+        stack.extend((child, depth + 1) for child in ast.iter_child_nodes(n))
+
+
+def _number(x, what: str = "a number"):
+    if isinstance(x, (int, float)) and not isinstance(x, bool) and not abs(x) < MAX_MAGNITUDE:
+        raise _Budget(f"{what} of magnitude 2**63 or more")
+    return x
+
+
 def _value(node):
-    """A literal, or arithmetic of number literals; anything else raises ValueError."""
+    """A literal, or arithmetic of number literals; anything else raises ValueError. Every number,
+    the intermediate results of the arithmetic included, stays below 2**63 in magnitude: a power
+    is bounded before it is computed, so ``((10**64)**64)**64`` is refused at once."""
     if isinstance(node, ast.BinOp) and type(node.op) in _ARITH:
         a, b = _value(node.left), _value(node.right)
         if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (a, b)):
             raise ValueError("arithmetic of numbers only")
-        if isinstance(node.op, ast.Pow) and abs(b) > 64:
-            raise ValueError("an exponent above 64")
-        return _ARITH[type(node.op)](a, b)
-    return ast.literal_eval(node)
+        if isinstance(node.op, ast.Pow) and abs(a) > 1 and b > 0 and b * math.log2(abs(a)) >= 63:
+            raise _Budget("a power of magnitude 2**63 or more")
+        return _number(_ARITH[type(node.op)](a, b))
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        x = _value(node.operand)
+        if not isinstance(x, (int, float)) or isinstance(x, bool):
+            raise ValueError("a sign before a number only")
+        return -x if isinstance(node.op, ast.USub) else x
+    value = ast.literal_eval(node)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return _number(value)
+    if isinstance(value, (str, bool)) or value is None:
+        return value
+    raise ValueError("a number, a string, True/False or None")
+
+
+def _parse(text: str, path: Path):
+    """The module's syntax tree, or a ShapeError: a file past MAX_FILE_BYTES, a statement past
+    MAX_VALUE_CHARS, or one the parser cannot hold (RecursionError, MemoryError) is refused
+    before the parser is asked to build it whole."""
+    if len(text.encode("utf-8")) > MAX_FILE_BYTES:
+        raise ShapeError(f"the nanoGPT config file {path} is larger than {MAX_FILE_BYTES >> 20} MiB; nanoGPT's "
+                         f"config files are a few lines of name = value")
+    for number, line in enumerate(text.splitlines(), 1):
+        if len(line) > MAX_VALUE_CHARS:
+            raise ShapeError(f"{path} line {number}: longer than {MAX_VALUE_CHARS} characters; qkv reads a nanoGPT "
+                             f"config file as short assignments (name = value)")
+    try:
+        return ast.parse(text, filename=str(path))
+    except SyntaxError as err:
+        raise ShapeError(f"{path} line {err.lineno}: not Python that nanoGPT's configurator could read: "
+                         f"{err.msg}") from None
+    except (RecursionError, MemoryError):
+        raise ShapeError(f"{path}: nested too deeply to read; qkv reads a nanoGPT config file as plain "
+                         f"assignments (name = value)") from None
 
 
 def read_config_file(path) -> list[tuple[str, object, str]]:
     """The assignments of a nanoGPT config file, ``(name, value, "FILE line N")``, in order."""
     path = Path(path)
     try:
+        if path.stat().st_size > MAX_FILE_BYTES:
+            raise ShapeError(f"the nanoGPT config file {path} is larger than {MAX_FILE_BYTES >> 20} MiB; nanoGPT's "
+                             f"config files are a few lines of name = value")
         text = path.read_text(encoding="utf-8")
-        tree = ast.parse(text, filename=str(path))
     except (OSError, UnicodeDecodeError) as err:
         raise ShapeError(f"the nanoGPT config file {path} cannot be read: {err}") from None
-    except SyntaxError as err:
-        raise ShapeError(f"{path} line {err.lineno}: not Python that nanoGPT's configurator could read: "
-                         f"{err.msg}") from None
+    tree = _parse(text, path)
     lines = text.splitlines()
     out = []
     for node in tree.body:
@@ -72,8 +139,13 @@ def read_config_file(path) -> list[tuple[str, object, str]]:
         shown = lines[node.lineno - 1].strip() if node.lineno <= len(lines) else ""
         ok = isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
         try:
+            if ok:
+                _checked(node.value)
             value = _value(node.value) if ok else None
-        except (ValueError, TypeError, SyntaxError, ZeroDivisionError, OverflowError):
+        except _Budget as err:
+            raise ShapeError(f"{where}: {shown[:80]!r}: a value with {err}; qkv reads a nanoGPT config file as "
+                             f"plain assignments of short literals") from None
+        except (ValueError, TypeError, SyntaxError, ZeroDivisionError, OverflowError, RecursionError, MemoryError):
             ok = False
         if not ok:
             raise ShapeError(f"{where}: {shown!r}: qkv reads a nanoGPT config file as plain assignments "
@@ -86,9 +158,17 @@ def read_config_file(path) -> list[tuple[str, object, str]]:
 def read_override(arg: str) -> tuple[str, object, str]:
     """nanoGPT's ``--name=value`` (``literal_eval``, else the string itself)."""
     name, _, text = arg[2:].partition("=")
+    if len(text) > MAX_VALUE_CHARS:
+        raise ShapeError(f"--{name}=...: a value of {len(text)} characters, more than {MAX_VALUE_CHARS}; nanoGPT's "
+                         f"settings are short literals")
     try:
-        value = ast.literal_eval(text)
-    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        tree = ast.parse(text, mode="eval")
+        _checked(tree.body)
+        value = ast.literal_eval(tree.body)   # nanoGPT's configurator: literal_eval, no arithmetic
+        _number(value)
+    except _Budget as err:
+        raise ShapeError(f"--{name}=...: a value with {err}") from None
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError, ZeroDivisionError, OverflowError):
         value = text
     return name, value, arg
 

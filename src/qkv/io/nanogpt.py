@@ -125,7 +125,7 @@ def config_of(args, where: str, dtype=np.float32):
         return GPTConfig(vocab_size=args["vocab_size"], block_size=args["block_size"], n_layer=args["n_layer"],
                          n_head=args["n_head"], n_embd=args["n_embd"], dropout=float(args["dropout"]),
                          bias=args["bias"], activation="gelu", dtype=dtype)
-    except (ShapeError, TypeError, ValueError) as err:
+    except (ShapeError, TypeError, ValueError, OverflowError) as err:
         raise CheckpointError(f"{where}: model_args: {err}") from None
 
 
