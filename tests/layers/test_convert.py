@@ -245,7 +245,7 @@ def test_qkv_run_sampled_and_resumed_by_nanogpt(tmp_path, monkeypatch, capsys):
 def test_convert_refuses_what_nanogpt_cannot_hold(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "play.txt").write_text("to be or not to be\n" * 40)
-    assert main(["train", "gpt", "--data", "play.txt", "--out", "run", *TINY]) == 0
+    assert main(["train", "gpt", "--data", "play.txt", "--out", "run", "--activation", "gelu_tanh", *TINY]) == 0
     capsys.readouterr()
     assert main(["convert", "run", "nano/ckpt.pt"]) == 2
     err = capsys.readouterr().err
@@ -255,9 +255,9 @@ def test_convert_refuses_what_nanogpt_cannot_hold(tmp_path, monkeypatch, capsys)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flags", [[], ["--activation", "gelu", "--bias"]])
+@pytest.mark.parametrize("flags", [[], ["--activation", "gelu_tanh"], ["--activation", "gelu", "--bias"]])
 def test_gpt2_export_loads_in_transformers_with_equal_logits(tmp_path, monkeypatch, capsys, flags):
-    """qkv's default run (no biases, tanh GELU) and a nanoGPT-like one, as GPT2LMHeadModel."""
+    """qkv's default run (no biases, exact GELU), a GPT-2-like and a nanoGPT-like one, as GPT2LMHeadModel."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from qkv.models import load_gpt, load_gpt2
@@ -300,3 +300,34 @@ def test_sample_takes_a_gpt2_folder_as_init_from_does(tmp_path, monkeypatch, cap
     assert main(["sample", "someone/no-such-model", "--tokens", "2"]) == 2
     err = capsys.readouterr().err
     assert "no-such-model" in err and "not in the Hugging Face cache" in err and "--init-from" not in err
+
+
+@pytest.mark.slow
+def test_the_default_run_goes_to_nanogpt_and_transformers_and_comes_back(tmp_path, monkeypatch, capsys):
+    """The README's quick try, small: a default qkv train gpt run (no --activation), converted to
+    nanoGPT's ckpt.pt and to a transformers folder (with its character tokenizer), sampled greedily
+    by nanoGPT's model, by transformers (AutoTokenizer + GPT2LMHeadModel) and by qkv sample from
+    each: one text; and nanoGPT's ckpt.pt converted back samples it too."""
+    torch = _nanogpt()[0]
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "play.txt").write_text("to be or not to be, that is the question: whether tis nobler\n" * 30)
+    assert main(["train", "gpt", "--data", "play.txt", "--out", "out-gpt", "--lr", "3e-2", *TINY]) == 0
+    assert json.loads((tmp_path / "out-gpt" / "config.json").read_text())["config"]["activation"] == "gelu"
+    want = _sample(capsys, tmp_path / "out-gpt", 30, "to be")
+    assert main(["convert", "out-gpt", "nano/ckpt.pt"]) == 0
+    assert main(["convert", "out-gpt", "out-hf", "--to", "hf"]) == 0
+    (tmp_path / "data" / "play").mkdir(parents=True)
+    os.replace(tmp_path / "nano" / "meta.pkl", tmp_path / "data" / "play" / "meta.pkl")   # where sample.py looks
+    _, model, encode, decode = nanogpt_load(tmp_path / "nano" / "ckpt.pt")
+    assert decode(nanogpt_greedy(model, encode("to be"), 30)) + "\n" == want
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "out-hf")
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out-hf").eval()
+    ids = torch.tensor([tok("to be")["input_ids"]])
+    with torch.no_grad():
+        for _ in range(30):
+            ids = torch.cat([ids, hf(ids[:, -16:]).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert tok.decode(ids[0].tolist()) + "\n" == want
+    assert _sample(capsys, tmp_path / "out-hf", 30, "to be") == want
+    assert main(["convert", "nano/ckpt.pt", "back"]) == 0
+    assert _sample(capsys, tmp_path / "back", 30, "to be") == want

@@ -266,6 +266,22 @@ def gpt2_refusals(cfg) -> list[str]:
     return out
 
 
+def _gpt2_tokenizer(tok: dict, src: Path, block_size: int) -> dict:
+    """The tokenizer files of a GPT-2 folder for the run's tokenizer ``tok``: a BPE run's own
+    ``tokenizer.json``; a character run's vocabulary as one (``char_tokenizer_json``) with a
+    ``tokenizer_config.json`` that makes transformers read it as it is; else none."""
+    from ..training.bpe import TOKENIZER_FILE, char_tokenizer_json
+
+    if tok.get("kind") == "bpe" and (src / TOKENIZER_FILE).is_file():
+        return {TOKENIZER_FILE: (src / TOKENIZER_FILE).read_text(encoding="utf-8")}
+    if tok.get("kind") == "char" and isinstance(tok.get("chars"), str):
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": block_size,
+                  "clean_up_tokenization_spaces": False}
+        return {TOKENIZER_FILE: char_tokenizer_json(tok["chars"]),
+                "tokenizer_config.json": json.dumps(config, indent=2) + "\n"}
+    return {}
+
+
 def folder_to_gpt2(src, dst, *, force: bool = False) -> list[str]:
     """Write the qkv folder ``src`` as a transformers GPT-2 folder ``dst``; returns the notes to show.
     ``dst`` must be new or empty (``force``: any folder, whose files of these names are replaced);
@@ -295,15 +311,15 @@ def folder_to_gpt2(src, dst, *, force: bool = False) -> list[str]:
               "eos_token_id": GPT2_EOS if gpt2_vocab else None, "dtype": "float32"}
     dst = Path(dst)
     tok = extra.get("tokenizer", {}) if isinstance(extra, dict) else {}
-    copy_tokenizer = tok.get("kind") == "bpe" and (Path(src) / TOKENIZER_FILE).is_file()
+    files = _gpt2_tokenizer(tok, Path(src), c.block_size)
 
     def write(folder: Path) -> None:
         write_tensors(tensors, folder / "model.safetensors", metadata={"format": "pt"})
         (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        if copy_tokenizer:
-            (folder / TOKENIZER_FILE).write_bytes((Path(src) / TOKENIZER_FILE).read_bytes())
+        for name, text in files.items():
+            (folder / name).write_text(text)
 
-    ours = {"model.safetensors", "config.json"} | ({TOKENIZER_FILE} if copy_tokenizer else set())
+    ours = {"model.safetensors", "config.json", *files}
     theirs = sorted(p.name for p in dst.iterdir() if p.name not in ours) if dst.is_dir() else []
     publish_folder(dst, write)
     notes = [f"wrote {dst / 'model.safetensors'}, {dst / 'config.json'} (transformers: "
@@ -311,9 +327,9 @@ def folder_to_gpt2(src, dst, *, force: bool = False) -> list[str]:
     if theirs:
         notes.append(f"note: left as they were in {dst} (not this model's; --force replaces only what it writes): "
                      f"{', '.join(theirs[:5])}{' ...' if len(theirs) > 5 else ''}")
-    if copy_tokenizer:
+    if tok.get("kind") == "bpe" and files:
         notes.append(f"wrote {dst / TOKENIZER_FILE} (the run's tokenizer)")
     elif tok.get("kind") == "char":
-        notes.append("the run's vocabulary is characters (config.json's extra.tokenizer.chars in the run): "
-                     "transformers has no tokenizer for it; id i is the i-th of those characters")
+        notes.append(f"wrote {dst / TOKENIZER_FILE} and {dst / 'tokenizer_config.json'} (the run's characters, one "
+                     f"token each: AutoTokenizer.from_pretrained({str(dst)!r}), and qkv sample {dst})")
     return notes

@@ -148,6 +148,17 @@ def load_bpe(spec, near=None, *, download: bool = True) -> BPETokenizer:
     return found
 
 
+def char_tokenizer_json(chars: str) -> str:
+    """A character vocabulary (id ``i`` is ``chars[i]``) as a ``tokenizer.json`` that the
+    ``tokenizers`` library, transformers' ``AutoTokenizer`` and :func:`load_bpe` read: a BPE model
+    whose vocabulary is the characters and which has no merges (so each character is one token),
+    no pre-tokenizer or normalizer, and a decoder that joins the tokens as they are."""
+    tk = _tokenizers()
+    tokenizer = tk.Tokenizer(tk.models.BPE(vocab={c: i for i, c in enumerate(chars)}, merges=[]))
+    tokenizer.decoder = tk.decoders.Fuse()
+    return tokenizer.to_str()
+
+
 def tokenizer_from_dict(d, folder=None):
     """The tokenizer a run's ``extra.tokenizer`` records (see the module docstring); a BPE one is
     read from its file in ``folder``."""

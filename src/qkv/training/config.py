@@ -1,8 +1,9 @@
 """The training configuration of ``qkv train gpt``: model, optimizer, schedule and data knobs, checked.
 
 Every field has a default, so a run saved before a field existed reads back with the
-behaviour it was trained with (``activation="gelu_tanh"``, embeddings not decayed, no
-gradient accumulation, trained from scratch).
+behaviour it was trained with (embeddings not decayed, no gradient accumulation, trained from
+scratch; and ``activation="gelu_tanh"``, the default before the exact GELU, nanoGPT's, became
+it: :meth:`TrainConfig.from_dict` gives a saved config without the field the tanh form).
 """
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ class TrainConfig:
     eval_iters: int = 20
     seed: int = 0
     dtype: str = "float32"
-    activation: str = "gelu_tanh"
+    activation: str = "gelu"            # nanoGPT's nn.GELU(): a default run converts to its ckpt.pt exactly
     decay_embeddings: bool = False
     grad_accum: int = 1
     init_from: str | None = None
@@ -128,9 +129,10 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
-        """A saved config (``asdict``); fields it lacks (saved before they existed) take their defaults."""
+        """A saved config (``asdict``); fields it lacks (saved before they existed) take their defaults,
+        but ``activation``, which takes the default of the runs that lacked it (``"gelu_tanh"``)."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ShapeError(f"a saved training config has keys qkv does not know: {unknown}")
-        return cls(**d)
+        return cls(**{"activation": "gelu_tanh", **d})
