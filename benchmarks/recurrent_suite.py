@@ -62,7 +62,7 @@ def peer_missing() -> str | None:
     """Why the peers cannot run (torch, einops, fla-core or transformers missing), or None."""
     for module, extra in (("torch", "torch"), ("einops", "test"), ("fla", "test"), ("transformers", "hf")):
         if importlib.util.find_spec(module) is None:
-            return f"{module} is not installed (pip install 'qkv[{extra}]')"
+            return f"{module} is not installed (pip install -e '.[{extra}]')"
     return None
 
 

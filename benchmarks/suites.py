@@ -336,7 +336,7 @@ def _encoder_suite(p: Plan):
 
 def _needs(suite: str, why: str) -> str:
     """Why ``suite`` was skipped, and the extra that brings what it lacks."""
-    return f"{why} (it needs: pip install 'qkv[{EXTRAS[suite]}]')"
+    return f"{why} (it needs: pip install -e '.[{EXTRAS[suite]}]')"
 
 
 def _against_torch(p: Plan, progress, suite: str, measure):

@@ -46,7 +46,7 @@ def mpiexec(n: int, *args: str, timeout: float) -> subprocess.CompletedProcess:
     exe = Path(sys.executable).parent / "mpiexec"
     exe = str(exe) if exe.exists() else shutil.which("mpiexec")
     if exe is None:
-        pytest.skip("no mpiexec next to the interpreter or on PATH (pip install 'qkv[mpi]')")
+        pytest.skip("no mpiexec next to the interpreter or on PATH (pip install -e '.[mpi]')")
     paths = [str(Path(__file__).parent.parent / "src")] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     return subprocess.run([exe, "-n", str(n), sys.executable, *args], capture_output=True, text=True,
                           timeout=timeout, env=dict(os.environ, PYTHONPATH=os.pathsep.join(paths)))

@@ -2,7 +2,7 @@
 
 ``import qkv`` costs NumPy (and threadpoolctl) only. Anything else — matplotlib, rich,
 safetensors, tokenizers, torch, mpi4py — is imported inside the function that needs it,
-through :func:`require`, so a missing package says which ``pip install 'qkv[extra]'`` line
+through :func:`require`, so a missing package says which ``pip install -e '.[extra]'`` line
 brings it instead of a bare ``ModuleNotFoundError``.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ class MissingExtra(ImportError):
 
 
 def require(module: str, extra: str):
-    """Import ``module`` or raise :class:`MissingExtra` naming ``pip install 'qkv[extra]'``.
+    """Import ``module`` or raise :class:`MissingExtra` naming ``pip install -e '.[extra]'``.
 
     >>> require("math", "viz").sqrt(4.0)
     2.0
@@ -25,7 +25,7 @@ def require(module: str, extra: str):
     except ImportError as err:
         raise MissingExtra(
             f"this needs the optional dependency '{module.split('.')[0]}' ({err}); "
-            f"install it with: pip install 'qkv[{extra}]'"
+            f"install it with: pip install -e '.[{extra}]' (in qkv's folder: qkv is installed from its checkout)"
         ) from None
 
 

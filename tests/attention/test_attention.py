@@ -9,7 +9,7 @@ from helpers import oracle_allowed, oracle_bias, random_case
 
 import qkv
 
-torch = pytest.importorskip("torch", reason="PyTorch is the reference here: pip install 'qkv[test]'")
+torch = pytest.importorskip("torch", reason="PyTorch is the reference here: pip install -e '.[test]'")
 F = torch.nn.functional
 
 OPTION_KINDS = ["none", "mask", "bias", "causal", "bottom_right", "window", "window_causal",

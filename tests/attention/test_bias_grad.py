@@ -84,7 +84,7 @@ def test_float32_dbias_is_within_twice_the_dense_float32_error(method):
 
 
 def test_dbias_against_torch_autograd_of_eager_attention():
-    torch = pytest.importorskip("torch", reason="the autograd oracle needs PyTorch: pip install 'qkv[torch]'")
+    torch = pytest.importorskip("torch", reason="the autograd oracle needs PyTorch: pip install -e '.[torch]'")
     q, k, v, bias, dout, _ = _inputs((1, H, TQ, TK), seed=3)
     cap, scale = 2.0, 0.7
     t = [torch.tensor(x, requires_grad=True) for x in (q, k, v, bias)]

@@ -73,7 +73,7 @@ def test_path_is_numba_where_installed_and_off_with_qkv_jit_0():
     try:
         import numba  # noqa: F401
     except ImportError:
-        pytest.skip("numba is not installed (pip install 'qkv[fast]')")
+        pytest.skip("numba is not installed (pip install -e '.[fast]')")
     env = {k: v for k, v in os.environ.items() if k != "QKV_JIT"}
     on = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert on.stdout.strip() == "numba"
@@ -122,7 +122,7 @@ def test_column_sums_ride_in_the_same_pass(offset):
 @pytest.mark.slow
 def test_compiled_once_per_machine():
     """The second process loads the passes from numba's on-disk cache: nothing is compiled again."""
-    pytest.importorskip("numba", reason="numba is not installed (pip install 'qkv[fast]')")
+    pytest.importorskip("numba", reason="numba is not installed (pip install -e '.[fast]')")
     code = ("from qkv.kernels.flash import exp2, compiled as c; exp2.path(); "
             "fs = (c.sub_exp2_sum, c.exp2, c.band_exp2_sum); "
             "print(sum(sum(f.stats.cache_hits.values()) for f in fs), "

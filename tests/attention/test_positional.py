@@ -112,7 +112,7 @@ def test_rope_compiled_pass_gives_numpys_bits(dtype, monkeypatch):
     offsets, the backward's inverse rotation, long positions and large magnitudes."""
     from qkv import jit
     if jit.load(jit.ROPE) is None:
-        pytest.skip("numba is not installed (pip install 'qkv[fast]') or QKV_JIT=0")
+        pytest.skip("numba is not installed (pip install -e '.[fast]') or QKV_JIT=0")
     rng = np.random.default_rng(5)
     proj = (30 * rng.standard_normal((3, 17, 4, 16))).astype(dtype)            # (B, T, H, D)
     heads = proj.transpose(0, 2, 1, 3)                                         # (B, H, T, D), strided

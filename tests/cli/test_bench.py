@@ -131,7 +131,7 @@ def test_flop_formulas():
 def test_missing_rich_names_the_extra(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "rich", None)
     assert cli.main(["bench", "--quick", "--suite", "decode"]) == 2
-    assert "pip install 'qkv[cli]'" in capsys.readouterr().err
+    assert "pip install -e '.[cli]'" in capsys.readouterr().err
 
 
 def test_bad_options_are_refused(capsys):
@@ -169,7 +169,7 @@ def test_encoder_suite_runs_against_sentence_transformers(tmp_path, capsys):
 def test_torch_suite_runs_from_the_command_line(tmp_path, capsys, monkeypatch):
     """`qkv bench --quick --suite torch`: a smoke run of every case and pass; the JSON has its
     rows and the table shows them; the progress bar is told of every step it counted."""
-    pytest.importorskip("torch", reason="the torch suite needs PyTorch: pip install 'qkv[torch]'")
+    pytest.importorskip("torch", reason="the torch suite needs PyTorch: pip install -e '.[torch]'")
     from qkv.cli import bench as bench_cli
     from qkv_benchmarks import torch_suite
 
@@ -208,7 +208,7 @@ def test_a_suite_without_its_extra_is_skipped_with_the_reason(tmp_path, capsys, 
     text = capsys.readouterr().out
     skipped = json.loads(out.read_text())["skipped"]
     assert skipped["torch"] == "PyTorch was left out (torch=False, --no-torch)"
-    assert "Error: import of mpi4py halted" in skipped["ring"] and skipped["ring"].endswith("(it needs: pip install 'qkv[mpi]')")
+    assert "Error: import of mpi4py halted" in skipped["ring"] and skipped["ring"].endswith("(it needs: pip install -e '.[mpi]')")
     assert f"torch suite skipped: {skipped['torch']}" in text and f"ring suite skipped: {skipped['ring']}" in text
 
 
@@ -243,7 +243,7 @@ def test_products_bound_runs_the_kernels_products_over_the_visible_keys(causal):
 def test_shapes_suite_runs_from_the_command_line(tmp_path, capsys):
     """`qkv bench --quick --suite shapes`: every shape, mask and pass has a row with its keys,
     and the table shows the JSON's ratio."""
-    pytest.importorskip("torch", reason="the shapes suite needs PyTorch: pip install 'qkv[torch]'")
+    pytest.importorskip("torch", reason="the shapes suite needs PyTorch: pip install -e '.[torch]'")
     from qkv_benchmarks import shapes_suite
 
     out = tmp_path / "s.json"
@@ -298,8 +298,8 @@ def test_shapes_suite_without_torch_is_skipped(tmp_path, capsys):
 def test_hf_suite_runs_from_the_command_line(tmp_path, capsys):
     """`qkv bench --quick --suite hf --threads 1`: a row per model and pass with the three
     implementations' times, one-thread CPU times, and the table shows the JSON's ratios."""
-    pytest.importorskip("torch", reason="the hf suite needs PyTorch: pip install 'qkv[hf]'")
-    pytest.importorskip("transformers", reason="the hf suite needs transformers: pip install 'qkv[hf]'")
+    pytest.importorskip("torch", reason="the hf suite needs PyTorch: pip install -e '.[hf]'")
+    pytest.importorskip("transformers", reason="the hf suite needs transformers: pip install -e '.[hf]'")
     from qkv_benchmarks import hf_suite
 
     out = tmp_path / "h.json"

@@ -110,7 +110,7 @@ def test_missing_extra_names_the_light_line(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(qkv.extras.importlib, "import_module", without_tokenizers)
     assert main(["explain", "--out", str(tmp_path)]) == 2
-    assert "pip install 'qkv[models,viz]'" in capsys.readouterr().err
+    assert "pip install -e '.[models,viz]'" in capsys.readouterr().err
 
 
 def test_out_that_is_a_file_is_a_clear_error(tmp_path, capsys):

@@ -100,7 +100,7 @@ def test_a_bad_interval_is_refused_by_name(raw, monkeypatch, capsys):
 
 def test_train_gpt_into_a_pipe_writes_progress_lines(tmp_path):
     """Stderr a pipe (a log, CI): a line at the start, lines while it trains, one at the end."""
-    pytest.importorskip("safetensors", reason="qkv train gpt writes safetensors: pip install 'qkv[models]'")
+    pytest.importorskip("safetensors", reason="qkv train gpt writes safetensors: pip install -e '.[models]'")
     args = [sys.executable, "-m", "qkv", "train", "gpt", "--data", _corpus(tmp_path), "--out", str(tmp_path / "run"),
             "--steps", "300", "--eval-interval", "150", *TINY]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=120, env=_env(QKV_PROGRESS_INTERVAL="0.02"))
@@ -117,8 +117,8 @@ def test_train_gpt_into_a_pipe_writes_progress_lines(tmp_path):
 
 
 def test_train_gpt_on_a_terminal_draws_a_bar_with_the_time_left(tmp_path):
-    pytest.importorskip("rich", reason="the bar needs the cli extra: pip install 'qkv[cli]'")
-    pytest.importorskip("safetensors", reason="qkv train gpt writes safetensors: pip install 'qkv[models]'")
+    pytest.importorskip("rich", reason="the bar needs the cli extra: pip install -e '.[cli]'")
+    pytest.importorskip("safetensors", reason="qkv train gpt writes safetensors: pip install -e '.[models]'")
     args = [sys.executable, "-m", "qkv", "train", "gpt", "--data", _corpus(tmp_path), "--out", str(tmp_path / "run"),
             "--steps", "20", "--eval-interval", "10", *TINY]
     status, shown = _on_terminal(args, _env(TERM="xterm", COLUMNS="200"))
@@ -152,12 +152,12 @@ def _no_rich(tmp_path) -> str:
 def test_train_gpt_without_rich_says_no_progress_works(tmp_path):
     """On a terminal, without rich: exit 2 at once, naming the extra and --no-progress; with
     --no-progress the same run trains."""
-    pytest.importorskip("safetensors", reason="qkv train gpt writes safetensors: pip install 'qkv[models]'")
+    pytest.importorskip("safetensors", reason="qkv train gpt writes safetensors: pip install -e '.[models]'")
     args = [sys.executable, "-m", "qkv", "train", "gpt", "--data", _corpus(tmp_path), "--steps", "3", *TINY]
     env = _env(TERM="xterm", PYTHONPATH=_no_rich(tmp_path))
     status, shown = _on_terminal([*args, "--out", str(tmp_path / "a")], env)
     assert status == 2, shown
-    assert "pip install 'qkv[cli]'" in shown and "--no-progress needs no rich" in shown, shown
+    assert "pip install -e '.[cli]'" in shown and "--no-progress needs no rich" in shown, shown
     assert not (tmp_path / "a").exists()  # said before any work
     status, shown = _on_terminal([*args, "--out", str(tmp_path / "b"), "--no-progress"], env)
     assert status == 0, shown

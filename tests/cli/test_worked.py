@@ -62,7 +62,7 @@ def test_demo_command_prints_the_steps_and_flags_the_texts_misprints(capsys):
 
 
 def test_demo_plot_writes_a_png(tmp_path):
-    pytest.importorskip("matplotlib", reason="the plot needs the viz extra: pip install 'qkv[viz]'")
+    pytest.importorskip("matplotlib", reason="the plot needs the viz extra: pip install -e '.[viz]'")
     path = tmp_path / "weights.png"
     assert main(["demo", "--plot", str(path)]) == 0
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
@@ -84,7 +84,7 @@ def test_plot_without_matplotlib_names_the_extra(tmp_path):
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 2
-    assert "pip install 'qkv[viz]'" in proc.stderr and "matplotlib" in proc.stderr
+    assert "pip install -e '.[viz]'" in proc.stderr and "matplotlib" in proc.stderr
 
 
 def test_qkv_command_runs_as_a_module():

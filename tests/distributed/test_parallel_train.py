@@ -127,7 +127,7 @@ def test_train_gpt_under_mpiexec_equals_one_process_and_resumes_with_another_w(c
     """``mpiexec -n 2 python -m qkv train gpt --parallel context`` to step 4, then ``mpiexec -n 3
     ... --resume`` (data parallel, the default under mpiexec) to step 8: the log's losses and
     evaluations are one process's (float64, 1e-10); rank 0 alone printed."""
-    pytest.importorskip("safetensors", reason="qkv train gpt writes safetensors: pip install 'qkv[models]'")
+    pytest.importorskip("safetensors", reason="qkv train gpt writes safetensors: pip install -e '.[models]'")
     import contextlib
     import io
 

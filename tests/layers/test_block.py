@@ -39,7 +39,7 @@ def path(request, monkeypatch):
     if request.param == "numpy":
         monkeypatch.setitem(jit._loaded, fusion.MODULE, None)
     elif fusion.module() is None:
-        pytest.skip("numba is not installed (pip install 'qkv[fast]') or QKV_JIT=0")
+        pytest.skip("numba is not installed (pip install -e '.[fast]') or QKV_JIT=0")
     return request.param
 
 
@@ -171,7 +171,7 @@ def test_sigmoid_numerator_is_the_selections_bits(dtype):
 @pytest.fixture
 def _torch_one_thread():
     """torch on one thread for the comparisons (its pool only adds waiting on a busy 2-core machine)."""
-    t = pytest.importorskip("torch", reason="the comparisons need PyTorch: pip install 'qkv[torch]'")
+    t = pytest.importorskip("torch", reason="the comparisons need PyTorch: pip install -e '.[torch]'")
     threads = t.get_num_threads()
     t.set_num_threads(1)
     yield
@@ -179,7 +179,7 @@ def _torch_one_thread():
 
 
 def _torch():
-    return pytest.importorskip("torch", reason="the comparisons need PyTorch: pip install 'qkv[torch]'")
+    return pytest.importorskip("torch", reason="the comparisons need PyTorch: pip install -e '.[torch]'")
 
 
 def _compare(ours, theirs, x, dtype, tol):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-pytest.importorskip("safetensors", reason="qkv convert writes safetensors: pip install 'qkv[models]'")
+pytest.importorskip("safetensors", reason="qkv convert writes safetensors: pip install -e '.[models]'")
 
 from qkv.cli import main  # noqa: E402
 from qkv.models import GPT, GPTConfig  # noqa: E402
@@ -63,7 +63,7 @@ def test_table_refuses_by_name():
 # --- nanoGPT's side, from its published model.py and sample.py --------------------------------------
 
 def _nanogpt():
-    torch = pytest.importorskip("torch", reason="nanoGPT's side is PyTorch: pip install 'qkv[torch]'")
+    torch = pytest.importorskip("torch", reason="nanoGPT's side is PyTorch: pip install -e '.[torch]'")
     nn, F = torch.nn, torch.nn.functional
 
     @dataclass
@@ -279,7 +279,7 @@ def test_gpt2_export_loads_in_transformers_with_equal_logits(tmp_path, monkeypat
 def test_sample_takes_a_gpt2_folder_as_init_from_does(tmp_path, monkeypatch, capsys):
     """A BPE run exported with --to hf (its tokenizer.json beside) samples as the run does; a
     name that is neither a run, a folder nor a cached hub id says so."""
-    tk = pytest.importorskip("tokenizers", reason="BPE needs tokenizers: pip install 'qkv[models]'")
+    tk = pytest.importorskip("tokenizers", reason="BPE needs tokenizers: pip install -e '.[models]'")
     pytest.importorskip("torch")
     monkeypatch.chdir(tmp_path)
     text = "to be or not to be, that is the question: whether tis nobler in the mind\n" * 30

@@ -26,7 +26,7 @@ def batch(cfg, b=3, t=None, seed=1):
 def tg():
     """qkv_benchmarks.torch_gpt, with torch on one thread meanwhile: on a busy 2-core machine
     its thread pool turns a tiny model's step from 0.1 ms into tens of milliseconds."""
-    torch = pytest.importorskip("torch", reason="the comparisons need PyTorch: pip install 'qkv[torch]'")
+    torch = pytest.importorskip("torch", reason="the comparisons need PyTorch: pip install -e '.[torch]'")
     from qkv_benchmarks import torch_gpt
 
     threads = torch.get_num_threads()
@@ -93,7 +93,7 @@ def test_twenty_adamw_steps_match_torch(tg):
 
 
 def test_a_resumed_run_repeats_the_losses_bit_for_bit(tmp_path):
-    pytest.importorskip("safetensors", reason="GPT.save writes safetensors: pip install 'qkv[models]'")
+    pytest.importorskip("safetensors", reason="GPT.save writes safetensors: pip install -e '.[models]'")
     cfg = tiny(dropout=0.1)
 
     def steps(model, opt, seeds):
@@ -183,9 +183,9 @@ def test_contract_errors():
 # --- Hugging Face GPT-2 --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def gpt2_folder(tmp_path_factory):
-    torch = pytest.importorskip("torch", reason="the GPT-2 parity test needs PyTorch: pip install 'qkv[torch]'")
-    transformers = pytest.importorskip("transformers", reason="the GPT-2 parity test needs pip install 'qkv[hf]'")
-    pytest.importorskip("safetensors", reason="load_gpt2 reads safetensors: pip install 'qkv[models]'")
+    torch = pytest.importorskip("torch", reason="the GPT-2 parity test needs PyTorch: pip install -e '.[torch]'")
+    transformers = pytest.importorskip("transformers", reason="the GPT-2 parity test needs pip install -e '.[hf]'")
+    pytest.importorskip("safetensors", reason="load_gpt2 reads safetensors: pip install -e '.[models]'")
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(vocab_size=50, n_positions=24, n_embd=32, n_layer=2, n_head=4,
                                   bos_token_id=0, eos_token_id=0)

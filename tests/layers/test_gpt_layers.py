@@ -137,7 +137,7 @@ def test_a_hybrid_gpts_gradient_matches_finite_differences():
 
 
 def test_save_load_and_resume_repeat_the_run_bit_for_bit(tmp_path):
-    pytest.importorskip("safetensors", reason="GPT.save writes safetensors: pip install 'qkv[models]'")
+    pytest.importorskip("safetensors", reason="GPT.save writes safetensors: pip install -e '.[models]'")
     from qkv.nn import cosine_lr
 
     cfg = tiny("qwen3-next", 4, dropout=0.1)
@@ -167,7 +167,7 @@ def test_save_load_and_resume_repeat_the_run_bit_for_bit(tmp_path):
 
 
 def test_conv_attention_saves_its_convolution_under_the_blocks_attn(tmp_path):
-    pytest.importorskip("safetensors", reason="GPT.save writes safetensors: pip install 'qkv[models]'")
+    pytest.importorskip("safetensors", reason="GPT.save writes safetensors: pip install -e '.[models]'")
     from safetensors.numpy import load_file
 
     model = scaled(GPT(tiny(["attention:window=4:conv=3", "attention"], seed=8)))
@@ -183,7 +183,7 @@ def test_conv_attention_saves_its_convolution_under_the_blocks_attn(tmp_path):
 
 
 def test_a_checkpoint_saved_before_layers_existed_loads_as_all_attention(tmp_path):
-    pytest.importorskip("safetensors", reason="GPT.save writes safetensors: pip install 'qkv[models]'")
+    pytest.importorskip("safetensors", reason="GPT.save writes safetensors: pip install -e '.[models]'")
     model = GPT(tiny(None))
     model.save(tmp_path)
     meta = json.loads((tmp_path / "config.json").read_text())
@@ -276,7 +276,7 @@ def _cli(*args) -> tuple[int, str, str]:
 def test_train_gpt_layers_resumes_and_samples(corpus_file, tmp_path):
     """``--layers griffin``: 6 steps against 3 + ``--resume`` 3, the same losses and weights bit for
     bit; ``qkv sample`` continues the prompt; a resume cannot change ``--layers``."""
-    pytest.importorskip("safetensors", reason="qkv train gpt writes safetensors: pip install 'qkv[models]'")
+    pytest.importorskip("safetensors", reason="qkv train gpt writes safetensors: pip install -e '.[models]'")
     a, b = tmp_path / "a", tmp_path / "b"
     args = ["train", "gpt", "--data", str(corpus_file), "--layers", "griffin", "--n-layer", "3", *TINY]
     code, printed, err = _cli(*args, "--out", str(a), "--steps", "6")
@@ -305,7 +305,7 @@ def test_train_gpt_layers_resumes_and_samples(corpus_file, tmp_path):
     (["--layers", "mamba2", "--init-from", "gpt2"], "--init-from gpt2 has softmax attention in every layer"),
 ])
 def test_train_gpt_refuses_layers_it_cannot_make(corpus_file, tmp_path, args, match):
-    pytest.importorskip("safetensors", reason="qkv train gpt writes safetensors: pip install 'qkv[models]'")
+    pytest.importorskip("safetensors", reason="qkv train gpt writes safetensors: pip install -e '.[models]'")
     code, _, err = _cli("train", "gpt", "--data", str(corpus_file), "--out", str(tmp_path / "r"), *TINY, *args)
     assert code == 2 and match in err, err
     assert not (tmp_path / "r").exists()
@@ -324,7 +324,7 @@ def test_context_parallel_refuses_a_recurrent_layer():
 def test_data_parallel_over_two_ranks_equals_one_process(corpus_file, tmp_path):
     """``mpiexec -n 2 qkv train gpt --layers gated_delta,attention`` (data parallel): the losses
     of one process (float64, 1e-10); ``--parallel context`` refuses the recurrent layer."""
-    pytest.importorskip("safetensors", reason="qkv train gpt writes safetensors: pip install 'qkv[models]'")
+    pytest.importorskip("safetensors", reason="qkv train gpt writes safetensors: pip install -e '.[models]'")
     from helpers import mpiexec
 
     args = ["train", "gpt", "--data", str(corpus_file), "--layers", "gated_delta,attention", "--n-layer", "2",

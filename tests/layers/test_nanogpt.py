@@ -13,7 +13,7 @@ import pickle
 import numpy as np
 import pytest
 
-pytest.importorskip("safetensors", reason="qkv train gpt writes safetensors: pip install 'qkv[models]'")
+pytest.importorskip("safetensors", reason="qkv train gpt writes safetensors: pip install -e '.[models]'")
 
 from qkv.cli import main  # noqa: E402
 from qkv.io.checkpoint import CheckpointError  # noqa: E402
@@ -113,7 +113,7 @@ def test_a_meta_pkl_that_names_code_is_refused_unrun(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def bpe_folder(tmp_path_factory):
     """A byte-level BPE of 300 tokens trained here on the test text, saved as tokenizer.json."""
-    tk = pytest.importorskip("tokenizers", reason="BPE needs tokenizers: pip install 'qkv[models]'")
+    tk = pytest.importorskip("tokenizers", reason="BPE needs tokenizers: pip install -e '.[models]'")
     tok = tk.Tokenizer(tk.models.BPE())
     tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = tk.decoders.ByteLevel()
@@ -176,8 +176,8 @@ def test_tokenizer_char_is_refused_where_the_ids_are_not_characters(text_file, t
 
 @pytest.fixture(scope="module")
 def gpt2_folder(tmp_path_factory):
-    torch = pytest.importorskip("torch", reason="the GPT-2 comparison needs PyTorch: pip install 'qkv[torch]'")
-    transformers = pytest.importorskip("transformers", reason="the GPT-2 comparison needs pip install 'qkv[hf]'")
+    torch = pytest.importorskip("torch", reason="the GPT-2 comparison needs PyTorch: pip install -e '.[torch]'")
+    transformers = pytest.importorskip("transformers", reason="the GPT-2 comparison needs pip install -e '.[hf]'")
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(vocab_size=50, n_positions=24, n_embd=32, n_layer=2, n_head=4,
                                   bos_token_id=0, eos_token_id=0)
@@ -229,7 +229,7 @@ def test_init_from_a_saved_gpt2_starts_at_transformers_loss(gpt2_folder, tmp_pat
 
 
 def test_init_from_gpt2_absent_offline_says_how_to_get_it(tmp_path, monkeypatch, capsys):
-    pytest.importorskip("huggingface_hub", reason="hub ids need pip install 'qkv[models]'")
+    pytest.importorskip("huggingface_hub", reason="hub ids need pip install -e '.[models]'")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     assert main(["train", "gpt", "--init-from", "gpt2", "--out", str(tmp_path / "r"), "--no-progress"]) == 2

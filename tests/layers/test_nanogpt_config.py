@@ -12,7 +12,7 @@ import pytest
 from qkv.errors import ShapeError
 from qkv.io.nanoconfig import map_settings, read_config_file, read_override
 
-pytest.importorskip("safetensors", reason="qkv train gpt writes safetensors: pip install 'qkv[models]'")
+pytest.importorskip("safetensors", reason="qkv train gpt writes safetensors: pip install -e '.[models]'")
 
 from qkv.cli import main  # noqa: E402
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytest.importorskip("safetensors", reason="qkv train gpt writes safetensors: pip install 'qkv[models]'")
+pytest.importorskip("safetensors", reason="qkv train gpt writes safetensors: pip install -e '.[models]'")
 
 import qkv.models  # noqa: E402
 from qkv.cli import main  # noqa: E402

@@ -134,7 +134,7 @@ def test_corpus_says_what_to_do_when_the_registry_cannot_be_reached(tmp_path, mo
 
 # --- qkv train gpt ---------------------------------------------------------------------------
 
-safetensors = pytest.importorskip("safetensors", reason="qkv train gpt writes safetensors: pip install 'qkv[models]'")
+safetensors = pytest.importorskip("safetensors", reason="qkv train gpt writes safetensors: pip install -e '.[models]'")
 
 from qkv.cli import main  # noqa: E402
 

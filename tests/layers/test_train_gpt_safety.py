@@ -22,7 +22,7 @@ import pytest
 
 from qkv.errors import ShapeError
 
-pytest.importorskip("safetensors", reason="qkv train gpt writes safetensors: pip install 'qkv[models]'")
+pytest.importorskip("safetensors", reason="qkv train gpt writes safetensors: pip install -e '.[models]'")
 
 from qkv.cli import main  # noqa: E402
 from helpers import text_corpus  # noqa: E402

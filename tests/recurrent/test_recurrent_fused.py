@@ -9,7 +9,7 @@ from qkv import jit, nn
 from qkv.nn import activations, fusion, recurrent_parts
 
 needs_fast = pytest.mark.skipif(fusion.module() is None,
-                                reason="numba is not installed (pip install 'qkv[fast]') or QKV_JIT=0")
+                                reason="numba is not installed (pip install -e '.[fast]') or QKV_JIT=0")
 
 
 def rng(seed=0):
@@ -25,7 +25,7 @@ def delta_path(path, monkeypatch):
     if path == "numpy":
         monkeypatch.setitem(jit._loaded, jit.DELTA, None)
     elif jit.load(jit.DELTA) is None:
-        pytest.skip("numba is not installed (pip install 'qkv[fast]') or QKV_JIT=0")
+        pytest.skip("numba is not installed (pip install -e '.[fast]') or QKV_JIT=0")
 
 
 def silu64(a):
@@ -100,7 +100,7 @@ def test_conv_forward_and_backward(path, dtype, K, T, bias, prefix, monkeypatch)
     if path == "numpy":
         numpy_path(monkeypatch)
     elif fusion.module() is None:
-        pytest.skip("numba is not installed (pip install 'qkv[fast]') or QKV_JIT=0")
+        pytest.skip("numba is not installed (pip install -e '.[fast]') or QKV_JIT=0")
     r = rng(K * 100 + T)
     B, C = 2, 33
     u, w = r.standard_normal((B, T, C)), r.standard_normal((C, K))
@@ -256,7 +256,7 @@ def test_delta_float32_keeps_out_of_subnormals():
     from qkv import recurrent
     from qkv.recurrent.delta import chunk_parts as delta_chunks
     if jit.load(jit.DELTA) is None:
-        pytest.skip("numba is not installed (pip install 'qkv[fast]') or QKV_JIT=0")
+        pytest.skip("numba is not installed (pip install -e '.[fast]') or QKV_JIT=0")
     r = rng(13)
     B, H, T, D = 1, 4, 256, 32
     q, k = (r.standard_normal((B, H, T, D)) for _ in range(2))

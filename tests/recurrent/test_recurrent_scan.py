@@ -119,7 +119,7 @@ def test_compiled_step_loop_gives_numpys_bits(dtype, monkeypatch):
     zeros, T = 1 and odd T, strided inputs, float16 in (computed in float32)."""
     from qkv import jit
     if jit.load(jit.SCAN) is None:
-        pytest.skip("numba is not installed (pip install 'qkv[fast]') or QKV_JIT=0")
+        pytest.skip("numba is not installed (pip install -e '.[fast]') or QKV_JIT=0")
     monkeypatch.setattr(scan, "BLOCKED_WIDTH", 0)
     rng = np.random.default_rng(11)
     cases = []

@@ -12,7 +12,7 @@ from unittest import mock
 
 import pytest
 
-torch = pytest.importorskip("torch", reason="qkv.torch needs PyTorch: pip install 'qkv[torch]'")
+torch = pytest.importorskip("torch", reason="qkv.torch needs PyTorch: pip install -e '.[torch]'")
 pytest.importorskip("transformers", reason="the reference functions are transformers'")
 from transformers.models.mamba import modeling_mamba as m1  # noqa: E402
 from transformers.models.mamba2 import modeling_mamba2 as m2  # noqa: E402

@@ -3,7 +3,7 @@ thing in every case, measure() returns its rows, the peak-memory child works."""
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="the torch suite needs PyTorch: pip install 'qkv[torch]'")
+torch = pytest.importorskip("torch", reason="the torch suite needs PyTorch: pip install -e '.[torch]'")
 suite = pytest.importorskip("qkv_benchmarks.torch_suite", reason="the benchmarks ship as qkv_benchmarks")
 
 

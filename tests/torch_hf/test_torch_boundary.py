@@ -6,7 +6,7 @@ import copy
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="qkv.torch needs PyTorch: pip install 'qkv[torch]'")
+torch = pytest.importorskip("torch", reason="qkv.torch needs PyTorch: pip install -e '.[torch]'")
 qt = pytest.importorskip("qkv.torch")
 import qkv  # noqa: E402
 from qkv.torch import hf_masks, ops, options  # noqa: E402
@@ -113,7 +113,7 @@ def test_inference_mode_masks_are_translated_every_call(monkeypatch):
 
 
 def test_one_translation_a_forward_in_a_model_equal_to_eager(monkeypatch):
-    transformers = pytest.importorskip("transformers", reason="pip install 'qkv[hf]'")
+    transformers = pytest.importorskip("transformers", reason="pip install -e '.[hf]'")
     name = qt.register_hf()
     config = transformers.LlamaConfig(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)

@@ -5,9 +5,9 @@ import copy
 
 import pytest
 
-torch = pytest.importorskip("torch", reason="qkv.torch needs PyTorch: pip install 'qkv[torch]'")
+torch = pytest.importorskip("torch", reason="qkv.torch needs PyTorch: pip install -e '.[torch]'")
 transformers = pytest.importorskip("transformers", reason="the Hugging Face hook needs transformers: "
-                                                          "pip install 'qkv[hf]'")
+                                                          "pip install -e '.[hf]'")
 qt = pytest.importorskip("qkv.torch")
 from qkv.torch import hf  # noqa: E402
 

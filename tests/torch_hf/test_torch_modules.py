@@ -9,7 +9,7 @@ import pytest
 import qkv
 from qkv import nn as qnn
 
-torch = pytest.importorskip("torch", reason="qkv.torch needs PyTorch: pip install 'qkv[torch]'")
+torch = pytest.importorskip("torch", reason="qkv.torch needs PyTorch: pip install -e '.[torch]'")
 qt = pytest.importorskip("qkv.torch")
 
 

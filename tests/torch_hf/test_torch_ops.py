@@ -7,7 +7,7 @@ import pytest
 
 import qkv
 
-torch = pytest.importorskip("torch", reason="qkv.torch needs PyTorch: pip install 'qkv[torch]'")
+torch = pytest.importorskip("torch", reason="qkv.torch needs PyTorch: pip install -e '.[torch]'")
 F = torch.nn.functional
 qt = pytest.importorskip("qkv.torch")
 from qkv.torch import ops, options  # noqa: E402

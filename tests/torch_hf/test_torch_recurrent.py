@@ -6,7 +6,7 @@ import pytest
 
 import qkv
 
-torch = pytest.importorskip("torch", reason="qkv.torch needs PyTorch: pip install 'qkv[torch]'")
+torch = pytest.importorskip("torch", reason="qkv.torch needs PyTorch: pip install -e '.[torch]'")
 qt = pytest.importorskip("qkv.torch")
 from qkv.recurrent.decay import naive as decay_naive  # noqa: E402
 from qkv.recurrent.delta import naive as delta_naive  # noqa: E402

@@ -16,7 +16,7 @@ import pytest
 
 import qkv
 
-torch = pytest.importorskip("torch", reason="qkv.torch needs PyTorch: pip install 'qkv[torch]'")
+torch = pytest.importorskip("torch", reason="qkv.torch needs PyTorch: pip install -e '.[torch]'")
 pytest.importorskip("transformers", reason="the reference layers are transformers'")
 qt = pytest.importorskip("qkv.torch")
 from transformers import DynamicCache, Mamba2Config, Qwen3NextConfig, RecurrentGemmaConfig  # noqa: E402

