@@ -147,7 +147,7 @@ def test_float64_logits_loss_and_every_gradient(family):
     x = ids()
     results = []
     for model, qkv in ((ref, False), (ours, True)):
-        model.train()  # the fused training paths (mamba_split_conv1d_scan_combined) where a model has one
+        model.train()  # the training paths (the Mamba-2 mixers ask for mamba_split_conv1d_scan_combined: None, unfused)
         out = run(model, qkv, lambda: model(x, labels=x))
         out.loss.backward()
         results.append((out, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))

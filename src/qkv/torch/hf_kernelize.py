@@ -94,7 +94,7 @@ def layer(name: str):
     if fn is None:
         raise AttributeError(f"qkv's kernel repository has no layer {name!r}: {module.__name__}.{m['attr']} is not "
                              f"a recurrent kernel function that qkv.torch.hf_kernels serves")
-    served = hf_recurrent._serving(kernel, fn, original)
+    served = hf_recurrent._serving(kernel, fn, original, hf_recurrent.packing_blind(module))
 
     def forward(self, *args, **kwargs):
         return served(*args, **kwargs)

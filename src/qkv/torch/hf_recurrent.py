@@ -21,6 +21,21 @@ where fla or a hub kernel may serve) to the object it replaced. Modules imported
 call are patched at once, modules imported after it as they are imported (a
 ``sys.meta_path`` finder). A name qkv.torch.hf_kernels does not have keeps transformers'
 path, and a warning says so once. :func:`disable` puts every replaced name back.
+
+**The answer is transformers' CPU path's** (the integration rule), in training and evaluation,
+padded and packed, or a refusal:
+
+- a function whose torch version returns None on a CPU, so that the layer takes its unfused
+  path, answers None here too where serving it would change the model's answer (:data:`UNFUSED`:
+  ``mamba_split_conv1d_scan_combined``, which the Mamba-2 mixers hand no attention mask);
+- packed sequences reach a function only as the layer hands them (``cu_seq_lens_q`` is not
+  renamed): where transformers' path runs with the sequences mixed, so does qkv's. Where
+  transformers' CPU path refuses them, qkv keeps them apart or refuses: fla's functions take
+  the boundaries as ``cu_seqlens`` alone and the layer's short convolution as ``seq_idx`` alone,
+  so given ``seq_idx``, fla's function gets ``cu_seqlens`` made from it, and given ``cu_seqlens``
+  without ``seq_idx`` (the convolution has already run across the boundaries) qkv refuses
+  naming ``seq_idx`` (:func:`fla_packing`); in a model whose recurrence takes no packed sequences
+  (``selective_scan_fn``: Zamba), a ``seq_idx`` handed to its convolution is refused.
 """
 from __future__ import annotations
 
@@ -31,6 +46,8 @@ import inspect
 import re
 import sys
 import warnings
+
+from ..errors import OptionError, ShapeError, fmt_shape
 
 # transformers' replaceable recurrent kernel functions: the name under which the modeling code
 # registers each (the package's own function name) -> the package that provides it
@@ -45,6 +62,15 @@ FUNCTIONS = {
     "selective_scan_fn": "mamba_ssm",
     "causal_conv1d_fn": "causal_conv1d",
     "causal_conv1d_update": "causal_conv1d",
+}
+# transformers' replaceable functions whose torch version returns None on a CPU (the layer then
+# takes its unfused path), where the fused function would not be handed what the unfused path
+# uses: qkv answers None too, and the unfused path's functions are qkv's. name -> why
+UNFUSED = {
+    "mamba_split_conv1d_scan_combined": (
+        "the Mamba-2 mixers (Mamba-2, Bamba, Falcon-H1, NemotronH, Zamba2, GraniteMoeHybrid) call it in training "
+        "without a cache and hand it no attention_mask; their unfused path zeroes padded positions after the "
+        "convolution (apply_mask_to_padding_states), so the fused function would let padding feed the state"),
 }
 KERNELS_MODULE = "qkv.torch.hf_kernels"
 _MODELING = re.compile(r"^transformers\.models\.[A-Za-z0-9_]+\.modeling_[A-Za-z0-9_]+$")
@@ -69,8 +95,22 @@ def kernel_name(obj) -> str | None:
     return name if isinstance(name, str) and name in FUNCTIONS else None
 
 
+def unfused(name: str):
+    """The function served for a name of :data:`UNFUSED`: None whatever it is given, as
+    transformers' CPU version answers, so the layer takes its unfused path."""
+    def answer(*args, **kwargs):
+        return None
+
+    answer.__name__ = answer.__qualname__ = name
+    answer.__doc__ = f"None, as transformers' CPU {name}: the layer takes its unfused path ({UNFUSED[name]})."
+    return answer
+
+
 def qkv_function(name: str):
-    """qkv's function for transformers' ``name``, or None (said once) where there is none yet."""
+    """qkv's function for transformers' ``name`` (:func:`unfused` for a name of :data:`UNFUSED`),
+    or None (said once) where there is none yet."""
+    if name in UNFUSED:
+        return unfused(name)
     try:
         kernels = importlib.import_module(KERNELS_MODULE)
     except ModuleNotFoundError as e:
@@ -95,17 +135,23 @@ def _first_device(args, kwargs):
     return None
 
 
-def _serving(name: str, fn, original):
-    """The function put in a modeling module in place of ``original``: CPU tensors to ``fn``."""
+def _serving(name: str, fn, original, blind: str | None = None):
+    """The function put in a modeling module in place of ``original``: CPU tensors to ``fn``.
+    ``blind``: the module's recurrence that cannot keep packed sequences apart (:func:`packing_blind`),
+    for which a ``seq_idx`` handed to the module's convolution is refused."""
     params = inspect.signature(fn).parameters
+    fla = "cu_seqlens" in params and "seq_idx" not in params      # fla's: packed sequences as cu_seqlens alone
 
     def served(*args, **kwargs):
         if _first_device(args, kwargs) not in (None, "cpu"):
             return original(*args, **kwargs)
-        if "cu_seqlens" in params and kwargs.get("cu_seqlens") is None and kwargs.get("cu_seq_lens_q") is not None:
-            # a layer that passes its forward's **kwargs on (Kimi Linear) hands over the packing
-            # as transformers' FlashAttentionKwargs name it: the same cumulative lengths
-            kwargs["cu_seqlens"] = kwargs["cu_seq_lens_q"]
+        if fla:
+            kwargs = fla_packing(name, kwargs)
+        if blind is not None and name == "causal_conv1d_fn" and kwargs.get("seq_idx") is not None:
+            raise OptionError(
+                f"causal_conv1d_fn was handed seq_idx (packed sequences), but this model's recurrence, {blind}, "
+                f"takes no seq_idx (nor does mamba_ssm's) and would run across the sequences' boundaries; "
+                f"transformers' own CPU path refuses this input too. Pass the sequences as batch rows instead")
         return fn(*args, **{k: v for k, v in kwargs.items() if k in params})
 
     served.__name__ = served.__qualname__ = getattr(original, "__name__", name)
@@ -115,17 +161,77 @@ def _serving(name: str, fn, original):
     return served
 
 
+def fla_packing(name: str, kwargs: dict) -> dict:
+    """The keyword arguments of a call of fla's function ``name``, with the packed sequences as
+    it takes them (``cu_seqlens``); or an error where the layer has already mixed them.
+
+    transformers' layers hand fla's function ``cu_seqlens`` (Qwen3-Next's pop of
+    ``cu_seq_lens_q``) or nothing, and their forward's keyword arguments besides, ``seq_idx``
+    among them, by which the same layer's ``causal_conv1d_fn`` keeps the sequences apart:
+
+    - neither: unchanged (one sequence a row, as transformers computes it);
+    - ``seq_idx (1, T)``: ``cu_seqlens`` made from its runs (a given ``cu_seqlens`` or
+      ``cu_seq_lens_q`` must agree);
+    - ``cu_seqlens`` without ``seq_idx``: refused naming seq_idx (the convolution ran across
+      the boundaries; transformers' CPU path refuses this input too).
+    """
+    seq_idx, given = kwargs.get("seq_idx"), kwargs.get("cu_seqlens")
+    if seq_idx is None:
+        if given is not None:
+            raise OptionError(
+                f"{name} was handed cu_seqlens (packed sequences) but the layer's call carries no seq_idx, by which "
+                f"its short convolution (causal_conv1d_fn) keeps the sequences apart: it ran across their "
+                f"boundaries. Pass seq_idx as well (DataCollatorWithFlattening(return_seq_idx=True)); "
+                f"transformers' own CPU path refuses this input too")
+        return kwargs
+    cu = seq_idx_offsets(name, seq_idx)
+    for other in ("cu_seqlens", "cu_seq_lens_q"):
+        theirs = kwargs.get(other)
+        if theirs is not None and [int(c) for c in theirs.tolist()] != cu.tolist():
+            raise ShapeError(f"{name}: seq_idx and {other} must mark the same packed sequences; seq_idx's offsets "
+                             f"are {cu.tolist()}, {other} is {[int(c) for c in theirs.tolist()]}")
+    return {**kwargs, "cu_seqlens": cu}
+
+
+def seq_idx_offsets(name: str, seq_idx):
+    """``cu_seqlens (S + 1,)`` int32 of the runs of equal ids in ``seq_idx (1, T)`` (a run is a
+    sequence: mamba_ssm's and causal_conv1d's rule)."""
+    import torch
+
+    if not isinstance(seq_idx, torch.Tensor) or seq_idx.dim() != 2 or seq_idx.shape[0] != 1 \
+            or seq_idx.dtype.is_floating_point or seq_idx.dtype == torch.bool:
+        got = (f"{seq_idx.dtype} {fmt_shape(seq_idx.shape)}" if isinstance(seq_idx, torch.Tensor)
+               else type(seq_idx).__name__)
+        raise ShapeError(f"{name}: seq_idx must be an integer tensor (1, T) (fla's functions take packed "
+                         f"sequences along T of one batch row, as cu_seqlens); got {got}")
+    ids = seq_idx[0]
+    cuts = (torch.nonzero(ids[1:] != ids[:-1]).flatten() + 1).tolist()
+    return torch.tensor([0, *cuts, ids.numel()] if ids.numel() else [0], dtype=torch.int32)
+
+
+# the recurrences that take no packed sequences (mamba_ssm's signature has neither seq_idx nor
+# cu_seqlens): in a modeling module that calls one, the convolution before it refuses seq_idx
+PACKING_BLIND = ("selective_scan_fn",)
+
+
+def packing_blind(module) -> str | None:
+    """The name of a recurrence of :data:`PACKING_BLIND` that ``module`` calls, or None."""
+    names = {kernel_name(getattr(obj, "__wrapped__", obj)) for obj in vars(module).values()}
+    return next((n for n in PACKING_BLIND if n in names), None)
+
+
 def patch_module(module) -> list[str]:
     """Replace each of ``module``'s replaceable recurrent kernel functions that qkv has; returns
     the package function names now served."""
     served = []
+    blind = packing_blind(module)
     for attr, obj in list(vars(module).items()):
         name = kernel_name(obj)
         fn = qkv_function(name) if name is not None else None
         if fn is None:
             continue
         _replaced[(module.__name__, attr)] = obj
-        setattr(module, attr, _serving(name, fn, obj))
+        setattr(module, attr, _serving(name, fn, obj, blind))
         served.append(name)
     return served
 

@@ -9,8 +9,10 @@ The causal depthwise convolution of width K over channels D::
 where ``x`` before t = 0 is the initial state (zeros without one) and ``act`` is None or
 SiLU (``"silu"``, ``"swish"``). With ``seq_idx (B, T)``, packed sequences: a window term
 whose position holds another sequence than t's (``seq_idx[b, s] != seq_idx[b, t]``) is
-zero, so each sequence is convolved as if alone. This is no recurrence: torch's conv1d
-computes it (the masked form as K shifted products).
+not there: each run of one id is convolved by the same call as that sequence alone, so with
+the same bits, and nothing of one sequence, not even a NaN or inf, reaches another (a product
+with a 0/1 mask would carry NaN · 0 = NaN over). This is no recurrence: K shifted multiply-adds
+compute it.
 
 ``causal_conv1d_update`` is decoding: ``conv_state (B, D, L)``, L >= K - 1, holds the last
 L inputs (oldest first); the new inputs are convolved after them and shift them out. With
@@ -54,6 +56,16 @@ def _need_int(name: str, t, shape: tuple, label: str):
     return t
 
 
+def distinct_rows(name: str, rows: torch.Tensor, of: str) -> None:
+    """Indices of the rows of ``of`` that a step updates in place must differ: two batch rows
+    stepping one state row would leave only the last write (which, on a GPU, is a race)."""
+    values, counts = torch.unique(rows, return_counts=True)
+    if (counts > 1).any():
+        twice = values[counts > 1].tolist()
+        raise ShapeError(f"{name} must name distinct rows of {of} (each batch row updates its own in place); got "
+                         f"{rows.tolist()}, where {twice} {'comes' if len(twice) == 1 else 'come'} more than once")
+
+
 def _activation(name: str, activation) -> bool:
     """True for SiLU; causal_conv1d computes None, "silu" and "swish" only."""
     if activation not in ACTIVATIONS:
@@ -81,20 +93,27 @@ def _taps(xp: torch.Tensor, weight: torch.Tensor, bias, T: int, t_ax: int) -> to
     return out
 
 
-def _masked_conv(xp: torch.Tensor, weight: torch.Tensor, bias, seq_idx: torch.Tensor) -> torch.Tensor:
-    """The convolution with packed sequences: K shifted products, each term zero where its
-    position holds another sequence. xp ``(B, D, T)`` (no padding), seq_idx ``(B, T)``."""
-    Bsz, Dd, T = xp.shape
-    K = weight.shape[1]
-    out = xp.new_zeros(Bsz, Dd, T) if bias is None else bias.to(xp.dtype)[None, :, None].expand(Bsz, Dd, T).clone()
-    for k in range(K):
-        j = K - 1 - k                          # x[t - j] meets weight[:, k]
-        if j >= T:
-            continue
-        same = seq_idx[:, j:] == seq_idx[:, :T - j]                                 # (B, T - j)
-        term = xp[:, :, :T - j] * weight[None, :, k, None] * same[:, None, :]        # (B, D, T - j)
-        out = out + F.pad(term, (j, 0))
-    return out
+def sequence_runs(seq_idx: torch.Tensor) -> list:
+    """``[[(start, end), ...] a batch row]``: the runs of one id in ``seq_idx (B, T)``, each a
+    packed sequence (causal_conv1d's and mamba_ssm's rule: a new sequence where the id changes)."""
+    T = seq_idx.shape[1]
+    runs = []
+    for row in seq_idx:
+        cuts = [0, *(torch.nonzero(row[1:] != row[:-1]).flatten() + 1).tolist(), T]
+        runs.append(list(zip(cuts[:-1], cuts[1:])) if T else [])
+    return runs
+
+
+def _per_sequence(x: torch.Tensor, weight, bias, seq_idx, activation) -> torch.Tensor:
+    """The convolution of packed sequences ``x (B, D, T)``: each run of ``seq_idx`` convolved by
+    the same call as that sequence alone (zeros before it, x's layout), so with the same bits,
+    and no input of one sequence, not even a NaN or inf, reaches another's outputs (no product
+    with a 0/1 mask, which turns NaN into NaN)."""
+    rows = []
+    for b, row in enumerate(sequence_runs(seq_idx)):
+        pieces = [causal_conv1d_fn(x[b:b + 1, :, s:e], weight, bias, activation=activation) for s, e in row]
+        rows.append(torch.cat(pieces, dim=2) if pieces else x[b:b + 1].to(weight.dtype).to(x.dtype))
+    return torch.cat(rows, dim=0)                                       # (B, D, T)
 
 
 def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False,
@@ -134,10 +153,9 @@ def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, re
     if final_states_out is not None and not return_final_states:
         raise OptionError("final_states_out is written only with return_final_states=True; got "
                           f"return_final_states={return_final_states!r}")
-    xw = x.to(weight.dtype)
     if seq_idx is not None:
-        out = _masked_conv(xw, weight, bias, seq_idx)
-        return _act(out, silu).to(x.dtype)
+        return _per_sequence(x, weight, bias, seq_idx, activation)
+    xw = x.to(weight.dtype)
     last = Dd > 1 and xw.stride(1) == 1 and xw.stride(2) == Dd       # channel-last, as causal_conv1d takes it
     xt = xw.transpose(1, 2) if last else xw                             # time on axis 1 (last) or 2
     t_ax = 1 if last else 2
@@ -194,6 +212,8 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cach
             0 <= int(conv_state_indices.min()) and int(conv_state_indices.max()) < conv_state.shape[0]):
         raise ShapeError(f"conv_state_indices must lie in [0, {conv_state.shape[0]}) (rows of conv_state); got "
                          f"{conv_state_indices.tolist()}")
+    if conv_state_indices is not None:
+        distinct_rows("conv_state_indices", conv_state_indices, "conv_state")
     state = conv_state if conv_state_indices is None else conv_state[conv_state_indices.long()]   # (B, D, L)
     if cache_seqlens is not None:   # the ring buffer in time order, oldest first
         order = (torch.arange(L)[None, :] + (cache_seqlens.long() % L)[:, None]) % L               # (B, L)

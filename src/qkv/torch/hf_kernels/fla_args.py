@@ -59,6 +59,9 @@ def heads(where: str, q, k, v) -> Heads:
             raise ShapeError(f"{where}: {name} must be a 4-D tensor (B, T, H, K) (fla's layout, "
                              f"head_first=False); got {got}")
     B, T, H, K = q.shape
+    if H == 0 or K == 0:
+        raise ShapeError(f"{where}: q must have at least one head and one key channel, (B, T, H, K) with "
+                         f"H, K >= 1; got {fmt_shape(q.shape)}")
     _check_shape("k", k, (B, T, H, K), "q's shape (B, T, H, K)")
     if tuple(v.shape[:2]) != (B, T) or v.shape[2] % H:
         raise ShapeError(f"{where}: v must have shape (B, T, HV, V) with B, T = {B}, {T} and HV a multiple "

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from ...errors import OptionError, ShapeError, fmt_shape, positive_int
 from ..recurrent_ops import decay_attention
-from .conv import _activation, _need, _need_int, causal_conv1d_fn
+from .conv import _activation, _need, _need_int, causal_conv1d_fn, sequence_runs
 
 __all__ = ["mamba_chunk_scan_combined", "mamba_split_conv1d_scan_combined"]
 
@@ -65,13 +65,7 @@ def decaying(log_decay: torch.Tensor, what: str) -> None:
 
 def packed_runs(seq_idx, cu_seqlens, Bsz: int, T: int):
     """``[[(start, end), ...] per batch row]`` of the packed sequences, or None (no packing)."""
-    runs = None
-    if seq_idx is not None:
-        ids = seq_idx.tolist()
-        runs = []
-        for row in ids:
-            cuts = [0] + [t for t in range(1, T) if row[t] != row[t - 1]] + [T]
-            runs.append(list(zip(cuts[:-1], cuts[1:])) if T else [])
+    runs = None if seq_idx is None else sequence_runs(seq_idx)
     if cu_seqlens is None:
         return runs
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point:

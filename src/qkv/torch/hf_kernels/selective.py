@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from ...errors import OptionError, ShapeError, fmt_shape
 from ..recurrent_ops import linear_scan
-from .conv import _need, _need_int
+from .conv import _need, _need_int, distinct_rows
 from .mamba import decaying
 
 __all__ = ["selective_scan_fn", "selective_state_update"]
@@ -148,6 +148,7 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
         rows = state_batch_indices.long()
         if rows.numel() and not (0 <= int(rows.min()) and int(rows.max()) < st.shape[0]):
             raise ShapeError(f"state_batch_indices must lie in [0, {st.shape[0]}) (rows of state); got {rows.tolist()}")
+        distinct_rows("state_batch_indices", rows, "state")
     cdt = torch.float64 if torch.float64 in (state.dtype, x.dtype) else torch.float32
     delta = dt.to(cdt) + (0 if dt_bias is None else dt_bias.to(cdt))
     if dt_softplus:
