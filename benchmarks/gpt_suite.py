@@ -28,7 +28,7 @@ Reported per side (``--json``: ``results["gpt"]``, one row per model and recipe)
   moments and the activations, for NumPy and torch alike. Not in a quick run for torch
   (importing torch in a fresh process takes longer than the rest of the run).
 
-Unless ``quick``, also nanoGPT's GPU recipe's size (block 256, batch 64, 6 layers, 6 heads,
+Unless ``quick`` (or ``gpu_size=False``: ``qkv bench --no-gpu-size``), also nanoGPT's GPU recipe's size (block 256, batch 64, 6 layers, 6 heads,
 width 384, dropout 0.2; recipe ``"gpu-size"``): in a fresh subprocess per side, a warm-up
 step and one timed step on random tokens (vocab 65), with its peak memory; no val loss.
 
@@ -201,12 +201,23 @@ def run_child(name: str, change: dict, vocab: int, threads: int, steps: int) -> 
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def count(quick: bool, steps: int | None, torch: bool, memory: bool) -> int:
-    """How many times :func:`measure` advances its progress."""
+def gpu_size_weight() -> int:
+    """What one side's GPU-recipe-size job costs in steps of the CPU recipe, for an honest time left:
+    two steps (a warm-up and the timed one) of ``6 N + 12 L T C`` FLOPs a token each (N the
+    parameters of the blocks, L T C the attention's), against one CPU-recipe step."""
+    def flops(block_size, batch_size, n_layer, n_embd, **_):
+        return batch_size * block_size * (6 * 12 * n_layer * n_embd ** 2 + 12 * n_layer * block_size * n_embd)
+
+    cpu = recipe(1, False)
+    return max(1, round(2 * flops(**GPU_SIZE) / flops(cpu.block_size, cpu.batch_size, cpu.n_layer, cpu.n_embd)))
+
+
+def count(quick: bool, steps: int | None, torch: bool, memory: bool, gpu_size: bool = True) -> int:
+    """How many times :func:`measure` advances its progress (a GPU-size job counts its weight)."""
     steps = STEPS["quick" if quick else "full"] if steps is None else steps
     sides = len(SIDES) if torch else 1
     memory_jobs = (1 if quick else sides) if memory else 0
-    return steps + 1 + memory_jobs + (0 if quick else sides)
+    return steps + 1 + memory_jobs + (0 if quick or not gpu_size else sides * gpu_size_weight())
 
 
 def _warm(steps: int) -> int:
@@ -214,7 +225,7 @@ def _warm(steps: int) -> int:
 
 
 def measure(*, quick: bool, steps: int | None, threads: int, torch: bool, memory: bool, data: str | None = None,
-            progress=None) -> list[dict]:
+            progress=None, gpu_size: bool = True) -> list[dict]:
     """Train both sides (see the module docstring); one row per side and recipe."""
     from qkv.training.chardata import CharDataset
     from qkv.training.loop import data_rng, eval_rng, gpt_config, lr_at
@@ -277,7 +288,7 @@ def measure(*, quick: bool, steps: int | None, threads: int, torch: bool, memory
             found = run_child(row["model"], {}, ds.tokenizer.vocab_size, threads, MEMORY_STEPS)
             row["peak_mib"], row["peak_how"] = (found["peak_mib"], found["how"]) if found else (None, None)
             progress(1)
-    if not quick:
+    if not quick and gpu_size:
         rows += _gpu_size(names, threads, progress)
     return rows
 
@@ -297,14 +308,14 @@ def _gpu_size(names, threads: int, progress) -> list[dict]:
     rows = []
     cfg = recipe(2, False, **GPU_SIZE)
     for name in names:
-        progress(0, description=f"gpt: {name}, GPU recipe's size, one step")
+        progress(0, description=f"gpt: {name}, GPU recipe's size, one step (minutes; --no-gpu-size leaves it out)")
         found = run_child(name, GPU_SIZE, GPU_VOCAB, threads, 2)
         ms = found["ms"][-1] if found else None
         rows.append({"model": name, "recipe": "gpu-size", "steps": 1, "ms_per_step": ms,
                      "tokens_per_s": cfg.batch_size * cfg.block_size / ms * 1e3 if ms else None, "val_loss": None,
                      "peak_mib": found["peak_mib"] if found else None, "peak_how": found["how"] if found else None,
                      "vocab": GPU_VOCAB, "config": _shape(cfg)})
-        progress(1)
+        progress(gpu_size_weight())
     return rows
 
 
@@ -315,6 +326,7 @@ def suite(p, progress):
 
     try:
         rows = measure(quick=p.quick, steps=p.steps, threads=p.threads, torch=p.torch, memory=p.memory,
+                       gpu_size=p.gpu_size,
                        data=p.data, progress=progress)
     except CorpusError as err:
         return [], f"{err}"

@@ -104,6 +104,7 @@ class Plan:
     memory: bool
     steps: int | None = None   # gpt suite: training steps (None: gpt_suite.STEPS)
     data: str | None = None    # gpt suite: the text to train on (None: Shakespeare; quick: a built-in text)
+    gpu_size: bool = True      # gpt suite: also a step at nanoGPT's GPU recipe's size (minutes on these CPUs)
 
     @property
     def sizes(self) -> dict:
@@ -111,7 +112,7 @@ class Plan:
 
 
 def plan(suites=None, *, quick=False, repeats=None, threads=None, torch=True, memory=True, steps=None,
-         data=None) -> Plan:
+         data=None, gpu_size=True) -> Plan:
     """A :class:`Plan`; ``suites`` None means :data:`DEFAULT` (a quick run:
     :data:`QUICK_DEFAULT`), containing "all" every suite; ``torch`` False leaves PyTorch
     out (its suite is then skipped), as does its absence. ``steps`` and ``data``: the gpt
@@ -131,7 +132,7 @@ def plan(suites=None, *, quick=False, repeats=None, threads=None, torch=True, me
     threads = positive_int("threads", threads) if threads is not None else os.cpu_count() or 1
     torch = bool(torch) and importlib.util.find_spec("torch") is not None  # imported when the run starts
     steps = positive_int("steps", steps) if steps is not None else None
-    return Plan(chosen, bool(quick), repeats, threads, torch, bool(memory), steps, data)
+    return Plan(chosen, bool(quick), repeats, threads, torch, bool(memory), steps, data, bool(gpu_size))
 
 
 def methods(p: Plan) -> list[str]:
@@ -172,7 +173,7 @@ def count_steps(p: Plan) -> int:
     if "train-mpi" in p.suites:
         n += len(train_mpi.MODES)
     if "gpt" in p.suites:
-        n += gpt_suite.count(p.quick, p.steps, p.torch, p.memory)
+        n += gpt_suite.count(p.quick, p.steps, p.torch, p.memory, p.gpu_size)
     if "shapes" in p.suites and p.torch:
         n += len(shapes_suite.cases(p.quick))
     if "hf" in p.suites and p.torch:

@@ -14,6 +14,10 @@ reference renders that object, its name as code where it does not: ``optional``,
 build stays quiet about the modules the reference leaves out); a relative or bare one becomes
 its name as code. ``~`` shows the last part of the path only, as Sphinx does. No role reaches a
 page as raw text.
+
+A third renders reStructuredText's literal-block marker: a paragraph that ends in ``::`` before
+an indented block ends in ``:`` on the page (a ``::`` alone on its line goes), and the indented
+block is fenced as code, as Sphinx shows it.
 """
 from __future__ import annotations
 
@@ -72,11 +76,49 @@ class SphinxRoles(Preprocessor):
         return out
 
 
+class LiteralBlocks(Preprocessor):
+    """``text::`` + a blank line + an indented block -> ``text:`` + a fenced code block."""
+
+    def run(self, lines: list[str]) -> list[str]:
+        out, fenced, i = [], False, 0
+        while i < len(lines):
+            line = lines[i]
+            if FENCE.match(line):
+                fenced = not fenced
+            if fenced or not line.rstrip().endswith("::") or line.strip().startswith(":::"):
+                out.append(line)
+                i += 1
+                continue
+            indent = len(line) - len(line.lstrip())
+            j = i + 1
+            while j < len(lines) and not lines[j].strip():
+                j += 1
+            block_indent = len(lines[j]) - len(lines[j].lstrip()) if j < len(lines) else 0
+            if j == len(lines) or block_indent <= indent:
+                out.append(line)   # no indented block follows: not a literal-block marker
+                i += 1
+                continue
+            text = line.rstrip()[:-2].rstrip()
+            if text.strip():
+                out.append(text + ":")
+            block = []
+            while j < len(lines) and (not lines[j].strip() or len(lines[j]) - len(lines[j].lstrip()) >= block_indent):
+                block.append(lines[j][block_indent:] if lines[j].strip() else "")
+                j += 1
+            while block and not block[-1]:
+                block.pop()
+            pad = " " * indent
+            out += ["", pad + "```text", *(pad + b if b else "" for b in block), pad + "```", ""]
+            i = j
+        return out
+
+
 class DoctestFenceExtension(Extension):
     def extendMarkdown(self, md):  # noqa: N802 (Markdown's name)
         # before the fenced-code preprocessor (priority 25), so the fence it adds is read as one
         md.preprocessors.register(DoctestFence(md), "qkv_doctest_fence", 40)
         md.preprocessors.register(SphinxRoles(md), "qkv_sphinx_roles", 39)
+        md.preprocessors.register(LiteralBlocks(md), "qkv_literal_blocks", 41)
 
 
 def on_config(config, **kwargs):

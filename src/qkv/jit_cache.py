@@ -124,6 +124,22 @@ def compile_seconds() -> dict[str, float]:
     return dict(_notices[0].seconds) if _notices else {}
 
 
+def compiling() -> float | None:
+    """Seconds the compile in progress has run (numba compiling a kernel now: a cache miss, the first
+    run on this CPU), or None. Read from any thread: a progress line says so while it lasts."""
+    notice = _notices[0] if _notices else None
+    return None if notice is None or notice.depth <= 0 else time.perf_counter() - notice.started
+
+
+def compile_total() -> float:
+    """Seconds this process has spent compiling so far (the compile in progress included): what a
+    time-left estimate leaves out, so it starts from the steps' own pace."""
+    notice = _notices[0] if _notices else None
+    if notice is None:
+        return 0.0
+    return notice.total + (time.perf_counter() - notice.started if notice.depth > 0 else 0.0)
+
+
 def _install() -> Path | None:
     from numba.core import caching, config, event
 
@@ -182,6 +198,7 @@ def _notice_class(event):
         def __init__(self, where):
             self.where, self.told, self.told_rows, self.depth, self.started = where, False, False, 0, 0.0
             self.seconds: dict[str, float] = {}   # qualified name -> seconds of its outermost compiles
+            self.total = 0.0                       # seconds of every finished outermost compile
 
         def on_start(self, ev):
             self.depth += 1
@@ -203,6 +220,8 @@ def _notice_class(event):
                 print(f"qkv: compiling the row kernel ({ROW_KERNEL_ABOUT})...", file=sys.stderr, flush=True)
 
         def on_end(self, ev):
+            if self.depth == 1:
+                self.total += time.perf_counter() - self.started
             self.depth -= 1
             func = getattr(ev.data.get("dispatcher"), "py_func", None)
             if self.depth == 0 and func is not None:

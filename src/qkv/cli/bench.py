@@ -49,6 +49,9 @@ def add_arguments(parser) -> None:
                         "kernel thread a rank and its single-process peer W threads")
     parser.add_argument("--no-torch", action="store_true", help="leave PyTorch out even if installed")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    parser.add_argument("--no-gpu-size", action="store_true",
+                        help="gpt suite: leave out the step at nanoGPT's GPU recipe's size (block 256, batch 64, "
+                        "6 layers, width 384: minutes a side on a 2-core CPU)")
     parser.add_argument("--steps", type=int, default=None,
                         help="gpt and hybrid suites: training steps of each model (default 2000, quick 5)")
     parser.add_argument("--data", metavar="FILE", default=None,
@@ -70,6 +73,7 @@ def run(args) -> int:
 
     plan = suites.plan(args.suite, quick=args.quick, repeats=args.repeats, threads=args.threads,
                        torch=not args.no_torch, memory=not args.no_memory, steps=args.steps,
+                       gpu_size=not args.no_gpu_size,
                        data=os.path.abspath(args.data) if args.data else None)
     mpi = bool(set(suites.MPI_SUITES) & set(plan.suites))
     if not mpi and mpiexec_ranks() > 1:

@@ -7,7 +7,10 @@ every ``QKV_PROGRESS_INTERVAL`` seconds (default 5) and at the end, such as::
     gpt: 120/2000, 6%, 1m12s elapsed, ~18m48s left, loss 2.4512, val —, tok/s 5,130
 
 The time left is the steps still to do at the mean rate of the steps done in this process
-(a resumed run counts from where it resumed). The lines come from a background thread, so
+(a resumed run counts from where it resumed), compiling left out: while the fast extra's
+kernels compile (the first run on a CPU, once per machine and qkv version) the line says
+``compiling (first run on this CPU) 41s`` in place of the time left, and the estimate starts
+from the steps' own pace once it is done. The lines come from a background thread, so
 a step that takes a minute still shows a line every few seconds. Standard output stays for
 the command's results in both cases.
 """
@@ -62,6 +65,25 @@ def interval() -> float:
     return value
 
 
+COMPILING = "compiling (first run on this CPU)"
+
+
+def compile_state() -> tuple[float | None, float]:
+    """``(seconds the compile in progress has run or None, seconds compiled in all so far)``."""
+    from .. import jit_cache
+
+    return jit_cache.compiling(), jit_cache.compile_total()
+
+
+def left(done: int, first: int, total: int, elapsed: float, compiled: float) -> float | None:
+    """Seconds left at the mean pace of this process's steps, the ``compiled`` seconds left out;
+    None before a step is done (no pace yet)."""
+    steps, spent = done - first, elapsed - compiled
+    if steps <= 0 or spent <= 0:
+        return None
+    return (total - done) * spent / steps
+
+
 def duration(seconds: float) -> str:
     """``45s``, ``1m12s``, ``2h05m``: a time span as a person reads it."""
     s = int(round(seconds))
@@ -100,15 +122,37 @@ def progress_bar(label: str, total: int, *fields: str, transient: bool = False, 
 def _bar(label, total, fields, transient, completed, switch):
     check_progress(switch)
     from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     columns = [TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}")]
     columns += [TextColumn(f"{f} {{task.fields[{f}]}}") for f in fields]
-    columns += [TimeElapsedColumn(), TextColumn("elapsed,"), TimeRemainingColumn(), TextColumn("left")]
+    columns += [TimeElapsedColumn(), TextColumn("elapsed,"), _left_column(completed)]
     with Progress(*columns, transient=transient, console=Console(stderr=True)) as bar:
         task = bar.add_task(label, total=total, completed=completed, **{f: "—" for f in fields})
         yield lambda advance=1, **values: bar.update(
             task, advance=advance, **{k: (v if k == "description" else shown(v)) for k, v in values.items()})
+
+
+def _left_column(first: int):
+    """The bar's last column: the time left (compiling left out), or that kernels are compiling."""
+    from rich.progress import ProgressColumn
+    from rich.text import Text
+
+    before = compile_state()[1]   # compiling done before this bar started is not its steps' time
+
+    class Left(ProgressColumn):
+        def render(self, task):
+            now, compiled = compile_state()
+            compiled -= before
+            if now is not None:
+                return Text(f"{COMPILING} {duration(compiled)}", style="yellow")
+            seconds = left(int(task.completed), first, int(task.total or 0), task.elapsed or 0.0, compiled)
+            if seconds is None:
+                return Text("-:--:-- left", style="cyan")
+            s = int(round(seconds))
+            return Text(f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d} left", style="cyan")   # rich's clock
+
+    return Left()
 
 
 class Lines:
@@ -119,6 +163,7 @@ class Lines:
         self.description, self.total, self.done, self.first = label, total, completed, completed
         self.values = {f: "—" for f in fields}
         self.clock, self.t0 = clock, clock()
+        self.compiled0 = compile_state()[1]   # compiling done before this count started is not its time
         self.lock = threading.Lock()
 
     def update(self, advance: int = 1, description: str | None = None, **values) -> None:
@@ -130,16 +175,20 @@ class Lines:
 
     def line(self) -> str:
         """``label: done/total, P%, E elapsed, ~L left, field value, ...`` (no ``left`` before the
-        first step of this process: no rate to estimate it from; ``done`` once the count is full)."""
+        first step of this process: no rate to estimate it from; ``compiling (first run on this
+        CPU) S`` in its place while kernels compile; ``done`` once the count is full)."""
+        now, compiled = compile_state()
         with self.lock:
             elapsed, done, total = self.clock() - self.t0, self.done, self.total
             parts = [f"{self.description}: {done}/{total}", f"{100 * done / total:.0f}%" if total else "",
                      f"{duration(elapsed)} elapsed"]
-            rate = (done - self.first) / elapsed if elapsed > 0 else 0.0
+            seconds = left(done, self.first, total, elapsed, compiled - self.compiled0)
             if done >= total:
                 parts.append("done")
-            elif rate > 0:
-                parts.append(f"~{duration((total - done) / rate)} left")
+            elif now is not None:   # the compiling of this count so far, the compile in progress included
+                parts.append(f"{COMPILING} {duration(compiled - self.compiled0)}")
+            elif seconds is not None:
+                parts.append(f"~{duration(seconds)} left")
             parts += [f"{k} {v}" for k, v in self.values.items()]
         return ", ".join(p for p in parts if p)
 
