@@ -128,16 +128,54 @@ def kernel_mapping(model) -> dict:
     return mapping
 
 
-def kernelize(model, mode=None):
+def kernelize(model, mode=None, *, quiet: bool = False):
     """``kernels.kernelize(model, device="cpu")`` with qkv's repository: ``model``'s recurrent
     kernel functions on qkv's (this model only); ``mode`` a ``kernels.Mode``, default inference
-    for a model in eval mode, training otherwise. Returns the model."""
+    for a model in eval mode, training otherwise. Returns the model.
+
+    The ``kernels`` library logs a warning for every kernelizable layer the mapping does not name
+    (transformers' SiLU, RMSNorm, ... : they keep their own forward, which is what is meant here);
+    those are gathered into one line on stderr that says what qkv serves and what keeps its own
+    forward (``quiet``: not even that line). Other records of the library pass as they are."""
+    import logging
+
     from kernels import Mode, kernelize as _kernelize, use_kernel_mapping
 
     if mode is None:
         mode = Mode.TRAINING if model.training else Mode.INFERENCE
-    with use_kernel_mapping(kernel_mapping(model), inherit_mapping=False):
-        return _kernelize(model, device="cpu", mode=mode)
+    mapping = kernel_mapping(model)
+    unmapped = UnmappedLayers()
+    logger = logging.getLogger("kernels._internals.layer.layer")
+    logger.addFilter(unmapped)
+    try:
+        with use_kernel_mapping(mapping, inherit_mapping=False):
+            model = _kernelize(model, device="cpu", mode=mode)
+    finally:
+        logger.removeFilter(unmapped)
+    if not quiet:
+        served = ", ".join(sorted(mapping)) or "none (no recurrent kernel function qkv serves in this model)"
+        kept = sorted(set(unmapped.names))
+        rest = f"; {len(kept)} other kernelizable layer(s) keep their own forward ({', '.join(kept[:6])}" \
+               f"{' ...' if len(kept) > 6 else ''}), as meant" if kept else ""
+        print(f"qkv: kernelize serves {served} on qkv.torch.hf_kernels (CPU tensors){rest}", file=sys.stderr)
+    return model
+
+
+class UnmappedLayers:
+    """A logging filter that keeps the ``kernels`` library's 'No kernel mapping found for layer'
+    warnings back and remembers the layers' names."""
+
+    PATTERN = re.compile(r"No kernel mapping found for layer `([^`]*)`")
+
+    def __init__(self):
+        self.names = []
+
+    def filter(self, record) -> bool:
+        found = self.PATTERN.search(record.getMessage())
+        if found:
+            self.names.append(found.group(1))
+            return False
+        return True
 
 
 __all__ = ["kernelize", "kernel_mapping", "repository", "layer", "layer_name"]

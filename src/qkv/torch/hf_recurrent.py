@@ -139,7 +139,8 @@ def _serving(name: str, fn, original, blind: str | None = None):
     """The function put in a modeling module in place of ``original``: CPU tensors to ``fn``.
     ``blind``: the module's recurrence that cannot keep packed sequences apart (:func:`packing_blind`),
     for which a ``seq_idx`` handed to the module's convolution is refused."""
-    params = inspect.signature(fn).parameters
+    params = inspect.signature(fn).parameters   # through functools.wraps, the wrapped function's
+    open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     fla = "cu_seqlens" in params and "seq_idx" not in params      # fla's: packed sequences as cu_seqlens alone
 
     def served(*args, **kwargs):
@@ -152,7 +153,8 @@ def _serving(name: str, fn, original, blind: str | None = None):
                 f"causal_conv1d_fn was handed seq_idx (packed sequences), but this model's recurrence, {blind}, "
                 f"takes no seq_idx (nor does mamba_ssm's) and would run across the sequences' boundaries; "
                 f"transformers' own CPU path refuses this input too. Pass the sequences as batch rows instead")
-        return fn(*args, **{k: v for k, v in kwargs.items() if k in params})
+        # a function that takes **kwargs (a wrapper without functools.wraps) gets every keyword
+        return fn(*args, **(kwargs if open_ended else {k: v for k, v in kwargs.items() if k in params}))
 
     served.__name__ = served.__qualname__ = getattr(original, "__name__", name)
     served.__doc__ = f"transformers' {name} served by qkv.torch.hf_kernels.{name} on CPU tensors."
