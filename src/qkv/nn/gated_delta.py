@@ -13,6 +13,10 @@ width ``Dv`` (``Hv`` a multiple of ``Hk``: value heads ``h·r .. h·r + r - 1`` 
     o_t = S_tᵀ q_t / sqrt(Dk)                               delta_rule(q, k, v, beta, g)
     out = (norm_w ∘ rms(o) ∘ silu(z)) W_out                 RMSNorm per head, then the gate
 
+**use_gate=False** (fla's and Zoology's option; Zoology's MQAR models set it): no z columns in
+``W_in`` and no gate, ``out = (norm_w ∘ rms(o)) W_out``; its backward is the RMSNorm's alone,
+``do = rms'(norm_w ∘ dflat)``, ``dnorm_w = Σ dflat ∘ rms(o)``.
+
 ``W_in`` holds transformers' input projections in the plain order above: Qwen3-Next's two
 (``in_proj_qkvz``, ``in_proj_ba``) interleave them per key head
 (``[q_h | k_h | v_{h·r..} | z_{h·r..}]`` and ``[b_{h·r..} | a_{h·r..}]``), which
@@ -45,16 +49,18 @@ from .base import Layer, check_input, linear_grad
 from .hf_variants import GATED_DELTA_LAYOUTS, gated_delta_settings, gated_delta_widths
 from .recurrent_parts import (RecurrentState, check_state, compute_dtype, conv_backward, conv_forward, conv_tail,
                               grad_output, hf_tensors, l2norm_backward, l2norm_forward, load_hf,
-                              norm_then_gate_backward, norm_then_gate_forward, softplus)
+                              norm_then_gate_backward, norm_then_gate_forward, rms_backward, rms_forward,
+                              softplus)
 
 
 class GatedDeltaNet(Layer):
     """Gated DeltaNet with ``n_k_heads`` key heads of ``d_k`` and ``n_v_heads`` value heads of ``d_v``;
-    ``allow_neg_eigval``: beta = 2·sigmoid(b) (OLMo-Hybrid's), else sigmoid(b).
+    ``allow_neg_eigval``: beta = 2·sigmoid(b) (OLMo-Hybrid's), else sigmoid(b). ``use_gate``: the
+    output gate ``silu(z)`` (default); False drops it and its ``Hv·Dv`` columns of ``W_in`` (fla's).
 
     Parameters (``x @ W``, no biases, as Qwen3-Next; ``C = 2·Hk·Dk + Hv·Dv``)::
 
-        W_in (d_model, 2·Hk·Dk + 2·Hv·Dv + 2·Hv)   conv_weight (C, K)
+        W_in (d_model, 2·Hk·Dk + 2·Hv·Dv + 2·Hv)   conv_weight (C, K)   (Hv·Dv fewer: use_gate=False)
         dt_bias (Hv,)  A_log (Hv,)  norm_weight (Dv,)  W_out (Hv·Dv, d_model)
 
     Initial decay: ``A = exp(A_log)`` uniform in [1, 16] and ``softplus(dt_bias) = Δ`` log-uniform
@@ -65,7 +71,7 @@ class GatedDeltaNet(Layer):
     """
 
     def __init__(self, d_model: int, n_k_heads: int, n_v_heads: int, d_k: int, d_v: int, *, conv_kernel: int = 4,
-                 eps: float = 1e-6, allow_neg_eigval: bool = False, dtype=np.float32,
+                 eps: float = 1e-6, allow_neg_eigval: bool = False, use_gate: bool = True, dtype=np.float32,
                  rng: np.random.Generator | None = None):
         super().__init__(dtype=dtype, rng=rng)
         self.d_model = positive_int("d_model", d_model)
@@ -76,6 +82,7 @@ class GatedDeltaNet(Layer):
                              f"n_k_heads = {n_k_heads}")
         self.conv_kernel, self.eps = positive_int("conv_kernel", conv_kernel), float(eps)
         self.allow_neg_eigval = parse_flag("allow_neg_eigval", allow_neg_eigval)
+        self.use_gate = parse_flag("use_gate", use_gate)
         Hv = self.n_v_heads
         self._add("W_in", (self.d_model, sum(self._widths)))
         self._add("conv_weight", (self.conv_dim, self.conv_kernel), std=1 / math.sqrt(self.conv_kernel))
@@ -89,8 +96,11 @@ class GatedDeltaNet(Layer):
 
     @property
     def _widths(self) -> list[int]:
-        """Widths of ``q, k, v, z, b, a`` in ``W_in``'s columns."""
-        return list(gated_delta_widths(self.n_k_heads, self.n_v_heads, self.d_k, self.d_v).values())
+        """Widths of ``q, k, v, z, b, a`` in ``W_in``'s columns (z: 0 without the gate)."""
+        widths = gated_delta_widths(self.n_k_heads, self.n_v_heads, self.d_k, self.d_v)
+        if not self.use_gate:
+            widths["z"] = 0
+        return list(widths.values())
 
     @property
     def beta_max(self) -> float:
@@ -146,8 +156,12 @@ class GatedDeltaNet(Layer):
         s0 = None if state is None else state.recurrent.copy()
         o, s_T = recurrent.delta_rule(q, k, v, beta, g, scale=1 / math.sqrt(self.d_k), initial_state=s0,
                                       return_state=True)                       # (B, Hv, T, Dv)
-        zh = z.reshape(Bsz, T, Hv, self.d_v)
-        normed, norm_saved = norm_then_gate_forward(o.transpose(0, 2, 1, 3), zh, self._p("norm_weight"), self.eps)
+        if self.use_gate:
+            zh = z.reshape(Bsz, T, Hv, self.d_v)
+            normed, norm_saved = norm_then_gate_forward(o.transpose(0, 2, 1, 3), zh, self._p("norm_weight"), self.eps)
+        else:                                                                  # norm_w ∘ rms(o), no gate
+            norm_saved = rms_forward(o.transpose(0, 2, 1, 3), self.eps)        # (ô, r), (B, T, Hv, Dv)
+            normed = self._p("norm_weight") * norm_saved[0]
         flat = normed.reshape(Bsz, T, Hv * self.d_v)
         out = (flat.reshape(Bsz * T, Hv * self.d_v) @ self._p("W_out")).reshape(Bsz, T, self.d_model)  # (BT,HvDv) @ (HvDv,d)
         if state is not None:
@@ -168,7 +182,12 @@ class GatedDeltaNet(Layer):
         dy = grad_output(dy, x3.shape, s["squeezed"]).astype(self._cd, copy=False)
         self.grads["W_out"][...] = linear_grad(s["flat"], dy)
         dflat = (dy.reshape(Bsz * T, self.d_model) @ self._p("W_out").T).reshape(Bsz, T, Hv, self.d_v)  # (BT,d) @ (d,HvDv)
-        do, dz, self.grads["norm_weight"][...] = norm_then_gate_backward(dflat, s["norm"], self._p("norm_weight"))
+        if self.use_gate:
+            do, dz, self.grads["norm_weight"][...] = norm_then_gate_backward(dflat, s["norm"], self._p("norm_weight"))
+        else:
+            ohat, rinv = s["norm"]
+            self.grads["norm_weight"][...] = (dflat * ohat).reshape(-1, self.d_v).sum(axis=0)
+            do, dz = rms_backward(dflat * self._p("norm_weight"), ohat, rinv), dflat[..., :0]
         dq, dk, dv, dbeta, dg, _ = recurrent.delta_rule_backward(
             do.transpose(0, 2, 1, 3), s["q"], s["k"], s["v"], s["beta"], s["g"], scale=1 / math.sqrt(self.d_k),
             initial_state=s["s0"])
@@ -186,7 +205,7 @@ class GatedDeltaNet(Layer):
         self.grads["A_log"][...] = np.einsum("bth,bth->h", dgt, s["g"].transpose(0, 2, 1))  # dg/dA_log = g
         da = dgt * s["neg_a"] * sigmoid(s["raw"])
         self.grads["dt_bias"][...] = da.sum(axis=(0, 1))
-        dproj = np.concatenate([dqkv, dz.reshape(Bsz, T, Hv * self.d_v), db, da], axis=-1)  # (B, T, W)
+        dproj = np.concatenate([dqkv, dz.reshape(Bsz, T, dz.shape[2] * dz.shape[3]), db, da], axis=-1)  # (B, T, W)
         self.grads["W_in"][...] = linear_grad(x3, dproj)
         dx = (dproj.reshape(Bsz * T, dproj.shape[-1]) @ self._p("W_in").T).reshape(x3.shape).astype(self.dtype, copy=False)
         return dx[0] if s["squeezed"] else dx

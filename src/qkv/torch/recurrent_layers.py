@@ -187,13 +187,17 @@ class GatedDeltaNet(nn.Module):
             ``"olmo_hybrid"`` (``q_proj``, ``k_proj``, ``v_proj``, ``a_proj``, ``b_proj``, ``g_proj``;
             ``o_norm``, ``o_proj``). The same function whichever.
         allow_neg_eigval: beta = 2·sigmoid(b) in (0, 2) (OLMo-Hybrid's default), else sigmoid(b).
+        use_gate: the output gate silu(z) (default); False: no z projection, ``rms(o) · w`` (fla's
+            ``use_gate=False``, Zoology's MQAR setting), with a layout that keeps z apart
+            (``"olmo_hybrid"``, fla's names, or ``"qwen3_5"``).
 
     ``forward(x (B, T, d_model), state=None, *, return_state=False)`` as :class:`Mamba2`.
     """
 
     def __init__(self, d_model: int, n_k_heads: int, n_v_heads: int, d_k: int, d_v: int, *, conv_kernel: int = 4,
                  eps: float = 1e-6, activation: str = "silu", chunk_size: int | None = None,
-                 layout: str = "qwen3_next", allow_neg_eigval: bool = False, dtype=None, device=None):
+                 layout: str = "qwen3_next", allow_neg_eigval: bool = False, use_gate: bool = True, dtype=None,
+                 device=None):
         super().__init__()
         for name, v in (("d_model", d_model), ("n_k_heads", n_k_heads), ("n_v_heads", n_v_heads), ("d_k", d_k),
                         ("d_v", d_v)):
@@ -208,12 +212,18 @@ class GatedDeltaNet(nn.Module):
         self.activation, self.act = activation, activation_fn(activation)
         self.layout, self.allow_neg_eigval = layout, parse_flag("allow_neg_eigval", allow_neg_eigval)
         self._layout = GATED_DELTA_LAYOUTS[layout]
+        self.use_gate = parse_flag("use_gate", use_gate)
+        if not self.use_gate and self._layout.interleaved:
+            raise OptionError(f"use_gate=False needs a layout whose z projection stands alone (olmo_hybrid, qwen3_5); "
+                              f"got layout={layout!r}, whose in_proj_qkvz interleaves z")
         self._widths = gated_delta_widths(n_k_heads, n_v_heads, d_k, d_v)
         kw = dict(dtype=dtype, device=device)
         conv_dim = 2 * self.key_dim + self.value_dim
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, conv_kernel, groups=conv_dim, bias=False,
                                 padding=conv_kernel - 1, **kw)
         for name, parts in self._layout.projections:
+            if parts == "z" and not self.use_gate:
+                continue
             setattr(self, name, nn.Linear(d_model, sum(self._widths[p] for p in parts), bias=False, **kw))
         self.dt_bias = nn.Parameter(torch.empty(n_v_heads, **kw))
         self.A_log = nn.Parameter(torch.log(torch.empty(n_v_heads, **kw).uniform_(1, 16)))
@@ -225,7 +235,8 @@ class GatedDeltaNet(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, n_k_heads={self.n_k_heads}, n_v_heads={self.n_v_heads}, "
-                f"d_k={self.d_k}, d_v={self.d_v}, layout={self.layout!r}, allow_neg_eigval={self.allow_neg_eigval}")
+                f"d_k={self.d_k}, d_v={self.d_v}, layout={self.layout!r}, allow_neg_eigval={self.allow_neg_eigval}"
+                + ("" if self.use_gate else ", use_gate=False"))
 
     def _project(self, x: torch.Tensor) -> tuple:
         """``(qkv (B, T, 2·key_dim + value_dim), z (B, T, Hv, d_v), b, a (B, T, Hv))``."""
@@ -234,10 +245,13 @@ class GatedDeltaNet(nn.Module):
         B, T, _ = x.shape
         parts = {}
         for name, held in self._layout.projections:                  # whole parts, in order
+            if held == "z" and not self.use_gate:
+                continue
             y = getattr(self, name)(x)                                # (B, T, Σ widths)
             parts.update(zip(held, y.split([self._widths[p] for p in held], dim=-1)))
         qkv = torch.cat([parts["q"], parts["k"], parts["v"]], dim=-1)
-        return qkv, parts["z"].reshape(B, T, self.n_v_heads, self.d_v), parts["b"], parts["a"]
+        z = parts["z"].reshape(B, T, self.n_v_heads, self.d_v) if self.use_gate else None
+        return qkv, z, parts["b"], parts["a"]
 
     def _project_interleaved(self, x: torch.Tensor) -> tuple:
         """As :meth:`_project`; Qwen3-Next's projections are laid out per key head, ``[q, k, v·r, z·r]``
@@ -271,7 +285,9 @@ class GatedDeltaNet(nn.Module):
                               return_state=True, chunk_size=self.chunk_size)          # (B, Hv, T, d_v)
         o = o.transpose(1, 2)                                                          # (B, T, Hv, d_v)
         h = wide(o) * torch.rsqrt(wide(o).pow(2).mean(-1, keepdim=True) + self.eps)
-        y = (getattr(self, self._layout.norm).weight * h.to(o.dtype)) * F.silu(wide(z))
+        y = getattr(self, self._layout.norm).weight * h.to(o.dtype)
+        if self.use_gate:
+            y = y * F.silu(wide(z))
         out = getattr(self, self._layout.out)(y.to(o.dtype).reshape(B, T, self.value_dim))
         return _result(out, window, final, return_state)
 
