@@ -261,7 +261,7 @@ def test_the_command_writes_json_and_png(tmp_path, monkeypatch, capsys):
 def test_quick_is_attention_against_a_narrow_recurrence():
     cfg = MQARConfig.quick()
     cfg.check()
-    assert cfg.mixers == ("attention", "gated_delta") and cfg.vocab_size == 8192 and cfg.runs() == 2
+    assert cfg.mixers == ("attention", "mamba2") and cfg.vocab_size == 8192 and cfg.runs() == 2
 
 
 def _record(table: dict, widths=(32, 64), pairs=(4, 8)) -> dict:

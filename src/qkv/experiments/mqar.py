@@ -20,6 +20,7 @@ learning rates, the seeds and the spreading of runs over processes or MPI ranks 
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -52,6 +53,11 @@ class MQARConfig:
     sequences a pair count at ``seq_len`` (Generator ``(2, seed)``), never used to choose.
     ``baseconv``: the taps of the BaseConv layer before the mixer (0: none, the mixer alone).
     ``workers``: runs at once, a process of one thread each (the same bits as one process).
+    ``model``: ``"zoology"`` (:func:`zoology_model`, Zoology's ``LanguageModel`` and each mixer as its
+    ``models_repo.py`` builds it; ``n_head``, ``positions`` are then the linear attention's and
+    RG-LRU's heads only, mixers Zoology does not build) or ``"gpt"`` (:meth:`model_config`, qkv's GPT
+    with its MLP and RoPE, the grids recorded before issue 60). ``embed_dropout``,
+    ``attention_dropout``: Zoology's 0.1 (``ModelConfig.embed_dropout``, ``MHA(dropout=0.1)``).
     """
 
     mixers: tuple = MIXERS + HYBRIDS
@@ -75,11 +81,15 @@ class MQARConfig:
     n_eval: int = 64
     baseconv: int = 3
     workers: int = 1
+    model: str = "zoology"
+    embed_dropout: float = 0.1
+    attention_dropout: float = 0.1
 
     @classmethod
     def quick(cls) -> "MQARConfig":
-        """Under 3 minutes of CPU: attention against Gated DeltaNet at width 32, 4 pairs at T = 64."""
-        return cls(mixers=("attention", "gated_delta"), widths=(32,), pairs=(4,), seq_len=64, steps=600,
+        """Under 3 minutes of CPU: attention against Mamba-2 (Zoology's, 1 head of 64 at width 32) at width 32,
+        4 pairs at T = 64. (Gated DeltaNet built as Zoology builds it recalls there: 0.93 after 600 steps.)"""
+        return cls(mixers=("attention", "mamba2"), widths=(32,), pairs=(4,), seq_len=64, steps=600,
                    batch=32, lrs=(1e-2,), seeds=(0,), val_every=50, n_val=32, n_eval=64)
 
     def tasks(self) -> list[tuple[int, int]]:
@@ -97,6 +107,12 @@ class MQARConfig:
         """A ShapeError for a setting no model can train with (an unknown or repeated mixer, width,
         pair count, lr or seed; a task the vocabulary cannot hold; a widest model that needs more
         memory than the machine has ``available``)."""
+        if self.model not in ("zoology", "gpt"):
+            raise ShapeError(f"model must be 'zoology' or 'gpt'; got {self.model!r}")
+        for name in ("embed_dropout", "attention_dropout"):
+            p = getattr(self, name)
+            if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
+                raise ShapeError(f"{name} must be a probability in [0, 1); got {p!r}")
         for name in ("mixers", "widths", "pairs", "lrs", "seeds"):
             values = list(getattr(self, name))
             if not values:
@@ -121,6 +137,9 @@ class MQARConfig:
         for w in self.widths:
             if positive_int("widths", w) % self.n_head:
                 raise ShapeError(f"widths must be multiples of n_head = {self.n_head}; got {w}")
+            if self.model == "zoology" and any("mamba2" in m for m in self.mixers) and (2 * w) % MAMBA2_HEADDIM:
+                raise ShapeError(f"widths must make Zoology's Mamba-2 inner width 2·w a multiple of its head "
+                                 f"width {MAMBA2_HEADDIM}; got {w}")
         for p, t in self.tasks():
             check_task(p, t, self.vocab_size)
             check_task(p, self.seq_len, self.vocab_size)
@@ -211,7 +230,7 @@ def train_one(cfg: MQARConfig, mixer: str, width: int, lr: float, seed: int, pro
     from ..threads import kernel_threads
 
     tc = cfg.train_config(mixer, width, lr, seed).resolved()
-    model = GPT(cfg.model_config(mixer, width, seed))
+    model = zoology_model(cfg, mixer, width, seed) if cfg.model == "zoology" else GPT(cfg.model_config(mixer, width, seed))
     run = Run(tc, model, make_optimizer(model, tc), np.random.default_rng((1, seed)), None, {"kind": "mqar"})
     val, test = held_out(cfg, seed)
     start, losses, val_acc, diverged = time.perf_counter(), [], 0.0, None
@@ -248,3 +267,72 @@ def train_one(cfg: MQARConfig, mixer: str, width: int, lr: float, seed: int, pro
             "diverged_at": str(diverged) if diverged else None,
             "final_loss": float(np.mean(losses[-20:])) if losses else float("nan"), "seconds": round(seconds, 2),
             "params": model.num_params(), "steps": len(losses)}
+
+
+MAMBA2_HEADDIM = 64   # zoology.mixers.mamba2.Mamba2's headdim (expand 2: 2·width / 64 heads)
+
+
+def zoology_mixers(cfg: MQARConfig, mixer: str) -> tuple[str, list[str]]:
+    """``(block, kinds)``: Zoology's block type and each layer's mixer for ``mixer``. Zoology's
+    ``Hybrid([BaseConv, X])`` over 2 layers is BaseConv at layer 0 and X at layer 1; its Mamba-2 is
+    ``Mamba2Block`` x 2 without BaseConv (``add_mamba2`` ignores ``conv_mixer``). A hybrid
+    ``attention+X`` (not a Zoology model) is BaseConv, attention, X in Zoology's blocks."""
+    layers(mixer, cfg.baseconv)   # the name check
+    if mixer == "mamba2":
+        return "mamba2", ["mamba2", "mamba2"]
+    return "transformer", (["baseconv"] if cfg.baseconv else []) + mixer.split("+")
+
+
+def _make(cfg: MQARConfig, kind: str, d: int, rng, dtype):
+    """One mixer as ``zoology/experiments/models_repo.py`` passes it (its kwargs, then Zoology's init)."""
+    from ..nn import BasedAttention, ConvMixer, GatedDeltaNet, LinearAttention, Mamba2, MultiHeadAttention, RGLRU
+
+    kw = dict(dtype=dtype, rng=rng)
+    if kind == "baseconv":      # BaseConv(kernel_size=3): Linear(d, d) with bias, Conv1d(d, d, 3, groups=d)
+        return ConvMixer(d, cfg.baseconv, **kw)
+    if kind == "attention":     # MHA(num_heads=1, bias=True, dropout=0.1), no positions
+        return MultiHeadAttention(d, 1, causal=True, bias=True, rope=False, dropout=cfg.attention_dropout, **kw)
+    if kind == "based":         # Based(feature_dim=16 of 8/16/24, num_heads=1, num_key_value_heads=1, taylor_exp)
+        return BasedAttention(d, 1, 16, **kw)
+    if kind == "gated_delta":   # GatedDeltaNet(num_heads=2, use_gate=False, conv_size=4, expand_v=2, norm_eps=1e-5)
+        return GatedDeltaNet(d, 2, 2, d // 2, d, conv_kernel=4, eps=1e-5, use_gate=False, **kw)
+    if kind == "mamba2":        # Mamba2(d_state=16 of 8/16/24, headdim=64, expand=2, d_conv=4, conv_bias, no bias)
+        return Mamba2(d, 2 * d // MAMBA2_HEADDIM, MAMBA2_HEADDIM, 16, conv_kernel=4, bias=False, conv_bias=True,
+                      eps=1e-5, **kw)
+    if kind == "rglru":         # not in Zoology: qkv's GPT settings
+        return RGLRU(d, d, cfg.n_head, conv_width=4, **kw)
+    return LinearAttention(d, cfg.n_head, causal=True, bias=True, **kw)   # not in Zoology: qkv's elu+1
+
+
+def _zoology_init(kind: str, layer, rng, n_layers: int) -> None:
+    """Zoology's ``_init_weights`` (every ``nn.Linear`` normal(0, 0.02), bias 0; ``out_proj.weight``
+    normal(0, 0.02 / sqrt(2 n_layers))) and each mixer's own draws of what is not a Linear."""
+    p = layer.params
+    out = 0.02 / math.sqrt(2 * n_layers)
+    for name, a in p.items():
+        if name.startswith("W_") or name in ("W_in", "W_out"):
+            std = out if (kind in ("attention", "mamba2", "linear", "rglru") and name in ("W_O", "W_out")) else 0.02
+            a[...] = rng.standard_normal(a.shape) * std
+        elif name.startswith("b_"):
+            a[...] = 0
+    bound = 1 / math.sqrt(p["conv_weight"].shape[1]) if "conv_weight" in p else None
+    if kind in ("gated_delta", "mamba2"):   # torch Conv1d's default: uniform(±1/sqrt(K)), its bias too
+        for name in ("conv_weight", "conv_bias"):
+            if name in p:
+                p[name][...] = rng.uniform(-bound, bound, p[name].shape)
+        lo = 0.0 if kind == "gated_delta" else 1.0   # A ~ U(0, 16) (GatedDeltaNet), U(1, 16) (A_init_range)
+        p["A_log"][...] = np.log(rng.uniform(lo, 16.0, p["A_log"].shape))
+
+
+def zoology_model(cfg: MQARConfig, mixer: str, width: int, seed: int, dtype=np.float32):
+    """The :class:`qkv.models.zoology.ZoologyLM` of one (mixer, width), its weights from ``seed`` (every draw in
+    float64, then cast: a float32 and a float64 model of one seed agree)."""
+    from ..models.zoology import ZoologyLM
+
+    block, kinds = zoology_mixers(cfg, mixer)
+    rng = np.random.default_rng((4, int(seed)))
+    mixers = [_make(cfg, k, int(width), rng, dtype) for k in kinds]
+    for k, m in zip(kinds, mixers):
+        _zoology_init(k, m, rng, len(kinds))
+    return ZoologyLM(cfg.vocab_size, int(width), mixers, block=block, embed_dropout=cfg.embed_dropout,
+                     dtype=dtype, rng=rng)

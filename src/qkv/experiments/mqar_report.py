@@ -43,8 +43,11 @@ def format_table(rec: dict) -> str:
             steps.setdefault((r["mixer"], r["width"]), []).append(r["steps"])
     lines = [f"accuracy at the query positions of the test set, T = {c['seq_len']} (chance {rec['chance']:.5f}); "
              f"median (lowest-highest) over seeds {c['seeds']} at the lr chosen on validation from {c['lrs']}; "
-             f"{'a BaseConv layer of ' + str(c['baseconv']) + ' taps then ' if c['baseconv'] else ''}the mixer, "
-             f"{c['n_head']} head(s), vocabulary {c['vocab_size']} ({c['filler']} filler), batches of {c['batch']} "
+             + ("Zoology's models (its blocks without MLP, a BaseConv layer then the mixer, Mamba-2 alone), "
+                if c.get("model") == "zoology" else
+                f"{'a BaseConv layer of ' + str(c['baseconv']) + ' taps then ' if c['baseconv'] else ''}the mixer, "
+                f"{c['n_head']} head(s), ")
+             + f"vocabulary {c['vocab_size']} ({c['filler']} filler), batches of {c['batch']} "
              f"(pairs at T: {tasks}), at most {c['steps']} steps, AdamW wd {c['weight_decay']:g}, cosine to 0; a "
              f"run stops at validation accuracy > {c['stop_accuracy']:g}; {rec['machine']}", "",
              "| mixer | width | lr | steps | " + " | ".join(f"{p} pairs" for p in pairs) + " |",

@@ -1,4 +1,5 @@
 """Zoology's MQAR mixers that are not attention or a named recurrence: a lone BaseConv, and Based.
+(The language model around them, Zoology's ``LanguageModel``, is :class:`qkv.models.zoology.ZoologyLM`.)
 
 **ConvMixer** is :class:`~qkv.nn.BaseConv` as a block's mixer of its own (Zoology's 2024 MQAR
 models put one BaseConv layer before the mixer under test): ``y = conv(u) ∘ (u W_proj + b_proj) + u``,
