@@ -12,8 +12,9 @@ SCALE_HELP = "why attention divides by sqrt(d_k): Var(q.k) grows like d_k, softm
 COMPLEXITY_HELP = ("time and traced peak memory against T of dense, tiled, chunked and linear attention, "
                    "forward and forward+backward, and one decoding step")
 RECALL_HELP = "the dictionary lookup learned by softmax and by linear attention as the pairs grow"
-MQAR_HELP = ("multi-query associative recall (Zoology): a BaseConv layer then attention, linear, based, mamba2, "
-             "gated_delta, rglru or an attention hybrid, at several widths and pair counts, a sweep of lrs and seeds")
+MQAR_HELP = ("multi-query associative recall (Zoology's models: a BaseConv layer then attention, linear, based, "
+             "mamba2 (alone, as Zoology), "
+             "gated_delta, rglru or an attention hybrid), at several widths and pair counts, a sweep of lrs and seeds")
 
 
 # The experiments: name -> (one line, its options). The help, the subcommands and the command's
@@ -72,7 +73,7 @@ def _recall_arguments(parser) -> None:
 def _mqar_arguments(parser) -> None:
     from . import mqar
 
-    _run_arguments(parser, "mqar", "attention against Gated DeltaNet at width 32, 4 pairs: under 3 minutes")
+    _run_arguments(parser, "mqar", "attention against Mamba-2 at width 32, 4 pairs: under 3 minutes")
     mqar.add_arguments(parser)
 
 
