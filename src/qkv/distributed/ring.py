@@ -17,7 +17,9 @@ mean on the whole arrays. A pair that the mask removes entirely is not computed.
 block is exact on its own, so each block's gradients are the single-process ones restricted
 to it: dQ sums over the blocks a rank meets and stays local; dK and dV of a block sum over
 every rank's queries, so they travel with the block and, one hop after the last step,
-arrive home (W hops in all).
+arrive home (W hops in all). Rows where one key holds nearly all the weight take delta from
+the tiles' own P and dP, summed over every block first (one more trip of K and V, only when
+some rank has such a row; the derivation is in :mod:`qkv.kernels.flash.backward_kernel`).
 
 **Overlap.** The next block's ``Isend``/``Irecv`` are posted before the current block is
 computed; the incoming dK/dV sum is only waited for after the next block's compute. A
@@ -216,6 +218,7 @@ def ring_attention_backward(dout, q, k, v, out, lse, *, comm=None, layout="zigza
     prob, comm = ring.prob, ring.comm
     dt, d = prob.q.dtype, prob.q.shape[-1]
     precise, norm = _precise_sums(ring, ls)
+    resid = None if norm is None else _delta_residual(ring, do, o, ls, precise, norm)
     right, left = (ring.rank + 1) % ring.size, (ring.rank - 1) % ring.size
     dq = np.zeros(prob.q.shape, dt)                               # (*L, c, D)
     incoming, recv, sending = [], None, []
@@ -227,7 +230,7 @@ def ring_attention_backward(dout, q, k, v, out, lse, *, comm=None, layout="zigza
             dqp, dkp, dvp = flash.backward(do[..., qs, :], prob.q[..., qs, :], kk, vv, o[..., qs, :],
                                            ls[..., qs], sp, prob.scale, prob.group,
                                            precise=precise[..., qs], norm=None if norm is None else norm.rows(qs),
-                                           blocks=True)
+                                           resid=None if resid is None else resid[..., qs], blocks=True)
             dq[..., qs, :] += dqp
             dk[..., ks, :] += api.sum_to(dkp, kb.shape[:-2] + (dkp.shape[-2], d))
             dv[..., ks, :] += api.sum_to(dvp, vb.shape[:-2] + dvp.shape[-2:])
@@ -276,3 +279,23 @@ def _precise_sums(ring: Ring, lse: np.ndarray):
             both = norm.rows(qs).merge(part)
             norm.m[..., qs], norm.l[..., qs] = both.m, both.l
     return precise, norm
+
+
+def _delta_residual(ring: Ring, do, o, lse, precise, norm):
+    """The peaked rows' ``c_i = Σ_j P_ij d_ij`` over every key (see
+    :mod:`qkv.kernels.flash.backward_kernel`: delta from the tiles' own P and dP), or ``None``
+    when no rank has such a row. Like the sums, it needs every key first: K and V make one
+    more trip around the ring, only then."""
+    MPI = _mpi()
+    prob = ring.prob
+    rows = flash.peaked_rows(precise, norm)
+    if not ring.comm.allreduce(bool(rows.any()), op=MPI.LOR):
+        return None
+    resid = np.zeros(rows.shape)                                  # (*L, c) float64
+    for src, (kb, vb) in _travel(ring, [ring.k.copy(), ring.v.copy()]):
+        for qs, ks, sp in ring.pairs(src):
+            kk, vv = ring.kv_block(kb, vb, ks)
+            resid[..., qs] += flash.delta_residual(do[..., qs, :], prob.q[..., qs, :], kk, vv, o[..., qs, :], lse[..., qs],
+                                                   sp, prob.scale, prob.group, precise[..., qs], norm.rows(qs),
+                                                   rows[..., qs])
+    return resid

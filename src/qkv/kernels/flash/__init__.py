@@ -5,7 +5,8 @@ O(T·D) memory: no ``(Tq, Tk)`` array is ever made. The derivations live with th
 - :mod:`.forward_kernel`: softmax with any offset, the online softmax (the exact path) and
   the fixed offset from a Cauchy–Schwarz bound (the fast path), in base 2;
 - :mod:`.backward_kernel`: ``dV = Pᵀ dO``, ``dS = P ∘ (dP - delta)``, ``dQ``, ``dK`` with
-  the subtractions folded into the products;
+  the subtractions folded into the products, and delta from the tiles' own P where a row
+  has one dominant key; :mod:`.operands`: a call's prepared operands;
 - :mod:`.precise`: which rows take the precise path (float64 scores), and the sums the
   backward normalises them by;
 - :mod:`.tiles`: the :class:`Tiles` sizes of a call, its threads, scratch buffers and masks;
@@ -17,10 +18,11 @@ O(T·D) memory: no ``(Tq, Tk)`` array is ever made. The derivations live with th
 ``forward`` and ``backward`` have the kernel interface of :mod:`qkv.kernels.reference`,
 plus ``tiles=`` and ``num_threads=`` for the one call.
 """
-from .backward_kernel import backward, row_sums
+from .backward_kernel import backward, delta_residual, peaked_rows, row_sums
 from .exp2 import path as EXP_PATH
 from .forward_kernel import forward
 from .precise import RowNorm, key_norm_max, precise_rows
 from .tiles import Tiles
 
-__all__ = ["forward", "backward", "Tiles", "EXP_PATH", "RowNorm", "key_norm_max", "precise_rows", "row_sums"]
+__all__ = ["forward", "backward", "Tiles", "EXP_PATH", "RowNorm", "key_norm_max", "precise_rows", "row_sums",
+           "delta_residual", "peaked_rows"]

@@ -44,10 +44,34 @@ for the whole sequence (:func:`precise_rows` with the global ``max‖k_j‖``), 
 :func:`row_sums` over all blocks with :meth:`RowNorm.merge`, and hands both to
 :func:`backward` for each block (``precise=``, ``norm=``); a block alone would normalise P
 by the part of the row it sees.
+
+**Rows with one dominant key: delta from their own tiles.** Where key r holds nearly all
+of row i (``P_ir = 1 - ε``), the true ``dP_ir - delta_i = Σ_{j≠r} P_ij (dP_ir - dP_ij)`` is
+of size ``ε·|dP|``, while ``dP_ir`` and ``delta_i = rowsum(dO_i ∘ O_i)`` are each of size
+``|dP|`` and carry their own roundings (``O`` from the forward's, ``dP`` from a tile's
+product): their difference keeps ``eps·|dP|`` of noise, which swamps ``dS_ir`` once ``ε <
+eps`` (dQ erred 10⁴ of its largest entry in float32, 10⁻⁵ in float64, where dense torch
+errs 0.8 and 5·10⁻⁶). The cure is the delta of the P and dP the tiles compute: with
+``d_ij = dP_ij - delta_i`` as a tile forms it (``[dO | -delta] [V | 1]ᵀ``) and the residual
+``c_i = Σ_j P_ij d_ij`` over every key (float64 sums of the tiles' own products), ::
+
+    delta'_i = delta_i + c_i,   dP_ij - delta'_i = d_ij - c_i
+    dP_ir - delta'_i = d_ir (1 - P_ir) - Σ_{j≠r} P_ij d_ij
+
+in which ``d_ir`` (itself only ``eps·|dP|``, as ``delta_i ≈ dP_ir``) is multiplied by ``ε``
+and every other term carries its own small ``P_ij``: nothing of size ``|dP|`` cancels
+(``Σ_j P_ij (dP_ij - delta'_i) = 0`` to rounding, the identity the dense path holds). A tile
+holding a whole row already does this within the tile (below, in :func:`_plain_grad_tile`).
+Rows whose keys span several tiles or calls need every tile's ``c`` first: a pass that
+computes the tiles' P and ``d`` (two of the five products, one ``exp``) and sums ``P ∘ d``
+(:func:`delta_residual`), run only for the precise rows where one key holds all but
+``PEAKED`` of the weight (``l_i - 1 < PEAKED``: ``P_max = 1/l``), where the cancellation
+costs more than 16x the rounding; the main pass then subtracts ``c_i`` from ``d``. Those
+rows' dQ and dK change bits; dV and every other row keep theirs. Softcap and dropout
+scores keep ``delta`` from ``O``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
@@ -57,94 +81,12 @@ from . import exp2 as pow2
 from . import modifiers
 from .precise import RowNorm, own_precise_rows, take_rows
 from .precise import offsets as precise_offsets
-from .tiles import (DEFAULT, LOG2E, Tiles, Workers, batch_of, bias_limit, by_batch, chunks, kv_heads,
+from .operands import Call, KVHead, QueryHead, prep_kv, prep_q
+from .tiles import (DEFAULT, LOG2E, Task, Tiles, Workers, batch_of, bias_limit, chunks, deal, kv_heads,
                     mask_and_bias, scratch)
 
 F64 = np.dtype(np.float64)
-
-
-# --- the prepared operands -------------------------------------------------------------------
-@dataclass
-class Call:
-    """The fixed facts of one backward call."""
-
-    spec: MaskSpec
-    scale: float
-    tk: int
-    dt: np.dtype
-    tiles: Tiles
-    whole_rows: bool      # the call's keys are all of each row's keys (not a ring block)
-    masked: bool          # a bias or ALiBi adds to the scores
-    clip: float | None    # the fast path's bias clip (see tiles.bias_limit)
-    mods: modifiers.Mods | None = None   # softcap and dropout (qkv.score_ops); None: plain scores
-
-
-@dataclass
-class QueryHead:
-    """One query head's rows, with the backward's extra columns."""
-
-    qx: np.ndarray | None   # (Tq, D+2)  [log2(e)·scale·Q | -hi | -lo]
-    dox: np.ndarray | None  # (Tq, Dv+1) [dO | dlse - delta], zero on rows that saw nothing
-    q: np.ndarray           # (Tq, D) Q, contiguous, for dK = scale · dSᵀ Q
-    precise: np.ndarray     # (Tq,) bool
-    q64: np.ndarray | None  # (Tq, D) float64 Q where some row is precise
-    dlse: np.ndarray | None = None  # (Tq,) the gradient of lse, where given
-    keys: modifiers.Keys | None = None  # (Tq,) the rows' dropout keys, where dropout is on
-
-
-@dataclass
-class KVHead:
-    kx: np.ndarray | None   # (Tk, D+2) [K | 1 | 1]
-    v1: np.ndarray | None   # (Tk, Dv+1) [V | 1]
-    k64: np.ndarray | None  # (Tk, D) float64 K where some query row is precise
-
-
-@dataclass
-class Task:
-    """The keys ``c0:c1`` of one kv head, against all its query heads."""
-
-    ikv: tuple
-    heads: list
-    c0: int
-    c1: int
-
-
-def _prep_q(call: Call, h, q, precise, dout=None, out=None, lse=None, dlse=None) -> QueryHead:
-    """A query head's operands; without ``dout`` only what :func:`row_sums` reads."""
-    dt, d = call.dt, q.shape[-1]
-    exact = precise[h]
-    q64 = q[h].astype(np.float64) if exact.any() else None
-    if dout is None:
-        return QueryHead(None, None, q[h], exact, q64)
-    ls, tq, dv = lse[h], q.shape[-2], dout.shape[-1]
-    finite = (ls != -np.inf) & (np.arange(tq) < call.spec.rows(batch_of(call.spec, h)))
-    qx = np.empty((tq, d + 2), dt)                                # [log2(e)·scale·Q | -hi | -lo]
-    with np.errstate(over="ignore"):
-        np.multiply(q[h], dt.type(call.scale * LOG2E), out=qx[:, :d])
-    t = np.where(finite & ~exact, ls, 0).astype(np.float64) * LOG2E  # log2(e)·lse = hi + lo exactly
-    qx[:, d] = -t                                                 # -hi: t rounded to the dtype
-    qx[:, d + 1] = -(t + qx[:, d].astype(np.float64))             # -lo = -(t - hi), exact in float64
-    delta = np.einsum("td,td->t", dout[h], out[h])                # delta_i = rowsum(dO_i ∘ O_i)
-    dl = None if dlse is None else np.where(finite, dlse[h], 0)
-    dox = np.empty((tq, dv + 1), dt)                              # [dO | dlse - delta], riding in dP
-    dox[:, :dv] = np.where(finite[:, None], dout[h], 0)           # rows that saw nothing: zero
-    dox[:, dv] = np.where(finite, -delta if dl is None else dl - delta, 0)
-    return QueryHead(qx, dox, np.ascontiguousarray(q[h]), exact, q64, dl,
-                     modifiers.task_keys(call.mods, [h], 0, tq))
-
-
-def _prep_kv(call: Call, ikv, k, v, any_precise: bool, sums_only: bool = False) -> KVHead:
-    k64 = k[ikv].astype(np.float64) if any_precise else None
-    if sums_only:
-        return KVHead(None, None, k64)
-    tk, d, dv = k.shape[-2], k.shape[-1], v.shape[-1]
-    kx = np.empty((tk, d + 2), call.dt)                           # [K | 1 | 1]
-    kx[:, :d] = k[ikv]
-    kx[:, d:] = 1
-    v1 = np.empty((tk, dv + 1), call.dt)                          # [V | 1]
-    v1[:, :dv] = v[ikv]
-    v1[:, dv] = 1
-    return KVHead(kx, v1, k64)
+PEAKED = 1 / 16   # a precise row whose l - 1 is below this takes delta from its own tiles
 
 
 # --- tiles -------------------------------------------------------------------------------------
@@ -247,6 +189,8 @@ def _plain_grad_tile(call: Call, kv: KVHead, qh: QueryHead, offsets, h, q0, q1, 
         if qh.dlse is not None:
             c -= qh.dlse[q0:q1]
         dst -= (c / np.where(r > 0, r, 1)).astype(call.dt)
+    elif precise and qh.resid is not None:
+        dst -= qh.resid[q0:q1].astype(call.dt)                    # d - c: delta from the tiles' own P, dP
     dst *= et                                                     # dS = P ∘ (dP - delta)
     return et, dst, dob
 
@@ -323,42 +267,41 @@ def row_sums(q, k, spec: MaskSpec, scale: float, group: int, precise: np.ndarray
     -inf``, ``l = 0``); add up several calls' with :meth:`RowNorm.merge`."""
     call, workers, heads_of = _setup(q, k, spec, scale, group, tiles, num_threads)
     with workers as pool:
-        kvs = {ikv: _prep_kv(call, ikv, k, None, True, sums_only=True) for ikv, _ in heads_of}
-        qheads = {h: _prep_q(call, h, q, precise) for _, hs in heads_of for h in hs}
-        lanes = _deal(spec, heads_of, k.shape[-2], pool.n, call.tiles)
+        kvs = {ikv: prep_kv(call, ikv, k, None, True, sums_only=True) for ikv, _ in heads_of}
+        qheads = {h: prep_q(call, h, q, precise) for _, hs in heads_of for h in hs}
+        lanes = deal(spec, heads_of, k.shape[-2], pool.n, call.tiles)
         return _sums_pass(pool, call, lanes, kvs, qheads, q.shape[:-1])
 
 
 def backward(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int = 1,
              *, tiles: Tiles | None = None, num_threads: int | None = None,
              precise: np.ndarray | None = None, norm: RowNorm | None = None, blocks: bool = False,
-             dlse: np.ndarray | None = None):
+             dlse: np.ndarray | None = None, resid: np.ndarray | None = None):
     """Gradients ``(dq (*L,Tq,D), dk (*Lk,Tk,D), dv (*Lk,Tk,Dv))``; the interface of
     :func:`qkv.kernels.reference.backward`. ``tiles`` and ``num_threads`` as in
-    :func:`~qkv.kernels.flash.forward`. ``precise`` (bool ``(*L, Tq)``) and ``norm`` (their
-    sums over every key) are for a caller whose rows see keys beyond ``k`` (the ring, which
-    also says ``blocks=True``: no tile then holds a whole row); by default both come from
-    this call's keys."""
+    :func:`~qkv.kernels.flash.forward`. ``precise`` (bool ``(*L, Tq)``), ``norm`` (their
+    sums over every key) and ``resid`` (float64 ``(*L, Tq)``: the peaked rows' ``c_i`` over
+    every key, :func:`delta_residual` summed; 0 elsewhere) are for a caller whose rows see
+    keys beyond ``k`` (the ring, which also says ``blocks=True``: no tile then holds a whole
+    row); by default all three come from this call's keys."""
     call, workers, heads_of = _setup(q, k, spec, scale, group, tiles, num_threads, whole_rows=not blocks)
     dt, d = call.dt, q.shape[-1]
-    tk, dvw = k.shape[-2], v.shape[-1]
     if precise is None:
         precise = own_precise_rows(q, k, lse, spec, scale, group)
-    any_precise = bool(precise.any())
-    dk = np.zeros(k.shape[:-2] + (tk, d), dt)
-    dv = np.zeros(k.shape[:-2] + (tk, dvw), dt)
+    dk = np.zeros(k.shape[:-2] + (k.shape[-2], d), dt)
+    dv = np.zeros(k.shape[:-2] + (k.shape[-2], v.shape[-1]), dt)
     with workers as pool:
-        kvs = dict(zip([ikv for ikv, _ in heads_of],
-                       pool.run([partial(_prep_kv, call, ikv, k, v, any_precise) for ikv, _ in heads_of])))
-        all_heads = [h for _, hs in heads_of for h in hs]
-        qheads = dict(zip(all_heads, pool.run([partial(_prep_q, call, h, q, precise, dout, out, lse, dlse)
-                                               for h in all_heads])))
-        lanes = _deal(spec, heads_of, tk, pool.n, call.tiles)
+        kvs, qheads, lanes = _operands(pool, call, heads_of, q, k, v, precise, dout, out, lse, dlse)
         offsets = None
-        if any_precise:
+        if precise.any():
             if norm is None:
                 norm = _normalisers(pool, call, lanes, kvs, qheads, q.shape[:-1])
             offsets = precise_offsets(lse, precise, norm)
+            if resid is None and not blocks and call.mods is None:
+                resid = _resid_pass(pool, call, lanes, kvs, qheads, offsets, peaked_rows(precise, norm), dlse)
+        if resid is not None:
+            for h, qh in qheads.items():
+                qh.resid = resid[h]
         dqs = [np.zeros(q.shape, dt) for _ in lanes]
         pool.run([partial(_grad_lane, call, lane, kvs, qheads, offsets, dqs[i], dk, dv)
                   for i, lane in enumerate(lanes)])
@@ -369,31 +312,61 @@ def backward(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int =
     return dq, dk, dv
 
 
+def _operands(pool, call, heads_of, q, k, v, precise, dout, out, lse, dlse):
+    """``(kvs, qheads, lanes)``: each head's operands, prepared on the pool, and the tasks."""
+    any_precise = bool(precise.any())
+    kvs = dict(zip([ikv for ikv, _ in heads_of],
+                   pool.run([partial(prep_kv, call, ikv, k, v, any_precise) for ikv, _ in heads_of])))
+    all_heads = [h for _, hs in heads_of for h in hs]
+    qheads = dict(zip(all_heads, pool.run([partial(prep_q, call, h, q, precise, dout, out, lse, dlse)
+                                           for h in all_heads])))
+    return kvs, qheads, deal(call.spec, heads_of, k.shape[-2], pool.n, call.tiles)
+
+
+# --- delta from the tiles' own P and dP (the module docstring's last section) --------------------
+def peaked_rows(precise: np.ndarray, norm: RowNorm) -> np.ndarray:
+    """The precise rows where one key holds all but ``PEAKED`` of the weight (``P_max = 1/l``)."""
+    return precise & (norm.l >= 1) & (norm.l < 1 + PEAKED)
+
+
+def delta_residual(dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int,
+                   precise: np.ndarray, norm: RowNorm, rows: np.ndarray, *,
+                   tiles: Tiles | None = None, num_threads: int | None = None) -> np.ndarray:
+    """``c_i = Σ_j P_ij d_ij`` over the keys ``k`` of this call (a block of every row's keys),
+    float64 ``(*L, Tq)``, for the bool ``rows`` (0 elsewhere); ``precise`` and ``norm`` as
+    :func:`backward` takes them. Add up every block's and pass the sum as ``resid=``."""
+    call, workers, heads_of = _setup(q, k, spec, scale, group, tiles, num_threads, whole_rows=False)
+    with workers as pool:
+        kvs, qheads, lanes = _operands(pool, call, heads_of, q, k, v, precise, dout, out, lse, None)
+        resid = _resid_pass(pool, call, lanes, kvs, qheads, precise_offsets(lse, precise, norm), rows)
+    return np.zeros(rows.shape) if resid is None else resid
+
+
+def _resid_pass(pool, call, lanes, kvs, qheads, offsets, rows, dlse=None) -> np.ndarray | None:
+    """Per-lane sums of :func:`_resid_lane`, added in a fixed order, less ``dlse`` (the tiles'
+    ``d`` carry it: ``Σ_j dS_ij`` is to be ``dlse_i``); ``None`` without ``rows``."""
+    if call.mods is not None or not rows.any():
+        return None
+    parts = [np.zeros(rows.shape) for _ in lanes]
+    pool.run([partial(_resid_lane, call, lane, kvs, qheads, offsets, rows, parts[i]) for i, lane in enumerate(lanes)])
+    total = parts[0]
+    for other in parts[1:]:
+        total += other
+    return np.where(rows, total if dlse is None else total - dlse, 0.0)
+
+
+def _resid_lane(call: Call, tasks: list, kvs: dict, qheads: dict, offsets, rows, total) -> None:
+    """``Σ_j P_ij d_ij`` over this lane's tiles of the ``rows`` (tiles holding a whole row
+    correct themselves): the very tiles the main pass makes, so ``d_ir`` has the same bits."""
+    with np.errstate(over="ignore", under="ignore"):
+        for task in tasks:
+            for h, q0, q1, a, e, partial_, precise, whole in _walk(call, task, qheads):
+                if precise and not whole and rows[h][q0:q1].any():
+                    _, ds, _ = _grad_tile(call, kvs[task.ikv], qheads[h], offsets, h, q0, q1, a, e, partial_,
+                                          precise, whole)
+                    total[h][q0:q1] += ds.sum(axis=0, dtype=np.float64)   # (w,r) -> (r,): Σ_j P_ij d_ij
+
+
 def _normalisers(pool, call, lanes, kvs, qheads, shape) -> RowNorm:
     """The precise rows' sums over this call's keys (a seam the tests count through)."""
     return _sums_pass(pool, call, lanes, kvs, qheads, shape)
-
-
-def _deal(spec, heads_of, tk, n_threads, tiles) -> list:
-    """(kv head, key block) tasks, dealt to lanes by a fixed rule (largest first, to the
-    least-loaded lane), so a given thread count always adds in the same order."""
-    width = tiles.bwd_keys
-    while n_threads > 1 and width > 256 and len(heads_of) * -(-tk // width) < 2 * n_threads:
-        width //= 2  # two tasks a thread or more, so causal work can be balanced (one thread:
-        # whole rows in a task, whose P are normalised by their own sums; see _grad_tile)
-    tasks = []
-    for ikv, hs in heads_of:
-        for c0 in range(0, tk, width):
-            c1 = min(c0 + width, tk)
-            spans = [spec.query_range(c0, c1, batch=batch_of(spec, run[0])) for run in by_batch(spec, hs)]
-            rows_seen = sum(max(0, r1 - r0) for r0, r1 in spans)
-            if rows_seen:
-                tasks.append((rows_seen * (c1 - c0), Task(ikv, hs, c0, c1)))
-    n = max(1, min(n_threads, len(tasks)))
-    lanes = [[] for _ in range(n)]
-    load = [0] * n
-    for cost, task in sorted(tasks, key=lambda t: -t[0]):
-        i = load.index(min(load))
-        lanes[i].append(task)
-        load[i] += cost
-    return lanes

@@ -230,3 +230,39 @@ def alibi_bound(spec: MaskSpec, heads: list, q0: int, q1: int, k0: int, k1: int)
     far = max(abs(q0 + s - (k1 - 1)), abs(q1 - 1 + s - k0), 0)
     slopes = np.array([spec.slopes(h) for h in heads], dtype=np.float64)
     return np.where(slopes < 0, -slopes * far, 0.0)
+
+
+# --- the backward's tasks --------------------------------------------------------------------
+@dataclass
+class Task:
+    """The keys ``c0:c1`` of one kv head, against all its query heads."""
+
+    ikv: tuple
+    heads: list
+    c0: int
+    c1: int
+
+
+def deal(spec, heads_of, tk, n_threads, tiles) -> list:
+    """(kv head, key block) tasks, dealt to lanes by a fixed rule (largest first, to the
+    least-loaded lane), so a given thread count always adds in the same order."""
+    width = tiles.bwd_keys
+    while n_threads > 1 and width > 256 and len(heads_of) * -(-tk // width) < 2 * n_threads:
+        width //= 2  # two tasks a thread or more, so causal work can be balanced (one thread:
+        # whole rows in a task, whose P are normalised by their own sums; see _grad_tile)
+    tasks = []
+    for ikv, hs in heads_of:
+        for c0 in range(0, tk, width):
+            c1 = min(c0 + width, tk)
+            spans = [spec.query_range(c0, c1, batch=batch_of(spec, run[0])) for run in by_batch(spec, hs)]
+            rows_seen = sum(max(0, r1 - r0) for r0, r1 in spans)
+            if rows_seen:
+                tasks.append((rows_seen * (c1 - c0), Task(ikv, hs, c0, c1)))
+    n = max(1, min(n_threads, len(tasks)))
+    lanes = [[] for _ in range(n)]
+    load = [0] * n
+    for cost, task in sorted(tasks, key=lambda t: -t[0]):
+        i = load.index(min(load))
+        lanes[i].append(task)
+        load[i] += cost
+    return lanes
