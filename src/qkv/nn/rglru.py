@@ -13,8 +13,19 @@ Forward, for ``x (B, T, d_model)`` and an LRU of width ``L`` split into ``H`` bl
 
 The recurrence is :func:`qkv.recurrent.linear_scan` (``x = m ∘ i ∘ u``, ``log_a``). Position 0 of
 a sequence resets the state as transformers does (``a = 0``, ``m = 1``): the state before it is
-zero, so only ``m`` changes. The derivative of the square root is bounded as transformers'
-``SqrtBoundDerivative`` bounds it, ``dm/d(1 - a²) = 1 / sqrt(max(4 (1 - a²), 1e-6))``.
+zero, so only ``m`` changes.
+
+**The square root's derivative.** By default it is bounded as transformers'
+``SqrtBoundDerivative`` bounds it (``sqrt_grad_bound=1000``)::
+
+    dm/d(1 - a²) = 1 / sqrt(max(4 (1 - a²), 1 / bound²))     (the true one: 1 / (2 sqrt(1 - a²)))
+
+so where ``1 - a² < 1/(4·bound²) = 2.5e-7`` (``a`` within ``1.25e-7`` of 1: a slow channel
+with its gate open) the gradient through ``m`` to ``log a``, the recurrence gate and ``Λ`` is
+smaller than the true one, by the factor ``2·bound·sqrt(1 - a²)``, and no longer matches
+finite differences. ``sqrt_grad_bound=None`` takes the true derivative (bounded only where
+``1 - a²`` is below the dtype's smallest normal number, where the true one is infinite).
+The forward is the same either way. See docs/recurrent-layers.md.
 
 **Decoding.** ``new_state(batch)`` holds the convolution's last ``K - 1`` inputs and
 ``h (B, L)``; ``forward(x_new, state=state)`` continues the sequence from position
@@ -39,6 +50,17 @@ C_EXPONENT = 8.0          # Griffin's c
 MAX_SQRT_GRADIENT = 1000.0  # transformers' bound on d sqrt(x) / dx
 
 
+def check_sqrt_grad_bound(bound):
+    """``None`` or a positive finite number (a ShapeError naming it otherwise)."""
+    if bound is None:
+        return None
+    if isinstance(bound, (bool, np.bool_)) or not isinstance(bound, (int, float, np.integer, np.floating)) \
+            or not math.isfinite(bound) or bound <= 0:
+        raise ShapeError(f"sqrt_grad_bound must be None (the true derivative) or a positive finite number "
+                         f"(transformers': {MAX_SQRT_GRADIENT:g}); got {bound!r}")
+    return float(bound)
+
+
 class RGLRU(Layer):
     """Griffin's recurrent block: LRU width ``lru_width`` in ``n_heads`` gate blocks, conv of ``conv_width``.
 
@@ -48,11 +70,15 @@ class RGLRU(Layer):
         input_gate_weight (H, w, w)      input_gate_bias (H, w)
         recurrent_gate_weight (H, w, w)  recurrent_gate_bias (H, w)   recurrent_param (L,)  (Λ)
         W_out (L, d_model)  b_out (d_model,)
+
+    ``sqrt_grad_bound``: transformers' bound on ``d sqrt(x)/dx`` (1000, the default), or None
+    for the true derivative (the module docstring says where they differ).
     """
 
     def __init__(self, d_model: int, lru_width: int, n_heads: int, *, conv_width: int = 4, dtype=np.float32,
-                 rng: np.random.Generator | None = None):
+                 rng: np.random.Generator | None = None, sqrt_grad_bound: float | None = MAX_SQRT_GRADIENT):
         super().__init__(dtype=dtype, rng=rng)
+        self.sqrt_grad_bound = check_sqrt_grad_bound(sqrt_grad_bound)
         self.d_model, self.lru_width = positive_int("d_model", d_model), positive_int("lru_width", lru_width)
         self.n_heads, self.conv_width = positive_int("n_heads", n_heads), positive_int("conv_width", conv_width)
         if self.lru_width % self.n_heads:
@@ -145,7 +171,8 @@ class RGLRU(Layer):
         """``(du, dpre_i, dpre_r, dlog_a)``: the gradients through ``xin = m ∘ i ∘ u`` and ``log a``
         to ``u``'s direct use, the two gates' pre-activations and ``log a`` (with the fast extra
         one compiled pass, :func:`qkv.nn.fused.rglru_backward`, NumPy's bits)."""
-        lim = 1 / MAX_SQRT_GRADIENT ** 2
+        bound = self.sqrt_grad_bound
+        lim = 1 / bound ** 2 if bound is not None else float(np.finfo(s["u"].dtype).tiny)
         e2 = np.exp(2 * s["log_a"])                                            # a²: d(1 - a²)/dlog a = -2a²
         csp = -C_EXPONENT * s["sp"]
         arrays = [np.ascontiguousarray(s[n]) for n in ("m", "gi", "gr", "u", "one_minus")]
@@ -196,8 +223,9 @@ class RGLRU(Layer):
 
     # --- transformers --------------------------------------------------------------------------
     @classmethod
-    def from_hf(cls, module, *, dtype=np.float32) -> RGLRU:
-        """The layer of a transformers ``RecurrentGemmaRecurrentBlock``, weight for weight (shapes checked)."""
+    def from_hf(cls, module, *, dtype=np.float32, sqrt_grad_bound: float | None = MAX_SQRT_GRADIENT) -> RGLRU:
+        """The layer of a transformers ``RecurrentGemmaRecurrentBlock``, weight for weight (shapes
+        checked); ``sqrt_grad_bound`` as in the constructor (transformers' by default)."""
         t = hf_tensors(module, "RGLRU.from_hf", "RecurrentGemmaRecurrentBlock", RGLRU_NEEDS)
         import torch
         probe = np.linspace(-3, 3, 13)
@@ -206,7 +234,7 @@ class RGLRU(Layer):
             raise ShapeError(f"RGLRU.from_hf: the gate branch's activation must be tanh GELU "
                              f"(gelu_pytorch_tanh); got {type(module.act_fn).__name__}")
         layer = cls(module.hidden_size, module.lru_width, module.rg_lru.num_attention_heads,
-                    conv_width=module.conv1d_width, dtype=dtype)
+                    conv_width=module.conv1d_width, dtype=dtype, sqrt_grad_bound=sqrt_grad_bound)
         same = lambda a: a  # noqa: E731
         table = {"linear_y.weight": ("W_y", np.transpose), "linear_y.bias": ("b_y", same),
                  "linear_x.weight": ("W_x", np.transpose), "linear_x.bias": ("b_x", same),

@@ -12,8 +12,11 @@ transformers' ``RecurrentGemmaRecurrentBlock``, its parameters under the same na
 
 At a sequence's first token (position 0, a fresh state) the normaliser ``sqrt(1 - a²)`` is 1
 and the state starts at zero, as transformers' ``reset``. The square root's derivative is
-capped (``1 / sqrt(max(4x, 1e-6))``, transformers' ``SqrtBoundDerivative``) so that
-``a → 1`` does not blow up a gradient.
+capped by default (``1 / sqrt(max(4x, 1 / bound²))`` with ``sqrt_grad_bound=1000``,
+transformers' ``SqrtBoundDerivative``) so that ``a → 1`` does not blow up a gradient; where
+``1 - a² < 2.5e-7`` that gradient is smaller than the true one. ``sqrt_grad_bound=None``
+takes torch's own derivative of ``sqrt`` (the true one; see :mod:`qkv.nn.rglru` and
+docs/recurrent-layers.md).
 """
 from __future__ import annotations
 
@@ -23,35 +26,42 @@ from torch import nn
 
 from ..errors import ShapeError, positive_int
 from ..nn.hf_variants import RGLRU_NEEDS, require
+from ..nn.rglru import MAX_SQRT_GRADIENT, check_sqrt_grad_bound
 from .layer_state import RecurrentState, activation as activation_fn, causal_conv, check_input, check_state, load_hf
 from .recurrent_ops import linear_scan
 
-MAX_SQRT_GRADIENT = 1000.0
-
 
 class _SqrtBoundedGrad(torch.autograd.Function):
-    """``sqrt(x)``, its derivative ``1 / (2 sqrt(x))`` capped at :data:`MAX_SQRT_GRADIENT`."""
+    """``sqrt(x)``, its derivative ``1 / (2 sqrt(x))`` capped at ``bound``."""
 
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, bound):
         ctx.save_for_backward(x)
+        ctx.bound = bound
         return torch.sqrt(x)
 
     @staticmethod
     def backward(ctx, grad):
         (x,) = ctx.saved_tensors
-        return grad / torch.sqrt(torch.clamp(4.0 * x, min=1.0 / MAX_SQRT_GRADIENT ** 2))
+        return grad / torch.sqrt(torch.clamp(4.0 * x, min=1.0 / ctx.bound ** 2)), None
+
+
+def _sqrt(x, bound):
+    """``sqrt(x)``; its derivative capped at ``bound``, or torch's own where None."""
+    return torch.sqrt(x) if bound is None else _SqrtBoundedGrad.apply(x, bound)
 
 
 class RealGatedLRU(nn.Module):
     """The RG-LRU's parameters (transformers' ``RecurrentGemmaRglru``): ``recurrent_param (W,)``
     and per head ``(w, w)`` gate weights with ``(w,)`` biases, ``x W + b`` convention."""
 
-    def __init__(self, width: int, n_heads: int, dtype=None, device=None):
+    def __init__(self, width: int, n_heads: int, dtype=None, device=None,
+                 sqrt_grad_bound: float | None = MAX_SQRT_GRADIENT):
         super().__init__()
         kw = dict(dtype=dtype, device=device)
         w = width // n_heads
         self.n_heads = n_heads
+        self.sqrt_grad_bound = check_sqrt_grad_bound(sqrt_grad_bound)
         self.recurrent_param = nn.Parameter(torch.empty(width, **kw))
         self.input_gate_weight = nn.Parameter(torch.empty(n_heads, w, w, **kw))
         self.input_gate_bias = nn.Parameter(torch.zeros(n_heads, w, **kw))
@@ -74,7 +84,7 @@ class RealGatedLRU(nn.Module):
         i = self._gate(u, self.input_gate_weight, self.input_gate_bias)
         r = self._gate(u, self.recurrent_gate_weight, self.recurrent_gate_bias)
         log_a = -8.0 * r * F.softplus(self.recurrent_param)                    # (B, T, W)
-        norm = _SqrtBoundedGrad.apply(1 - torch.exp(2 * log_a))                 # sqrt(1 - a²)
+        norm = _sqrt(1 - torch.exp(2 * log_a), self.sqrt_grad_bound)          # sqrt(1 - a²)
         if h0 is None:  # position 0: no normaliser (the state is zero)
             norm = torch.cat([torch.ones_like(norm[:, :1]), norm[:, 1:]], dim=1)
         return linear_scan(u * i * norm, log_a, initial_state=h0, return_state=True)
@@ -86,14 +96,16 @@ class RGLRU(nn.Module):
     Args:
         d_model: the width of x. width: the RG-LRU's (``lru_width``). n_heads: its gate blocks
             (divides width). conv_width: the causal convolution's. activation: the gate
-            branch's (transformers' ``hidden_activation``).
+            branch's (transformers' ``hidden_activation``). sqrt_grad_bound: transformers'
+            bound on the derivative of ``sqrt(1 - a²)`` (1000), or None for the true one.
 
     ``forward(x (B, T, d_model), state=None, *, return_state=False)``: ``state`` (a
     :class:`RecurrentState`) continues a sequence; None starts one at position 0.
     """
 
     def __init__(self, d_model: int, width: int, n_heads: int, *, conv_width: int = 4,
-                 activation: str = "gelu_pytorch_tanh", dtype=None, device=None):
+                 activation: str = "gelu_pytorch_tanh", dtype=None, device=None,
+                 sqrt_grad_bound: float | None = MAX_SQRT_GRADIENT):
         super().__init__()
         for name, v in (("d_model", d_model), ("width", width), ("n_heads", n_heads), ("conv_width", conv_width)):
             positive_int(name, v)
@@ -106,7 +118,7 @@ class RGLRU(nn.Module):
         self.linear_x = nn.Linear(d_model, width, **kw)
         self.linear_out = nn.Linear(width, d_model, **kw)
         self.conv_1d = nn.Conv1d(width, width, conv_width, groups=width, padding=conv_width - 1, **kw)
-        self.rg_lru = RealGatedLRU(width, n_heads, **kw)
+        self.rg_lru = RealGatedLRU(width, n_heads, sqrt_grad_bound=sqrt_grad_bound, **kw)
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, width={self.width}, n_heads={self.n_heads}"
@@ -122,13 +134,14 @@ class RGLRU(nn.Module):
         return (out, RecurrentState(window, final)) if return_state else out
 
     @classmethod
-    def from_hf(cls, block) -> "RGLRU":
-        """This block with the weights of transformers' ``RecurrentGemmaRecurrentBlock``."""
+    def from_hf(cls, block, *, sqrt_grad_bound: float | None = MAX_SQRT_GRADIENT) -> "RGLRU":
+        """This block with the weights of transformers' ``RecurrentGemmaRecurrentBlock``
+        (``sqrt_grad_bound`` as in the constructor: transformers' by default)."""
         require(block, "qkv.torch.RGLRU.from_hf", "RecurrentGemmaRecurrentBlock", RGLRU_NEEDS)
         w = block.linear_x.weight
         ours = cls(block.hidden_size, block.lru_width, block.rg_lru.num_attention_heads,
                    conv_width=block.conv1d_width, activation=_hf_activation_name(block.act_fn),
-                   dtype=w.dtype, device=w.device)
+                   dtype=w.dtype, device=w.device, sqrt_grad_bound=sqrt_grad_bound)
         load_hf(ours, block, type(block).__name__)
         return ours
 
