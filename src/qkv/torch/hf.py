@@ -18,10 +18,16 @@
   cache that is not full) is transformers' own dense bool mask ``(B, 1, Tq, Tk)``, which
   qkv takes as ``mask=``. Packed sequences passed as flash-attention's varlen kwargs
   (``cu_seq_lens_q`` / ``cu_seq_lens_k``, one batch row) keep each sequence to its own keys
-  whatever mask the model made (GraniteMoeHybrid makes a plain causal one).
+  whatever mask the model made (GraniteMoeHybrid makes a plain causal one). Where a
+  sequence's keys outnumber its queries (its past first: chunked prefill, transformers'
+  continuous batching), each sequence is causal on its own with its last query on its last
+  key, as flash-attention's varlen call has it, within the mask function's window, or the
+  layer's ``sliding_window`` kwarg where the mask gave none (the model's mask, made for the
+  whole buffer, is then not used).
 
 The window is the mask function's own (the one eager attention applies), read from its
-closure; a layer's ``sliding_window`` attribute or argument is not consulted.
+closure; a layer's ``sliding_window`` attribute or argument is not consulted (but for packed
+sequences with past keys, as above, where no mask came).
 
 A model whose attention layers do not call the ``AttentionInterface`` (Bloom, Falcon before 5.25)
 cannot run on qkv: building it with ``attn_implementation="qkv"``, or switching it with
@@ -72,9 +78,15 @@ def hf_attention(module, query, key, value, attention_mask, dropout: float = 0.0
                                       layer_is_causal))
     if position_bias is not None:
         options["bias"] = position_bias if "bias" not in options else options["bias"] + position_bias
-    packed = _packed_mask(query, key, kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))
-    if packed is not None:   # packed sequences (flash-attention's varlen kwargs): each sees its own
+    cu = _cu_seq_lens(query, key, kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))
+    if cu is not None and torch.equal(*cu):   # packed sequences (flash-attention's varlen kwargs):
+        packed = _segments(*cu)[0]             # each sees its own keys, causal within the buffer
         options["mask"] = packed if options.get("mask") is None else options["mask"] & packed
+    elif cu is not None:                       # segments with past keys: each bottom-right on its own
+        window = options.get("window") or _flash_window(kwargs.get("sliding_window"))
+        for name in ("mask", "causal", "window", "q_lengths", "kv_lengths"):
+            options.pop(name, None)
+        options["mask"] = _varlen_mask(*cu, layer_is_causal, window)
     if not kwargs.get("output_attentions"):
         out = attention(query, key, value, **options)  # (B, Hq, Tq, D)
         return out.transpose(1, 2).contiguous(), None  # (B, Tq, Hq, D)
@@ -86,10 +98,10 @@ def hf_attention(module, query, key, value, attention_mask, dropout: float = 0.0
     return out.transpose(1, 2).contiguous(), weights
 
 
-def _packed_mask(query, key, cu_q, cu_k):
-    """``(Tq, Tk)`` bool, True where query and key are of one packed sequence, from the cumulative
-    lengths transformers passes as ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (one batch row of
-    sequences laid end to end, as flash-attention's varlen call takes them); None without them."""
+def _cu_seq_lens(query, key, cu_q, cu_k):
+    """``(cu_q, cu_k)`` as int64 tensors, checked: the cumulative lengths transformers passes as
+    ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (one batch row of sequences laid end to end, as
+    flash-attention's varlen call takes them); None without them."""
     if cu_q is None or cu_k is None:
         return None
     if query.shape[0] != 1:
@@ -98,10 +110,43 @@ def _packed_mask(query, key, cu_q, cu_k):
     if int(cu_q[-1]) != query.shape[-2] or int(cu_k[-1]) != key.shape[-2] or len(cu_q) != len(cu_k):
         raise ShapeError(f"cu_seq_lens_q / cu_seq_lens_k must end at Tq = {query.shape[-2]} and Tk = "
                          f"{key.shape[-2]} with one entry a sequence each; got {cu_q.tolist()} and {cu_k.tolist()}")
-    seq = torch.arange(len(cu_q) - 1, device=query.device)
-    seg_q = torch.repeat_interleave(seq, torch.diff(cu_q))
-    seg_k = torch.repeat_interleave(seq, torch.diff(cu_k))
-    return seg_q[:, None] == seg_k[None, :]
+    return cu_q, cu_k
+
+
+def _segments(cu_q, cu_k):
+    """``(same, i', j)``: ``same (Tq, Tk)`` True where query and key are of one sequence; each
+    query's position ``i'`` in its sequence's keys, bottom-right aligned (``i' = i - start_q +
+    Tk_s - Tq_s``: its last query on its last key), ``(Tq, 1)``; each key's position ``j``, ``(1, Tk)``."""
+    seq = torch.arange(len(cu_q) - 1, device=cu_q.device)
+    nq, nk = torch.diff(cu_q), torch.diff(cu_k)
+    seg_q, seg_k = torch.repeat_interleave(seq, nq), torch.repeat_interleave(seq, nk)
+    i = torch.arange(int(cu_q[-1]), device=cu_q.device) - cu_q[seg_q] + (nk - nq)[seg_q]
+    j = torch.arange(int(cu_k[-1]), device=cu_k.device) - cu_k[seg_k]
+    return seg_q[:, None] == seg_k[None, :], i[:, None], j[None, :]
+
+
+def _varlen_mask(cu_q, cu_k, causal: bool, window):
+    """``(Tq, Tk)`` bool: flash-attention's varlen rule. Query i of a sequence with ``Tq_s``
+    queries and ``Tk_s`` keys (its past first) sees the keys j of its own sequence with
+    ``i' - left <= j <= i'`` when causal (``i' = i + Tk_s - Tq_s``; ``window=(left, right)``,
+    right ignored as under causal), every key of its own otherwise. Past 2, 3 queries::
+
+        1 1 1 0 0
+        1 1 1 1 0
+        1 1 1 1 1
+    """
+    same, i, j = _segments(cu_q, cu_k)
+    if causal:
+        same = same & (j <= i)
+        if window is not None:
+            same = same & (j >= i - window[0])
+    return same
+
+
+def _flash_window(sliding_window):
+    """The window a layer's ``sliding_window`` kwarg gives flash-attention: the query and the
+    ``sliding_window - 1`` keys before it."""
+    return None if sliding_window is None else (int(sliding_window) - 1, 0)
 
 
 # --- models that cannot use the interface ----------------------------------------------------
