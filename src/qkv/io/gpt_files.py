@@ -152,14 +152,16 @@ def gpt2_table(cfg: GPTConfig) -> list[tuple[str, tuple, list[tuple[str, slice]]
     return rows
 
 
-def _gpt2_folder(path_or_hub_id) -> Path:
-    from .locate import _HUB_ID, from_hub
+def gpt2_folder(path_or_hub_id) -> Path:
+    """The folder of a GPT-2 named by a path, or by a hub id (the local cache first, a download where
+    allowed); a CheckpointError naming what was looked for otherwise."""
+    from .locate import HUB_ID, from_hub
 
     if not isinstance(path_or_hub_id, (str, os.PathLike)):
         raise ShapeError(f"the model must be a folder path or a Hugging Face model id; "
                          f"got {type(path_or_hub_id).__name__}")
     folder = Path(path_or_hub_id).expanduser()
-    if not folder.exists() and isinstance(path_or_hub_id, str) and _HUB_ID.match(path_or_hub_id):
+    if not folder.exists() and isinstance(path_or_hub_id, str) and HUB_ID.match(path_or_hub_id):
         folder = from_hub(path_or_hub_id)
     if not folder.is_dir():
         raise CheckpointError(f"{str(folder)!r} is not a folder (a GPT-2 folder has config.json and model.safetensors)")
@@ -174,7 +176,7 @@ def load_gpt2(path_or_hub_id, *, dtype=np.float32) -> GPT:
     Raises :class:`CheckpointError` for a config that is not GPT-2's architecture, a
     missing, unknown or misshapen tensor (see :func:`gpt2_table`) or a non-finite value.
     """
-    folder = _gpt2_folder(path_or_hub_id)
+    folder = gpt2_folder(path_or_hub_id)
     meta = read_json(folder / "config.json")
     path = folder / "model.safetensors"
     raw = _read_tensors(path)

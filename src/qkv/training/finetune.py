@@ -25,13 +25,13 @@ ARCHITECTURE = ("n_layer", "n_head", "n_embd", "bias")
 def checkpoint_folder(init_from: str) -> Path:
     """The local folder of ``init_from`` (a folder, or a hub id from the cache, downloaded where
     allowed); a CheckpointError that says how to get it otherwise."""
-    from ..io.gpt_files import _gpt2_folder
-    from ..io.locate import _HUB_ID
+    from ..io.gpt_files import gpt2_folder
+    from ..io.locate import HUB_ID
 
     try:
-        return _gpt2_folder(init_from)
+        return gpt2_folder(init_from)
     except CheckpointError as err:
-        looks_local = not isinstance(init_from, str) or not _HUB_ID.match(init_from)
+        looks_local = not isinstance(init_from, str) or not HUB_ID.match(init_from)
         if looks_local and not Path(init_from).exists():   # ./run, ../x, /abs, a/b/c: a path, not a hub id
             raise CheckpointError(f"--init-from {init_from}: no such folder: {str(init_from)!r}") from None
         if not looks_local and not Path(init_from).exists():
