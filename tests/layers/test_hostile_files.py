@@ -69,14 +69,14 @@ def test_convert_to_hf_refuses_a_folder_that_holds_files(run_folder, tmp_path, c
     dst = tmp_path / "hf"
     dst.mkdir()
     (dst / "model.safetensors").write_bytes(b"theirs")
-    (dst / "tokenizer.json").write_text("{}")
+    (dst / "README.md").write_text("their notes")
     before = tree_digest(dst)
     code, out = convert(run_folder, dst, "--to", "hf", capsys=capsys)
     assert code == 2 and "model.safetensors" in out.err and "did not write" in out.err
     assert tree_digest(dst) == before
     code, out = convert(run_folder, dst, "--to", "hf", "--force", capsys=capsys)
-    assert code == 0 and "left as they were" in out.out and "tokenizer.json" in out.out
-    assert (dst / "model.safetensors").read_bytes() != b"theirs" and (dst / "tokenizer.json").read_text() == "{}"
+    assert code == 0 and "left as they were" in out.out and "README.md" in out.out
+    assert (dst / "model.safetensors").read_bytes() != b"theirs" and (dst / "README.md").read_text() == "their notes"
 
 
 def test_convert_to_a_new_folder_leaves_nothing_half_made(run_folder, tmp_path, capsys, monkeypatch):

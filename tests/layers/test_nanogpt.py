@@ -320,9 +320,11 @@ def test_sample_as_nanogpt(text_file, tmp_path, capsys):
 
 
 def test_a_run_saved_before_these_fields_still_resumes(text_file, tmp_path):
-    """Back-compat: a config.json without the new training fields, data kind or vocab_size."""
+    """Back-compat: a config.json without the new training fields, data kind or vocab_size (a run of
+    before they existed, whose MLP was the tanh GELU, the default then)."""
     out = tmp_path / "run"
-    assert main(["train", "gpt", "--data", str(text_file), "--out", str(out), "--steps", "2", *TINY]) == 0
+    assert main(["train", "gpt", "--data", str(text_file), "--out", str(out), "--steps", "2", *TINY,
+                 "--activation", "gelu_tanh"]) == 0
     meta = json.loads((out / "config.json").read_text())
     for key in ("activation", "decay_embeddings", "grad_accum", "init_from", "vocab_size"):
         del meta["extra"]["train"]["config"][key]

@@ -174,11 +174,11 @@ def test_a_refusal_at_the_first_forward_stays_the_settings_error():
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_mqar_divergence_is_named_with_its_model_and_exits_1(tmp_path, capsys):
     """Before: a raw Diverged traceback (attention), the recurrence's argument check (mamba2)."""
-    assert main(["experiment", "mqar", "--mixers", "attention", "mamba2", "--widths", "8", "--steps", "4",
+    assert main(["experiment", "mqar", "--mixers", "attention", "mamba2", "--widths", "32", "--steps", "4",
                  "--pairs", "4", "--seq-len", "32", "--lrs", "1e30", "--seeds", "0", "--no-progress",
                  "--out", str(tmp_path / "o")]) == 1
     err = capsys.readouterr().err
-    assert "the model attention at width 8 diverged at every lr (1e+30): the run diverged at step" in err
+    assert "the model attention at width 32 diverged at every lr (1e+30): the run diverged at step" in err
     assert "lower --lrs" in err
     assert "Traceback" not in err and not (tmp_path / "o" / "mqar.json").exists()
 
