@@ -261,3 +261,11 @@ def test_fuzzed_nanogpt_checkpoints_through_the_command(run_folder, tmp_path):
                               capture_output=True, text=True, cwd=tmp_path, timeout=60)
         assert proc.returncode in (0, 2) and "Traceback" not in proc.stderr, proc.stderr[-2000:]
         assert proc.returncode == 0 or proc.stderr.startswith("qkv convert: error:")
+
+
+def test_a_model_the_memory_cannot_hold_is_refused_by_its_figures(run_folder, monkeypatch):
+    from qkv import heap
+
+    monkeypatch.setattr(heap, "available_memory", lambda: 1000)   # 1000 bytes: no model fits
+    with pytest.raises(CheckpointError, match=r"weights needs about .* GiB more memory to load; this machine has"):
+        load_gpt(run_folder)

@@ -352,7 +352,20 @@ def gpt_sizes_match(tensors: dict, claimed: dict, prefix: str, where) -> None:
 
     wte, wpe = dims("wte.weight"), dims("wpe.weight")
     layers = layer_count(tensors, rf"^{prefix.replace('.', '[.]')}h[.](\d+)[.]")
+    fits_in_memory(where, sum(int(np.size(x)) for x in tensors.values()))
     sizes_match(where, {"vocab_size": (claimed.get("vocab_size"), wte and wte[0], f"wte {wte}"),
                         "n_embd": (claimed.get("n_embd"), wte and wte[1], f"wte {wte}"),
                         "block_size": (claimed.get("block_size"), wpe and wpe[0], f"wpe {wpe}"),
                         "n_layer": (claimed.get("n_layer"), layers or None, f"h.0 to h.{layers - 1}")})
+
+
+def fits_in_memory(where, numbers: int, copies: int = 2, itemsize: int = 4) -> None:
+    """Refuse a model of ``numbers`` weights (float32) when this machine has not the memory for
+    ``copies`` more of them (the model's arrays beside the file's, as they are converted), naming
+    both figures, instead of failing at an allocation or calling the OOM killer."""
+    from ..heap import available_memory
+
+    need, have = numbers * itemsize * copies, available_memory()
+    if have is not None and need > have:
+        raise CheckpointError(f"{where}: a model of {numbers:,} weights needs about {need / 2**30:.1f} GiB more "
+                              f"memory to load; this machine has {have / 2**30:.1f} GiB available")
