@@ -18,13 +18,15 @@ import pytest
 
 pytest.importorskip("safetensors", reason="qkv train gpt writes safetensors: pip install -e '.[models]'")
 
+import qkv.io  # noqa: E402
 import qkv.models  # noqa: E402
 from qkv.cli import main  # noqa: E402
 from helpers import text_corpus  # noqa: E402
 
 TINY = ["--block-size", "16", "--batch-size", "4", "--n-layer", "1", "--n-head", "2", "--n-embd", "16",
         "--eval-iters", "2", "--warmup", "2", "--no-progress"]
-MODELS = str(Path(qkv.models.__file__).parent)
+# where a save's lines are (the run's files, qkv.io; GPT.save, qkv.models): a kill may land on any of them
+SAVING = (str(Path(qkv.io.__file__).parent), str(Path(qkv.models.__file__).parent))
 WEIGHT = "transformer.h.0.mlp.W_fc"
 
 pytestmark = [pytest.mark.slow,
@@ -36,7 +38,7 @@ def _save_killed_at(run, folder: Path, n: int) -> bool:
     from qkv.io.runfiles import save_run
 
     pid = os.fork()
-    if pid == 0:  # the child: trace the save's lines in qkv.models, die at the n-th
+    if pid == 0:  # the child: trace the save's lines in qkv.io and qkv.models, die at the n-th
         count = [0]
 
         def line(frame, event, arg):
@@ -48,7 +50,7 @@ def _save_killed_at(run, folder: Path, n: int) -> bool:
 
         def call(frame, event, arg):
             code = frame.f_code
-            return line if code.co_filename.startswith(MODELS) and code.co_name != "_flatten" else None
+            return line if code.co_filename.startswith(SAVING) and code.co_name != "_flatten" else None
 
         try:
             sys.settrace(call)
