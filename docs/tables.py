@@ -46,7 +46,8 @@ BLOCK = re.compile(r"(<!-- (?P<kind>bench|experiment): (?P<name>[\w.-]+)(?: \| (
 EXPERIMENTS = {"complexity": "qkv.experiments.complexity_report", "recall": "qkv.experiments.recall",
                "mqar": "qkv.experiments.mqar_report", "mqar-v1": "qkv.experiments.mqar_report", "mqar-plain": "qkv.experiments.mqar_report",
                "mqar-w64": "qkv.experiments.mqar_report", "mqar-700": "qkv.experiments.mqar_report",
-               "mqar-avx2": "qkv.experiments.mqar_report"}
+               "mqar-avx2": "qkv.experiments.mqar_report", "mqar-mamba2-4000": "qkv.experiments.mqar_report",
+               "mqar-gpt": "qkv.experiments.mqar_report"}
 
 
 def load(name: str, bench: Path = BENCH) -> dict:
