@@ -317,6 +317,43 @@ def test_gelu_tanh_float32_element_by_element(path):
     size = np.abs(dy) * 0.5 * (2 + np.abs(h64) * (1 + t64 ** 2) * slope)  # 1 - t² cancels: its terms are 1 + t²
     assert np.all(np.abs(dh - dh64) <= 8 * np.spacing(size.astype(np.float32)) + 1e-45)
     y, _ = gelu_tanh_forward(np.array([np.nan, np.inf], np.float32))
+
+
+def test_gelu_float32_element_by_element(path):
+    """float32 exact GELU on both paths against math.erfc in float64, over the whole range
+    (the compiled one builds Φ from a fitted erfc and its own 2^x in float64): y and Φ within
+    1 ulp (Φ relative to itself, so the far negative tail too, where 1 + erf cancels), dh
+    within 2 ulps of its terms' size; 0 where Φ is below float32's least value; NaN and inf
+    as the formula gives them."""
+    import math
+
+    from qkv.nn.activations import gelu_backward, gelu_forward
+
+    rng = np.random.default_rng(3)
+    h = np.concatenate([np.linspace(-16, 16, 64001), rng.standard_normal(20000) * 4,
+                        [0.0, -0.0, 1e-30, -1e-30, 1e-4, -1e-4, 60.0, -60.0, 3e38, -3e38]]).astype(np.float32)
+    y, saved = gelu_forward(h)
+    h64 = h.astype(np.float64)
+    phi = np.array([0.5 * math.erfc(-x / math.sqrt(2.0)) for x in h64])
+    y64 = h64 * phi
+    assert y.dtype == np.float32 and saved[1].dtype == np.float32
+    # the NumPy path forms 1 + erf(h/√2) with erf rounded to float32, which cancels in the
+    # negative tail: Φ is exact there only to float32's absolute rounding (6e-8)
+    tail = 0.0 if path == "fused" else 6e-8
+    assert np.all(np.abs(y - y64) <= np.spacing(np.abs(y64).astype(np.float32)) + tail * np.abs(h64) + 1e-45)
+    assert np.all(np.abs(saved[1] - phi) <= np.spacing(phi.astype(np.float32)) + tail + 1e-45)
+    dy = rng.standard_normal(h.shape).astype(np.float32)
+    dh = gelu_backward(dy, saved)
+    pdf = h64 * np.exp(-0.5 * h64 * h64) / math.sqrt(2.0 * math.pi)
+    dh64 = dy * (saved[1].astype(np.float64) + pdf)
+    size = np.abs(dy) * (saved[1] + np.abs(pdf))
+    assert dh.dtype == np.float32
+    # the NumPy path's φ = exp(-h²/2) in float32 carries h²/2's rounding: h²/2 · eps of itself
+    slack = 0.0 if path == "fused" else np.abs(dy * pdf) * (0.5 * h64 * h64 + 4) * 6e-8
+    assert np.all(np.abs(dh - dh64) <= 2 * np.spacing(size.astype(np.float32)) + slack + 2e-38)  # (subnormals: either)
+    with np.errstate(invalid="ignore"):                            # NumPy's -inf · 0 says so
+        y, saved = gelu_forward(np.array([np.nan, np.inf, -np.inf], np.float32))
+    assert np.isnan(y[0]) and y[1] == np.inf and np.isnan(y[2])   # -inf · Φ(-inf) = -inf · 0
     assert np.isnan(y[0]) and y[1] == np.inf
 
 

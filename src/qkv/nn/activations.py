@@ -65,7 +65,11 @@ def gelu_forward(h: np.ndarray):
     fast = compiled(h)
     if fast is not None:
         y, cdf = np.empty_like(h), np.empty_like(h)
-        fast.gelu_forward(h.reshape(-1), y.reshape(-1), cdf.reshape(-1))
+        hf, yf, cf = h.reshape(-1), y.reshape(-1), cdf.reshape(-1)
+        if h.dtype == np.float32:   # Φ by a vectorised erfc (qkv.nn.fused), not a scalar erf an element
+            chunked(lambda a, b: fast.gelu_forward32(hf[a:b], yf[a:b], cf[a:b]), hf.size)
+        else:
+            fast.gelu_forward(hf, yf, cf)
         return y, (h, cdf)
     cdf = erf(h * (1.0 / math.sqrt(2.0)))
     cdf += 1.0
@@ -79,9 +83,14 @@ def gelu_backward(dy: np.ndarray, saved) -> np.ndarray:
     fast = compiled(dy, h)
     if fast is not None:
         dh = np.empty_like(h)
-        fast.gelu_backward(dy.reshape(-1), h.reshape(-1), cdf.reshape(-1), dh.reshape(-1))
+        df, hf, cf, dhf = dy.reshape(-1), h.reshape(-1), cdf.reshape(-1), dh.reshape(-1)
+        if h.dtype == np.float32:
+            chunked(lambda a, b: fast.gelu_backward32(df[a:b], hf[a:b], cf[a:b], dhf[a:b]), hf.size)
+        else:
+            fast.gelu_backward(df, hf, cf, dhf)
         return dh
-    pdf = np.exp(-0.5 * h * h) * (1.0 / math.sqrt(2.0 * math.pi))
+    with np.errstate(over="ignore"):              # h² beyond the dtype: φ(h) = 0, as exp(-inf) gives
+        pdf = np.exp(-0.5 * h * h) * (1.0 / math.sqrt(2.0 * math.pi))
     pdf *= h
     pdf += cdf
     pdf *= dy

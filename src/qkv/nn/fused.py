@@ -113,6 +113,63 @@ def gelu_tanh_backward(dy, h, t, dh):  # dy ((1 + t)/2 + h (1 - t²) √(2/π) (
         dh[i] = dy[i] * 0.5 * (1.0 + ti + x * (1.0 - ti * ti) * (k0 + k1 * x * x))
 
 
+# The exact GELU of float32 input, computed in float64 and rounded once (within 1 ulp; 98.7 % of
+# results as math.erf's, the scalar libm call of 6 ns an element on Zen 3 that gelu_forward makes):
+# Φ(h) = erfc(-h/√2) / 2 with erfc(x) = t e^{g(t) - x²}, t = 1/(1 + x/2) for x >= 0 (Numerical
+# Recipes' erfcc form), g a degree-12 polynomial fitted here (least squares on Chebyshev nodes over
+# x in [0, 10.5], beyond which Φ is below float32's least value) to ln(erfc(x) e^{x²} / t), at most
+# 2e-10 off; e^y as 2^(y log2 e) by _exp2_64. Every step a 4-wide vector operation on AVX2.
+_G = (-1.2655050568787076, 0.9997507165060272, 0.3789204029012229, 0.04698990089337306,
+      0.13518813586484024, -1.0730590840579324, 2.6669186367508217, -5.7626829117424965,
+      8.553271240350767, -7.896199762945475, 4.407409690108242, -1.3775625589137899, 0.1865606513464779)
+_G0, _G1, _G2, _G3, _G4, _G5, _G6, _G7, _G8, _G9, _G10, _G11, _G12 = _G
+# 2^f on [-1/2, 1/2], degree 7, least squares against relative error (at most 4e-11)
+_X = (0.9999999999619437, 0.6931471807388332, 0.24022651196252776, 0.05550410319487603,
+      0.009618027457979562, 0.0013333950083588124, 0.00015469236489339556, 1.5195577489589078e-05)
+_X0, _X1, _X2, _X3, _X4, _X5, _X6, _X7 = _X
+_LOG2E = 1.0 / math.log(2.0)
+
+
+@numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _exp2_64(a):  # float64 2^a, exactly 0 below -1022; NaN stays NaN
+    n = np.floor(max(a, -1022.0) + 0.5)
+    f = a - n
+    p = ((((((_X7 * f + _X6) * f + _X5) * f + _X4) * f + _X3) * f + _X2) * f + _X1) * f + _X0
+    # 2^n from the bits: n + 1023 as the low mantissa bits of a float near 2^52, shifted into the
+    # exponent (an int64 conversion would be a scalar instruction on AVX2)
+    bits = np.float64((n + 1023.0) + 4503599627370496.0).view(np.int64) << np.int64(52)
+    return 0.0 if a < -1022.0 else p * np.int64(bits).view(np.float64)
+
+
+@numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _phi(h):  # Φ(h) in float64 for a float32 h (see above); 0 below -14.8, where Φ < 1e-49
+    x2 = 0.5 * h * h                                              # x² = h²/2: exact for a float32 h
+    x = min(abs(h) * INV_SQRT_2, 10.5)
+    t = 1.0 / (1.0 + 0.5 * x)
+    g = ((((((((((((_G12 * t + _G11) * t + _G10) * t + _G9) * t + _G8) * t + _G7) * t + _G6) * t + _G5) * t
+                + _G4) * t + _G3) * t + _G2) * t + _G1) * t + _G0)
+    e = t * _exp2_64((g - min(x2, 110.25)) * _LOG2E)              # erfc(|h|/√2)
+    return (0.0 if h < -14.8 else 0.5 * e) if h < 0 else 1.0 - 0.5 * e
+
+
+@numba.njit(nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")
+def gelu_forward32(h, y, cdf):  # float32: y = h Φ(h)
+    wide_vectors()
+    for i in range(h.size):
+        x = np.float64(h[i])
+        c = _phi(x)
+        cdf[i] = c
+        y[i] = x * c
+
+
+@numba.njit(nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")
+def gelu_backward32(dy, h, cdf, dh):  # float32: dy (Φ(h) + h φ(h)), φ(h) = 2^(-h²/2 · log2 e) / √(2π)
+    wide_vectors()
+    for i in range(h.size):
+        x = np.float64(h[i])
+        dh[i] = dy[i] * (cdf[i] + x * INV_SQRT_2PI * _exp2_64(-0.5 * x * x * _LOG2E))
+
+
 @numba.njit(nogil=True, cache=True)
 def gelu_forward(h, y, cdf):  # y = h Φ(h), Φ(h) = (1 + erf(h/√2)) / 2
     wide_vectors()
