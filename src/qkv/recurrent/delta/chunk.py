@@ -72,7 +72,8 @@ step recurrence itself.
 the state's work does not (``T·D²``) but comes in ``T/C`` passes of smaller products.
 Measured (float32, one thread, T = 2048, 8 heads): C = 32 and 64 within noise for the
 forward, 64 about 15% faster than 32 for the backward at D = 128, and 128 slower than
-both by 30-50%; hence ``CHUNK = 64``.
+both by 30-50%; hence ``CHUNK = 64``. The compiled float32 backward, whose state products
+outnumber the forward's, takes 32 by default (:data:`qkv.recurrent.delta.backward.COMPILED_CHUNK`).
 
 The backward (the same chunks, the state's gradient running back once a chunk) is derived
 in :mod:`qkv.recurrent.delta.backward`.
@@ -159,18 +160,24 @@ def forward(q, k, v, beta, g=None, *, scale, initial_state=None, chunk=None):
 def backward(dout, dstate, q, k, v, beta, g=None, *, scale, initial_state=None, chunk=None):
     """``(dq, dk, dv, dbeta, dg, dinitial_state)`` of :func:`forward`, in q's dtype (``dg`` None
     without ``g``, ``dinitial_state`` None without ``initial_state``): see
-    :mod:`qkv.recurrent.delta.backward`."""
+    :mod:`qkv.recurrent.delta.backward` (its chunk: :func:`qkv.recurrent.delta.backward.chunk_size`).
+    The head groups write their gradients into arrays made here (no join afterwards)."""
     if g is not None and g.ndim == 4:
         C, work = _channel_chunk(chunk, q, v)
 
         def channel_job(q, k, v, beta, g, S0, dout, dstate):
             return channels.backward(dout, dstate, q, k, v, beta, g, S0, scale=scale, chunk=C)
         return by_heads(channel_job, [q, k, v, beta, g, initial_state, dout, dstate], C, work)
-    C = max(1, min(CHUNK if chunk is None else chunk, q.shape[2]))
+    B, H, T, Dk = q.shape
+    Dv = v.shape[-1]
+    C = delta_backward.chunk_size(chunk, q.dtype, T, Dk, Dv)
+    out = delta_backward.empty_grads(q, k, v, beta, g)
 
-    def job(q, k, v, beta, g, S0, dout, dstate):
-        return delta_backward.backward(dout, dstate, q, k, v, beta, g, scale=scale, initial_state=S0, chunk=C)
-    return by_heads(job, [q, k, v, beta, g, initial_state, dout, dstate], C)
+    def job(q, k, v, beta, g, S0, dout, dstate, *out):                 # out: the group's heads of each gradient
+        return delta_backward.backward(dout, dstate, q, k, v, beta, g, scale=scale, initial_state=S0, chunk=C,
+                                       out=out)[-1:]
+    per_head = T * (C + Dk + Dv) + -(-T // C) * Dk * Dv                # and the chunks' start states, kept
+    return tuple(out) + by_heads(job, [q, k, v, beta, g, initial_state, dout, dstate, *out], C, per_head)
 
 
 def _forward(q, k, v, beta, g, initial_state, *, scale, chunk):

@@ -25,6 +25,9 @@ The inverse, by forward substitution, a row at a time in ``A``'s place:
 ``X_i = e_iᵀ - A[i, :i] X[:i]`` (row i of ``X (I + A) = I``). Each row is a sum of the rows
 above it, a vector loop of C numbers (the rows above are zero past their diagonal); NumPy's
 path doubles the inverted blocks instead, in ``log2 C`` rounds of small batched products.
+
+**The backward** (float32, :mod:`.backward`): :func:`backward_states` takes each chunk through :func:`chunk_systems`'
+and :func:`pass_chunks`' steps in one sweep, :func:`backward_chunks` the chunks backwards; neither keeps NumPy's bits.
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ import math
 import numba
 import numpy as np
 
-from ...kernels.blas_compiled import ILP64, SGEMM, gemm  # noqa: F401  (SGEMM, ILP64: read by delta_chunks)
+from ...kernels.blas_compiled import ILP64, N_, SGEMM, T_, gemm  # noqa: F401  (SGEMM, ILP64: read by delta_chunks)
 from ...kernels.flash.compiled import COEF, wide_vectors
 
 _E0, _E1, _E2, _E3, _E4, _E5, _E6 = (np.float32(c) for c in COEF)
@@ -90,6 +93,25 @@ def unit_lower_inverse(A):
         _invert(A[m], a, 0.0)
 
 
+@numba.njit(inline="always", fastmath={"contract", "nsz"})
+def _system(kk, qk, gam, beta, x, D, keep, d, a, single, decayed=True):
+    """One chunk of :func:`chunk_systems`: ``qk`` made ``P``, ``x`` ``(I + A)⁻¹``, ``D`` the decays where
+    ``keep`` (without ``decayed``, 1 on and below the diagonal: what ``γ = 0`` gives, exactly)."""
+    C = gam.shape[0]
+    for t in range(C):
+        for s in range(t + 1):
+            d[s] = _decay(gam[t] - gam[s], single) if decayed else 1
+        for s in range(t + 1, C):
+            d[s] = 0
+        bt, xt, pt = beta[t], x[t], qk[t]
+        for s in range(C):
+            xt[s] = kk[t, s] * d[s] * bt          # above the diagonal: 0 (not read by the inverse)
+            pt[s] *= d[s]
+        if keep:
+            D[t] = d
+    _invert(x, a, FLUSH if single else 0.0)
+
+
 @numba.njit(nogil=True, cache=True, fastmath={"contract", "nsz"})
 def chunk_systems(scores, gamma, beta, A, D):
     """``scores (M, 2C, C)`` ``[K Kᵀ; Q Kᵀ]`` a chunk, its lower half made ``P = (Q Kᵀ) ∘ D`` in
@@ -102,19 +124,7 @@ def chunk_systems(scores, gamma, beta, A, D):
     d = np.empty(C, A.dtype)
     a = np.empty(C, A.dtype)
     for m in range(M):
-        kk, qk, x, gam = scores[m, :C], scores[m, C:], A[m], gamma[m]
-        for t in range(C):
-            for s in range(t + 1):
-                d[s] = _decay(gam[t] - gam[s], single)
-            for s in range(t + 1, C):
-                d[s] = 0
-            bt, xt, pt = beta[m, t], x[t], qk[t]
-            for s in range(C):
-                xt[s] = kk[t, s] * d[s] * bt      # above the diagonal: 0 (not read by the inverse)
-                pt[s] *= d[s]
-            if keep:
-                D[m, t] = d
-        _invert(x, a, FLUSH if single else 0.0)
+        _system(scores[m, :C], scores[m, C:], gamma[m], beta[m], A[m], D[m] if keep else A[m], keep, d, a, single)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -218,3 +228,173 @@ def decode_step(q, k, v, beta, g, S0, has_state, l2norm, eps, scale, o, S):
                 for c in range(K):
                     for j in range(V):
                         S[b, h, c, j] = kn[c] * rk[j]
+
+
+_BACK_MATH = {"contract", "nsz", "reassoc"}   # the backward keeps no NumPy bits to match
+
+
+@numba.njit(inline="always", fastmath=_BACK_MATH)
+def _state_step(addr, K, Q, beta, eg, eC, eCg, Tinv, P, U, S0, dO, scale, gated, dS, Y, dU, L, Kc, dKc):
+    """One chunk of the state's gradient (:mod:`.backward`): ``dS`` (at the chunk's end) made ``dS_0``; leaves
+    ``Y = [scale dO; dR]``, ``L = [Qg; -Kb]``, ``Kc``, ``dKc = U dSᵀ``; returns ``e^{γ_C} Σ dS ∘ S_0`` (gated)."""
+    C, Dv = dO.shape
+    Dk = K.shape[1]
+    for i in range(C):
+        e, f, c, lq, lk, kc = eg[i], -(beta[i] * eg[i]), eCg[i], L[i], L[C + i], Kc[i]
+        for d in range(Dk):
+            lq[d], lk[d], kc[d] = e * Q[i, d], f * K[i, d], c * K[i, d]
+        for x in range(Dv):
+            Y[i, x] = scale * dO[i, x]
+    gemm(addr, T_, N_, C, Dv, C, P, Y[:C], 0, dU)                  # dU = Pᵀ (scale dO)
+    gemm(addr, N_, N_, C, Dv, Dk, Kc, dS, 1, dU)                    #    + Kc dS
+    gemm(addr, T_, N_, C, Dv, C, Tinv, dU, 0, Y[C:])               # dR = Tinvᵀ dU
+    gemm(addr, N_, T_, C, Dk, Dv, U, dS, 0, dKc)                    # dKc = U dSᵀ
+    whole = 0.0
+    if gated:
+        ds, s0 = dS.reshape(Dk * Dv), S0.reshape(Dk * Dv)
+        for j in range(Dk * Dv):
+            whole += np.float64(ds[j]) * s0[j]
+        for j in range(Dk * Dv):
+            ds[j] *= eC
+    gemm(addr, T_, N_, Dk, Dv, 2 * C, L, Y, 1, dS)                 # dS_0 = e^{γ_C} dS + Qgᵀ scale dO - Kbᵀ dR
+    return whole * eC
+
+
+@numba.njit(inline="always", fastmath=_BACK_MATH)
+def _pairs(PR, D, KK, P, beta, M, pair):
+    """``PR = [dP; dR Uᵀ]`` made ``[dP ∘ D; G + Gᵀ]`` in place (``G = diag(beta) dA ∘ D``,
+    ``dA = -strictly_lower(dR Uᵀ)``); ``M = G ∘ KK + dP ∘ P`` (strictly lower), ``pair = Σ_s dA KK``."""
+    C = D.shape[0]
+    for t in range(C):
+        acc = np.float32(0)
+        dp, g, d, kk, p, m = PR[t], PR[C + t], D[t], KK[t], P[t], M[t]
+        for s in range(t):                                           # strictly lower: row t of dR Uᵀ read, G written
+            a = -g[s] * d[s]
+            G = beta[t] * a
+            acc += a * kk[s]
+            g[s] = G
+            m[s] = G * kk[s] + dp[s] * p[s]
+        pair[t], g[t] = acc, 0
+        for s in range(C):
+            dp[s] *= d[s]                                            # dP ∘ D (0 above the diagonal)
+    for t in range(C):                                               # Gᵀ above the diagonal
+        for s in range(t):
+            PR[C + s, t] = PR[C + t, s]
+
+
+@numba.njit(inline="always", fastmath=_BACK_MATH)
+def _decay_grads(after, before, whole, M, dg):
+    """``dg_j = Σ_{t >= j} after_t + Σ_{t < j} before_t + whole + Σ_{s < j <= t} M_ts``, each
+    term over the steps its factor crosses (:mod:`qkv.recurrent.crossing`), in float64."""
+    C = dg.shape[0]
+    cross = np.zeros(C)
+    for t in range(C):
+        run = 0.0
+        for j in range(1, t + 1):
+            run += M[t, j - 1]
+            cross[j] += run
+    later, earlier = 0.0, 0.0
+    for j in range(C - 1, -1, -1):
+        later += after[j]
+        cross[j] += later
+    for j in range(C):
+        dg[j] = cross[j] + earlier + whole
+        earlier += before[j]
+
+
+@numba.njit(inline="always", fastmath=_BACK_MATH)
+def _rows(Y, RS, Z, L, dKc, Kc, KS, v, beta, eg, eCg, pair, gated, dq, dk, dv, dbeta, after, before):
+    """The chunk's row-wise gradients: ``dq = e^γ dQg + Z[:C]``, ``dk = -beta e^γ (dR S_0ᵀ) +
+    e^{γ_C - γ} dKc + Z[C:]``, ``dv = beta dR``, ``dbeta = Σ dR ∘ (V - Kg S_0) + pair``; gated, each row's
+    decay terms ``after = Σ Qg ∘ dQg - beta Σ dR ∘ Kg S_0``, ``before = Σ dKc ∘ Kc`` (float64)."""
+    C, Dk = dq.shape
+    Dv = dv.shape[1]
+    for i in range(C):
+        e, f, c, bt = eg[i], -(beta[i] * eg[i]), eCg[i], beta[i]
+        q, k, dQg, dRS, dkc, zq, zk = dq[i], dk[i], RS[i], RS[C + i], dKc[i], Z[i], Z[C + i]
+        for d in range(Dk):
+            q[d] = e * dQg[d] + zq[d]
+            k[d] = f * dRS[d] + c * dkc[d] + zk[d]
+        r, x, w, out = Y[C + i], v[i], KS[i], dv[i]
+        db, kx = 0.0, 0.0
+        for j in range(Dv):
+            db += np.float64(r[j]) * (x[j] - w[j])
+            kx += np.float64(r[j]) * w[j]
+        for j in range(Dv):
+            out[j] = bt * r[j]
+        dbeta[i] = db + pair[i]
+        if gated:
+            qg, kb, lq, kc = 0.0, 0.0, L[i], Kc[i]
+            for d in range(Dk):
+                qg += np.float64(lq[d]) * dQg[d]
+                kb += np.float64(dkc[d]) * kc[d]
+            after[i], before[i] = qg - bt * kx, kb
+
+
+@numba.njit(nogil=True, cache=True, fastmath={"contract", "nsz"})
+def backward_states(addr, k, q, v, beta, gated, gamma, eg, eC, eCg, S, scores, D, Tinv, KS, U, starts):
+    """The backward's pass (float32): ``k, q (B,H,N,C,Dk)``, ``v (B,H,N,C,Dv)``, ``beta, eg, eCg (B,H,N,C)``,
+    ``gamma`` (float64 ``γ``: read where ``gated``), ``eC (B,H,N)``, ``S (B,H,Dk,Dv)`` the start state; out ``scores
+    (B,H,N,2C,C)`` ``[K Kᵀ; P]``, ``D, Tinv (B,H,N,C,C)``, ``KS = Kg S_0, U (B,H,N,C,Dv)``, ``starts (B,H,N,Dk,Dv)``."""
+    wide_vectors()
+    B, H, N, C, Dk = k.shape
+    Dv = v.shape[-1]
+    d, a = np.empty(C, np.float32), np.empty(C, np.float32)
+    R, Kc, KQ = np.empty((C, Dv), np.float32), np.empty((C, Dk), np.float32), np.empty((2 * C, Dk), np.float32)
+    for b in range(B):
+        for h in range(H):
+            starts[b, h, 0] = S[b, h]
+            for n in range(N):
+                sc, x, S0, ks, bt = scores[b, h, n], Tinv[b, h, n], starts[b, h, n], KS[b, h, n], beta[b, h, n]
+                KQ[:C], KQ[C:] = k[b, h, n], q[b, h, n]
+                K = KQ[:C]
+                gemm(addr, N_, T_, 2 * C, C, Dk, KQ, K, 0, sc)                  # [K; Q] Kᵀ
+                _system(sc[:C], sc[C:], gamma[b, h, n], bt, x, D[b, h, n], True, d, a, True, gated)
+                gemm(addr, N_, N_, C, Dv, Dk, K, S0, 0, ks)                       # K S_0
+                for i in range(C):
+                    f, c, vi, ki = eg[b, h, n, i], eCg[b, h, n, i], v[b, h, n, i], ks[i]
+                    if gated:
+                        for j in range(Dv):
+                            ki[j] *= f                                           # Kg S_0
+                        for j in range(Dk):
+                            Kc[i, j] = c * K[i, j]
+                    for j in range(Dv):
+                        R[i, j] = bt[i] * (vi[j] - ki[j])                        # beta (V - Kg S_0)
+                gemm(addr, N_, N_, C, Dv, C, x, R, 0, U[b, h, n])                 # U = Tinv R
+                end, e = S[b, h] if n + 1 == N else starts[b, h, n + 1], eC[b, h, n]
+                for i in range(Dk):
+                    for j in range(Dv):
+                        end[i, j] = e * S0[i, j]
+                gemm(addr, T_, N_, Dk, Dv, C, Kc if gated else K, U[b, h, n], 1, end)  # S_C = e^{γ_C} S_0 + Kcᵀ U
+
+
+@numba.njit(nogil=True, cache=True, fastmath=_BACK_MATH)
+def backward_chunks(addr, k, q, v, beta, eg, eC, eCg, Tinv, scores, D, U, KS, starts, dO, scale, gated,
+                    dS, dq, dk, dv, dbeta, dg):
+    """The backward's chunks backwards (float32), after :func:`backward_states` (its inputs and outputs):
+    the state's gradient, then the chunk's inputs' while it is in cache. ``dO (B,H,N,C,Dv)``; ``dS (B,H,Dk,Dv)``
+    the final state's gradient, out the start state's; out ``dq, dk (B,H,N,C,Dk)``, ``dv (B,H,N,C,Dv)``,
+    ``dbeta, dg (B,H,N,C)`` (dg where ``gated``): the NumPy path's products, those sharing an operand stacked."""
+    wide_vectors()
+    B, H, N, C, Dk = k.shape
+    C2, Dv = 2 * C, v.shape[-1]
+    Y, L = np.empty((C2, Dv), np.float32), np.empty((C2, Dk), np.float32)
+    RS, PR = np.empty((C2, Dk), np.float32), np.empty((C2, C), np.float32)
+    dU, dKc, Kc = np.empty((C, Dv), np.float32), np.empty((C, Dk), np.float32), np.empty((C, Dk), np.float32)
+    Z, M = np.empty((C2, Dk), np.float32), np.zeros((C, C), np.float32)
+    after, before, pair = np.zeros(C), np.zeros(C), np.empty(C, np.float32)
+    for b in range(B):
+        for h in range(H):
+            for n in range(N - 1, -1, -1):
+                K, Q, S0, Un, P = k[b, h, n], q[b, h, n], starts[b, h, n], U[b, h, n], scores[b, h, n, C:]
+                whole = _state_step(addr, K, Q, beta[b, h, n], eg[b, h, n], eC[b, h, n], eCg[b, h, n], Tinv[b, h, n],
+                                    P, Un, S0, dO[b, h, n], scale, gated, dS[b, h], Y, dU, L, Kc, dKc)
+                gemm(addr, N_, T_, C2, Dk, Dv, Y, S0, 0, RS)                  # [dQg; dR S_0ᵀ] = Y S_0ᵀ
+                gemm(addr, N_, T_, C2, C, Dv, Y, Un, 0, PR)                   # [dP; dR Uᵀ] = Y Uᵀ
+                _pairs(PR, D[b, h, n], scores[b, h, n, :C], P, beta[b, h, n], M, pair)
+                gemm(addr, N_, N_, C2, Dk, C, PR, K, 0, Z)                    # [(dP ∘ D) K; (G + Gᵀ) K]
+                gemm(addr, T_, N_, C, Dk, C, PR[:C], Q, 1, Z[C:])             #   + [0; (dP ∘ D)ᵀ Q]
+                _rows(Y, RS, Z, L, dKc, Kc, KS[b, h, n], v[b, h, n], beta[b, h, n], eg[b, h, n],
+                      eCg[b, h, n], pair, gated, dq[b, h, n], dk[b, h, n], dv[b, h, n], dbeta[b, h, n], after, before)
+                if gated:
+                    _decay_grads(after, before, whole, M, dg[b, h, n])
