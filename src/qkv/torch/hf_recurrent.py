@@ -73,6 +73,7 @@ UNFUSED = {
         "convolution (apply_mask_to_padding_states), so the fused function would let padding feed the state"),
 }
 KERNELS_MODULE = "qkv.torch.hf_kernels"
+_PREFIX = "transformers.models."
 _MODELING = re.compile(r"^transformers\.models\.[A-Za-z0-9_]+\.modeling_[A-Za-z0-9_]+$")
 
 _replaced: dict[tuple[str, str], object] = {}  # (module name, attribute) -> transformers' object
@@ -126,35 +127,51 @@ def qkv_function(name: str):
     return fn
 
 
-def _first_device(args, kwargs):
-    import torch
-
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, torch.Tensor):
-            return a.device.type
-    return None
+def _on_cpu(args, kwargs, tensor) -> bool:
+    """Whether the first tensor among the arguments (positional first) is on the CPU; True
+    where there is none. ``tensor``: ``torch.Tensor``, bound once by :func:`_serving`."""
+    for a in args:
+        if isinstance(a, tensor):
+            return a.is_cpu
+    for a in kwargs.values():
+        if isinstance(a, tensor):
+            return a.is_cpu
+    return True
 
 
 def _serving(name: str, fn, original, blind: str | None = None):
     """The function put in a modeling module in place of ``original``: CPU tensors to ``fn``.
     ``blind``: the module's recurrence that cannot keep packed sequences apart (:func:`packing_blind`),
-    for which a ``seq_idx`` handed to the module's convolution is refused."""
+    for which a ``seq_idx`` handed to the module's convolution is refused.
+
+    It runs at every call of a layer (a decoding step: one call a function a layer a token), so
+    what can be known from ``fn`` alone is settled here, once: the keywords ``fn`` takes, whether
+    it is fla's (packing as ``cu_seqlens``), whether seq_idx is refused. A call then adds ~2 µs
+    to ``fn``'s own (one type test of the leading arguments, one set comparison of the keywords;
+    4 µs where each call looked them up again: one thread, Zen 3)."""
+    import torch
+
+    tensor = torch.Tensor
     params = inspect.signature(fn).parameters   # through functools.wraps, the wrapped function's
+    takes = frozenset(params)
     open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     fla = "cu_seqlens" in params and "seq_idx" not in params      # fla's: packed sequences as cu_seqlens alone
+    refuses_seq_idx = blind is not None and name == "causal_conv1d_fn"
 
     def served(*args, **kwargs):
-        if _first_device(args, kwargs) not in (None, "cpu"):
+        if not _on_cpu(args, kwargs, tensor):
             return original(*args, **kwargs)
         if fla:
             kwargs = fla_packing(name, kwargs)
-        if blind is not None and name == "causal_conv1d_fn" and kwargs.get("seq_idx") is not None:
+        if refuses_seq_idx and kwargs.get("seq_idx") is not None:
             raise OptionError(
                 f"causal_conv1d_fn was handed seq_idx (packed sequences), but this model's recurrence, {blind}, "
                 f"takes no seq_idx (nor does mamba_ssm's) and would run across the sequences' boundaries; "
                 f"transformers' own CPU path refuses this input too. Pass the sequences as batch rows instead")
-        # a function that takes **kwargs (a wrapper without functools.wraps) gets every keyword
-        return fn(*args, **(kwargs if open_ended else {k: v for k, v in kwargs.items() if k in params}))
+        if open_ended or kwargs.keys() <= takes:
+            # a function that takes **kwargs (a wrapper without functools.wraps) gets every keyword
+            return fn(*args, **kwargs)
+        return fn(*args, **{k: v for k, v in kwargs.items() if k in takes})
 
     served.__name__ = served.__qualname__ = getattr(original, "__name__", name)
     served.__doc__ = f"transformers' {name} served by qkv.torch.hf_kernels.{name} on CPU tensors."
@@ -269,7 +286,11 @@ class _Finder(importlib.abc.MetaPathFinder):
     """Finds a ``transformers.models.*.modeling_*`` module as the other finders do and wraps its loader."""
 
     def find_spec(self, fullname, path, target=None):
-        if not _MODELING.match(fullname):
+        # first on sys.meta_path, so consulted for every module imported for the first time while
+        # the hook is on: 267 in a Bamba model's first forward (numba and qkv's kernels, imported
+        # lazily), none in any later forward, backward or decoding step (no import runs there);
+        # a name of no modeling module is turned away by a prefix test, ~0.2 µs
+        if not fullname.startswith(_PREFIX) or not _MODELING.match(fullname):
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
