@@ -47,7 +47,8 @@ crosses and adds ``x · dx`` of the term x it multiplies to ``dg_j`` for exactly
 
 (over the key channels too for a decay a head): every summand carries the decays crossing j,
 so a steep decay's tiny ``dg_j`` is a sum of tiny terms, not what is left of undecayed terms
-that cancel (``Σ_{i >= j} dG_i`` of ``dG = q ∘ dq - k ∘ dk + ...``).
+that cancel (``Σ_{i >= j} dG_i`` of ``dG = q ∘ dq - k ∘ dk + ...``). float32, a decay a head and the
+``fast`` extra: two compiled sweeps (:func:`qkv.recurrent.decay.fused.backward`; its own bits, tested).
 
 **Padding.** T is padded to whole chunks with ``q = k = v = 0`` and ``g = 0`` at the end:
 the padded rows add nothing to the state and decay nothing, so ``S_T`` and every real row
@@ -87,14 +88,12 @@ UNIT_ROWS = 4096    # positions (heads × T) a work unit holds at least, where t
 SLAB_ROWS = 2048    # positions of the chunks whose in-chunk scores are made at once
 FLOOR = -1000.0     # log decays below are raised to it: exp(-1000) is 0 in float64 already
 KEEP = 1 << 21      # elements of the largest work array a thread keeps between calls
-PANEL = 64          # columns of a value panel (see _forward_unit): OpenBLAS's small-matrix kernels
-                    # (AVX-512) take a product of M·N·K <= 10^6 only, and at D = 128, C = 64 the
-                    # state's two products are 64·128·128; in panels of 64 each is half that
+PANEL = 64          # columns of a value panel (see _forward_unit): OpenBLAS's small-matrix kernels (AVX-512) take a
+                    # product of M·N·K <= 10^6 only; at D = 128, C = 64 the state's two are 64·128·128, in panels half
 PANELS = None       # True/False: panels or not; None: as the BLAS core (D = 128: 0.85x the time on SkylakeX, 1.05x on Haswell)
 SMALL_PRODUCT_CORES = ("skylakex", "cooperlake", "sapphirerapids")
-SEGMENT_ROWS = 4096 # positions of a head whose chunks the forward works at once; a longer
-                    # sequence runs segment after segment, the state passed on, so its work
-                    # arrays (the states entering its chunks) stay within KEEP and are reused
+SEGMENT_ROWS = 4096 # positions of a head whose chunks the forward works at once; a longer sequence runs segment
+                    # after segment, the state passed on, so its work arrays stay within KEEP and are reused
 
 
 def _t(x):
@@ -289,10 +288,12 @@ def _to_width(x: np.ndarray, W: int) -> np.ndarray:
     return x if W == x.shape[-1] else x.sum(-1, keepdims=True)
 
 
-def _backward_unit(dout, dstate, q, k, v, g, S0, scale, C):
-    """One unit's ``(dq, dk, dv, dg, dS0)``, shapes as its inputs."""
+def _backward_unit(dout, dstate, q, k, v, g, S0, scale, C, into):
+    """One unit's ``(dq, dk, dv, dg, dS0)``, shapes as its inputs; () where :mod:`.fused` wrote them into ``into``."""
     T, W = q.shape[1], g.shape[-1]
     c = _chunks(q, k, v, g, C)
+    if W == 1 and decay_fused.backward(c, _split(dout, C), dstate, S0, scale, into):
+        return ()
     n, Nc = c.q.shape[:2]
     S = _states(c, S0)
     dO = _split(dout, C) * q.dtype.type(scale)                            # dO' (n,Nc,C,Dv)
@@ -389,7 +390,7 @@ def backward(dout, dstate, q, k, v, g, *, scale, initial_state=None, chunk=None)
 
     def job(a, b):
         grads = _backward_unit(dof[a:b], None if dSf is None else dSf[a:b], qf[a:b], kf[a:b], vf[a:b],
-                               gf[a:b], None if S0 is None else S0[a:b], scale, C)
+                               gf[a:b], None if S0 is None else S0[a:b], scale, C, [x[a:b] for x in out])
         for dst, src in zip(out, grads):
             dst[a:b] = src
 

@@ -9,9 +9,9 @@ number is rounded as NumPy's ``S[j+1] += e * S[j]`` rounds it (the product, then
 so the two paths give the same bits. :func:`scaled_transpose`: the chunks' ``Kgᵀ``.
 :func:`finish`: the output, ``(Q S + A V) · row`` out of the panels, one pass a slab (NumPy
 took ``o += AV`` and a transposing product: at (1, 8, 4096, 128) about 14 against 5 ms).
-:func:`forward_chunks` and :func:`forward_merged` (one value panel): the whole forward of
-float32 and a decay a head, chunk after chunk, BLAS called from the loop (driven by
-:mod:`qkv.recurrent.decay.fused`; where they run, the three passes above do not).
+:func:`forward_chunks` and :func:`forward_merged` (one value panel): the whole forward of float32 and a decay a
+head, chunk after chunk, BLAS called from the loop (driven by :mod:`qkv.recurrent.decay.fused`; where they run,
+the three passes above do not); :func:`backward_states` and :func:`backward_chunks` its backward (their own bits).
 :func:`channel_scores`: with a decay a key channel, the scores' diagonal sub-blocks, their
 ``(c, c, Dk)`` decays made row by row in the first cache instead of stored (einsum's bits).
 """
@@ -20,7 +20,9 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ...kernels.blas_compiled import ILP64, SGEMM, gemm  # noqa: F401  (SGEMM, ILP64: the forward's BLAS, read by decay_fused)
+from ...kernels.blas_compiled import ILP64, N_, SGEMM, T_, gemm  # noqa: F401  (SGEMM, ILP64: read by decay_fused)
+from ...kernels.flash.compiled import wide_vectors
+from ..delta.compiled import _decay, _decay_grads
 
 
 @numba.njit(cache=True)
@@ -113,7 +115,6 @@ def forward_chunks(addr, q, k, v, eG, eK, row, e_gam, em_gam, mode, D, tri, S, o
     n, Nc, C, Dk = q.shape
     p, w = S.shape[1], S.shape[3]
     T = out.shape[1]
-    N_, T_ = 78, 84
     kt = np.empty((Dk, C), np.float32)
     A = np.empty((C, C), np.float32)
     qs = np.empty((p, C, w), np.float32)
@@ -177,7 +178,6 @@ def forward_merged(addr, q, k, v, eG, eK, row, e_gam, em_gam, mode, D, tri, S, o
     n, Nc, C, Dk = q.shape
     Dv = S.shape[3]
     T = out.shape[1]
-    N_, T_ = 78, 84
     W = np.zeros((C + Dk, Dv + C), np.float32)
     O2 = np.empty((C, Dv + C), np.float32)                             # [Q S | Q Kgᵀ]
     O1 = np.empty((C + Dk, Dv), np.float32)                            # [A V ; Kgᵀ V]
@@ -288,3 +288,110 @@ def chunk_cumsum(g, floor, G):
                 for w in range(W):
                     x = np.float64(g[h, j, i, w])
                     G[h, j, i, w] = G[h, j, i - 1, w] + (floor if x < floor else x)
+
+
+_BACK = {"contract", "nsz", "reassoc"}   # the float32 backward keeps no NumPy bits to match
+
+
+@numba.njit(inline="always", fastmath=_BACK)
+def _rows_times(x, e, out):
+    """``out = diag(e) x`` (``x (C, D)``, ``e (C,)``)."""
+    for i in range(x.shape[0]):
+        f = e[i]
+        for d in range(x.shape[1]):
+            out[i, d] = f * x[i, d]
+
+
+@numba.njit(nogil=True, cache=True, fastmath=_BACK)
+def backward_states(addr, k, v, eK, e_gam, S0, starts):
+    """The backward's first sweep (float32, a decay a head), chunks forwards: ``starts[h, j] = [S_j; V_j]``
+    ``(n, Nc, Dk + C, Dv)``, the state entering chunk j above its values, ``S_{j+1} = exp(Γ_j) S_j + Kg_jᵀ V_j``
+    from ``S0 (n, Dk, Dv)``. ``k (n, Nc, C, Dk)``, ``v (n, Nc, C, Dv)``, ``eK (n, Nc, C)``, ``e_gam (n, Nc)``."""
+    wide_vectors()
+    n, Nc, C, Dk = k.shape
+    Dv = v.shape[3]
+    Kg = np.empty((C, Dk), np.float32)
+    for h in range(n):
+        starts[h, 0, :Dk] = S0[h]
+        for j in range(Nc):
+            starts[h, j, Dk:] = v[h, j]
+            if j + 1 < Nc:
+                _rows_times(k[h, j], eK[h, j], Kg)
+                out = starts[h, j + 1, :Dk]
+                np.multiply(starts[h, j, :Dk], e_gam[h, j], out)
+                gemm(addr, T_, N_, Dk, Dv, C, Kg, v[h, j], 1, out)           # S_{j+1} = exp(Γ) S_j + Kgᵀ V
+
+
+@numba.njit(inline="always", fastmath=_BACK)
+def _masks(QK, G, D, L, Dk):
+    """``D = exp(G_t - G_s)`` on and below the diagonal (0 above); ``QK`` made ``A = QK ∘ D``, ``L[s, Dk + t] = A_ts``."""
+    C = G.shape[0]
+    for t in range(C):
+        for s in range(t + 1):
+            D[t, s] = _decay(min(G[t] - G[s], 0.0), True)
+        for s in range(t + 1, C):
+            D[t, s] = 0
+        for s in range(C):
+            QK[t, s] *= D[t, s]
+    for s in range(C):
+        for t in range(C):
+            L[s, Dk + t] = QK[t, s]
+
+
+@numba.njit(inline="always", fastmath=_BACK)
+def _grad_rows(R, dKg, Qg, Kg, A, D, eG, eK, dq, dk, P, M, after, before):
+    """``dq = e^G ∘ dQg``, ``dk = e^{Γ-G} ∘ dKg`` (the in-chunk parts added after), ``P = dA ∘ D``,
+    ``M = dA ∘ A``; each row's decay terms ``after = Σ dQg ∘ Qg``, ``before = Σ dKg ∘ Kg``."""
+    C, Dk = dq.shape
+    for i in range(C):
+        e, f, aq, bk = eG[i], eK[i], np.float32(0), np.float32(0)
+        for d in range(Dk):
+            x, y = R[i, d], dKg[i, d]
+            aq += x * Qg[i, d]
+            bk += y * Kg[i, d]
+            dq[i, d] = e * x
+            dk[i, d] = f * y
+        after[i], before[i] = aq, bk
+        for s in range(C):
+            dA = R[i, Dk + s]
+            P[i, s] = dA * D[i, s]
+            M[i, s] = dA * A[i, s]
+
+
+@numba.njit(nogil=True, cache=True, fastmath=_BACK)
+def backward_chunks(addr, q, k, v, dO, G, eG, eK, e_gam, starts, scale, dS, dq, dk, dv, dg):
+    """The backward's chunks backwards (float32, a decay a head), each chunk's gradients while its blocks are in
+    cache, products sharing an operand stacked. ``q, k, dq, dk (n, Nc, C, Dk)``, ``v, dO, dv (n, Nc, C, Dv)``, ``G``
+    (float64), ``eG, eK, dg (n, Nc, C)``, ``e_gam (n, Nc)``, ``starts`` from :func:`backward_states`; ``dS (n, Dk,
+    Dv)`` the final state's gradient, the initial's on return. The derivation: :mod:`.chunk`'s docstring."""
+    wide_vectors()
+    n, Nc, C, Dk = q.shape
+    Dv = v.shape[3]
+    Z, L, R = np.empty((Dk + C, Dv), np.float32), np.empty((C, Dk + C), np.float32), np.empty((C, Dk + C), np.float32)
+    A, D, P, M = np.zeros((C, C), np.float32), np.zeros((C, C), np.float32), np.zeros((C, C), np.float32), np.zeros((C, C), np.float32)
+    Qg, dKg, after, before = np.empty((C, Dk), np.float32), np.empty((C, Dk), np.float32), np.zeros(C), np.zeros(C)
+    for h in range(n):
+        Z[:Dk] = dS[h]                                                     # Z = [dS'; dO']
+        for j in range(Nc - 1, -1, -1):
+            Q, K, V, st, dSn, dOn, Kg = q[h, j], k[h, j], v[h, j], starts[h, j], Z[:Dk], Z[Dk:], L[:, :Dk]
+            np.multiply(dO[h, j], scale, dOn)
+            _rows_times(K, eK[h, j], Kg)                                  # L = [Kg | Aᵀ]
+            _rows_times(Q, eG[h, j], Qg)
+            gemm(addr, N_, T_, C, C, Dk, Q, K, 0, A)                      # Q Kᵀ
+            _masks(A, G[h, j], D, L, Dk)
+            gemm(addr, N_, N_, C, Dv, Dk + C, L, Z, 0, dv[h, j])          # dv = Kg dS' + Aᵀ dO'
+            gemm(addr, N_, T_, C, Dk + C, Dv, dOn, st, 0, R)              # [dQg | dA] = dO' [S; V]ᵀ
+            gemm(addr, N_, T_, C, Dk, Dv, V, dSn, 0, dKg)                 # dKg = V dS'ᵀ
+            whole, e = 0.0, e_gam[h, j]
+            for d in range(Dk):
+                part = np.float32(0)
+                for x in range(Dv):
+                    part += dSn[d, x] * st[d, x]
+                    dSn[d, x] *= e
+                whole += part
+            gemm(addr, T_, N_, Dk, Dv, C, Qg, dOn, 1, dSn)                # dS = exp(Γ) dS' + Qgᵀ dO'
+            _grad_rows(R, dKg, Qg, Kg, A, D, eG[h, j], eK[h, j], dq[h, j], dk[h, j], P, M, after, before)
+            gemm(addr, N_, N_, C, Dk, C, P, K, 1, dq[h, j])               # dq += (dA ∘ D) K
+            gemm(addr, T_, N_, C, Dk, C, P, Q, 1, dk[h, j])               # dk += (dA ∘ D)ᵀ Q
+            _decay_grads(after, before, whole * e, M, dg[h, j])
+        dS[h] = Z[:Dk]

@@ -22,7 +22,10 @@ from __future__ import annotations
 import numpy as np
 
 from ... import jit
+from ...kernels.flash.tiles import DEFAULT, scratch
 from . import intra as decay_intra
+
+KEEP = 1 << 21      # elements of the backward's states a thread keeps between calls (as chunk.KEEP)
 
 
 def forward(c, S0, scale: float, out: np.ndarray, p: int, slabs) -> np.ndarray | None:
@@ -58,3 +61,36 @@ def forward(c, S0, scale: float, out: np.ndarray, p: int, slabs) -> np.ndarray |
     loop((mod.SGEMM, int(mod.ILP64)), c.q, c.k, c.v, c.eG, c.eK, c.eG * f, c.eGam, em_gam, mode, D,
          np.tri(C, dtype=np.float32), S, out, f)
     return S[:, 0] if p == 1 else S.swapaxes(1, 2).reshape(n, Dk, Dv)
+
+
+def backward(c, dO, dstate, S0, scale: float, into) -> bool:
+    """The backward of a decay a head in float32 from two compiled sweeps over the chunks
+    (:func:`qkv.recurrent.decay.compiled.backward_states` forwards, ``backward_chunks`` backwards),
+    ``(dq, dk, dv, dg, dS0)`` written into ``into`` (the unit's, shapes as
+    :func:`qkv.recurrent.decay.chunk._backward_unit` gives them); False where it does not run
+    (float64, a decay a key channel, a size below 2, no numba or BLAS: the NumPy path). ``c``: the
+    unit's chunks; ``dO (n, Nc, C, Dv)`` the output's gradient in chunks (without the scale). Its
+    bits are not the NumPy path's (float32 sums in other orders, the decays' exp a polynomial):
+    tested against the float64 oracle."""
+    n, Nc, C, Dk = c.q.shape
+    Dv, T = c.v.shape[-1], into[0].shape[1]
+    mod = jit.load(jit.DECAY)
+    if c.q.dtype != np.float32 or c.a is not None or min(C, Dk, Dv) < 2 or mod is None or not mod.SGEMM:
+        return False
+    f, addr, con = np.float32, (mod.SGEMM, int(mod.ILP64)), np.ascontiguousarray
+    q, k, v, dO = con(c.q), con(c.k), con(c.v), con(dO)
+    eG, eK, e_gam = con(c.eG[..., 0]), con(c.eK[..., 0]), con(c.eGam[..., 0])
+    S = np.zeros((n, Dk, Dv), f) if S0 is None else con(S0, f)
+    size = n * Nc * (Dk + C) * Dv                                         # [S_j; V_j] a chunk, reused
+    starts = (scratch(size, f, DEFAULT, "decay_starts") if size <= KEEP else np.empty(size, f)).reshape(n, Nc, -1, Dv)
+    mod.backward_states(addr, k, v, eK, e_gam, S, starts)
+    dS = into[4]
+    dS[:] = 0 if dstate is None else dstate
+    whole = T == Nc * C                                                  # the gradients written in place
+    dq, dk, dv, dg = ((x.reshape(n, Nc, C, -1) if whole else np.empty((n, Nc, C, x.shape[-1]), f)) for x in into[:4])
+    mod.backward_chunks(addr, q, k, v, dO, con(c.G[..., 0]), eG, eK, e_gam, starts, f(scale), dS, dq, dk, dv,
+                        dg[..., 0])
+    if not whole:
+        for dst, src in zip(into[:4], (dq, dk, dv, dg)):
+            dst[:] = src.reshape(n, Nc * C, -1)[:, :T]
+    return True
