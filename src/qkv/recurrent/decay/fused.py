@@ -1,5 +1,6 @@
-"""The decay forward's compiled path (float32, a decay a head): every chunk of a work unit in
-one compiled loop, BLAS called from it (:func:`qkv.recurrent.decay.compiled.forward_chunks`).
+"""The decay recurrence's compiled path (float32, a decay a head): every chunk of a work unit in
+one compiled loop, BLAS called from it (:func:`qkv.recurrent.decay.compiled.forward_chunks`), and
+its backward in two such loops (:func:`backward`).
 
 :func:`qkv.recurrent.decay.chunk._forward_unit` makes each of its steps for every chunk of a segment
 at once: the chunks' ``Kgᵀ``, then ``U = Kgᵀ V``, the states' scan, ``Q S``, the scores, ``A V``
@@ -16,6 +17,14 @@ or the inputs are float64 or decay a key channel, :func:`forward` gives None and
 path runs. So it does (*) where NumPy's ``matmul`` would not call ``sgemm``, whose bits the
 loop could not give: a product with one row or one column (NumPy calls ``gemv``: chunks of
 one row, a decoding step's) and ``q`` the same memory as ``k`` (``q kᵀ`` is then ``syrk``).
+
+**The backward** keeps no NumPy bits: a first sweep forwards stores each chunk's start state
+above its values (``[S_j; V_j]``), a second backwards takes each chunk through every step of
+:mod:`qkv.recurrent.decay.chunk`'s backward while its blocks are in cache, the products that share
+an operand made as one: ``dv = [Kg | Aᵀ] [dS'; dO']`` and ``[dQg | dA] = dO' [S; V]ᵀ``, eight
+products a chunk in all (7.5 M multiply-adds at C = 64, D = 128, against the forward's 3). At
+(1, 8, 2048, 128), one thread (Zen 3): forward+backward 2.8-3.0x the forward, was 3.8-4.3x; 66 of
+its 77 ms in ``sgemm``; C = 64 ahead of 32 and 48. Tested against the float64 oracle.
 """
 from __future__ import annotations
 
@@ -86,7 +95,7 @@ def backward(c, dO, dstate, S0, scale: float, into) -> bool:
     mod.backward_states(addr, k, v, eK, e_gam, S, starts)
     dS = into[4]
     dS[:] = 0 if dstate is None else dstate
-    whole = T == Nc * C                                                  # the gradients written in place
+    whole = T == Nc * C and all(x.flags.c_contiguous for x in into[:4])  # the gradients written in place
     dq, dk, dv, dg = ((x.reshape(n, Nc, C, -1) if whole else np.empty((n, Nc, C, x.shape[-1]), f)) for x in into[:4])
     mod.backward_chunks(addr, q, k, v, dO, con(c.G[..., 0]), eG, eK, e_gam, starts, f(scale), dS, dq, dk, dv,
                         dg[..., 0])
