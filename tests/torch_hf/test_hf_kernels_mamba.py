@@ -337,13 +337,17 @@ def test_selective_scan_float32_and_b_c_layouts():
 
 # --- causal_conv1d --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("layout", ["contiguous", "channel_last"])
+@pytest.mark.parametrize("layout", ["contiguous", "channel_last", "split"])
 @pytest.mark.parametrize("activation", [None, "silu"])
 @pytest.mark.parametrize("T,Kw", [(1, 4), (17, 4), (9, 2)])
 def test_conv_fn_equals_fallback(activation, T, Kw, layout):
     """Either layout of x (channel-last: a (B, T, D) tensor transposed, as transformers' layers
-    hand it over and causal_conv1d takes it); the output keeps x's layout, as causal_conv1d's."""
-    x = rand(2, 5, T, seed=1) if layout == "contiguous" else rand(2, T, 5, seed=1).transpose(1, 2)
+    hand it over and causal_conv1d takes it; split: channels of a wider (B, T, W) projection,
+    the Mamba-2 mixers' xBC); the output keeps x's layout (dense), as causal_conv1d's."""
+    if layout == "split":
+        x = rand(2, T, 9, seed=1)[..., 2:7].transpose(1, 2)            # rows 9 apart, channels contiguous
+    else:
+        x = rand(2, 5, T, seed=1) if layout == "contiguous" else rand(2, T, 5, seed=1).transpose(1, 2)
     w, b = rand(5, Kw, seed=2), rand(5, seed=3)
     ref = m2.causal_conv1d_fn(x, w, b, activation=activation)
     out = K.causal_conv1d_fn(x, w, b, activation=activation)
@@ -357,6 +361,28 @@ def test_conv_fn_equals_fallback(activation, T, Kw, layout):
     close((o2, fin), (whole, torch.cat([s0, x], -1)[..., T:]))
     buf = torch.empty(2, 5, Kw - 1, dtype=DT)
     assert K.causal_conv1d_fn(x, w, b, return_final_states=True, final_states_out=buf)[1] is buf
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_fn_split_input_has_the_bits_of_its_dense_copy(dtype):
+    """A split of a wider projection (channels contiguous, time steps W apart) is taken channel-last:
+    the bits of its dense channel-last copy, outputs, final states and every gradient."""
+    g = torch.Generator().manual_seed(5)
+    wide, w, b = (torch.randn(*s, generator=g).to(dtype) for s in ((2, 33, 19), (6, 4), (6,)))
+    s0 = torch.randn(2, 6, 3, generator=g).to(dtype)
+    runs = []
+    for dense in (False, True):
+        src = wide.clone().requires_grad_()
+        x = src[..., 4:10].transpose(1, 2)                                # (B, D, T), rows 19 apart
+        x = x.contiguous().transpose(1, 2).contiguous().transpose(1, 2) if dense else x
+        assert x.stride(1) == 1
+        wg, bg, sg = (t.clone().requires_grad_() for t in (w, b, s0))
+        out, fin = K.causal_conv1d_fn(x, wg, bg, initial_states=sg, return_final_states=True, activation="silu")
+        assert out.stride() == (33 * 6, 1, 6)                             # dense channel-last, as causal_conv1d's
+        dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(6)).to(dtype)
+        runs.append([out, fin, *torch.autograd.grad((out * dy).sum(), [src, wg, bg, sg])])
+    for a, c in zip(*runs):
+        assert torch.equal(a, c)
 
 
 def test_conv_fn_packed_equals_each_alone():

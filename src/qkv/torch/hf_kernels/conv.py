@@ -173,7 +173,11 @@ def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, re
     if seq_idx is not None:
         return _per_sequence(x, weight, bias, seq_idx, activation)
     xw = x.to(weight.dtype)
-    last = Dd > 1 and xw.stride(1) == 1 and xw.stride(2) == Dd       # channel-last, as causal_conv1d takes it
+    # channel-last, as causal_conv1d takes it: channels contiguous, each time step's row D or more
+    # apart (the mixers hand a split of their in_proj's output: rows as wide as that). Such an input
+    # taken channel-first was gathered by its cat a time step at a time, and its output handed the
+    # mixer x, B, C with time innermost (2.4 -> 0.6 ms a call, D = 640, T = 2048, Zen 3)
+    last = Dd > 1 and xw.stride(1) == 1 and xw.stride(2) >= Dd
     xt = xw.transpose(1, 2) if last else xw                             # time on axis 1 (last) or 2
     t_ax = 1 if last else 2
     head = xw.new_zeros(Bsz, Dd, K - 1) if initial_states is None else initial_states.to(weight.dtype)
