@@ -29,6 +29,8 @@ DELTA = "qkv.recurrent.delta.compiled"  # the delta rule's (I + A)⁻¹ by forwa
 ROWS_FUSED = "qkv.kernels.rows.fused"   # the row kernel's whole call, one parallel loop over heads
 ROPE = "qkv.kernels.rope_compiled"      # rotary position embedding in one pass
 SCAN = "qkv.recurrent.scan.compiled"      # Griffin's diagonal recurrence, forward and backward, one pass each
+DECAY_CHANNELS = "qkv.recurrent.decay.channel_compiled"  # the decay backward with a decay a key channel
+DPLR = "qkv.recurrent.generalized_delta.compiled"          # the generalized delta rule (dplr)
 
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}
