@@ -7,5 +7,6 @@
 - :mod:`.chunk_parts`: the chunks' pieces the forward and backward share;
 - :mod:`.scores`: the masked, decayed products inside a chunk;
 - :mod:`.backward`: reverse mode through the chunked form;
+- :mod:`.compiled`: the float32 backward's numba passes (loaded through ``qkv.jit``);
 - :mod:`.naive`: the step-by-step float64 oracle.
 """

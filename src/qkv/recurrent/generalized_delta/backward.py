@@ -1,7 +1,8 @@
 """The chunked dplr backward: reverse mode through the three passes of :mod:`qkv.recurrent.generalized_delta.chunk`.
 
-Recompute the chunk-entry states ``S_in`` (passes (a), (b)): ``N·Dk·Dv`` numbers a head, not
-a state a step; then, a group of chunks at a time from the last, recompute its pass (a). Then, with ``dO = scale · dout`` and ``Qe = qt + A_qb W``::
+Redo passes (a) and (b), keeping every group's pass (a) and the chunk-entry states ``S_in``
+(``N·Dk·Dv`` numbers a head, not a state a step); then, a group of chunks at a time from the
+last, from what was kept. Then, with ``dO = scale · dout`` and ``Qe = qt + A_qb W``::
 
     (b') the state backwards, one product a chunk, from dS_out[N-1] = dstate:
          dS_in[n] = Qeᵀ dO + Mᵀ dS_out[n],     dS_out[n-1] = dS_in[n],     dS_0 = dS_in[0]
@@ -39,11 +40,18 @@ step j: where the decays are steep, dg is small and so is each term. The same su
 through ``G`` (``dG_t = qt ∘ dqt - kt ∘ dkt + …``, then a reverse running sum, with
 ``Σ_t kt ∘ dkt`` added at ``G_C``) cancels O(1) terms (``kt_C = k_C``) down to that small
 answer and leaves float64's rounding of them: 1e-3 of dg at ``g = -30`` a step.
+
+**float32 with the fast extra** (:mod:`.compiled`): (b') and the chunks' lines above in one
+compiled sweep a group (``chunk_grads``, through ``M``'s structure, no ``dM``), and with a decay
+a channel the products' backward too (``scores_backward``, every pair exactly); other sums than
+this NumPy path's, so other bits (tested against the float64 oracle). float64 and ``QKV_JIT=0``
+take the NumPy path.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from ... import jit
 from .chunk_parts import Chunks, from_chunks, groups, prepare, states, to_chunks
 from .scores import running_sum, scores_backward
 
@@ -100,12 +108,41 @@ def _decay_grad(ch: Chunks, dg_products, factors):
     return dg[..., 0] + dg_products if ch.per_head else dg + dg_products
 
 
-def _group_grads(ch: Chunks, dO, S_in, dS_end):
+def _compiled_chunk_grads(mod, ch: Chunks, dO, S_in, dS_end):
+    """:func:`_state_backward` and :func:`_chunk_grads` in one compiled sweep (float32,
+    ``compiled.chunk_grads``: other sums, other bits): ``(dA, dv, dqt, dat, dkt, dbt, deC)``, dS_start."""
+    c = np.ascontiguousarray
+    f = np.float32
+    dA = np.empty(ch.A.shape, f)
+    dv, dqt, dat, dkt, dbt = np.empty(ch.U.shape, f), *(np.empty(ch.W.shape, f) for _ in range(4))
+    deC = np.empty(ch.W.shape[:-2] + ch.W.shape[-1:], f)
+    dS = np.array(dS_end, f, order="C")
+    eC = c(np.broadcast_to(ch.eC, deC.shape))
+    mod.chunk_grads((mod.SGEMM, int(mod.ILP64)), *(c(x) for x in (ch.A, ch.P, ch.v, ch.U, ch.W, ch.qt, ch.kt, ch.bt)),
+                    eC, c(S_in), c(dO), dS, dA, dv, dqt, dat, dkt, dbt, deC)
+    return (dA, dv, dqt, dat, dkt, dbt, deC), dS
+
+
+def _compiled(dtype, Dk: int, Dv: int):
+    """The compiled module where :func:`_compiled_chunk_grads` runs (float32, the ``fast`` extra
+    with an ``sgemm``), else None."""
+    mod = jit.load(jit.DPLR) if dtype == np.float32 and min(Dk, Dv) > 1 else None
+    return mod if mod is not None and mod.SGEMM else None
+
+
+def _group_grads(ch: Chunks, dO, S_in, dS_end, mod=None):
     """One group's ``(dq, dk, dv, da, db, dg)`` (chunked) and the gradient at its start."""
-    Qe = ch.qt + ch.A[..., 0, 1, :, :] @ ch.W                          # (…,C,C) @ (…,C,Dk) -> (…,C,Dk)
-    dS_out, dS_start = _state_backward(ch, Qe, dO, S_in, dS_end)
-    dA, dv, dqt, dat, dkt, dbt, deC = _chunk_grads(ch, dO, S_in, dS_out)
-    dX, dY, dg_products = scores_backward(dA, ch.X, ch.Y, ch.D, ch.e, ch.A)
+    if mod is not None:
+        (dA, dv, dqt, dat, dkt, dbt, deC), dS_start = _compiled_chunk_grads(mod, ch, dO, S_in, dS_end)
+    else:
+        Qe = ch.qt + ch.A[..., 0, 1, :, :] @ ch.W                      # (…,C,C) @ (…,C,Dk) -> (…,C,Dk)
+        dS_out, dS_start = _state_backward(ch, Qe, dO, S_in, dS_end)
+        dA, dv, dqt, dat, dkt, dbt, deC = _chunk_grads(ch, dO, S_in, dS_out)
+    if mod is not None and not ch.per_head:
+        dX, dY, dg_products = np.empty_like(ch.X), np.empty_like(ch.Y), np.empty_like(ch.e)
+        mod.scores_backward(dA, ch.X, ch.Y, np.ascontiguousarray(ch.e), dX, dY, dg_products)
+    else:
+        dX, dY, dg_products = scores_backward(dA, ch.X, ch.Y, ch.D, ch.e, ch.A)
     dq = dX[..., 0, :, :] + dqt * ch.fG
     da = dX[..., 1, :, :] + dat * ch.fGex
     dk = dY[..., 0, :, :] + dkt * ch.end
@@ -118,23 +155,27 @@ def backward(dout, dstate, q, k, v, a, b, g, *, scale, initial_state=None, chunk
     """``(dq, dk, dv, da, db, dg, dinitial_state)`` in q's dtype, chunks of ``chunk`` steps.
 
     A group of chunks at a time (:func:`qkv.recurrent.generalized_delta.chunk_parts.groups`): forwards, keeping
-    only the chunk-entry states ``S_in``; then backwards, each group's pass (a) recomputed.
+    each group's pass (a) (its :class:`Chunks`, less ``Hc``) and chunk-entry states ``S_in``; then
+    backwards from them. Pass (a) is made once: the same arithmetic as making it again.
     """
     B, H, T, Dk = q.shape
     dtype = q.dtype
     inputs = (q, k, v, a, b, g)
     parts = groups(T, chunk, B * H, Dk)
     S = np.zeros((B, H, Dk, v.shape[-1]), dtype) if initial_state is None else initial_state.astype(dtype)
-    entry = []
+    kept = []
     for part in parts:
-        S_in, S = states(prepare(*(x[:, :, part] for x in inputs), chunk), S)
-        entry.append(S_in)
-    grads = [np.empty(x.shape, dtype) for x in inputs]
-    dS = np.zeros_like(S) if dstate is None else dstate.astype(dtype)
-    for part, S_in in zip(reversed(parts), reversed(entry)):
         ch = prepare(*(x[:, :, part] for x in inputs), chunk)
+        S_in, S = states(ch, S)
+        ch.Hc = None                                                   # read by states() only
+        kept.append((ch, S_in))
+    grads = [np.empty(x.shape, dtype) for x in inputs]
+    mod = _compiled(dtype, Dk, v.shape[-1])
+    dS = np.zeros_like(S) if dstate is None else dstate.astype(dtype)
+    for part in reversed(parts):
+        ch, S_in = kept.pop()
         dO = to_chunks(dout[:, :, part].astype(dtype, copy=False), chunk) * dtype.type(scale)
-        chunk_grads, dS = _group_grads(ch, dO, S_in, dS)
+        chunk_grads, dS = _group_grads(ch, dO, S_in, dS, mod)
         for out, x in zip(grads, chunk_grads):
             out[:, :, part] = from_chunks(x, part.stop - part.start)
     return (*grads, dS)

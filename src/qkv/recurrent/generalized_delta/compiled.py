@@ -1,5 +1,169 @@
 """numba passes of the generalized delta rule (dplr: RWKV-7); load it through
-``qkv.jit.load(qkv.jit.DPLR)`` only. (Being built: issue 63.)"""
+``qkv.jit.load(qkv.jit.DPLR)`` only.
+
+:func:`chunk_grads`: the backward's passes (b') and the chunks' own gradients
+(:mod:`.backward`'s module docstring) in one sweep a head, float32, the chunks backwards, each
+chunk's products while its blocks are in cache, ``sgemm`` called directly
+(:func:`qkv.kernels.blas_compiled.gemm`). It reads the chunk's transition through its
+structure ``M = diag(eC) + btᵀ W`` instead of the ``(Dk, Dk)`` matrix, with ``u = U + W S_in``::
+
+    Mᵀ dS = eC ∘ dS + Wᵀ (bt dS)             (bt dS: the same product as dU's)
+    dW    = du S_inᵀ + bt dM = (du + bt dS_out) S_inᵀ = dU S_inᵀ
+    dbt   = W dMᵀ + U dS_outᵀ = u dS_outᵀ
+    deC   = diag(dS_out S_inᵀ) = Σ_v dS_out ∘ S_in
+
+so no ``Dk·Dk·Dv`` product is left (``dM`` is never formed): ``Dk·Dv·C`` products only. These are
+other sums than the NumPy path's: the compiled backward keeps none of its bits (tested against
+the float64 oracle instead).
+"""
 from __future__ import annotations
 
-import numba  # noqa: F401  (the passes being built here are numba code)
+import numba
+import numpy as np
+
+from ...kernels.blas_compiled import ILP64, N_, SGEMM, T_, gemm  # noqa: F401  (SGEMM, ILP64: read by backward)
+
+_MATH = {"contract", "nsz", "reassoc"}   # no NumPy bits to keep
+
+
+@numba.njit(inline="always", fastmath=_MATH)
+def _state_step(addr, A_qb, W, qt, bt, eC, dO, dS, Y, L, bdS, dS_in):
+    """``dS`` (the gradient at the chunk's end, ``dS_out``) made the one at its start, ``dS_in =
+    eC ∘ dS + [Qe; W]ᵀ [dO; bt dS]`` with ``Qe = qt + A_qb W``; leaves ``bdS = bt dS``."""
+    C, Dk = W.shape
+    Dv = dO.shape[1]
+    for i in range(C):
+        for d in range(Dk):
+            L[i, d] = qt[i, d]
+            L[C + i, d] = W[i, d]
+        for x in range(Dv):
+            Y[i, x] = dO[i, x]
+    gemm(addr, N_, N_, C, Dk, C, A_qb, W, 1, L[:C])                   # Qe = qt + A_qb W
+    gemm(addr, N_, N_, C, Dv, Dk, bt, dS, 0, Y[C:])                   # bt dS
+    for i in range(C):
+        for x in range(Dv):
+            bdS[i, x] = Y[C + i, x]
+    gemm(addr, T_, N_, Dk, Dv, 2 * C, L, Y, 0, dS_in)                 # [Qe; W]ᵀ [dO; bt dS]
+    for d in range(Dk):
+        for x in range(Dv):
+            dS_in[d, x] += eC[d] * dS[d, x]
+
+
+@numba.njit(nogil=True, cache=True, fastmath=_MATH)
+def chunk_grads(addr, A, P, v, U, W, qt, kt, bt, eC, S_in, dO, dS, dA, dv, dqt, dat, dkt, dbt, deC):
+    """A group's chunks backwards (float32, C-contiguous): ``A (B,H,N,2,2,C,C)``, ``P (…,C,C)``,
+    ``v, U (…,C,Dv)``, ``W, qt, kt, bt (…,C,Dk)``, ``eC (…,Dk)``, ``S_in (…,Dk,Dv)``, ``dO (…,C,Dv)``
+    (scaled); ``dS (B,H,Dk,Dv)`` the gradient at the group's end, out the one at its start; out
+    ``dA (…,2,2,C,C)``, ``dv (…,C,Dv)``, ``dqt, dat, dkt, dbt (…,C,Dk)``, ``deC (…,Dk)``."""
+    B, H, N, C, Dk = W.shape
+    Dv = v.shape[-1]
+    f = np.float32
+    Y, L, bdS, dS_in = np.empty((2 * C, Dv), f), np.empty((2 * C, Dk), f), np.empty((C, Dv), f), np.empty((Dk, Dv), f)
+    R, Z = np.empty((2 * C, Dv), f), np.empty((2 * C, Dk), f)       # [u; v], [dbt; dkt]
+    G, dRv = np.empty((2 * C, Dv), f), np.empty((C, Dv), f)          # [dO; dU]
+    for b in range(B):
+        for h in range(H):
+            S = dS[b, h]
+            for n in range(N - 1, -1, -1):
+                a, Sn, o = A[b, h, n], S_in[b, h, n], dO[b, h, n]
+                Wn, Un, vn, dAn = W[b, h, n], U[b, h, n], v[b, h, n], dA[b, h, n]
+                for i in range(C):
+                    for x in range(Dv):
+                        R[i, x] = Un[i, x]
+                        R[C + i, x] = vn[i, x]
+                        G[i, x] = o[i, x]
+                gemm(addr, N_, N_, C, Dv, Dk, Wn, Sn, 1, R[:C])                 # u = U + W S_in
+                gemm(addr, N_, T_, C, C, Dv, o, vn, 0, dAn[0, 0])               # dA_qk = dO vᵀ
+                gemm(addr, N_, T_, C, C, Dv, o, R[:C], 0, dAn[0, 1])            # dA_qb = dO uᵀ
+                gemm(addr, N_, T_, 2 * C, Dk, Dv, R, S, 0, Z)                   # [dbt; dkt] = [u; v] dS_outᵀ
+                for i in range(C):
+                    for d in range(Dk):
+                        dbt[b, h, n, i, d] = Z[i, d]
+                        dkt[b, h, n, i, d] = Z[C + i, d]
+                for d in range(Dk):
+                    s = f(0.0)
+                    for x in range(Dv):
+                        s += S[d, x] * Sn[d, x]
+                    deC[b, h, n, d] = s                                         # diag(dS_out S_inᵀ)
+                _state_step(addr, a[0, 1], Wn, qt[b, h, n], bt[b, h, n], eC[b, h, n], o, S, Y, L, bdS, dS_in)
+                for i in range(C):
+                    for x in range(Dv):
+                        G[C + i, x] = bdS[i, x]
+                gemm(addr, T_, N_, C, Dv, C, a[0, 1], o, 1, G[C:])              # dU = A_qbᵀ dO + bt dS_out
+                gemm(addr, N_, T_, 2 * C, Dk, Dv, G, Sn, 0, Z)                  # [dqt; dW] = [dO; dU] S_inᵀ
+                gemm(addr, T_, N_, C, Dv, C, P[b, h, n], G[C:], 0, dRv)         # dRv = Pᵀ dU
+                gemm(addr, T_, N_, C, Dk, C, P[b, h, n], Z[C:], 0, dat[b, h, n])  # dat = Pᵀ dW
+                for i in range(C):
+                    for d in range(Dk):
+                        dqt[b, h, n, i, d] = Z[i, d]
+                gemm(addr, N_, T_, C, C, Dv, dRv, vn, 0, dAn[1, 0])             # dA_ak = dRv vᵀ
+                gemm(addr, N_, T_, C, C, Dv, dRv, Un, 0, dAn[1, 1])             # dA_ab = dRv Uᵀ
+                gemm(addr, N_, T_, C, C, Dk, dat[b, h, n], Wn, 1, dAn[1, 1])    #       + dat Wᵀ
+                dvn = dv[b, h, n]
+                gemm(addr, T_, N_, C, Dv, C, a[0, 0], o, 0, dvn)                # dv = A_qkᵀ dO
+                gemm(addr, N_, N_, C, Dv, Dk, kt[b, h, n], S, 1, dvn)           #    + kt dS_out
+                gemm(addr, T_, N_, C, Dv, C, a[1, 0], dRv, 1, dvn)              #    + A_akᵀ dRv
+                for d in range(Dk):
+                    for x in range(Dv):
+                        S[d, x] = dS_in[d, x]
+
+
+@numba.njit(inline="always", fastmath=_MATH)
+def _column(dA, X, Y, e, s, dX, dY, dg, f, wk, wb, T):
+    """Column ``s`` of a chunk's pairs (both row kinds, both column kinds): ``f = exp(G_t - G_s)``
+    a running product of the steps' decays down the rows, the q row t and the a row t + 1 (both
+    ``tx = t``) read with it; then (3)'s terms of the column, summed over the rows ``tx >= j``."""
+    C, Dk = e.shape
+    for i in range(Dk):
+        f[i], wk[i], wb[i] = 1.0, 0.0, 0.0
+    for t in range(s, C):
+        cqk, cqb = dA[0, 0, t, s], dA[0, 1, t, s]
+        cak, cab = (dA[1, 0, t + 1, s], dA[1, 1, t + 1, s]) if t + 1 < C else (0.0, 0.0)
+        xq, dxq, Tt = X[0, t], dX[0, t], T[t]
+        if t + 1 < C:
+            xa, dxa = X[1, t + 1], dX[1, t + 1]
+            for i in range(Dk):
+                fq = (cqk * Y[0, s, i] + cqb * Y[1, s, i]) * f[i]
+                fa = (cak * Y[0, s, i] + cab * Y[1, s, i]) * f[i]
+                dxq[i] += fq
+                dxa[i] += fa
+                Tt[i] = xq[i] * fq + xa[i] * fa
+                wk[i] += (cqk * xq[i] + cak * xa[i]) * f[i]
+                wb[i] += (cqb * xq[i] + cab * xa[i]) * f[i]
+                f[i] *= e[t + 1, i]
+        else:
+            for i in range(Dk):
+                fq = (cqk * Y[0, s, i] + cqb * Y[1, s, i]) * f[i]
+                dxq[i] += fq
+                Tt[i] = xq[i] * fq
+                wk[i] += cqk * xq[i] * f[i]
+                wb[i] += cqb * xq[i] * f[i]
+    for i in range(Dk):
+        dY[0, s, i] += wk[i]
+        dY[1, s, i] += wb[i]
+        f[i] = 0.0
+    for j in range(C - 1, s, -1):                                   # pairs (t, s) cross j for s < j <= tx
+        Tj, dgj = T[j], dg[j]
+        for i in range(Dk):
+            f[i] += Tj[i]
+            dgj[i] += f[i]
+
+
+@numba.njit(nogil=True, cache=True, fastmath=_MATH)
+def scores_backward(dA, X, Y, e, dX, dY, dg):
+    """:func:`qkv.recurrent.generalized_delta.scores.scores_backward` with a decay a channel (float32,
+    C-contiguous): ``dA (B,H,N,2,2,C,C)``, ``X, Y (…,2,C,Dk)``, ``e (…,C,Dk)``; out ``dX, dY (…,2,C,Dk)``,
+    ``dg (…,C,Dk)``. Every pair exactly (``C²·Dk`` multiply-adds a kind pair, no products split at
+    reference points): the decays ``exp(Gx_t - G_s)`` running products down each column."""
+    B, H, N, _, C, Dk = X.shape
+    f32 = np.float32
+    f, wk, wb, T = np.empty(Dk, f32), np.empty(Dk, f32), np.empty(Dk, f32), np.empty((C, Dk), f32)
+    for b in range(B):
+        for h in range(H):
+            for n in range(N):
+                dXn, dYn, dgn = dX[b, h, n], dY[b, h, n], dg[b, h, n]
+                dXn[:] = 0
+                dYn[:] = 0
+                dgn[:] = 0
+                for s in range(C):
+                    _column(dA[b, h, n], X[b, h, n], Y[b, h, n], e[b, h, n], s, dXn, dYn, dgn, f, wk, wb, T)

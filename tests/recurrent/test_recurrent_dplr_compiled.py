@@ -1,0 +1,84 @@
+"""dplr's compiled float32 backward (qkv.recurrent.generalized_delta.compiled: chunk_grads, and
+scores_backward with a decay a channel) against the float64 step oracle, each gradient within a
+budget of the NumPy path's own float32 error: mild, steep (-30 a step) and zero decays, a decay a
+channel and one a head, an initial state and dstate, T not a multiple of the chunk, B, H > 1,
+several groups of chunks."""
+import numpy as np
+import pytest
+
+from qkv import jit
+from qkv.recurrent import dplr_backward
+from qkv.recurrent.generalized_delta import backward as dplr_bwd, chunk_parts, naive
+
+BUDGET = 4.0   # x the NumPy float32 path's error against float64
+
+
+def _compiled_or_skip():
+    mod = jit.load(jit.DPLR)
+    if mod is None or not mod.SGEMM:
+        pytest.skip("numba (the fast extra) with a BLAS sgemm is not available, or QKV_JIT=0")
+    return mod
+
+
+def _inputs(B, H, T, Dk, Dv, decay, per_head, state, seed=0):
+    """RWKV-7-like: ``a = -k̂``, ``b = k̂ ∘ α`` (a normalised key, a rate in (0, 1))."""
+    rng = np.random.default_rng(seed + T + Dk)
+    q, k = rng.standard_normal((B, H, T, Dk)), rng.standard_normal((B, H, T, Dk))
+    kh = k / np.linalg.norm(k, axis=-1, keepdims=True)
+    a, b = -kh, kh * rng.uniform(0, 1, (B, H, T, Dk))
+    v, do = rng.standard_normal((B, H, T, Dv)), rng.standard_normal((B, H, T, Dv))
+    shape = (B, H, T) if per_head else (B, H, T, Dk)
+    g = {"mild": -np.exp(-0.5) * rng.uniform(0, 1, shape), "steep": np.full(shape, -30.0),
+         "zero": np.zeros(shape)}[decay]
+    if decay == "mild":
+        g[rng.uniform(size=shape) < 0.05] = -30.0                    # a few steps forget almost everything
+    S0, dS = (rng.standard_normal((B, H, Dk, Dv)) if state else None for _ in range(2))
+    return q, k, v, a, b, g, S0, do, dS
+
+
+def _rel(x, ref):
+    return float(np.abs(np.asarray(x, np.float64) - ref).max() / max(np.abs(ref).max(), 1e-300))
+
+
+@pytest.mark.parametrize("B, H, T, Dk, Dv, chunk", [(1, 2, 96, 16, 24, 32), (2, 3, 77, 32, 16, None),
+                                                    (2, 2, 50, 8, 8, 16), (1, 1, 5, 4, 6, None)])
+@pytest.mark.parametrize("decay", ["mild", "steep", "zero"])
+@pytest.mark.parametrize("per_head", [False, True], ids=["a channel", "a head"])
+@pytest.mark.parametrize("state", [True, False], ids=["state", "no-state"])
+def test_compiled_backward_within_budget_of_the_numpy_path(monkeypatch, B, H, T, Dk, Dv, chunk, decay, per_head,
+                                                           state):
+    mod = _compiled_or_skip()
+    q, k, v, a, b, g, S0, do, dS = _inputs(B, H, T, Dk, Dv, decay, per_head, state)
+    want = naive.dplr_backward(do, dS, q, k, v, a, b, g, scale=0.7, initial_state=S0)
+    x32 = [None if x is None else x.astype(np.float32) for x in (do, q, k, v, a, b, g, S0, dS)]
+    do32, q32, k32, v32, a32, b32, g32, S032, dS32 = x32
+    monkeypatch.setattr(chunk_parts, "GROUP_ELEMENTS", 2 * Dk * 16)   # several groups of chunks
+    calls = {"chunks": 0, "scores": 0}
+    real_chunks, real_scores = mod.chunk_grads, mod.scores_backward
+
+    def count(name, real):
+        def call(*args):
+            calls[name] += 1
+            return real(*args)
+        return call
+    monkeypatch.setattr(mod, "chunk_grads", count("chunks", real_chunks))
+    monkeypatch.setattr(mod, "scores_backward", count("scores", real_scores))
+    kw = dict(scale=0.7, initial_state=S032, dstate=dS32, chunk_size=chunk)
+    got = dplr_backward(do32, q32, k32, v32, a32, b32, g32, **kw)
+    assert calls["chunks"] >= 1 and calls["scores"] == (0 if per_head else calls["chunks"]), calls
+    monkeypatch.setattr(dplr_bwd, "_compiled", lambda *args: None)
+    plain = dplr_backward(do32, q32, k32, v32, a32, b32, g32, **kw)
+    for name, x, y, w in zip(["dq", "dk", "dv", "da", "db", "dg", "dS0"], got, plain, want):
+        if name == "dS0" and not state:
+            assert x is None and y is None, name
+            continue
+        assert x.dtype == np.float32 and x.shape == w.shape and np.all(np.isfinite(x)), name
+        budget = BUDGET * max(_rel(y, w), np.finfo(np.float32).eps)
+        assert _rel(x, w) <= budget, f"{name}: {_rel(x, w):.2e} > {budget:.2e} (NumPy path {_rel(y, w):.2e})"
+
+
+def test_float64_takes_the_numpy_path(monkeypatch):
+    mod = _compiled_or_skip()
+    monkeypatch.setattr(mod, "chunk_grads", lambda *args: pytest.fail("float64 ran the compiled pass"))
+    q, k, v, a, b, g, S0, do, dS = _inputs(1, 2, 40, 8, 8, "mild", False, True)
+    dplr_backward(do, q, k, v, a, b, g, initial_state=S0, dstate=dS)
