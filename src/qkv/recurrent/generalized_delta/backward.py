@@ -108,9 +108,21 @@ def _decay_grad(ch: Chunks, dg_products, factors):
     return dg[..., 0] + dg_products if ch.per_head else dg + dg_products
 
 
-def _compiled_chunk_grads(mod, ch: Chunks, dO, S_in, dS_end):
+def _compiled_states(mod, ch: Chunks, S):
+    """:func:`states` compiled (float32, through ``M``'s structure): ``((S_in, W S_in), S_out)``."""
+    c = np.ascontiguousarray
+    S = np.array(S, np.float32, order="C")
+    S_in, WS = np.empty(ch.Hc.shape, np.float32), np.empty(ch.U.shape, np.float32)
+    eC = c(np.broadcast_to(ch.eC, ch.W.shape[:-2] + ch.W.shape[-1:]))
+    mod.states((mod.SGEMM, int(mod.ILP64)), c(ch.W), c(ch.bt), eC, c(ch.Hc), S, S_in, WS)
+    return (S_in, WS), S
+
+
+def _compiled_chunk_grads(mod, ch: Chunks, dO, entry, dS_end):
     """:func:`_state_backward` and :func:`_chunk_grads` in one compiled sweep (float32,
-    ``compiled.chunk_grads``: other sums, other bits): ``(dA, dv, dqt, dat, dkt, dbt, deC)``, dS_start."""
+    ``compiled.chunk_grads``: other sums, other bits) from ``entry = (S_in, W S_in)``:
+    ``(dA, dv, dqt, dat, dkt, dbt, deC)``, dS_start."""
+    S_in, WS = entry
     c = np.ascontiguousarray
     f = np.float32
     dA = np.empty(ch.A.shape, f)
@@ -118,8 +130,8 @@ def _compiled_chunk_grads(mod, ch: Chunks, dO, S_in, dS_end):
     deC = np.empty(ch.W.shape[:-2] + ch.W.shape[-1:], f)
     dS = np.array(dS_end, f, order="C")
     eC = c(np.broadcast_to(ch.eC, deC.shape))
-    mod.chunk_grads((mod.SGEMM, int(mod.ILP64)), *(c(x) for x in (ch.A, ch.P, ch.v, ch.U, ch.W, ch.qt, ch.kt, ch.bt)),
-                    eC, c(S_in), c(dO), dS, dA, dv, dqt, dat, dkt, dbt, deC)
+    mod.chunk_grads((mod.SGEMM, int(mod.ILP64)), *(c(x) for x in (ch.A, ch.P, ch.v, ch.U, WS, ch.W, ch.qt, ch.kt, ch.bt)),
+                    eC, S_in, c(dO), dS, dA, dv, dqt, dat, dkt, dbt, deC)
     return (dA, dv, dqt, dat, dkt, dbt, deC), dS
 
 
@@ -155,8 +167,9 @@ def backward(dout, dstate, q, k, v, a, b, g, *, scale, initial_state=None, chunk
     """``(dq, dk, dv, da, db, dg, dinitial_state)`` in q's dtype, chunks of ``chunk`` steps.
 
     A group of chunks at a time (:func:`qkv.recurrent.generalized_delta.chunk_parts.groups`): forwards, keeping
-    each group's pass (a) (its :class:`Chunks`, less ``Hc``) and chunk-entry states ``S_in``; then
-    backwards from them. Pass (a) is made once: the same arithmetic as making it again.
+    each group's pass (a) (its :class:`Chunks`, less ``Hc``) and chunk-entry states ``S_in`` (the
+    compiled path: ``(S_in, W S_in)``, no ``M``); then backwards from them. Pass (a) is made once:
+    the same arithmetic as making it again.
     """
     B, H, T, Dk = q.shape
     dtype = q.dtype
@@ -164,13 +177,13 @@ def backward(dout, dstate, q, k, v, a, b, g, *, scale, initial_state=None, chunk
     parts = groups(T, chunk, B * H, Dk)
     S = np.zeros((B, H, Dk, v.shape[-1]), dtype) if initial_state is None else initial_state.astype(dtype)
     kept = []
+    mod = _compiled(dtype, Dk, v.shape[-1])
     for part in parts:
-        ch = prepare(*(x[:, :, part] for x in inputs), chunk)
-        S_in, S = states(ch, S)
+        ch = prepare(*(x[:, :, part] for x in inputs), chunk, transition=mod is None)
+        S_in, S = states(ch, S) if mod is None else _compiled_states(mod, ch, S)
         ch.Hc = None                                                   # read by states() only
         kept.append((ch, S_in))
     grads = [np.empty(x.shape, dtype) for x in inputs]
-    mod = _compiled(dtype, Dk, v.shape[-1])
     dS = np.zeros_like(S) if dstate is None else dstate.astype(dtype)
     for part in reversed(parts):
         ch, S_in = kept.pop()

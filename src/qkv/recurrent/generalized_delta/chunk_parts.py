@@ -100,7 +100,7 @@ class Chunks:
     eC: np.ndarray           # (…, Dk or 1)
     U: np.ndarray
     W: np.ndarray
-    M: np.ndarray
+    M: np.ndarray | None
     Hc: np.ndarray
 
 
@@ -115,8 +115,9 @@ def _factors(e: np.ndarray):
     return fG, fGex, end, fG[..., -1, :]
 
 
-def prepare(q, k, v, a, b, g, C: int) -> Chunks:
-    """Every chunk's quantities at once (nothing here depends on the state)."""
+def prepare(q, k, v, a, b, g, C: int, transition: bool = True) -> Chunks:
+    """Every chunk's quantities at once (nothing here depends on the state); ``M`` None unless
+    ``transition`` (the compiled backward reads it through its structure ``diag(eC) + btᵀ W``)."""
     per_head = g.ndim == 3
     qc, kc, vc, ac, bc, gc = (to_chunks(x, C) for x in (q, k, v, a, b, g))
     D = head_decays(gc, q.dtype) if per_head else None
@@ -129,9 +130,11 @@ def prepare(q, k, v, a, b, g, C: int) -> Chunks:
     kt, bt = kc * end, bc * end
     U = P @ (A[..., 1, 0, :, :] @ vc)                                       # (…,C,C) @ (…,C,C) @ (…,C,Dv)
     W = P @ at                                                              # (…,C,C) @ (…,C,Dk)
-    M = _swap(bt) @ W                                                       # (…,Dk,C) @ (…,C,Dk) -> (…,Dk,Dk)
-    i = np.arange(M.shape[-1])
-    M[..., i, i] += eC                                                      # + diag(exp G_C)
+    M = None
+    if transition:
+        M = _swap(bt) @ W                                                   # (…,Dk,C) @ (…,C,Dk) -> (…,Dk,Dk)
+        i = np.arange(M.shape[-1])
+        M[..., i, i] += eC                                                  # + diag(exp G_C)
     Hc = _swap(kt) @ vc + _swap(bt) @ U                                     # (…,Dk,C) @ (…,C,Dv) -> (…,Dk,Dv)
     return Chunks(X, Y, vc, D, e, per_head, A, P, qt, at, kt, bt, fG, fGex, end, eC, U, W, M, Hc)
 

@@ -22,8 +22,10 @@ import numba
 import numpy as np
 
 from ...kernels.blas_compiled import ILP64, N_, SGEMM, T_, gemm  # noqa: F401  (SGEMM, ILP64: read by backward)
+from ...kernels.flash.compiled import wide_vectors
 
 _MATH = {"contract", "nsz", "reassoc"}   # no NumPy bits to keep
+_ZERO = np.float32(0.0)                  # a float64 0.0 beside a float32 makes the sums float64
 
 
 @numba.njit(inline="always", fastmath=_MATH)
@@ -50,11 +52,36 @@ def _state_step(addr, A_qb, W, qt, bt, eC, dO, dS, Y, L, bdS, dS_in):
 
 
 @numba.njit(nogil=True, cache=True, fastmath=_MATH)
-def chunk_grads(addr, A, P, v, U, W, qt, kt, bt, eC, S_in, dO, dS, dA, dv, dqt, dat, dkt, dbt, deC):
+def states(addr, W, bt, eC, Hc, S, S_in, WS):
+    """The state across a group's chunks (float32, C-contiguous) through ``M``'s structure:
+    ``S_out = eC ∘ S_in + btᵀ (W S_in) + Hc``. ``W, bt (B,H,N,C,Dk)``, ``eC (…,Dk)``, ``Hc (…,Dk,Dv)``;
+    ``S (B,H,Dk,Dv)`` the state entering the group, out the one leaving it; out ``S_in (…,Dk,Dv)``
+    and ``WS = W S_in (…,C,Dv)`` (read again by :func:`chunk_grads`)."""
+    wide_vectors()
+    B, H, N, C, Dk = W.shape
+    Dv = S.shape[-1]
+    for b in range(B):
+        for h in range(H):
+            Sb = S[b, h]
+            for n in range(N):
+                Si, ws, e = S_in[b, h, n], WS[b, h, n], eC[b, h, n]
+                for d in range(Dk):
+                    for x in range(Dv):
+                        Si[d, x] = Sb[d, x]
+                gemm(addr, N_, N_, C, Dv, Dk, W[b, h, n], Si, 0, ws)               # W S_in
+                for d in range(Dk):
+                    for x in range(Dv):
+                        Sb[d, x] = e[d] * Si[d, x] + Hc[b, h, n, d, x]
+                gemm(addr, T_, N_, Dk, Dv, C, bt[b, h, n], ws, 1, Sb)              # + btᵀ (W S_in)
+
+
+@numba.njit(nogil=True, cache=True, fastmath=_MATH)
+def chunk_grads(addr, A, P, v, U, WS, W, qt, kt, bt, eC, S_in, dO, dS, dA, dv, dqt, dat, dkt, dbt, deC):
     """A group's chunks backwards (float32, C-contiguous): ``A (B,H,N,2,2,C,C)``, ``P (…,C,C)``,
-    ``v, U (…,C,Dv)``, ``W, qt, kt, bt (…,C,Dk)``, ``eC (…,Dk)``, ``S_in (…,Dk,Dv)``, ``dO (…,C,Dv)``
+    ``v, U, WS = W S_in (…,C,Dv)`` (:func:`states`), ``W, qt, kt, bt (…,C,Dk)``, ``eC (…,Dk)``, ``S_in (…,Dk,Dv)``, ``dO (…,C,Dv)``
     (scaled); ``dS (B,H,Dk,Dv)`` the gradient at the group's end, out the one at its start; out
     ``dA (…,2,2,C,C)``, ``dv (…,C,Dv)``, ``dqt, dat, dkt, dbt (…,C,Dk)``, ``deC (…,Dk)``."""
+    wide_vectors()
     B, H, N, C, Dk = W.shape
     Dv = v.shape[-1]
     f = np.float32
@@ -69,10 +96,9 @@ def chunk_grads(addr, A, P, v, U, W, qt, kt, bt, eC, S_in, dO, dS, dA, dv, dqt, 
                 Wn, Un, vn, dAn = W[b, h, n], U[b, h, n], v[b, h, n], dA[b, h, n]
                 for i in range(C):
                     for x in range(Dv):
-                        R[i, x] = Un[i, x]
+                        R[i, x] = Un[i, x] + WS[b, h, n, i, x]                  # u = U + W S_in
                         R[C + i, x] = vn[i, x]
                         G[i, x] = o[i, x]
-                gemm(addr, N_, N_, C, Dv, Dk, Wn, Sn, 1, R[:C])                 # u = U + W S_in
                 gemm(addr, N_, T_, C, C, Dv, o, vn, 0, dAn[0, 0])               # dA_qk = dO vᵀ
                 gemm(addr, N_, T_, C, C, Dv, o, R[:C], 0, dAn[0, 1])            # dA_qb = dO uᵀ
                 gemm(addr, N_, T_, 2 * C, Dk, Dv, R, S, 0, Z)                   # [dbt; dkt] = [u; v] dS_outᵀ
@@ -118,7 +144,7 @@ def _column(dA, X, Y, e, s, dX, dY, dg, f, wk, wb, T):
         f[i], wk[i], wb[i] = 1.0, 0.0, 0.0
     for t in range(s, C):
         cqk, cqb = dA[0, 0, t, s], dA[0, 1, t, s]
-        cak, cab = (dA[1, 0, t + 1, s], dA[1, 1, t + 1, s]) if t + 1 < C else (0.0, 0.0)
+        cak, cab = (dA[1, 0, t + 1, s], dA[1, 1, t + 1, s]) if t + 1 < C else (_ZERO, _ZERO)
         xq, dxq, Tt = X[0, t], dX[0, t], T[t]
         if t + 1 < C:
             xa, dxa = X[1, t + 1], dX[1, t + 1]
@@ -155,6 +181,7 @@ def scores_backward(dA, X, Y, e, dX, dY, dg):
     C-contiguous): ``dA (B,H,N,2,2,C,C)``, ``X, Y (…,2,C,Dk)``, ``e (…,C,Dk)``; out ``dX, dY (…,2,C,Dk)``,
     ``dg (…,C,Dk)``. Every pair exactly (``C²·Dk`` multiply-adds a kind pair, no products split at
     reference points): the decays ``exp(Gx_t - G_s)`` running products down each column."""
+    wide_vectors()
     B, H, N, _, C, Dk = X.shape
     f32 = np.float32
     f, wk, wb, T = np.empty(Dk, f32), np.empty(Dk, f32), np.empty(Dk, f32), np.empty((C, Dk), f32)
