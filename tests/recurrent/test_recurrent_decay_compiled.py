@@ -66,7 +66,7 @@ def test_compiled_backward_within_budget_of_the_numpy_path(monkeypatch, B, H, T,
         assert _rel(a, w) <= budget, f"{name}: {_rel(a, w):.2e} > {budget:.2e} (NumPy path {_rel(b, w):.2e})"
 
 
-def test_a_decay_a_key_channel_and_float64_keep_the_numpy_path(monkeypatch):
+def test_a_decay_a_key_channel_and_float64_do_not_take_the_head_kernel(monkeypatch):
     mod = _compiled_or_skip()
     calls = []
     real = mod.backward_chunks

@@ -58,3 +58,8 @@ def crossing(M: np.ndarray) -> np.ndarray:
     below = np.tri(C, C - 1, -1, dtype=bool)                 # rows i >= j for column j-1
     np.sum(L, axis=-2, where=below, out=out[..., 1:])       # Σ_{i >= j} L[i, j-1]
     return out
+
+
+def to_width(x: np.ndarray, W: int) -> np.ndarray:
+    """A per-channel gradient ``(..., Dk)`` summed to the decay's width W (1: a head)."""
+    return x if W == x.shape[-1] else x.sum(-1, keepdims=True)

@@ -47,8 +47,8 @@ crosses and adds ``x · dx`` of the term x it multiplies to ``dg_j`` for exactly
 
 (over the key channels too for a decay a head): every summand carries the decays crossing j,
 so a steep decay's tiny ``dg_j`` is a sum of tiny terms, not what is left of undecayed terms
-that cancel (``Σ_{i >= j} dG_i`` of ``dG = q ∘ dq - k ∘ dk + ...``). float32, a decay a head and the
-``fast`` extra: two compiled sweeps (:func:`qkv.recurrent.decay.fused.backward`; its own bits, tested).
+that cancel (``Σ_{i >= j} dG_i`` of ``dG = q ∘ dq - k ∘ dk + ...``). float32 and the ``fast`` extra: two compiled
+sweeps (:mod:`qkv.recurrent.decay.fused`'s ``backward``, ``backward_channels``; their own bits, tested).
 
 **Padding.** T is padded to whole chunks with ``q = k = v = 0`` and ``g = 0`` at the end:
 the padded rows add nothing to the state and decay nothing, so ``S_T`` and every real row
@@ -283,14 +283,12 @@ def _grad_states(c: _Chunks, dO, dstate) -> np.ndarray:
     return dS
 
 
-def _to_width(x: np.ndarray, W: int) -> np.ndarray:
-    """A per-channel gradient ``(..., Dk)`` summed to the decay's width W (1: a head)."""
-    return x if W == x.shape[-1] else x.sum(-1, keepdims=True)
-
-
 def _backward_unit(dout, dstate, q, k, v, g, S0, scale, C, into):
     """One unit's ``(dq, dk, dv, dg, dS0)``, shapes as its inputs; () where :mod:`.fused` wrote them into ``into``."""
     T, W = q.shape[1], g.shape[-1]
+    if W > 1 and q.dtype == np.float32 and decay_fused.backward_channels(
+            *(_split(x, C) for x in (q, k, v, g, dout)), dstate, S0, scale, into):
+        return ()
     c = _chunks(q, k, v, g, C)
     if W == 1 and decay_fused.backward(c, _split(dout, C), dstate, S0, scale, into):
         return ()
@@ -303,9 +301,9 @@ def _backward_unit(dout, dstate, q, k, v, g, S0, scale, C, into):
     dKg = c.v @ _t(dS_out)                                                # (n,Nc,C,Dv) @ (n,Nc,Dv,Dk) -> (n,Nc,C,Dk)
     dv = Kg @ dS_out                                                      # (n,Nc,C,Dk) @ (n,Nc,Dk,Dv) -> (n,Nc,C,Dv)
     dq, dk = dQg * c.eG, dKg * c.eK
-    rows_after = _to_width(dQg * Qg, W)                                  # Qg_i's exp(G_i): Σ_{i >= j} (crossing.py)
-    rows_before = _to_width(dKg * Kg, W)                                 # Kg_s's exp(Γ - G_s): Σ_{s < j}
-    dGam = _to_width(np.einsum("ncdv,ncdv->ncd", dS_out, S[:, :Nc]), W) * c.eGam  # exp(Γ) ∘ S: every j
+    rows_after = crossing.to_width(dQg * Qg, W)                         # Qg_i's exp(G_i): Σ_{i >= j} (crossing.py)
+    rows_before = crossing.to_width(dKg * Kg, W)                        # Kg_s's exp(Γ - G_s): Σ_{s < j}
+    dGam = crossing.to_width(np.einsum("ncdv,ncdv->ncd", dS_out, S[:, :Nc]), W) * c.eGam  # exp(Γ) ∘ S: every j
     pairs = np.zeros(c.G.shape, q.dtype)                                 # Σ_{s < j <= i} of A's pairs
     for a, b in _slabs(n, Nc, C, c.G.shape[-1]):
         dec = decay_intra.decay(c.G[:, a:b], None if c.a is None else c.a[:, a:b], q.dtype)

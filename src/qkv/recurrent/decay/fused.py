@@ -1,6 +1,6 @@
-"""The decay recurrence's compiled path (float32, a decay a head): every chunk of a work unit in
-one compiled loop, BLAS called from it (:func:`qkv.recurrent.decay.compiled.forward_chunks`), and
-its backward in two such loops (:func:`backward`).
+"""The decay recurrence's compiled path (float32, a decay a head; the backward also a key channel): every
+chunk of a work unit in one compiled loop, BLAS called from it (:func:`qkv.recurrent.decay.compiled.forward_chunks`),
+and its backward in two such loops (:func:`backward`, :func:`backward_channels`).
 
 :func:`qkv.recurrent.decay.chunk._forward_unit` makes each of its steps for every chunk of a segment
 at once: the chunks' ``Kgᵀ``, then ``U = Kgᵀ V``, the states' scan, ``Q S``, the scores, ``A V``
@@ -25,6 +25,9 @@ an operand made as one: ``dv = [Kg | Aᵀ] [dS'; dO']`` and ``[dQg | dA] = dO' [
 products a chunk in all (7.5 M multiply-adds at C = 64, D = 128, against the forward's 3). At
 (1, 8, 2048, 128), one thread (Zen 3): forward+backward 2.8-3.0x the forward, was 3.8-4.3x; 66 of
 its 77 ms in ``sgemm``; C = 64 ahead of 32 and 48. Tested against the float64 oracle.
+:func:`backward_channels` does the same for a decay a key channel (GLA, RWKV-6) with the passes of
+:mod:`qkv.recurrent.decay.channel_compiled`: the decays applied element by element, the in-chunk part
+row by row without BLAS (forward+backward 2.2-2.3x the forward at that shape, was 4.0-4.7x).
 """
 from __future__ import annotations
 
@@ -99,6 +102,33 @@ def backward(c, dO, dstate, S0, scale: float, into) -> bool:
     dq, dk, dv, dg = ((x.reshape(n, Nc, C, -1) if whole else np.empty((n, Nc, C, x.shape[-1]), f)) for x in into[:4])
     mod.backward_chunks(addr, q, k, v, dO, con(c.G[..., 0]), eG, eK, e_gam, starts, f(scale), dS, dq, dk, dv,
                         dg[..., 0])
+    if not whole:
+        for dst, src in zip(into[:4], (dq, dk, dv, dg)):
+            dst[:] = src.reshape(n, Nc * C, -1)[:, :T]
+    return True
+
+
+def backward_channels(q, k, v, g, dO, dstate, S0, scale: float, into) -> bool:
+    """:func:`backward` for a decay a key channel (:mod:`qkv.recurrent.decay.channel_compiled`): ``q, k, g
+    (n, Nc, C, Dk)``, ``v, dO (n, Nc, C, Dv)`` in chunks (padded with zeros: ``g = 0`` decays nothing), the
+    decays made from ``a = exp(g)`` by running products; False where it does not run (as :func:`backward`)."""
+    n, Nc, C, Dk = q.shape
+    Dv, T = v.shape[-1], into[0].shape[1]
+    mod = jit.load(jit.DECAY_CHANNELS)
+    if q.dtype != np.float32 or min(C, Dk, Dv) < 2 or mod is None or not mod.SGEMM:
+        return False
+    f, addr, con = np.float32, (mod.SGEMM, int(mod.ILP64)), np.ascontiguousarray
+    q, k, v, dO = con(q), con(k), con(v), con(dO)
+    a = np.exp(g.astype(f, copy=False))                                   # (n,Nc,C,Dk) the step decays, in [0, 1]
+    S = np.zeros((n, Dk, Dv), f) if S0 is None else con(S0, f)
+    size = n * Nc * (Dk + C) * Dv                                         # [S_j; V_j] a chunk, reused
+    starts = (scratch(size, f, DEFAULT, "decay_starts") if size <= KEEP else np.empty(size, f)).reshape(n, Nc, -1, Dv)
+    mod.backward_states(addr, k, v, a, S, starts)
+    dS = into[4]
+    dS[:] = 0 if dstate is None else dstate
+    whole = T == Nc * C and all(x.flags.c_contiguous for x in into[:4])  # the gradients written in place
+    dq, dk, dv, dg = ((x.reshape(n, Nc, C, -1) if whole else np.empty((n, Nc, C, x.shape[-1]), f)) for x in into[:4])
+    mod.backward_chunks(addr, q, k, v, dO, a, starts, f(scale), dS, dq, dk, dv, dg)
     if not whole:
         for dst, src in zip(into[:4], (dq, dk, dv, dg)):
             dst[:] = src.reshape(n, Nc * C, -1)[:, :T]
