@@ -82,3 +82,22 @@ def test_float64_takes_the_numpy_path(monkeypatch):
     monkeypatch.setattr(mod, "chunk_grads", lambda *args: pytest.fail("float64 ran the compiled pass"))
     q, k, v, a, b, g, S0, do, dS = _inputs(1, 2, 40, 8, 8, "mild", False, True)
     dplr_backward(do, q, k, v, a, b, g, initial_state=S0, dstate=dS)
+
+
+@pytest.mark.parametrize("path", ["compiled", "numpy"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_pass_a_kept_or_made_again_gives_the_same_bits(monkeypatch, path, dtype):
+    """The backward keeps the groups' pass (a) up to KEEP_BYTES and makes the rest again: the same
+    arithmetic, so the gradients do not depend on how many were kept."""
+    if path == "numpy":
+        monkeypatch.setattr(dplr_bwd, "_compiled", lambda *args: None)
+    q, k, v, a, b, g, S0, do, dS = (None if x is None else x.astype(dtype)
+                                    for x in _inputs(2, 2, 90, 16, 8, "mild", False, True))
+    monkeypatch.setattr(chunk_parts, "GROUP_ELEMENTS", 2 * 2 * 16 * 16)   # 6 groups of chunks
+    runs = []
+    for keep in (1 << 40, 0, 3 * 4 * 2 * 2 * 16 * 16 * 16):              # all, none, some
+        monkeypatch.setattr(dplr_bwd, "KEEP_BYTES", keep)
+        runs.append(dplr_backward(do, q, k, v, a, b, g, initial_state=S0, dstate=dS, chunk_size=8))
+    for got in runs[1:]:
+        for x, y in zip(runs[0], got):
+            assert np.array_equal(x, y)

@@ -1,8 +1,8 @@
 """The chunked dplr backward: reverse mode through the three passes of :mod:`qkv.recurrent.generalized_delta.chunk`.
 
-Redo passes (a) and (b), keeping every group's pass (a) and the chunk-entry states ``S_in``
-(``N·Dk·Dv`` numbers a head, not a state a step); then, a group of chunks at a time from the
-last, from what was kept. Then, with ``dO = scale · dout`` and ``Qe = qt + A_qb W``::
+Redo passes (a) and (b), keeping the chunk-entry states ``S_in`` (``N·Dk·Dv`` numbers a head,
+not a state a step) and, up to :data:`KEEP_BYTES`, the groups' pass (a); then, a group of chunks
+at a time from the last, from what was kept (a group's pass (a) made again where it was not). Then, with ``dO = scale · dout`` and ``Qe = qt + A_qb W``::
 
     (b') the state backwards, one product a chunk, from dS_out[N-1] = dstate:
          dS_in[n] = Qeᵀ dO + Mᵀ dS_out[n],     dS_out[n-1] = dS_in[n],     dS_0 = dS_in[0]
@@ -54,6 +54,8 @@ import numpy as np
 from ... import jit
 from .chunk_parts import Chunks, from_chunks, groups, prepare, states, to_chunks
 from .scores import running_sum, scores_backward
+
+KEEP_BYTES = 1 << 28   # pass (a) kept for the backward sweep, at most (the rest made again)
 
 
 def _swap(x):
@@ -163,30 +165,39 @@ def _group_grads(ch: Chunks, dO, S_in, dS_end, mod=None):
     return (dq, dk, dv, da, db, dg), dS_start
 
 
+def _nbytes(ch: Chunks) -> int:
+    return sum(x.nbytes for x in vars(ch).values() if isinstance(x, np.ndarray))
+
+
 def backward(dout, dstate, q, k, v, a, b, g, *, scale, initial_state=None, chunk):
     """``(dq, dk, dv, da, db, dg, dinitial_state)`` in q's dtype, chunks of ``chunk`` steps.
 
-    A group of chunks at a time (:func:`qkv.recurrent.generalized_delta.chunk_parts.groups`): forwards, keeping
-    each group's pass (a) (its :class:`Chunks`, less ``Hc``) and chunk-entry states ``S_in`` (the
-    compiled path: ``(S_in, W S_in)``, no ``M``); then backwards from them. Pass (a) is made once:
-    the same arithmetic as making it again.
+    A group of chunks at a time (:func:`qkv.recurrent.generalized_delta.chunk_parts.groups`): forwards,
+    keeping every group's chunk-entry states ``S_in`` (the compiled path: ``(S_in, W S_in)``, no
+    ``M``) and the last groups' pass (a) (their :class:`Chunks`, less ``Hc``, at most
+    :data:`KEEP_BYTES`); then backwards, the other groups' pass (a) made again: the same
+    arithmetic, so the same bits whichever groups were kept.
     """
     B, H, T, Dk = q.shape
     dtype = q.dtype
     inputs = (q, k, v, a, b, g)
     parts = groups(T, chunk, B * H, Dk)
     S = np.zeros((B, H, Dk, v.shape[-1]), dtype) if initial_state is None else initial_state.astype(dtype)
-    kept = []
+    kept, first_kept = [], len(parts)
     mod = _compiled(dtype, Dk, v.shape[-1])
-    for part in parts:
-        ch = prepare(*(x[:, :, part] for x in inputs), chunk, transition=mod is None)
+    make = lambda part: prepare(*(x[:, :, part] for x in inputs), chunk, transition=mod is None)  # noqa: E731
+    for i, part in enumerate(parts):
+        ch = make(part)
         S_in, S = states(ch, S) if mod is None else _compiled_states(mod, ch, S)
         ch.Hc = None                                                   # read by states() only
-        kept.append((ch, S_in))
+        if i == 0:
+            first_kept = len(parts) - KEEP_BYTES // max(1, _nbytes(ch))
+        kept.append((ch if i >= first_kept else None, S_in))
     grads = [np.empty(x.shape, dtype) for x in inputs]
     dS = np.zeros_like(S) if dstate is None else dstate.astype(dtype)
     for part in reversed(parts):
         ch, S_in = kept.pop()
+        ch = make(part) if ch is None else ch
         dO = to_chunks(dout[:, :, part].astype(dtype, copy=False), chunk) * dtype.type(scale)
         chunk_grads, dS = _group_grads(ch, dO, S_in, dS, mod)
         for out, x in zip(grads, chunk_grads):
