@@ -6,18 +6,12 @@ several groups of chunks."""
 import numpy as np
 import pytest
 
+from compiled_budget import check_within_budget, compiled_or_skip
 from qkv import jit
 from qkv.recurrent import dplr_backward
 from qkv.recurrent.generalized_delta import backward as dplr_bwd, chunk_parts, naive
 
-BUDGET = 4.0   # x the NumPy float32 path's error against float64
 
-
-def _compiled_or_skip():
-    mod = jit.load(jit.DPLR)
-    if mod is None or not mod.SGEMM:
-        pytest.skip("numba (the fast extra) with a BLAS sgemm is not available, or QKV_JIT=0")
-    return mod
 
 
 def _inputs(B, H, T, Dk, Dv, decay, per_head, state, seed=0):
@@ -36,9 +30,6 @@ def _inputs(B, H, T, Dk, Dv, decay, per_head, state, seed=0):
     return q, k, v, a, b, g, S0, do, dS
 
 
-def _rel(x, ref):
-    return float(np.abs(np.asarray(x, np.float64) - ref).max() / max(np.abs(ref).max(), 1e-300))
-
 
 @pytest.mark.parametrize("B, H, T, Dk, Dv, chunk", [(1, 2, 96, 16, 24, 32), (2, 3, 77, 32, 16, None),
                                                     (2, 2, 50, 8, 8, 16), (1, 1, 5, 4, 6, None)])
@@ -47,7 +38,7 @@ def _rel(x, ref):
 @pytest.mark.parametrize("state", [True, False], ids=["state", "no-state"])
 def test_compiled_backward_within_budget_of_the_numpy_path(monkeypatch, B, H, T, Dk, Dv, chunk, decay, per_head,
                                                            state):
-    mod = _compiled_or_skip()
+    mod = compiled_or_skip(jit.DPLR)
     q, k, v, a, b, g, S0, do, dS = _inputs(B, H, T, Dk, Dv, decay, per_head, state)
     want = naive.dplr_backward(do, dS, q, k, v, a, b, g, scale=0.7, initial_state=S0)
     x32 = [None if x is None else x.astype(np.float32) for x in (do, q, k, v, a, b, g, S0, dS)]
@@ -68,17 +59,11 @@ def test_compiled_backward_within_budget_of_the_numpy_path(monkeypatch, B, H, T,
     assert calls["chunks"] >= 1 and calls["scores"] == (0 if per_head else calls["chunks"]), calls
     monkeypatch.setattr(dplr_bwd, "_compiled", lambda *args: None)
     plain = dplr_backward(do32, q32, k32, v32, a32, b32, g32, **kw)
-    for name, x, y, w in zip(["dq", "dk", "dv", "da", "db", "dg", "dS0"], got, plain, want):
-        if name == "dS0" and not state:
-            assert x is None and y is None, name
-            continue
-        assert x.dtype == np.float32 and x.shape == w.shape and np.all(np.isfinite(x)), name
-        budget = BUDGET * max(_rel(y, w), np.finfo(np.float32).eps)
-        assert _rel(x, w) <= budget, f"{name}: {_rel(x, w):.2e} > {budget:.2e} (NumPy path {_rel(y, w):.2e})"
+    check_within_budget(["dq", "dk", "dv", "da", "db", "dg", "dS0"], got, plain, want, absent=() if state else ("dS0",))
 
 
 def test_float64_takes_the_numpy_path(monkeypatch):
-    mod = _compiled_or_skip()
+    mod = compiled_or_skip(jit.DPLR)
     monkeypatch.setattr(mod, "chunk_grads", lambda *args: pytest.fail("float64 ran the compiled pass"))
     q, k, v, a, b, g, S0, do, dS = _inputs(1, 2, 40, 8, 8, "mild", False, True)
     dplr_backward(do, q, k, v, a, b, g, initial_state=S0, dstate=dS)
