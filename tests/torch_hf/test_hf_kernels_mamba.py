@@ -130,6 +130,23 @@ def test_chunk_scan_output_is_dense_with_each_term(terms, grad):
     assert torch.equal(out.detach(), other)
 
 
+@pytest.mark.parametrize("trained", ["D", "z"])
+def test_chunk_scan_gradient_of_D_or_z_alone(trained):
+    """D or z the only input with a gradient (the scan's inputs frozen, as when only D is tuned):
+    the result records it, and its gradient is the fallback's."""
+    a = {n: t.detach() for n, t in ssd_inputs(T=19).items()}
+    D = rand(4, seed=20, grad=trained == "D")
+    z = rand(2, 19, 4, 3, seed=21, grad=trained == "z")
+    args = [a[n] for n in ("x", "dt", "A", "B", "C")]
+    out = K.mamba_chunk_scan_combined(*args, 8, D=D, z=z, dt_bias=a["dt_bias"], dt_softplus=True)
+    with as64():
+        ref = (m2.mamba2_chunk_scan(*args, 8, dt_bias=a["dt_bias"], dt_softplus=True) + a["x"] * D[:, None]) * F.silu(z)
+    leaf = D if trained == "D" else z
+    assert out.requires_grad
+    close(out, ref)
+    close(grads(out, [leaf]), grads(ref, [leaf]))
+
+
 def test_chunk_scan_float32_within_twice_the_fallbacks_error():
     a = ssd_inputs(T=97, dtype=DT)
     args64 = [a[n].detach() for n in ("x", "dt", "A", "B", "C")]

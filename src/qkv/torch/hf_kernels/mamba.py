@@ -178,11 +178,12 @@ def _dense_out(y, x, D, z, cdt):
     """``(y + x D) · silu(z)`` (each term where given) as a dense ``(B, T, H, P)`` tensor, as
     mamba_ssm's: ``y`` is qkv's ``(B, H, T, P)`` output seen transposed. Handed on transposed, every
     operation of the mixer after it (transformers' gated RMSNorm: pow, mean, products) ran on
-    strided reads, 3 ns an element. Where no gradient is recorded the first term writes the dense
-    result and the gate goes into it in place (a slab fewer to allocate); the same numbers."""
+    strided reads, 3 ns an element. Where no gradient is recorded (for any term: D or z alone may be
+    trained) the first term writes the dense result and the gate goes into it in place (a slab fewer
+    to allocate); the same numbers."""
     xd = None if D is None else x.to(cdt) * (D.to(cdt)[:, None] if D.dim() == 1 else D.to(cdt))
     gate = None if z is None else F.silu(z.to(cdt))
-    if torch.is_grad_enabled() and y.requires_grad:
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (y, xd, gate)):
         y = y if xd is None else y + xd
         y = y if gate is None else y * gate
         return y.contiguous()
