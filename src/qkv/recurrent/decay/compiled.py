@@ -22,7 +22,7 @@ import numpy as np
 
 from ...kernels.blas_compiled import ILP64, N_, SGEMM, T_, gemm  # noqa: F401  (SGEMM, ILP64: read by decay_fused)
 from ...kernels.flash.compiled import wide_vectors
-from ..delta.compiled import _decay, _decay_grads
+from ..delta.compiled import decay_factor, decay_grads
 
 
 @numba.njit(cache=True)
@@ -328,7 +328,7 @@ def _masks(QK, G, D, L, Dk):
     C = G.shape[0]
     for t in range(C):
         for s in range(t + 1):
-            D[t, s] = _decay(min(G[t] - G[s], 0.0), True)
+            D[t, s] = decay_factor(min(G[t] - G[s], 0.0), True)
         for s in range(t + 1, C):
             D[t, s] = 0
         for s in range(C):
@@ -393,5 +393,5 @@ def backward_chunks(addr, q, k, v, dO, G, eG, eK, e_gam, starts, scale, dS, dq, 
             _grad_rows(R, dKg, Qg, Kg, A, D, eG[h, j], eK[h, j], dq[h, j], dk[h, j], P, M, after, before)
             gemm(addr, N_, N_, C, Dk, C, P, K, 1, dq[h, j])               # dq += (dA ∘ D) K
             gemm(addr, T_, N_, C, Dk, C, P, Q, 1, dk[h, j])               # dk += (dA ∘ D)ᵀ Q
-            _decay_grads(after, before, whole * e, M, dg[h, j])
+            decay_grads(after, before, whole * e, M, dg[h, j])
         dS[h] = Z[:Dk]

@@ -46,7 +46,7 @@ FLUSH = 2.0 ** -60  # float32: a decay, an entry of A or of (I + A)⁻¹ below i
 
 
 @numba.njit(inline="always", fastmath={"contract", "nsz"})
-def _decay(x, single):
+def decay_factor(x, single):
     """``e^x`` for ``x <= 0`` (float64): float32's polynomial when ``single`` (0 below ``2^-60``:
     :data:`FLUSH`), else ``math.exp``."""
     if not single:
@@ -100,7 +100,7 @@ def _system(kk, qk, gam, beta, x, D, keep, d, a, single, decayed=True):
     C = gam.shape[0]
     for t in range(C):
         for s in range(t + 1):
-            d[s] = _decay(gam[t] - gam[s], single) if decayed else 1
+            d[s] = decay_factor(gam[t] - gam[s], single) if decayed else 1
         for s in range(t + 1, C):
             d[s] = 0
         bt, xt, pt = beta[t], x[t], qk[t]
@@ -283,7 +283,7 @@ def _pairs(PR, D, KK, P, beta, M, pair):
 
 
 @numba.njit(inline="always", fastmath=_BACK_MATH)
-def _decay_grads(after, before, whole, M, dg):
+def decay_grads(after, before, whole, M, dg):
     """``dg_j = Σ_{t >= j} after_t + Σ_{t < j} before_t + whole + Σ_{s < j <= t} M_ts``, each
     term over the steps its factor crosses (:mod:`qkv.recurrent.crossing`), in float64."""
     C = dg.shape[0]
@@ -397,4 +397,4 @@ def backward_chunks(addr, k, q, v, beta, eg, eC, eCg, Tinv, scores, D, U, KS, st
                 _rows(Y, RS, Z, L, dKc, Kc, KS[b, h, n], v[b, h, n], beta[b, h, n], eg[b, h, n],
                       eCg[b, h, n], pair, gated, dq[b, h, n], dk[b, h, n], dv[b, h, n], dbeta[b, h, n], after, before)
                 if gated:
-                    _decay_grads(after, before, whole, M, dg[b, h, n])
+                    decay_grads(after, before, whole, M, dg[b, h, n])
