@@ -111,3 +111,18 @@ def test_dplr_nan_reaches_what_the_steps_carry_it_to(bad, dtype, per_channel):
     c = [a.astype(dtype) for a in args]
     got = (rec.dplr(*c, scale=0.5),) + rec.dplr_backward(x["do"].astype(dtype), *c, scale=0.5)[:6]
     same_reach(got, want, ["o", "dq", "dk", "dv", "da", "db", "dg"])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_finite_check_answers_as_the_entries_do(dtype):
+    """The check's one-pass Σx² says "finite" only where every entry is; where the sum is not
+    (a NaN, an inf, or finite entries large enough to overflow it) or BLAS cannot take the
+    array (a strided view), the min and max decide: huge finite inputs keep the chunked path."""
+    from qkv.recurrent.api import _not_finite
+
+    big = np.full((2, 3, 5), np.finfo(dtype).max / 2, dtype)        # Σx² overflows, every entry finite
+    assert not _not_finite(big, big[:, :, ::2], np.ones(4, dtype), None)
+    for value in (np.nan, np.inf, -np.inf):
+        for x in (big.copy(), np.zeros((2, 3, 5), dtype)):
+            x[1, 2, 3] = value
+            assert _not_finite(x) and _not_finite(x[:, :, 1::2]) and _not_finite(np.ones(3, dtype), x)
