@@ -242,12 +242,9 @@ def _forward_unit(q, k, v, g, S0, scale, C, out):
     mod = jit.load(jit.DECAY) if dt in (np.float32, np.float64) else None  # the last pass compiled
     for a, b in _slabs(n, Nc, C, c.G.shape[-1]):
         dec = decay_intra.decay(c.G[:, a:b], None if c.a is None else c.a[:, a:b], dt)
-        if head and dec.factored:
-            A = dec.scores_unrowed(c.q[:, a:b], c.KgT[:, a:b])
+        if head:                                                          # a factored chunk's rows take exp(G_i) last
+            A = dec.forward_scores(c.q[:, a:b], c.k[:, a:b], c.KgT[:, a:b], o[:, a:b], row[:, a:b], c.eG[:, a:b], scale)
         else:
-            if head:                                                      # the state's part takes exp(G_i) now
-                o[:, a:b] *= c.eG[:, a:b, None]
-                row[:, a:b] = scale
             A = dec.scores(c.q[:, a:b], c.k[:, a:b], None, None)
         AV = np.matmul(A[:, :, None], vp[:, a:b], out=_buffer((n, b - a, p, C, w), dt, "AV"))
         if mod is None:

@@ -107,7 +107,7 @@ def forward_chunks(addr, q, k, v, eG, eK, row, e_gam, em_gam, mode, D, tri, S, o
 
     ``q, k (n, Nc, C, Dk)``, ``v (n, Nc, C, Dv)``; ``eG, eK, row (n, Nc, C, 1)``: ``exp(G)``,
     ``exp(Γ - G)`` and ``exp(G) · scale``; ``e_gam (n, Nc, 1)`` ``exp(Γ)``; ``em_gam (n, Nc)``
-    ``exp(-Γ)``; ``mode (Nc,)``: 1 where the chunk's slab takes the rank-one factors
+    ``exp(-Γ)``; ``mode (n, Nc)``: 1 where the head's chunk takes the rank-one factors
     (``A = tril(q Kgᵀ) · exp(-Γ)``, rows times ``row``), 0 where it takes the mask ``D (n, Nc, C, C)``
     (``A = (q kᵀ) ∘ D``, the state's part times ``exp(G)``, rows times ``scale``); ``tri (C, C)``
     the lower triangle's ones; ``S (n, p, Dk, w)`` the state entering the first chunk in ``p``
@@ -127,7 +127,7 @@ def forward_chunks(addr, q, k, v, eG, eK, row, e_gam, em_gam, mode, D, tri, S, o
             for a in range(p):                                          # Q S
                 gemm(addr, N_, N_, C, w, Dk, qj, cur[a], 0, qs[a])
             _scaled_t(kj, eK[h, j], kt)                                 # Kgᵀ
-            factored = mode[j] != 0
+            factored = mode[h, j] != 0
             if factored:                                                # tril(q Kgᵀ) · exp(-Γ)
                 gemm(addr, N_, N_, C, C, Dk, qj, kt, 0, A)
                 e = em_gam[h, j]
@@ -187,7 +187,7 @@ def forward_merged(addr, q, k, v, eG, eK, row, e_gam, em_gam, mode, D, tri, S, o
         for j in range(Nc):
             qj, kj, vj = q[h, j], k[h, j], v[h, j]
             _scaled_t(kj, eK[h, j], kt)                                 # Kgᵀ
-            factored = mode[j] != 0
+            factored = mode[h, j] != 0
             if factored:                                                # tril(q Kgᵀ) · exp(-Γ)
                 gemm(addr, N_, N_, C, Dv + C, Dk, qj, W[C:], 0, O2)
                 e = em_gam[h, j]

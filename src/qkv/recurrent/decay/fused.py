@@ -43,8 +43,9 @@ KEEP = 1 << 21      # elements of the backward's states a thread keeps between c
 def forward(c, S0, scale: float, out: np.ndarray, p: int, slabs) -> np.ndarray | None:
     """The state after the last chunk ``(n, Dk, Dv)``, the outputs written into ``out (n, T, Dv)``;
     or None where this path does not apply. ``c``: the unit's :class:`qkv.recurrent.decay.chunk._Chunks`
-    (a decay a head); ``p``: the value panels; ``slabs``: the chunk ranges whose decays choose
-    between the rank-one factors and the mask, as the NumPy path's slabs do."""
+    (a decay a head); ``p``: the value panels; ``slabs``: the chunk ranges whose decays are made
+    at once, as the NumPy path's slabs; each chunk of a head takes the rank-one factors or the mask
+    as its own decay says (:class:`qkv.recurrent.decay.intra.HeadDecay`)."""
     n, Nc, C, Dk = c.q.shape
     Dv = c.v.shape[-1]
     w = Dv // p
@@ -53,18 +54,12 @@ def forward(c, S0, scale: float, out: np.ndarray, p: int, slabs) -> np.ndarray |
     mod = jit.load(jit.DECAY)
     if mod is None or not (mod.SGEMM and mod.ILP64):                  # NumPy's own sgemm only: its bits
         return None
-    mode = np.zeros(Nc, np.int8)
+    mode = np.zeros((n, Nc), np.int8)
     em_gam = np.zeros((n, Nc), np.float32)
-    D = np.zeros((0, 0, 0, 0), np.float32)
-    for a, b in slabs:
+    D = np.zeros((n, Nc, C, C) if (c.G[:, :, -1, 0] < -decay_intra.LIMIT).any() else (0, 0, 0, 0), np.float32)
+    for a, b in slabs:                                                   # each chunk of a head its own kind
         dec = decay_intra.decay(c.G[:, a:b], None, np.dtype(np.float32))
-        if dec.factored:
-            mode[a:b] = 1
-            em_gam[:, a:b] = dec.e_gam[:, :, 0, 0]
-        else:
-            if not D.size:
-                D = np.zeros((n, Nc, C, C), np.float32)
-            D[:, a:b] = dec.D
+        mode[:, a:b] = dec.chunks(em_gam[:, a:b], D[:, a:b] if D.size else None)
     S = np.zeros((n, p, Dk, w), np.float32)
     if S0 is not None:
         S[:] = S0.reshape(n, Dk, p, w).swapaxes(1, 2)

@@ -12,11 +12,13 @@ Inside a chunk of C positions, with ``G_i`` the cumulative log decay from the ch
 above the diagonal is one ``(C, C)`` factor, and the three are matrix products:
 ``A = (Q Kᵀ) ∘ D``, ``X = (P ∘ D) K``, ``Y = (P ∘ D)ᵀ Q``. ``G_i - G_s <= 0`` is taken with
 ``i >= s`` only (``-inf`` above the diagonal), so D is in [0, 1]: nothing overflows, a
-decay that underflows is one whose true value is below the smallest float. Where every
-chunk of a slab decays by at most ``exp(-20)`` (``Γ = G_C >= -LIMIT``, the common case)
-D is the lower triangle of a rank-one matrix, ``exp(G_i - Γ) · exp(Γ - G_s)``, the first
-factor in ``[1, e^20]``, the second in ``[e^-20, 1]``: they are folded into Q and K and no
-``(C, C)`` exp is taken. The scores reuse the chunked form's own ``Qg = Q ∘ exp(G)`` and
+decay that underflows is one whose true value is below the smallest float. Where a
+chunk decays by at most ``exp(-20)`` (``Γ = G_C >= -LIMIT``, the common case) its D is the
+lower triangle of a rank-one matrix, ``exp(G_i - Γ) · exp(Γ - G_s)``, the first factor in
+``[1, e^20]``, the second in ``[e^-20, 1]``: they are folded into Q and K and no ``(C, C)``
+exp is taken. The choice is made a chunk of a head: a slab mixing such chunks with steeper
+ones (Mamba-2's few heads of large ``A dt``) gathers each kind, takes its products and puts
+them back, so only the steep chunks pay for the exp (a slab of one kind as it was). The scores reuse the chunked form's own ``Qg = Q ∘ exp(G)`` and
 ``Kg = K ∘ exp(Γ - G)``: ``A = tril(Qg Kgᵀ) · exp(-Γ)`` (their product's upper triangle is
 at most ``|q_i · k_s|``, so the mask's 0 never meets an inf); the backward's rows and cols
 take ``tril(P)`` between ``u = exp(G - Γ)`` and ``w = exp(Γ - G)``.
@@ -114,15 +116,40 @@ class HeadDecay:
     """One decay a head, on a slab of chunks: the ``(C, C)`` factor ``D`` ``(n, M, C, C)``, or,
     where every chunk of the slab decays by at most ``exp(-LIMIT)`` (:data:`LIMIT`), its two
     rank-one factors ``u = exp(G - Γ)`` and ``w = exp(Γ - G)`` ``(n, M, C, 1)`` (Γ the
-    chunk's last G): ``D = tril(u wᵀ)``, folded into the products."""
+    chunk's last G): ``D = tril(u wᵀ)``, folded into the products. A slab of both kinds
+    (``steep (n, M)`` the chunks past the limit, else None) holds one of each for its chunks
+    of that kind, gathered: ``parts``, the factored one first."""
 
     def __init__(self, G: np.ndarray, dtype):
-        self.factored = bool((G[:, :, -1] >= -LIMIT).all())
+        mild = G[:, :, -1, 0] >= -LIMIT                                  # (n,M): the chunks that factor
+        self.factored = bool(mild.all())
+        self.steep = ~mild if mild.any() and not self.factored else None
         self._G, self._dtype = G, dtype
         if self.factored:
             self.e_gam = _exp(-G[:, :, -1:], dtype)                     # exp(-Γ) (n,M,1,1)
+        elif self.steep is not None:
+            self.parts = (HeadDecay(G[mild][None], dtype), HeadDecay(G[self.steep][None], dtype))
         else:
             self.D = _lower(G, G, dtype)[..., 0]                        # (n,M,C,C)
+
+    def chunks(self, e_gam, D) -> np.ndarray:
+        """Each chunk's kind, ``(n, M)`` True where it factors: ``e_gam (n, M)`` given its
+        ``exp(-Γ)`` there, ``D (n, M, C, C)`` its mask elsewhere (the rest left as they are)."""
+        if self.steep is not None:
+            factored, steep = self.parts
+            e_gam[~self.steep], D[self.steep] = factored.e_gam[0, :, 0, 0], steep.D[0]
+            return ~self.steep
+        if self.factored:
+            e_gam[:] = self.e_gam[:, :, 0, 0]
+        else:
+            D[:] = self.D
+        return np.full(e_gam.shape, self.factored)
+
+    def _gathered(self, name: str, out, *xs):
+        """A mixed slab: ``out[sel] = parts' name(x[sel] for x in xs)`` for each kind's chunks."""
+        for part, sel in zip(self.parts, (~self.steep, self.steep)):
+            out[sel] = getattr(part, name)(*(x[sel][None] for x in xs))[0]
+        return out
 
     @cached_property
     def u(self):                                                        # exp(G - Γ), in [1, e^LIMIT]
@@ -144,6 +171,10 @@ class HeadDecay:
         np.copyto(P, 0, where=self.upper)
         return P
 
+    def _mixed_A(self, q):
+        n, M, C = q.shape[:3]
+        return scratch(n * M * C * C, q.dtype, DEFAULT, "decay_A_mixed").reshape(n, M, C, C)
+
     def scores(self, q, k, Qg, KgT):
         """``A`` from q and k, or, factored, from the chunk's ``Qg = q ∘ exp(G)`` and
         ``KgT = (k ∘ exp(Γ - G))ᵀ`` ``(n, M, Dk, C)``:
@@ -152,11 +183,35 @@ class HeadDecay:
         entries are at most ``|q_i · k_s|``: the mask's 0 multiplies nothing infinite."""
         if self.factored:
             return self.scores_unrowed(Qg, KgT)                         # Qg's rows carry exp(G_i)
+        if self.steep is not None:
+            return self._scores_mixed(Qg, q, k, KgT)
         n, M, C = q.shape[:3]
         A = scratch(n * M * C * C, q.dtype, DEFAULT, "decay_A").reshape(n, M, C, C)
         np.matmul(q, _t(k), out=A)                                      # (n,M,C,Dk) @ (n,M,Dk,C) -> (n,M,C,C)
         A *= self.D
         return A
+
+    def _scores_mixed(self, x, q, k, KgT):
+        """A mixed slab's scores: the factored chunks' ``scores_unrowed(x, KgT)``, the others' whole."""
+        A, steep = self._mixed_A(q), self.steep
+        A[~steep] = self.parts[0].scores_unrowed(x[~steep][None], KgT[~steep][None])[0]
+        A[steep] = self.parts[1].scores(q[steep][None], k[steep][None], None, None)[0]
+        return A
+
+    def forward_scores(self, q, k, KgT, o, row, eG, scale):
+        """The forward's scores: a factored chunk's without its rows' ``exp(G_i)``
+        (:meth:`scores_unrowed`: the finished output rows take ``row = exp(G_i) · scale``), the
+        others' whole, their state's part ``o (n, M, p, C, w)`` times ``eG = exp(G) (n, M, C, 1)``
+        now and their ``row`` the scale."""
+        if self.factored:
+            return self.scores_unrowed(q, KgT)
+        if self.steep is None:
+            o *= eG[:, :, None]
+            row[:] = scale
+            return self.scores(q, k, None, None)
+        o[self.steep] *= eG[self.steep][:, None]                         # (K,p,C,w) *= (K,1,C,1)
+        row[self.steep] = scale
+        return self._scores_mixed(q, q, k, KgT)
 
     def scores_unrowed(self, q, KgT):
         """Factored only: the forward's ``A`` without its rows' ``exp(G_i)``,
@@ -172,11 +227,15 @@ class HeadDecay:
         return A
 
     def rows(self, P, k):                                               # (n,M,C,C) @ (n,M,C,Dk) -> (n,M,C,Dk)
+        if self.steep is not None:
+            return self._gathered("rows", np.empty(k.shape, k.dtype), P, k)
         if self.factored:
             return (self._masked(P) @ (k * self.w)) * self.u
         return self._masked(P) @ k
 
     def cols(self, P, q):                                               # (n,M,C,C)ᵀ @ (n,M,C,Dk) -> (n,M,C,Dk)
+        if self.steep is not None:
+            return self._gathered("cols", np.empty(q.shape, q.dtype), P, q)
         if self.factored:
             return (_t(self._masked(P)) @ (q * self.u)) * self.w
         return _t(self._masked(P)) @ q
