@@ -56,7 +56,11 @@ def forward(c, S0, scale: float, out: np.ndarray, p: int, slabs) -> np.ndarray |
         return None
     mode = np.zeros((n, Nc), np.int8)
     em_gam = np.zeros((n, Nc), np.float32)
-    D = np.zeros((n, Nc, C, C) if (c.G[:, :, -1, 0] < -decay_intra.LIMIT).any() else (0, 0, 0, 0), np.float32)
+    D = np.zeros((0, 0, 0, 0), np.float32)                              # the masks, read where mode is 0 only
+    if (c.G[:, :, -1, 0] < -decay_intra.LIMIT).any():
+        size = n * Nc * C * C
+        D = (scratch(size, np.float32, DEFAULT, "decay_D_unit") if size <= KEEP else np.empty(size, np.float32))
+        D = D.reshape(n, Nc, C, C)
     for a, b in slabs:                                                   # each chunk of a head its own kind
         dec = decay_intra.decay(c.G[:, a:b], None, np.dtype(np.float32))
         mode[:, a:b] = dec.chunks(em_gam[:, a:b], D[:, a:b] if D.size else None)
