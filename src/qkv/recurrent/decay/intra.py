@@ -105,8 +105,9 @@ def cumulative(g: np.ndarray, floor: float) -> np.ndarray:
 def _lower(G: np.ndarray, dtype) -> np.ndarray:
     """``D = exp(G_i - G_s)`` where ``s <= i`` and 0 above the diagonal: ``G (n, M, C, 1)`` float64
     -> ``(n, M, C, C)`` in the compute dtype, in a per-thread work array that the next call
-    overwrites. Made in place in work arrays: made afresh, a slab's temporaries cost more in page
-    faults than in arithmetic (2.0-2.9 ms against 0.6 for 2 heads × 16 chunks of 64, one thread).
+    overwrites. Made in place in work arrays: made afresh, a slab's temporaries cost page faults
+    (the masks of 2 heads × 32 chunks of 64, one thread: 1.0-1.5 ms against 0.92-0.97 after a
+    first call, 6.2 against 0.97 in a process whose allocator has not yet kept freed memory).
     Each number rounded as :func:`decayed` rounds it: the float64 difference (``-inf`` above the
     diagonal), then its exp in the compute dtype (float32: 0 below :data:`FLUSH`)."""
     n, M, C = G.shape[:3]
