@@ -18,10 +18,11 @@ lower triangle of a rank-one matrix, ``exp(G_i - Γ) · exp(Γ - G_s)``, the fir
 ``[1, e^20]``, the second in ``[e^-20, 1]``: they are folded into Q and K and no ``(C, C)``
 exp is taken. The choice is made a chunk of a head: a slab mixing such chunks with steeper
 ones (Mamba-2's few heads of large ``A dt``) gathers each kind, takes its products and puts
-them back, so only the steep chunks pay for the exp (a slab of one kind as it was). The scores reuse the chunked form's own ``Qg = Q ∘ exp(G)`` and
-``Kg = K ∘ exp(Γ - G)``: ``A = tril(Qg Kgᵀ) · exp(-Γ)`` (their product's upper triangle is
-at most ``|q_i · k_s|``, so the mask's 0 never meets an inf); the backward's rows and cols
-take ``tril(P)`` between ``u = exp(G - Γ)`` and ``w = exp(Γ - G)``.
+them back, so only the steep chunks pay for the exp (a slab of one kind as it was). The
+scores reuse the chunked form's own ``Qg = Q ∘ exp(G)`` and ``Kg = K ∘ exp(Γ - G)``:
+``A = tril(Qg Kgᵀ) · exp(-Γ)`` (their product's upper triangle is at most ``|q_i · k_s|``,
+so the mask's 0 never meets an inf); the backward's rows and cols take ``tril(P)`` between
+``u = exp(G - Γ)`` and ``w = exp(Γ - G)``.
 
 **A decay a key channel** (``G`` of width Dk): the factor differs per channel and cannot be
 pulled out of the sum over d. Splitting ``exp(G_i - G_s) = exp(G_i) exp(-G_s)`` would make
