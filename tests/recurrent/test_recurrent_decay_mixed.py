@@ -137,3 +137,30 @@ def test_a_slab_of_one_kind_is_not_split():
     np.testing.assert_array_equal(D[:, [0, 2]], 0)
     np.testing.assert_array_equal(D[:, 1], steep_D[:, 1])
     np.testing.assert_array_equal(e_gam[:, [0, 2]], mild.e_gam[:, [0, 2], 0, 0])
+
+
+@pytest.mark.parametrize("path", ["numpy", "compiled"])
+@pytest.mark.parametrize("gamma", [-6.0, -12.0, -19.5])
+def test_factored_chunks_near_the_limit_float32(monkeypatch, path, gamma):
+    """Chunks that factor but decay far (``Γ`` from -6 to just inside -LIMIT, as Mamba-2's heads
+    of middling ``A dt``): ``e^{G_i} · e^{Γ - G_s} · e^{-Γ}`` cancels exponents of up to 20, so
+    each factor must be rounded once from float64 (qkv.recurrent.decay.intra.factors). Rounded from
+    a float32 argument they erred by up to 10 eps each, and an output by 3-4x the float32 step
+    loop's error; here within twice it, forward and backward."""
+    if path == "numpy":
+        monkeypatch.setitem(jit._loaded, jit.DECAY, None)
+    elif jit.load(jit.DECAY) is None:
+        pytest.skip("numba (the fast extra) is not available, or QKV_JIT=0")
+    rng = np.random.default_rng(int(-gamma * 10))
+    C, T = 16, 128
+    x = mixed_problem(rng, T)
+    x[3] = (gamma / C) * rng.uniform(0.9, 1.02, (1, 4, T))              # every chunk's Γ near `gamma`, inside -20
+    x32 = [a.astype(np.float32) for a in x]
+    seen = split_seen(monkeypatch)
+    got = run(x32, C)
+    assert not seen                                                      # every slab factored whole
+    want, steps = oracle(x), oracle(x32, np.float32)
+    floor = 2 * np.finfo(np.float32).eps
+    for name, a, s, w in zip(NAMES, got, steps, want):
+        assert a.dtype == np.float32 and np.isfinite(a).all(), name
+        assert rel_to_top(a, w) <= 2.0 * max(rel_to_top(s, w), floor), (name, rel_to_top(a, w), rel_to_top(s, w))

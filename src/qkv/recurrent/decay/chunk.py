@@ -161,10 +161,11 @@ def _chunks(q, k, v, g, C) -> _Chunks:
     dt = q.dtype
     G = decay_intra.cumulative(_split(g, C), FLOOR)                       # (n,Nc,C,W) float64
     Gam = G[:, :, -1:]                                                    # (n,Nc,1,W)
-    eG = decay_intra.decayed(G, dt)                                       # (float32: 0 below 2^-60)
-    eK = decay_intra.decayed(Gam - G, dt)
+    ex = decay_intra.decayed if g.shape[-1] > 1 else decay_intra.factors  # a head's: rounded once (factors())
+    eG = ex(G, dt)                                                        # (float32: 0 below 2^-60)
+    eK = ex(Gam - G, dt)
     a = np.exp(_split(g, C)) if g.shape[-1] > 1 else None                # (n,Nc,C,Dk): a decay a channel
-    return _Chunks(_split(q, C), _split(k, C), _split(v, C), G, eG, eK, decay_intra.decayed(Gam[:, :, 0], dt), a)
+    return _Chunks(_split(q, C), _split(k, C), _split(v, C), G, eG, eK, ex(Gam[:, :, 0], dt), a)
 
 
 def _panels(Dv: int) -> int:
