@@ -164,3 +164,15 @@ def test_factored_chunks_near_the_limit_float32(monkeypatch, path, gamma):
     for name, a, s, w in zip(NAMES, got, steps, want):
         assert a.dtype == np.float32 and np.isfinite(a).all(), name
         assert rel_to_top(a, w) <= 2.0 * max(rel_to_top(s, w), floor), (name, rel_to_top(a, w), rel_to_top(s, w))
+
+
+def test_a_mask_overwritten_by_a_later_one_is_refused():
+    """A steep slab's D lives in its thread's work array until the next mask: read after that it
+    is an error, never the next slab's numbers; a copy taken before stays right."""
+    G = np.cumsum(np.full((1, 2, 8, 1), -4.0), axis=2)                  # Γ = -32: the (C, C) path
+    first = decay_intra.HeadDecay(G, np.float64)
+    kept = first.D.copy()
+    decay_intra.HeadDecay(2 * G, np.float64)                             # the thread's next mask
+    with pytest.raises(RuntimeError, match="after the thread made another"):
+        first.D
+    np.testing.assert_array_equal(kept, np.tril(np.exp(G - np.swapaxes(G, -1, -2))))

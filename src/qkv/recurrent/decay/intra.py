@@ -56,6 +56,7 @@ factor is within an ulp or two of ``exp`` of the exact difference.
 """
 from __future__ import annotations
 
+import threading
 from functools import cached_property
 
 import numpy as np
@@ -72,11 +73,6 @@ FLUSH_LOG = -60 * 0.6931471805599453  # log(FLUSH)
 
 def _t(x):
     return np.swapaxes(x, -1, -2)
-
-
-def _exp(x64: np.ndarray, dtype) -> np.ndarray:
-    """``exp`` of a float64 argument, computed in float64 and rounded once (see :func:`factors`)."""
-    return np.exp(x64).astype(dtype, copy=False)
 
 
 def factors(x64: np.ndarray, dtype) -> np.ndarray:
@@ -127,6 +123,7 @@ def _lower(G: np.ndarray, dtype) -> np.ndarray:
     diagonal), then its exp in the compute dtype (float32: 0 below :data:`FLUSH`)."""
     n, M, C = G.shape[:3]
     size, dt = n * M * C * C, np.dtype(dtype)
+    _made.count = getattr(_made, "count", 0) + 1                        # a D made before this one is gone
     diff = scratch(size, np.float64, DEFAULT, "decay_diff").reshape(n, M, C, C)
     np.subtract(G, _t(G), out=diff)                                     # (n,M,C,1) - (n,M,1,C): G_i - G_s
     np.copyto(diff, -np.inf, where=~np.tri(C, dtype=bool))
@@ -136,6 +133,9 @@ def _lower(G: np.ndarray, dtype) -> np.ndarray:
         np.copyto(D, -np.inf, where=D < FLUSH_LOG)
         return np.exp(D, out=D)
     return np.exp(diff.astype(dt, copy=False), out=D)
+
+
+_made = threading.local()   # how many masks this thread's work arrays have held (HeadDecay.D checks)
 
 
 class HeadDecay:
@@ -153,11 +153,20 @@ class HeadDecay:
         self.steep = ~mild if mild.any() and not self.factored else None
         self._G, self._dtype = G, dtype
         if self.factored:
-            self.e_gam = _exp(-G[:, :, -1:], dtype)                     # exp(-Γ) (n,M,1,1)
+            self.e_gam = factors(-G[:, :, -1:], dtype)                  # exp(-Γ) (n,M,1,1)
         elif self.steep is not None:
             self.parts = (HeadDecay(G[mild][None], dtype), HeadDecay(G[self.steep][None], dtype))
         else:
-            self.D = _lower(G, dtype)                           # (n,M,C,C)
+            self._D = _lower(G, dtype)                                  # (n,M,C,C)
+            self._made = _made.count
+
+    @property
+    def D(self) -> np.ndarray:
+        """The ``(C, C)`` mask while the thread's work array holds it: else an error, never another slab's."""
+        if self._made != _made.count:
+            raise RuntimeError("qkv internal: a HeadDecay's D was read after the thread made another "
+                               "slab's mask in its work array (read or copy D before the next HeadDecay)")
+        return self._D
 
     def chunks(self, e_gam, D) -> np.ndarray:
         """Each chunk's kind, ``(n, M)`` True where it factors: ``e_gam (n, M)`` given its
@@ -180,11 +189,11 @@ class HeadDecay:
 
     @cached_property
     def u(self):                                                        # exp(G - Γ), in [1, e^LIMIT]
-        return _exp(self._G - self._G[:, :, -1:], self._dtype)
+        return factors(self._G - self._G[:, :, -1:], self._dtype)
 
     @cached_property
     def w(self):                                                        # exp(Γ - G), in [e^-LIMIT, 1]
-        return _exp(self._G[:, :, -1:] - self._G, self._dtype)
+        return factors(self._G[:, :, -1:] - self._G, self._dtype)
 
     @cached_property
     def upper(self):
