@@ -176,3 +176,18 @@ def test_a_mask_overwritten_by_a_later_one_is_refused():
     with pytest.raises(RuntimeError, match="after the thread made another"):
         first.D
     np.testing.assert_array_equal(kept, np.tril(np.exp(G - np.swapaxes(G, -1, -2))))
+
+
+def test_a_mask_is_read_from_another_thread_while_its_maker_keeps_it():
+    """D belongs to the work array of the thread that made it: another thread may read it while
+    that thread has made no later mask, and is refused once it has."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    G = np.cumsum(np.full((1, 2, 8, 1), -4.0), axis=2)
+    with ThreadPoolExecutor(1) as pool:
+        made = pool.submit(decay_intra.HeadDecay, G, np.float64).result()
+        decay_intra.HeadDecay(2 * G, np.float64)                         # a mask of this thread's: no matter
+        np.testing.assert_array_equal(made.D, np.tril(np.exp(G - np.swapaxes(G, -1, -2))))
+        pool.submit(decay_intra.HeadDecay, 2 * G, np.float64).result()   # the maker's next mask
+    with pytest.raises(RuntimeError, match="after the thread made another"):
+        made.D

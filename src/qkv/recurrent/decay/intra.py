@@ -123,7 +123,7 @@ def _lower(G: np.ndarray, dtype) -> np.ndarray:
     diagonal), then its exp in the compute dtype (float32: 0 below :data:`FLUSH`)."""
     n, M, C = G.shape[:3]
     size, dt = n * M * C * C, np.dtype(dtype)
-    _made.count = getattr(_made, "count", 0) + 1                        # a D made before this one is gone
+    _made.__dict__.setdefault("box", [0])[0] += 1                       # a D made before this one is gone
     diff = scratch(size, np.float64, DEFAULT, "decay_diff").reshape(n, M, C, C)
     np.subtract(G, _t(G), out=diff)                                     # (n,M,C,1) - (n,M,1,C): G_i - G_s
     np.copyto(diff, -np.inf, where=~np.tri(C, dtype=bool))
@@ -135,7 +135,7 @@ def _lower(G: np.ndarray, dtype) -> np.ndarray:
     return np.exp(diff.astype(dt, copy=False), out=D)
 
 
-_made = threading.local()   # how many masks this thread's work arrays have held (HeadDecay.D checks)
+_made = threading.local()   # box: [how many masks this thread's work arrays have held] (HeadDecay.D checks)
 
 
 class HeadDecay:
@@ -158,12 +158,12 @@ class HeadDecay:
             self.parts = (HeadDecay(G[mild][None], dtype), HeadDecay(G[self.steep][None], dtype))
         else:
             self._D = _lower(G, dtype)                                  # (n,M,C,C)
-            self._made = _made.count
+            self._box, self._made = _made.box, _made.box[0]             # the making thread's count
 
     @property
     def D(self) -> np.ndarray:
         """The ``(C, C)`` mask while the thread's work array holds it: else an error, never another slab's."""
-        if self._made != _made.count:
+        if self._made != self._box[0]:
             raise RuntimeError("qkv internal: a HeadDecay's D was read after the thread made another "
                                "slab's mask in its work array (read or copy D before the next HeadDecay)")
         return self._D
