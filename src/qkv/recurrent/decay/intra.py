@@ -207,10 +207,6 @@ class HeadDecay:
         np.copyto(P, 0, where=self.upper)
         return P
 
-    def _mixed_A(self, q):
-        n, M, C = q.shape[:3]
-        return scratch(n * M * C * C, q.dtype, DEFAULT, "decay_A_mixed").reshape(n, M, C, C)
-
     def scores(self, q, k, Qg, KgT):
         """``A`` from q and k, or, factored, from the chunk's ``Qg = q ∘ exp(G)`` and
         ``KgT = (k ∘ exp(Γ - G))ᵀ`` ``(n, M, Dk, C)``:
@@ -229,7 +225,8 @@ class HeadDecay:
 
     def _scores_mixed(self, x, q, k, KgT):
         """A mixed slab's scores: the factored chunks' ``scores_unrowed(x, KgT)``, the others' whole."""
-        A, steep = self._mixed_A(q), self.steep
+        (n, M, C), steep = q.shape[:3], self.steep
+        A = scratch(n * M * C * C, q.dtype, DEFAULT, "decay_A_mixed").reshape(n, M, C, C)
         A[~steep] = self.parts[0].scores_unrowed(x[~steep][None], KgT[~steep][None])[0]
         A[steep] = self.parts[1].scores(q[steep][None], k[steep][None], None, None)[0]
         return A
