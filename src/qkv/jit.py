@@ -31,6 +31,7 @@ ROPE = "qkv.kernels.rope_compiled"      # rotary position embedding in one pass
 SCAN = "qkv.recurrent.scan.compiled"      # Griffin's diagonal recurrence, forward and backward, one pass each
 DECAY_CHANNELS = "qkv.recurrent.decay.channel_compiled"  # the decay backward with a decay a key channel
 DPLR = "qkv.recurrent.generalized_delta.compiled"          # the generalized delta rule (dplr)
+PRODUCTS = "qkv.kernels.products_compiled"  # a layer's product cut over numba's threads (qkv.nn.products)
 
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}

@@ -233,6 +233,26 @@ def blas_one_thread():
         release_blas()
 
 
+@contextmanager
+def numba_threads(n: int):
+    """``with numba_threads(n):`` numba's parallel loops called from this thread inside the
+    block run on ``n`` threads (at most numba's ``NUMBA_NUM_THREADS``; set only where it
+    changes, 2 µs a set, and put back after), BLAS held to one thread (:func:`hold_blas`:
+    a compiled loop calls ``sgemm`` from each of its threads)."""
+    import numba
+
+    n, before = max(1, min(n, numba.config.NUMBA_NUM_THREADS)), numba.get_num_threads()
+    if n != before:
+        numba.set_num_threads(n)
+    hold_blas()
+    try:
+        yield n
+    finally:
+        release_blas()
+        if n != before:
+            numba.set_num_threads(before)
+
+
 def blas_holders() -> int:
     """How many holds are active now (0 when nothing of qkv's runs)."""
     return _blas["users"]

@@ -23,6 +23,9 @@ MODULES = ("qkv.kernels.flash.compiled", "qkv.kernels.rows.compiled", "qkv.kerne
 SCALAR = {("qkv.kernels.rows.compiled", "_max"),     # a scalar loop over the rare rows: nothing to widen
           ("qkv.kernels.rows.fused", "forward"),     # parallel loops over heads: each head's compiled
           ("qkv.kernels.rows.fused", "backward")}    # function (_forward_head, _backward_group) asks
+SCALAR |= {("qkv.nn.fused", f"{name}_parts") for name in   # parallel loops over pieces: the pass
+           ("gelu_forward32", "gelu_backward32", "gelu_tanh_forward32", "gelu_tanh_backward32",   # each piece
+            "silu_forward32", "silu_backward32")}          # calls asks
 
 
 def _host_has_avx512() -> bool:

@@ -165,13 +165,16 @@ def test_backward_on_the_forwards_checked_problem_equals_the_public_calls(name, 
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("t, want", [(64, 1), (512, None)])
-def test_a_layers_small_attention_stays_on_the_calling_thread(monkeypatch, t, want):
+@pytest.mark.parametrize("t, pooled, want", [(64, False, 1), (512, False, None), (64, True, None), (512, True, None)])
+def test_a_layers_small_attention_stays_on_the_calling_thread(monkeypatch, t, pooled, want):
     """Below LAYER_SERIAL_WORK score entries a layer's attention forward and backward run with
-    one kernel thread (OpenBLAS's threads spin on after the layer's projections); past it the
+    one kernel thread where the layer's projections ran on OpenBLAS's threads (they spin on
+    after them); past it, or where the products run on numba's threads (qkv.nn.products), the
     caller's setting stands (None: the process default). A bare call is not held."""
     from qkv import api, threads
     from qkv.nn import attention_layer
+
+    monkeypatch.setattr(attention_layer.products, "pooled", lambda: pooled)
 
     seen = []
     real_fwd, real_bwd = api.Prepared.forward, api.Prepared.backward

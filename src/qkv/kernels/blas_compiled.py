@@ -53,6 +53,16 @@ SGEMM, ILP64 = _find_sgemm()
 N_, T_ = 78, 84  # 'N' and 'T': BLAS's transpose flags
 
 
+def threading_layer() -> str:
+    """numba's threading layer, started now: ``"omp"`` or ``"tbb"`` take concurrent callers
+    from several Python threads; ``"workqueue"`` (neither OpenMP nor TBB found) aborts the
+    process on them, so :mod:`qkv.kernels.rows.kernel` then runs one call at a time and
+    :mod:`qkv.nn.products` leaves its products to NumPy (each module's ``CONCURRENT``)."""
+    from numba.np.ufunc.parallel import _launch_threads
+    _launch_threads()
+    return numba.threading_layer()
+
+
 def _sgemm_call(bits: int):
     """An intrinsic calling the Fortran ``sgemm`` at address ``addr`` with ``bits``-bit integers,
     every scalar passed by pointer (its ABI); ``a``, ``b``, ``c`` arrays whose first element is

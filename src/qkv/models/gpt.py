@@ -49,6 +49,7 @@ import numpy as np
 from ..errors import ShapeError, fmt_shape, positive_int
 from ..nn import Dropout, Embedding, LayerNorm, MLP, MultiHeadAttention, TransformerBlock
 from ..nn.base import Layer, linear_grad
+from ..nn.products import matmul
 from ..nn.optim import cross_entropy
 from . import hybrid
 from .gpt_cache import GPTCache
@@ -255,7 +256,7 @@ class GPT(Layer):
             if self.stateful and q_lengths is not None:
                 return self._each_alone(idx, cache, counts)
         x = self._hidden(idx, start, counts, cache, q_lengths)     # (B, T, C)
-        logits = x.reshape(b * t, -1) @ self._head().T              # (B·T, C) @ (C, V) -> (B·T, V)
+        logits = matmul(x.reshape(b * t, -1), self._head().T)       # (B·T, C) @ (C, V) -> (B·T, V)
         logits = logits.reshape(b, t, -1)                           # (B, T, V)
         if isinstance(cache, GPTCache):
             cache.advance(counts)
@@ -285,7 +286,7 @@ class GPT(Layer):
         if keep.shape != idx.shape or keep.dtype != bool:
             raise ShapeError(f"keep must be a bool array of idx's shape {fmt_shape(idx.shape)}; "
                              f"got {keep.dtype} {fmt_shape(keep.shape)}")
-        return self._hidden(idx)[keep] @ self._head().T             # (N, C) @ (C, V) -> (N, V)
+        return matmul(self._hidden(idx)[keep], self._head().T)      # (N, C) @ (C, V) -> (N, V)
 
     def _each_alone(self, idx: np.ndarray, cache, counts: np.ndarray) -> np.ndarray:
         """A right-padded batch through a cache with states: each sequence's first ``counts[b]``
@@ -325,11 +326,11 @@ class GPT(Layer):
         dlogits, x, keep = s["dlogits"], s["x"], s.get("keep")
         if keep is None:
             dhead = linear_grad(dlogits, x)                         # (V, B·T) @ (B·T, C) -> (V, C)
-            dx = (dlogits.reshape(-1, dlogits.shape[-1]) @ self._head()).reshape(x.shape)  # (B·T, V) @ (V, C) -> (B, T, C)
+            dx = matmul(dlogits.reshape(-1, dlogits.shape[-1]), self._head()).reshape(x.shape)  # (B·T, V) @ (V, C) -> (B, T, C)
         else:                                                       # dlogits (N, V) at the kept rows
             dhead = linear_grad(dlogits, x[keep])                   # (V, N) @ (N, C) -> (V, C)
             dx = np.zeros_like(x)
-            dx[keep] = dlogits @ self._head()                       # (N, V) @ (V, C) -> (N, C)
+            dx[keep] = matmul(dlogits, self._head())                # (N, V) @ (V, C) -> (N, C)
         dx = self.ln_f.backward(dx)
         for block in reversed(self.h):
             dx = block.backward(dx)                                 # (B, T, C)

@@ -23,7 +23,7 @@ import math
 
 import numpy as np
 
-from .fusion import chunked, compiled, module
+from .fusion import compiled, module, passes
 
 SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 GELU_CUBIC = 0.044715
@@ -67,7 +67,7 @@ def gelu_forward(h: np.ndarray):
         y, cdf = np.empty_like(h), np.empty_like(h)
         hf, yf, cf = h.reshape(-1), y.reshape(-1), cdf.reshape(-1)
         if h.dtype == np.float32:   # Φ by a vectorised erfc (qkv.nn.fused), not a scalar erf an element
-            chunked(lambda a, b: fast.gelu_forward32(hf[a:b], yf[a:b], cf[a:b]), hf.size)
+            passes(fast.gelu_forward32, fast.gelu_forward32_parts, hf, yf, cf)
         else:
             fast.gelu_forward(hf, yf, cf)
         return y, (h, cdf)
@@ -85,7 +85,7 @@ def gelu_backward(dy: np.ndarray, saved) -> np.ndarray:
         dh = np.empty_like(h)
         df, hf, cf, dhf = dy.reshape(-1), h.reshape(-1), cdf.reshape(-1), dh.reshape(-1)
         if h.dtype == np.float32:
-            chunked(lambda a, b: fast.gelu_backward32(df[a:b], hf[a:b], cf[a:b], dhf[a:b]), hf.size)
+            passes(fast.gelu_backward32, fast.gelu_backward32_parts, df, hf, cf, dhf)
         else:
             fast.gelu_backward(df, hf, cf, dhf)
         return dh
@@ -106,7 +106,7 @@ def gelu_tanh_forward(h: np.ndarray):
     if fast is not None:
         y = np.empty_like(h)
         hf, yf = h.reshape(-1), y.reshape(-1)
-        chunked(lambda a, b: fast.gelu_tanh_forward32(hf[a:b], yf[a:b]), hf.size)
+        passes(fast.gelu_tanh_forward32, fast.gelu_tanh_forward32_parts, hf, yf)
         return y, (h, None)
     t = h * h
     t *= SQRT_2_OVER_PI * GELU_CUBIC
@@ -126,7 +126,7 @@ def gelu_tanh_backward(dy: np.ndarray, saved) -> np.ndarray:
     if fast is not None and t is None:
         dh = np.empty_like(h)
         df, hf, dhf = dy.reshape(-1), h.reshape(-1), dh.reshape(-1)
-        chunked(lambda a, b: fast.gelu_tanh_backward32(df[a:b], hf[a:b], dhf[a:b]), hf.size)
+        passes(fast.gelu_tanh_backward32, fast.gelu_tanh_backward32_parts, df, hf, dhf)
         return dh
     if fast is not None:
         dh = np.empty_like(h)
@@ -176,7 +176,7 @@ def silu_forward(a: np.ndarray):
         a = np.ascontiguousarray(a)                    # (a layer's z is a slice of its projection)
         y = np.empty_like(a)
         af, yf = a.reshape(-1), y.reshape(-1)
-        chunked(lambda i, j: fast.silu_forward32(af[i:j], yf[i:j]), a.size)
+        passes(fast.silu_forward32, fast.silu_forward32_parts, af, yf)
         return y, (a, None)
     sig = sigmoid(a)
     return a * sig, (a, sig)
@@ -193,7 +193,7 @@ def silu_backward(dy: np.ndarray, saved) -> np.ndarray:
         else:
             dh = np.empty_like(a)
             af, df, hf = a.reshape(-1), dy.reshape(-1), dh.reshape(-1)
-            chunked(lambda i, j: fast.silu_backward32(df[i:j], af[i:j], hf[i:j]), a.size)
+            passes(fast.silu_backward32, fast.silu_backward32_parts, df, af, hf)
             return dh
     g = 1.0 - sig
     g *= a

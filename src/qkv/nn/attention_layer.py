@@ -24,6 +24,7 @@ import numpy as np
 from ..api import attention, attention_backward, prepare_call
 from ..errors import ShapeError, as_float_array, fmt_shape, positive_int
 from ..options import parse_dropout, parse_softcap
+from . import products
 from .base import Layer, check_input, linear_grad, merge_heads, split_heads
 from .checks import attention_options, cache_step, check_cache, check_context, mask_options, rope_options
 from .layers import Linear
@@ -31,11 +32,12 @@ from ..threads import one_thread_if
 
 FUSE_ROWS = 256  # B*T from which self-attention's three projections run as one product
 PREPARED = "_prepared"  # the key of a forward's prepared call (qkv.api.Prepared) in its options (see _attend)
-# A layer's attention of fewer score entries (B·H·Tq·Tk) than this runs on the calling thread.
-# Right after the layer's projections OpenBLAS's threads spin on and hold the second core, so
-# a kernel thread started then costs more than it saves (nanoGPT's CPU recipe, (12, 4, 64,
-# 32), inside the training step); a bare qkv.attention call of that size takes the kernel
-# threads (qkv.kernels.rows.kernel.SERIAL_WORK).
+# A layer's attention of fewer score entries (B·H·Tq·Tk) than this runs on the calling thread
+# where the layer's projections ran on OpenBLAS's threads: those spin on after a product and
+# hold the second core, so a kernel thread started then costs more than it saves (nanoGPT's
+# CPU recipe, (12, 4, 64, 32), inside the training step). Where the projections run on
+# numba's threads (qkv.nn.products.pooled) the attention takes them too, as a bare
+# qkv.attention call does (qkv.kernels.rows.kernel.SERIAL_WORK).
 LAYER_SERIAL_WORK = 1 << 18
 
 
@@ -99,7 +101,7 @@ class AttentionLayer(Layer):
         three (384, 384) products. Each Linear keeps ``x`` for its backward, as its own forward would."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
         w = np.concatenate([p.params["W"] for p in projs], axis=1)  # (d_model, Σ d_out)
-        y = x3.reshape(-1, x3.shape[-1]) @ w  # (B·T, d_model) @ (d_model, Σ d_out): one 2-D product
+        y = products.matmul(x3.reshape(-1, x3.shape[-1]), w)  # (B·T, d_model) @ (d_model, Σ d_out): one 2-D product
         y = y.reshape(x3.shape[:-1] + (w.shape[1],))
         if self.q_proj.bias:  # _linears gives all of a layer's projections a bias, or none
             y += np.concatenate([p.params["b"] for p in projs])
@@ -220,7 +222,7 @@ class AttentionLayer(Layer):
             if p.bias:
                 p.grads["b"][...] = dy2[:, a:e].sum(axis=0)
         w = np.concatenate([p.params["W"] for p in projs], axis=1)  # (d_model, Σ d_out)
-        return (dy2 @ w.T).reshape(x.shape)                       # (B·T, Σ d_out) @ (Σ d_out, d_model)
+        return products.matmul(dy2, w.T).reshape(x.shape)         # (B·T, Σ d_out) @ (Σ d_out, d_model)
 
     @staticmethod
     def _attend_backward(dout, q, k, v, out, lse, opts: dict):
@@ -234,5 +236,7 @@ class AttentionLayer(Layer):
 
 
 def _threads(prob):
-    """``kernel_threads(1)`` for a problem of fewer than :data:`LAYER_SERIAL_WORK` score entries."""
-    return one_thread_if(math.prod(prob.spec.lead) * prob.spec.tq * prob.spec.tk < LAYER_SERIAL_WORK)
+    """``kernel_threads(1)`` for a problem of fewer than :data:`LAYER_SERIAL_WORK` score entries
+    where the layers' products are not on numba's threads."""
+    small = math.prod(prob.spec.lead) * prob.spec.tq * prob.spec.tk < LAYER_SERIAL_WORK
+    return one_thread_if(small and not products.pooled())

@@ -25,6 +25,7 @@ from collections.abc import MutableMapping
 import numpy as np
 
 from ..errors import ShapeError, as_float_array
+from . import products
 from .checks import check_sequences
 
 FLOAT_DTYPES = (np.float16, np.float32, np.float64)
@@ -172,7 +173,7 @@ def linear_grad(x: np.ndarray, dy: np.ndarray, out: np.ndarray | None = None) ->
     """``dW`` of ``y = x @ W`` summed over every leading axis: ``(..., n) , (..., m) -> (n, m)``,
     written into ``out`` when given (a layer's grads array: no temporary and copy)."""
     # (n, N) @ (N, m) -> (n, m)
-    return np.matmul(x.reshape(-1, x.shape[-1]).T, dy.reshape(-1, dy.shape[-1]), out=out)
+    return products.matmul(x.reshape(-1, x.shape[-1]).T, dy.reshape(-1, dy.shape[-1]), out=out)
 
 
 def split_heads(x: np.ndarray, n_heads: int) -> np.ndarray:

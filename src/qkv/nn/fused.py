@@ -266,6 +266,55 @@ def silu_backward32(dy, a, dh):  # float32, σ(a) computed again: dy σ (1 + a (
         dh[i] = dy[i] * s * (one + x * (one - s))
 
 
+
+# The float32 activations above in ``parts`` pieces on numba's threads (qkv.nn.fusion.passes:
+# one pool with the layers' products, qkv.nn.products); element-wise, so the same bits.
+@numba.njit(inline="always")
+def _cut(n, parts, p):
+    return n * p // parts, n * (p + 1) // parts
+
+
+@numba.njit(nogil=True, cache=True, parallel=True)
+def gelu_forward32_parts(h, y, cdf, parts):
+    for p in numba.prange(parts):
+        a, b = _cut(h.size, parts, p)
+        gelu_forward32(h[a:b], y[a:b], cdf[a:b])
+
+
+@numba.njit(nogil=True, cache=True, parallel=True)
+def gelu_backward32_parts(dy, h, cdf, dh, parts):
+    for p in numba.prange(parts):
+        a, b = _cut(h.size, parts, p)
+        gelu_backward32(dy[a:b], h[a:b], cdf[a:b], dh[a:b])
+
+
+@numba.njit(nogil=True, cache=True, parallel=True)
+def gelu_tanh_forward32_parts(h, y, parts):
+    for p in numba.prange(parts):
+        a, b = _cut(h.size, parts, p)
+        gelu_tanh_forward32(h[a:b], y[a:b])
+
+
+@numba.njit(nogil=True, cache=True, parallel=True)
+def gelu_tanh_backward32_parts(dy, h, dh, parts):
+    for p in numba.prange(parts):
+        a, b = _cut(h.size, parts, p)
+        gelu_tanh_backward32(dy[a:b], h[a:b], dh[a:b])
+
+
+@numba.njit(nogil=True, cache=True, parallel=True)
+def silu_forward32_parts(a, y, parts):
+    for p in numba.prange(parts):
+        i, j = _cut(a.size, parts, p)
+        silu_forward32(a[i:j], y[i:j])
+
+
+@numba.njit(nogil=True, cache=True, parallel=True)
+def silu_backward32_parts(dy, a, dh, parts):
+    for p in numba.prange(parts):
+        i, j = _cut(a.size, parts, p)
+        silu_backward32(dy[i:j], a[i:j], dh[i:j])
+
 @numba.njit(nogil=True, cache=True, fastmath=FLAGS)
 def causal_conv(padded, wt, bias, y):  # y[b, t] = bias + Σ_j wt[j] ∘ padded[b, t + j]; padded (B, K-1+T, C)
     wide_vectors()

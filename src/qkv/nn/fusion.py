@@ -14,6 +14,7 @@ from types import ModuleType
 import numpy as np
 
 from .. import jit, threads
+from . import products
 
 MODULE = "qkv.nn.fused"
 
@@ -70,3 +71,15 @@ def chunked(call, size: int) -> None:
     cuts = [size * i // n for i in range(n + 1)]
     parallel([(lambda a=a, b=b: call(a, b)) for a, b in zip(cuts[:-1], cuts[1:])],
              [b - a for a, b in zip(cuts[:-1], cuts[1:])])
+
+
+def passes(serial, in_parts, *arrays: np.ndarray) -> None:
+    """An element-wise pass over flat ``arrays``: ``in_parts(*arrays, n)`` on ``n`` of numba's
+    threads where the layers' products run there too (:func:`qkv.nn.products.threads_for`: one
+    pool, so the pass finds its threads free), else ``serial`` over :func:`chunked` pieces."""
+    n = products.threads_for(arrays[0].size, products.PASS_MIN)
+    if n > 1:
+        with threads.numba_threads(n) as nt:
+            in_parts(*arrays, nt)
+        return
+    chunked(lambda a, b: serial(*(x[a:b] for x in arrays)), arrays[0].size)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import ShapeError, as_float_array, fmt_shape, positive_int
+from . import products
 from .base import Layer, linear_grad
 
 
@@ -27,7 +28,7 @@ class Linear(Layer):
         x = x.astype(self.dtype, copy=False)
         self._keep(x)
         # One 2-D product: NumPy runs a stacked (B, T, d_in) @ W as B smaller ones (~15% slower).
-        y = x.reshape(-1, self.d_in) @ self.params["W"]  # (N, d_in) @ (d_in, d_out) -> (N, d_out)
+        y = products.matmul(x.reshape(-1, self.d_in), self.params["W"])  # (N, d_in) @ (d_in, d_out) -> (N, d_out)
         if self.bias:
             y += self.params["b"]
         return y.reshape(x.shape[:-1] + (self.d_out,))
@@ -42,7 +43,7 @@ class Linear(Layer):
         linear_grad(x, dy, out=self.grads["W"])
         if self.bias:
             self.grads["b"][...] = dy.reshape(-1, self.d_out).sum(axis=0)
-        dx = dy.reshape(-1, self.d_out) @ self.params["W"].T  # (N, d_out) @ (d_out, d_in) -> (N, d_in)
+        dx = products.matmul(dy.reshape(-1, self.d_out), self.params["W"].T)  # (N, d_out) @ (d_out, d_in) -> (N, d_in)
         return dx.reshape(x.shape)
 
 

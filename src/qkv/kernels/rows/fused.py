@@ -32,24 +32,12 @@ import numba
 import numpy as np
 from numba import types
 
-from ..blas_compiled import ILP64, N_, SGEMM, T_, gemm
+from ..blas_compiled import ILP64, N_, SGEMM, T_, gemm, threading_layer
 from ..flash.compiled import FASTMATH, wide_vectors
 from .compiled import LOG2E, NEG_INF, _zero, backward_pass, forward_pass
 
-
-
-
-def _threading_layer() -> str:
-    """numba's threading layer, started now: ``"omp"`` or ``"tbb"`` take concurrent callers
-    from several Python threads; ``"workqueue"`` (neither OpenMP nor TBB found) aborts the
-    process on them, so :mod:`qkv.kernels.rows.kernel` then runs one call at a time (:data:`CONCURRENT`)."""
-    from numba.np.ufunc.parallel import _launch_threads
-    _launch_threads()
-    return numba.threading_layer()
-
-
-LAYER = _threading_layer()
-CONCURRENT = LAYER in ("omp", "tbb")
+LAYER = threading_layer()
+CONCURRENT = LAYER in ("omp", "tbb")   # concurrent callers allowed (else :mod:`.kernel` runs one at a time)
 f32 = np.float32
 _IN = types.Array(types.float32, 4, "A", readonly=True)   # (N/inner, inner, T, D), any strides, read only:
 # one compiled signature for every layout (a writable or C-contiguous array converts to it)

@@ -324,20 +324,9 @@ def _call(kernel, n: int, tq: int, tk: int, num_threads: int | None, *args) -> N
     """``kernel(*args)`` on numba's threads (one below :data:`SERIAL_WORK` score entries), BLAS
     held to one thread (a head's product split over BLAS's threads rounds differently); one
     call at a time where numba's threading layer cannot take more (:data:`.fused.CONCURRENT`)."""
-    import numba
-
     nt = 1 if n * tq * tk < SERIAL_WORK else (num_threads or threads.get_num_threads(compiled=True))
-    nt, before = max(1, min(nt, numba.config.NUMBA_NUM_THREADS)), numba.get_num_threads()
-    if nt != before:      # each set costs 2 µs: a small call's whole kernel is 12
-        numba.set_num_threads(nt)
-    threads.hold_blas()
-    try:
-        with contextlib.nullcontext() if _fused().CONCURRENT else _ONE_AT_A_TIME:
-            kernel(*args)
-    finally:
-        threads.release_blas()
-        if nt != before:
-            numba.set_num_threads(before)
+    with threads.numba_threads(nt), contextlib.nullcontext() if _fused().CONCURRENT else _ONE_AT_A_TIME:
+        kernel(*args)
 
 
 def forward(q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_weights: bool = False,

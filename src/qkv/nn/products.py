@@ -1,0 +1,139 @@
+"""The layers' matrix products and element-wise passes on one pool of threads: numba's.
+
+A training step of :mod:`qkv.nn` alternates products (the projections, the MLP, ``dW`` and
+``dx``) with passes between them (the attention kernel, GELU, LayerNorm). NumPy hands a
+product to OpenBLAS's own threads, which spin on after it, waiting for the next, for up to
+2^28 cycles (a tenth of a second), holding the cores: a pass on qkv's threads right after
+finds its second core taken. Measured at nanoGPT's CPU recipe's attention ((12, 4, 64, 32)
+causal, 2 threads, Zen 3): 0.7 ms bare, 3.7 ms right after a 2-thread product (the spinner
+keeps the core until the scheduler takes it back), 0.4 ms when OpenBLAS's threads sleep at
+once (``OPENBLAS_THREAD_TIMEOUT=4``, a setting read only when NumPy loads). So the layers
+kept every pass of a step on the calling thread (``LAYER_SERIAL_WORK``,
+``fusion.PARALLEL_MIN``), and the second core did only products.
+
+Here the products run where the passes run: :func:`matmul` cuts a float32 product of
+:data:`SPLIT_WORK` multiply-adds or more into one piece of rows a kernel thread, each piece
+OpenBLAS's ``sgemm`` on one thread, called from numba's threads
+(:mod:`qkv.kernels.products_compiled`), as torch runs its products and passes on one OpenMP
+pool. OpenBLAS's threads then never start, and numba's threads, spinning a moment between
+loops as OpenMP's do, are the ones the next pass wants. The step at nanoGPT's CPU recipe
+(2 threads, Zen 3, against torch's in the same process): 1.14x torch's time before, 0.97-1.03x
+with the products, the attention and the GELU on numba's threads.
+
+**Bits.** BLAS computes an entry of a product from its row and column alone, but which of its
+inner kernels does it depends on where the row falls among the blocks of rows it takes at a
+time: OpenBLAS's Haswell ``sgemm`` cut at multiples of 5, 8 or 16 rows gives other last bits
+than on the whole (at depths 40 to 768), cut at multiples of 24 the same bits; a piece of one
+row is its ``gemv``, rounded otherwise again. So the pieces start at multiples of a grain
+found once a process (:func:`grain`: the least of :data:`GRAINS` at which cut products equal
+the whole, bit for bit, over probe shapes; 24 on OpenBLAS's Haswell kernels), no piece is
+shorter than half a grain, and a product has the bits of NumPy's on one thread, for every
+thread count (one kernel thread: the whole product, on the calling thread, BLAS held to one
+thread). Where no grain passes, the products
+are NumPy's, as before (and the passes stay off numba's threads). Nor is the pool used where
+numba is missing or ``QKV_JIT=0``, numba's threading layer is ``workqueue`` (it takes no
+concurrent callers), or for a float64 product, one under :data:`SPLIT_WORK`, one with a
+single row or column (NumPy's is ``gemv``), ``x @ x.T`` (NumPy's is ``syrk``), an operand
+neither C-contiguous nor its transpose, or an ``out`` that overlaps an operand: NumPy's
+``matmul`` runs those.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import jit, threads
+
+SPLIT_WORK = 1 << 18    # multiply-adds from which a product is cut over the threads (OpenBLAS's own
+#                         threading starts there: 65536 · GEMM_MULTITHREAD_THRESHOLD)
+PASS_MIN = 1 << 15      # elements from which an element-wise pass (GELU) is cut over the threads
+GRAINS = (24, 32, 48, 64, 96, 192)   # row grains tried, least first (:func:`grain`)
+_found: dict = {}
+
+
+def _probe(mod, g: int) -> bool:
+    """True where products cut at multiples of ``g`` rows give the whole product's bits: three
+    row counts (ragged ends of 7, g/2 + 3 and 2 rows: one row is BLAS's gemv), depths 40 and 520, every transpose
+    case, pieces of 1, 2 and 3 grains and the ragged end."""
+    rng = np.random.default_rng(0)
+    flag = {False: mod.N_, True: mod.T_}
+    for m in (8 * g + 7, 5 * g + g // 2 + 3, 11 * g + 2):
+        bounds = np.array(sorted({0, g, 2 * g, 4 * g, 5 * g} | {m // g * g, m}), np.int64)
+        for k in (40, 520):
+            for ta, tb in ((False, False), (True, False), (False, True)):
+                a = rng.standard_normal((k, m) if ta else (m, k)).astype(np.float32)
+                b = rng.standard_normal((45, k) if tb else (k, 45)).astype(np.float32)
+                whole, cut = np.empty((m, 45), np.float32), np.empty((m, 45), np.float32)
+                mod.split_gemm(mod.ADDR, flag[ta], flag[tb], a, b, whole, np.array([0, m], np.int64))
+                mod.split_gemm(mod.ADDR, flag[ta], flag[tb], a, b, cut, bounds)
+                if not np.array_equal(whole.view(np.uint32), cut.view(np.uint32)):
+                    return False
+    return True
+
+
+def grain() -> int:
+    """The row grain of this process's BLAS (module docstring), 0 where the pool does not apply
+    (no numba or ``QKV_JIT=0``, no ``sgemm``, a ``workqueue`` layer, or no grain passes)."""
+    if "grain" not in _found:
+        mod = jit.load(jit.PRODUCTS)
+        g = 0
+        if mod is not None and mod.SGEMM and mod.CONCURRENT:
+            with threads.numba_threads(1):
+                g = next((g for g in GRAINS if _probe(mod, g)), 0)
+        _found["grain"] = g
+    return _found["grain"]
+
+
+def threads_for(units: int, per_unit: int) -> int:
+    """How many of numba's threads a job of ``units`` (rows, elements) in pieces of at least
+    ``per_unit`` takes here: 1 where the pool does not apply (:func:`grain`), else the kernel
+    threads (:func:`qkv.get_num_threads`, at most numba's) up to ``units // per_unit``."""
+    nt = threads.get_num_threads(compiled=True)
+    if nt <= 1 or units < 2 * per_unit or not grain():
+        return 1
+    import numba
+    return max(1, min(nt, numba.config.NUMBA_NUM_THREADS, units // per_unit))
+
+
+def pooled() -> bool:
+    """True where :func:`matmul` runs float32 products on numba's threads, or on the calling
+    thread with BLAS held to one where one kernel thread is asked for (so OpenBLAS's threads do
+    not spin between a layer's steps, and a small attention may take the kernel threads too)."""
+    return grain() > 0
+
+
+def _operand(x: np.ndarray):
+    """``(array, transposed)``: x itself, or the C-contiguous array it transposes; None."""
+    if x.flags.c_contiguous:
+        return x, False
+    if x.T.flags.c_contiguous:
+        return x.T, True
+    return None
+
+
+def _bounds(m: int, parts: int, g: int) -> np.ndarray:
+    """``parts`` pieces of ``m`` rows as near equal as multiples of ``g`` allow: their bounds."""
+    cuts = {0, m} | {min(m, round(m * i / parts / g) * g) for i in range(1, parts)}
+    return np.array(sorted(cuts), np.int64)
+
+
+def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """``a @ b`` of 2-D arrays (into ``out`` when given): NumPy's ``matmul``, or the same product,
+    the same bits, cut over numba's threads (module docstring)."""
+    m, k = a.shape
+    n = b.shape[1]
+    ops = None
+    if a.dtype == b.dtype == np.float32 and m * n * k >= SPLIT_WORK and k == b.shape[0] and min(m, n) > 1 and \
+            not (a.shape == b.shape[::-1] and np.may_share_memory(a, b)) and pooled() and \
+            (out is None or (out.dtype == np.float32 and out.shape == (m, n) and out.flags.c_contiguous
+                             and not np.may_share_memory(out, a) and not np.may_share_memory(out, b))):
+        ops = (_operand(a), _operand(b))
+    if ops is None or ops[0] is None or ops[1] is None:
+        return np.matmul(a, b, out=out)
+    mod = jit.load(jit.PRODUCTS)
+    g = grain()
+    bounds = _bounds(m, threads_for(m, g), g)
+    out = np.empty((m, n), np.float32) if out is None else out
+    flag = {False: mod.N_, True: mod.T_}
+    with threads.numba_threads(len(bounds) - 1):
+        mod.split_gemm(mod.ADDR, flag[ops[0][1]], flag[ops[1][1]], ops[0][0], ops[1][0], out, bounds)
+    return out

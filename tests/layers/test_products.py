@@ -1,0 +1,149 @@
+"""qkv.nn.products: the layers' float32 products cut in pieces of rows on numba's threads, with
+the whole product's bits for every thread count, and NumPy's product wherever that cannot hold."""
+import numpy as np
+import pytest
+from threadpoolctl import threadpool_limits
+
+from qkv import jit, threads
+from qkv.nn import products
+
+needs_pool = pytest.mark.skipif(not jit.enabled() or products.grain() == 0,
+                                reason="the pool needs numba (the fast extra), a BLAS sgemm and a grain")
+
+
+def _whole(a, b):
+    """NumPy's product on one BLAS thread: the bits every cut must keep."""
+    with threadpool_limits(1, "blas"):
+        return np.matmul(a, b)
+
+
+def _operands(rng, m, k, n, ta, tb):
+    a = rng.standard_normal((k, m) if ta else (m, k)).astype(np.float32) * 30   # scores-sized entries
+    b = rng.standard_normal((n, k) if tb else (k, n)).astype(np.float32)
+    return (a.T if ta else a), (b.T if tb else b)
+
+
+@needs_pool
+@pytest.mark.parametrize("m, k, n", [(768, 128, 512), (128, 768, 512), (84, 768, 128), (50, 300, 1000),
+                                     (1000, 64, 3), (4099, 384, 67), (49, 5461, 2)])
+@pytest.mark.parametrize("ta, tb", [(False, False), (True, False), (False, True), (True, True)])
+def test_a_cut_product_has_the_whole_products_bits_on_every_thread_count(m, k, n, ta, tb):
+    rng = np.random.default_rng(m + k + n)
+    a, b = _operands(rng, m, k, n, ta, tb)
+    want = _whole(a, b)
+    for nt in (1, 2, 3, 4):
+        with threads.kernel_threads(nt):
+            got = products.matmul(a, b)
+            out = np.full((m, n), np.nan, np.float32)
+            into = products.matmul(a, b, out=out)
+        assert into is out
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+        np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32))
+
+
+@needs_pool
+def test_the_pieces_run_on_numbas_threads_with_blas_held(monkeypatch):
+    """Two kernel threads: two pieces of rows at a multiple of the grain, numba's thread count
+    2 and BLAS held while they run; the count put back after."""
+    import numba
+    mod = jit.load(jit.PRODUCTS)
+    seen = []
+    real = mod.split_gemm
+
+    def spy(*args):
+        seen.append((args[-1].tolist(), numba.get_num_threads(), threads.blas_holders()))
+        return real(*args)
+    monkeypatch.setattr(mod, "split_gemm", spy)
+    before = numba.get_num_threads()
+    a, b = _operands(np.random.default_rng(0), 300, 64, 40, False, False)
+    with threads.kernel_threads(2):
+        products.matmul(a, b)
+    g = products.grain()
+    (bounds, nt, held), = seen
+    assert len(bounds) == 3 and bounds[0] == 0 and bounds[-1] == 300 and bounds[1] % g == 0
+    assert nt == min(2, numba.config.NUMBA_NUM_THREADS) and held >= 1
+    assert numba.get_num_threads() == before and threads.blas_holders() == 0
+
+
+@needs_pool
+def test_a_product_numba_cannot_take_is_numpys(monkeypatch):
+    """float64, a product under SPLIT_WORK, one column or one row (NumPy's gemv), x @ x.T
+    (NumPy's syrk), an operand with strides BLAS cannot read as a matrix, mixed dtypes and an
+    ``out`` over an operand go to NumPy's matmul: its values."""
+    mod = jit.load(jit.PRODUCTS)
+    monkeypatch.setattr(mod, "split_gemm", lambda *a: pytest.fail("split_gemm ran"))
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((300, 200)).astype(np.float32)
+    b = rng.standard_normal((200, 100)).astype(np.float32)
+    with threads.kernel_threads(2):
+        np.testing.assert_array_equal(products.matmul(a.astype(np.float64), b.astype(np.float64)),
+                                      np.matmul(a.astype(np.float64), b.astype(np.float64)))
+        np.testing.assert_array_equal(products.matmul(a[:10, :20], b[:20, :5]), np.matmul(a[:10, :20], b[:20, :5]))
+        np.testing.assert_array_equal(products.matmul(a[::2], b), np.matmul(a[::2], b))
+        np.testing.assert_array_equal(products.matmul(a, b[:, :1]), np.matmul(a, b[:, :1]))
+        wide = rng.standard_normal((2000, 200)).astype(np.float32)
+        np.testing.assert_array_equal(products.matmul(a[:1], wide.T), np.matmul(a[:1], wide.T))
+        np.testing.assert_array_equal(products.matmul(wide, wide.T), np.matmul(wide, wide.T))
+        np.testing.assert_array_equal(products.matmul(a, b.astype(np.float64)), np.matmul(a, b.astype(np.float64)))
+        square = rng.standard_normal((200, 200)).astype(np.float32)
+        want = np.matmul(square, square)
+        got = products.matmul(square, square, out=square)     # NumPy copies an overlapping out
+        np.testing.assert_array_equal(got, want)
+
+
+def test_no_grain_means_numpys_products_and_passes_off_the_pool(monkeypatch):
+    """A BLAS whose cut products round otherwise at every grain tried (here: no grain to try)
+    leaves the products to NumPy, the passes and a layer's small attention off numba's threads."""
+    monkeypatch.setattr(products, "_found", {})
+    monkeypatch.setattr(products, "GRAINS", ())
+    assert products.grain() == 0 and not products.pooled() and products.threads_for(1 << 20, 1) == 1
+    if jit.enabled():
+        monkeypatch.setattr(jit.load(jit.PRODUCTS), "split_gemm", lambda *a: pytest.fail("split_gemm ran"))
+    a = np.random.default_rng(2).standard_normal((300, 200)).astype(np.float32)
+    with threads.kernel_threads(2):
+        np.testing.assert_array_equal(products.matmul(a, a.T), np.matmul(a, a.T))
+
+
+@needs_pool
+def test_the_probe_refuses_a_grain_that_changes_a_bit(monkeypatch):
+    """The probe compares bits: a kernel whose pieces round otherwise (one ulp off in every
+    piece that does not start at row 0) fails it at every grain; the grain found passes it
+    with the real kernel; on OpenBLAS's Haswell kernels a grain of 5 rows cuts their row
+    blocks and fails it."""
+    mod = jit.load(jit.PRODUCTS)
+    with threads.numba_threads(1):            # as grain() probes: BLAS held to one thread
+        assert products._probe(mod, products.grain())
+        if threads.blas_core() == "haswell":
+            assert not products._probe(mod, 5)
+    real = mod.split_gemm
+
+    def off_by_an_ulp(addr, ta, tb, a, b, c, bounds):
+        real(addr, ta, tb, a, b, c, bounds)
+        for r0, r1 in zip(bounds[1:-1], bounds[2:]):
+            c[r0:r1] = np.nextafter(c[r0:r1], np.float32(np.inf))
+    monkeypatch.setattr(mod, "split_gemm", off_by_an_ulp)
+    with threads.numba_threads(1):
+        assert not any(products._probe(mod, g) for g in products.GRAINS)
+
+
+@needs_pool
+def test_a_gpt_step_has_the_same_bits_on_one_thread_and_two():
+    """nanoGPT's CPU recipe's shapes (smaller batch): loss, every gradient and the updated
+    weights, bit for bit, with one kernel thread and two (products, attention and GELU cut)."""
+    from qkv.models import GPT, GPTConfig
+    from qkv.nn import AdamW
+
+    rng = np.random.default_rng(3)
+    idx, tgt = rng.integers(0, 65, (4, 64)), rng.integers(0, 65, (4, 64))
+    runs = []
+    for nt in (1, 2):
+        with threads.kernel_threads(nt):
+            model = GPT(GPTConfig(vocab_size=65, block_size=64, n_layer=2, n_head=4, n_embd=128, bias=False,
+                                  activation="gelu", seed=4))
+            loss = model.loss(idx, tgt)
+            model.backward()
+            grads = [g.copy() for g in model.grads.values()]
+            AdamW([model], lr=1e-3).step()
+            runs.append([np.float32(loss)] + grads + [p.copy() for p in model.params.values()])
+    for a, b in zip(*runs):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
