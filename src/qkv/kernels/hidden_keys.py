@@ -22,7 +22,7 @@ with those entries 0, and the rows that may see one get what the arithmetic give
 Padding past ``kv_lengths`` is hidden the same way (the kernels also zero it themselves).
 
 Cost where nothing is wrong (the fast path): one BLAS pass over k and one over v before the
-forward and again before the backward (:func:`_finite_sums`; the sums also serve
+forward and again before the backward (:func:`_finite_norms`; the bounds also serve
 :mod:`.magnitudes`, whose check adds a pass over q, and in the backward over dO and O). Measured at (12, 4, 64, 32)
 float32 on 2 shared cores: 11-27 µs a check, forward + backward causal 1.20-1.42 ms with the
 fast extra (the two checks 2-4 %), 1.9-2.5 ms without (1-2 %). (Checking the forward's out
@@ -30,6 +30,8 @@ instead, half the bytes, misses a bad entry of k whose score is -inf: a row that
 must get NaN as on the careful path, not a weight of 0.)
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -39,34 +41,23 @@ from . import magnitudes
 ROWS_AT_ONCE = 256   # query rows whose visibility is made at a time (a (…, rows, Tk) bool array)
 
 
-def _finite(x: np.ndarray) -> bool:
-    """True when every entry of ``x`` is finite: its max and min are (a NaN makes both NaN), no
-    temporary the size of ``x`` (12 µs at (12, 4, 64, 32) float32, two passes)."""
-    return bool(np.isfinite(x.max()) and np.isfinite(x.min())) if x.size else True
-
-
-def _finite_sums(k: np.ndarray, v: np.ndarray) -> tuple | None:
-    """``(Σk², Σv²)`` (None for a sum that overflowed, where :mod:`.magnitudes` looks at the
-    maxima) when every entry of k and v is finite, else None. Where ``Σx²`` is finite so is
-    every entry (a NaN or inf entry makes the sum NaN or inf): one BLAS pass an array, 6.5 µs
-    at (12, 4, 64, 32) float32; a sum that is not says nothing more (finite terms may
-    overflow), and :func:`_finite` is asked."""
-    sums = []
-    for x in (k, v):
-        sq = magnitudes.square_sum(x)
-        if not np.isfinite(sq):
-            if not _finite(x):
-                return None
-            sq = None
-        sums.append(sq)
-    return tuple(sums)
+def _finite_norms(k: np.ndarray, v: np.ndarray) -> tuple | None:
+    """k's and v's :func:`.magnitudes.norm_bound` when every entry of k and v is finite, else
+    None. Where ``Σx²`` is finite so is every entry (a NaN or inf entry makes the sum NaN or
+    inf): one BLAS pass an array, 6.5 µs at (12, 4, 64, 32) float32. A sum that is not finite
+    (finite terms may overflow) or that BLAS cannot take in one pass (the heads of a layer's
+    projection, seen in place) says nothing, and the bound is taken from the max and the min,
+    which say it too: one pair of passes an array, kept for :mod:`.magnitudes` (which asked
+    them again before, twice for v in a backward)."""
+    norms = tuple(magnitudes.norm_bound(x) for x in (k, v))
+    return norms if all(math.isfinite(n) for n in norms) else None
 
 
 def forward(impl, q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_weights: bool = False, **kw):
     """``impl.forward`` (the kernel interface of :mod:`.reference`) with hidden keys kept out."""
-    sums = _finite_sums(k, v)
-    if sums is not None:
-        return magnitudes.forward(impl, q, k, v, spec, scale, group, return_weights, sums, **kw)
+    norms = _finite_norms(k, v)
+    if norms is not None:
+        return magnitudes.forward(impl, q, k, v, spec, scale, group, return_weights, norms, **kw)
     bad = _Poison(q, k, v, spec, scale, group)
     out, lse, weights = magnitudes.forward(impl, q, bad.k, bad.v, spec, scale, group, return_weights, **kw)
     return bad.forward(out, lse, weights)
@@ -74,9 +65,9 @@ def forward(impl, q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_
 
 def backward(impl, dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int = 1, dlse=None, **kw):
     """``impl.backward`` with hidden keys kept out (module docstring)."""
-    sums = _finite_sums(k, v)
-    if sums is not None:
-        return magnitudes.backward(impl, dout, q, k, v, out, lse, spec, scale, group, dlse, sums, **kw)
+    norms = _finite_norms(k, v)
+    if norms is not None:
+        return magnitudes.backward(impl, dout, q, k, v, out, lse, spec, scale, group, dlse, norms, **kw)
     bad = _Poison(q, k, v, spec, scale, group)
     out_c, lse_c, _ = magnitudes.forward(impl, q, bad.k, bad.v, spec, scale, group, False)   # finite P and Δ on the copies
     rows = bad.rows_k | bad.rows_v

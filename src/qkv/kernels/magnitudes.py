@@ -24,7 +24,7 @@ that drops below the dtype's normal range, ``2^(e-126)`` in float32, loses bits)
 dtype's top. The bounds: ``|q_i·k_j| <= ‖q_i‖‖k_j‖`` (every partial sum too), ``|Σ_j p_j v_j|
 <= 2^64·Tk·max|v|``, ``|dP_ij|, |delta_i| <= ‖dO_i‖·max‖v_j‖`` (over ``1 - p`` with dropout), ``|dV_j| <= Tq·G·max|dO|``.
 The check first asks the cheap Frobenius norms ``Σx²`` (one BLAS pass an array, which also
-says every entry is finite: :func:`sums`); only where one is large or not finite are the
+says every entry is finite: :func:`norm_bound`); only where one is large or not finite are the
 maxima ``max|x|`` taken (two passes), and only where those are large is anything scaled.
 """
 from __future__ import annotations
@@ -67,10 +67,13 @@ def _exponent(bound: float, limit: float) -> int:
     return max(0, math.frexp(bound / limit)[1])
 
 
-def _norm_bound(x: np.ndarray, sq: float | None = None) -> float:
-    """An upper bound of every row's norm ``‖x_i‖`` of ``x (..., T, D)``: the Frobenius norm
-    where ``Σx²`` was finite, else ``√D·max|x|`` in float64."""
-    sq = square_sum(x) if sq is None else sq
+def norm_bound(x: np.ndarray, known: float | None = None) -> float:
+    """An upper bound of every row's norm ``‖x_i‖`` of ``x (..., T, D)`` (``known`` where the
+    caller has one): the Frobenius norm where ``Σx²`` is finite, else ``√D·max|x|`` in
+    float64 (NaN where an entry is NaN, inf where one is inf: the max and the min say it)."""
+    if known is not None:
+        return known
+    sq = square_sum(x)
     if math.isfinite(sq):
         return math.sqrt(sq)
     return math.sqrt(x.shape[-1]) * abs_max(x)
@@ -80,27 +83,27 @@ def _top(dtype) -> float:
     return float(np.finfo(dtype).max) * HEADROOM
 
 
-def q_exponent(q, k, scale: float, kk: float | None = None) -> int:
+def q_exponent(q, k, scale: float, kn: float | None = None) -> int:
     """``eq``: q is scaled by ``2^-eq`` and the scale by ``2^eq`` (0 where ``scale·2^eq`` would
     not be finite: then the scores could not be either)."""
-    kn = _norm_bound(k, kk)
-    eq = _exponent(_norm_bound(q) * kn, _top(q.dtype)) if kn else 0
+    kn = norm_bound(k, kn)
+    eq = _exponent(norm_bound(q) * kn, _top(q.dtype)) if kn else 0
     return 0 if eq and not math.ldexp(scale, eq) <= float(np.finfo(q.dtype).max) else eq
 
 
-def v_exponent(v, tk: int, vv: float | None = None) -> int:
+def v_exponent(v, tk: int, vn: float | None = None) -> int:
     """``ev``: v is scaled by ``2^-ev`` in the forward."""
-    return _exponent(TERMS * tk * _norm_bound(v, vv), _top(v.dtype))
+    return _exponent(TERMS * tk * norm_bound(v, vn), _top(v.dtype))
 
 
-def dout_exponent(dout, v, dlse, spec: MaskSpec, group: int, vv: float | None = None) -> int:
+def dout_exponent(dout, v, dlse, spec: MaskSpec, group: int, vn: float | None = None) -> int:
     """``ed``: dO and dlse are scaled by ``2^-ed`` in the backward. The out a forward returned
     is a weighted average of v's rows (weights summing to 1, or to at most ``1/(1-p)`` with
     dropout), so ``‖O_i‖ <= max‖v_j‖/(1-p)`` bounds delta without a pass over O."""
-    dn = _norm_bound(dout)
+    dn = norm_bound(dout)
     if not dn:
         return 0
-    bound = max(dn * _norm_bound(v, vv) / (1 - (spec.dropout_p or 0.0)), spec.tq * group * dn)
+    bound = max(dn * norm_bound(v, vn) / (1 - (spec.dropout_p or 0.0)), spec.tq * group * dn)
     if dlse is not None:
         bound = max(bound, abs_max(dlse))
     return _exponent(bound, _top(dout.dtype))
@@ -112,10 +115,10 @@ def scaled(x: np.ndarray, e: int) -> np.ndarray:
 
 
 def forward(impl, q, k, v, spec: MaskSpec, scale: float, group: int, return_weights: bool,
-            sums: tuple = (None, None), **kw):
-    """``impl.forward`` with q·k and Σ p v kept inside the dtype (module docstring); ``sums``:
-    ``(Σk², Σv²)`` where the caller has them."""
-    eq, ev = q_exponent(q, k, scale, sums[0]), v_exponent(v, spec.tk, sums[1])
+            norms: tuple = (None, None), **kw):
+    """``impl.forward`` with q·k and Σ p v kept inside the dtype (module docstring); ``norms``:
+    k's and v's :func:`norm_bound` where the caller has them."""
+    eq, ev = q_exponent(q, k, scale, norms[0]), v_exponent(v, spec.tk, norms[1])
     if eq == 0 and ev == 0:
         return impl.forward(q, k, v, spec, scale, group, return_weights, **kw)
     with np.errstate(under="ignore"):
@@ -126,9 +129,9 @@ def forward(impl, q, k, v, spec: MaskSpec, scale: float, group: int, return_weig
 
 
 def backward(impl, dout, q, k, v, out, lse, spec: MaskSpec, scale: float, group: int, dlse=None,
-             sums: tuple = (None, None), **kw):
+             norms: tuple = (None, None), **kw):
     """``impl.backward`` with q·k, dP, delta and dV kept inside the dtype (module docstring)."""
-    eq, ed = q_exponent(q, k, scale, sums[0]), dout_exponent(dout, v, dlse, spec, group, sums[1])
+    eq, ed = q_exponent(q, k, scale, norms[0]), dout_exponent(dout, v, dlse, spec, group, norms[1])
     if eq == 0 and ed == 0:
         return impl.backward(dout, q, k, v, out, lse, spec, scale, group, dlse=dlse, **kw)
     dlse = None if dlse is None else scaled(dlse, -ed)
