@@ -11,6 +11,13 @@ needs_pool = pytest.mark.skipif(not jit.enabled() or products.grain() == 0,
                                 reason="the pool needs numba (the fast extra), a BLAS sgemm and a grain")
 
 
+@pytest.fixture(autouse=True)
+def _pool():
+    """Every test here inside one_pool(), as a GPT of attention blocks runs its step."""
+    with products.one_pool():
+        yield
+
+
 def _whole(a, b):
     """NumPy's product on one BLAS thread: the bits every cut must keep."""
     with threadpool_limits(1, "blas"):
@@ -97,6 +104,8 @@ def test_no_grain_means_numpys_products_and_passes_off_the_pool(monkeypatch):
     monkeypatch.setattr(products, "_found", {})
     monkeypatch.setattr(products, "GRAINS", ())
     assert products.grain() == 0 and not products.pooled() and products.threads_for(1 << 20, 1) == 1
+    with products.one_pool():
+        assert not products.pooled()
     if jit.enabled():
         monkeypatch.setattr(jit.load(jit.PRODUCTS), "split_gemm", lambda *a: pytest.fail("split_gemm ran"))
     a = np.random.default_rng(2).standard_normal((300, 200)).astype(np.float32)
@@ -147,3 +156,33 @@ def test_a_gpt_step_has_the_same_bits_on_one_thread_and_two():
             runs.append([np.float32(loss)] + grads + [p.copy() for p in model.params.values()])
     for a, b in zip(*runs):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
+
+
+@needs_pool
+def test_only_a_model_whose_every_product_runs_here_enters_the_pool(monkeypatch):
+    """A GPT of attention blocks (windowed, chunked, with a short conv too) runs its forward and
+    backward inside one_pool(); one with a recurrent mixer, or another attention class, runs them
+    outside (its kernels' NumPy products would spin OpenBLAS's threads against numba's); outside
+    any, matmul is NumPy's product and the passes stay off numba's threads."""
+    from qkv.models import GPT, GPTConfig
+    from qkv.models import gpt as gpt_module
+    from qkv.nn import MultiHeadAttention
+
+    class Other(MultiHeadAttention):
+        pass
+    seen = []
+    real = gpt_module.matmul
+    monkeypatch.setattr(gpt_module, "matmul", lambda *a, **kw: seen.append(products.pooled()) or real(*a, **kw))
+    small = dict(vocab_size=65, block_size=64, n_layer=2, n_head=2, n_embd=32)
+    idx = np.zeros((2, 64), np.int64)
+    with products.one_pool(False):
+        for layers, attention, want in ((None, None, True), ("attention:window=8,attention:chunk=16:conv=3", None, True),
+                                        ("attention,mamba2", None, False), ("gated_delta,attention", None, False),
+                                        (None, Other, False)):
+            model = GPT(GPTConfig(**small, layers=layers), attention=attention)
+            assert model.one_pool == want
+            seen.clear()
+            model.loss(idx, idx)
+            model.backward()
+            assert seen and set(seen) == {want}
+        assert not products.pooled() and products.threads_for(1 << 20, 1) == 1

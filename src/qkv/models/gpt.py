@@ -39,6 +39,7 @@ in float64 from ``seed`` and cast, so a float32 and a float64 model of one seed 
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import asdict, dataclass
@@ -49,7 +50,7 @@ import numpy as np
 from ..errors import ShapeError, fmt_shape, positive_int
 from ..nn import Dropout, Embedding, LayerNorm, MLP, MultiHeadAttention, TransformerBlock
 from ..nn.base import Layer, linear_grad
-from ..nn.products import matmul
+from ..nn.products import matmul, one_pool
 from ..nn.optim import cross_entropy
 from . import hybrid
 from .gpt_cache import GPTCache
@@ -57,6 +58,15 @@ from .gpt_cache import GPTCache
 SAVED_FORMAT = "qkv-gpt"  # config.json's "format" in a folder GPT.save wrote
 POSITIONS = ("learned", "rope")
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
+
+
+def _in_pool(method):
+    """``method`` inside :func:`qkv.nn.products.one_pool` where the model's ``one_pool`` says so."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with one_pool(self.one_pool):
+            return method(self, *args, **kwargs)
+    return run
 
 
 @dataclass(frozen=True)
@@ -169,6 +179,8 @@ class GPT(Layer):
             MLP(c.n_embd, c.n_inner, c.activation, c.bias, **kw), "layernorm", c.dropout,
             bias=c.bias, eps=c.layer_norm_eps, **kw) for kind in c.layer_kinds]
         self.stateful = any(block.stateful for block in self.h)  # a block decodes through a state
+        # every product of a step on numba's threads (qkv.nn.products): softmax attention blocks only
+        self.one_pool = attention is MultiHeadAttention and all(k.split(":")[0] == "attention" for k in c.layer_kinds)
         self.ln_f = LayerNorm(c.n_embd, c.layer_norm_eps, c.bias, dtype=c.dtype)
         self.lm_head = None if c.tie_weights else Embedding(c.vocab_size, c.n_embd, **kw)
         links = {"transformer.wte.weight": (self.wte, "W")}
@@ -234,6 +246,7 @@ class GPT(Layer):
         return self.wpe.params["W"][pos]
 
     # --- forward / backward --------------------------------------------------------------
+    @_in_pool
     def forward(self, idx, *, cache: list | None = None, q_lengths=None) -> np.ndarray:
         """Logits ``(B, T, V)`` of token ids ``idx (B, T)``, ``T <= block_size``.
 
@@ -277,6 +290,7 @@ class GPT(Layer):
         self._keep(dict(x=x, t=t, cached=cache is not None, dlogits=None, pos=self.token_positions, keep=None))
         return x
 
+    @_in_pool
     def logits_at(self, idx, keep) -> np.ndarray:
         """Logits ``(N, V)`` at the ``N`` positions where ``keep (B, T)`` (bool) is True, in row-major
         order: ``forward(idx)[keep]`` without the head's product at the other positions (a task
@@ -318,6 +332,7 @@ class GPT(Layer):
             self._saved["dlogits"] = dlogits
         return loss
 
+    @_in_pool
     def backward(self) -> None:
         """Fill ``grads`` with the gradient of the last :meth:`loss` (overwriting them)."""
         s = self._need_saved()

@@ -20,6 +20,13 @@ loops as OpenMP's do, are the ones the next pass wants. The step at nanoGPT's CP
 (2 threads, Zen 3, against torch's in the same process): 1.14x torch's time before, 0.97-1.03x
 with the products, the attention and the GELU on numba's threads.
 
+Only inside :func:`one_pool`, which a model enters where every product of its step runs
+here (:class:`qkv.models.GPT` of attention blocks). Elsewhere the layers run as before: a
+recurrent mixer's kernels call NumPy's products on OpenBLAS's threads, which then spin
+against numba's in the next layer, each pool's threads waiting for the other's to give up
+the core (measured with the pool on for every layer, the CPU recipe's shape with Mamba-2
+mixers: 242 against 72 ms a step; Gated DeltaNet: 273 against 102).
+
 **Bits.** BLAS computes an entry of a product from its row and column alone, but which of its
 inner kernels does it depends on where the row falls among the blocks of rows it takes at a
 time: OpenBLAS's Haswell ``sgemm`` cut at multiples of 5, 8 or 16 rows gives other last bits
@@ -39,6 +46,9 @@ neither C-contiguous nor its transpose, or an ``out`` that overlaps an operand: 
 """
 from __future__ import annotations
 
+import contextvars
+from contextlib import contextmanager
+
 import numpy as np
 
 from .. import jit, threads
@@ -48,6 +58,22 @@ SPLIT_WORK = 1 << 18    # multiply-adds from which a product is cut over the thr
 PASS_MIN = 1 << 15      # elements from which an element-wise pass (GELU) is cut over the threads
 GRAINS = (24, 32, 48, 64, 96, 192)   # row grains tried, least first (:func:`grain`)
 _found: dict = {}
+_scope = contextvars.ContextVar("qkv_one_pool", default=False)   # one_pool() in force
+
+
+@contextmanager
+def one_pool(on: bool = True):
+    """``with one_pool():`` the layers' float32 products, their GELU/SiLU passes and a small
+    attention called from this thread (this context) inside the block run on numba's threads
+    (module docstring); ``one_pool(False)`` turns it off inside an outer one. A model enters it
+    where every product of its step is one of these (:class:`qkv.models.GPT` of attention
+    blocks); a kernel that calls NumPy's products on OpenBLAS's threads inside the block (the
+    recurrent mixers') would leave them spinning against numba's."""
+    token = _scope.set(bool(on))
+    try:
+        yield
+    finally:
+        _scope.reset(token)
 
 
 def _probe(mod, g: int) -> bool:
@@ -88,17 +114,18 @@ def threads_for(units: int, per_unit: int) -> int:
     ``per_unit`` takes here: 1 where the pool does not apply (:func:`grain`), else the kernel
     threads (:func:`qkv.get_num_threads`, at most numba's) up to ``units // per_unit``."""
     nt = threads.get_num_threads(compiled=True)
-    if nt <= 1 or units < 2 * per_unit or not grain():
+    if nt <= 1 or units < 2 * per_unit or not pooled():
         return 1
     import numba
     return max(1, min(nt, numba.config.NUMBA_NUM_THREADS, units // per_unit))
 
 
 def pooled() -> bool:
-    """True where :func:`matmul` runs float32 products on numba's threads, or on the calling
-    thread with BLAS held to one where one kernel thread is asked for (so OpenBLAS's threads do
-    not spin between a layer's steps, and a small attention may take the kernel threads too)."""
-    return grain() > 0
+    """True inside :func:`one_pool` where :func:`matmul` runs float32 products on numba's
+    threads, or on the calling thread with BLAS held to one where one kernel thread is asked
+    for (so OpenBLAS's threads do not spin between a layer's steps, and a small attention may
+    take the kernel threads too)."""
+    return _scope.get() and grain() > 0
 
 
 def _operand(x: np.ndarray):
