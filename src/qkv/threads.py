@@ -26,6 +26,8 @@ tiled backward one set of bits per count (each thread adds dQ in a buffer of its
 dense kernels' products (the reference, the stacked kernel) run on BLAS's own threads as the
 process set them (``OPENBLAS_NUM_THREADS``), and with OpenBLAS's Haswell kernels a product
 large enough to be split rounds differently on one thread and two: that count is a knob too.
+The layers' products inside :func:`qkv.nn.products.one_pool` (a GPT of attention blocks) run
+on numba's threads in pieces that keep one BLAS thread's bits, whatever either count.
 """
 from __future__ import annotations
 
