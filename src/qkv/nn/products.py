@@ -30,10 +30,11 @@ mixers: 242 against 72 ms a step; Gated DeltaNet: 273 against 102).
 **Bits.** BLAS computes an entry of a product from its row and column alone, but which of its
 inner kernels does it depends on where the row falls among the blocks of rows it takes at a
 time: OpenBLAS's Haswell ``sgemm`` cut at multiples of 5, 8 or 16 rows gives other last bits
-than on the whole (at depths 40 to 768), cut at multiples of 24 the same bits; a piece of one
-row is its ``gemv``, rounded otherwise again. So the pieces start at multiples of a grain
+than on the whole (at depths 40 to 768), cut at multiples of 12 the same bits (150 random
+shapes, depths 16 to 1500, every transpose case); a piece of one row is its ``gemv``,
+rounded otherwise again. So the pieces start at multiples of a grain
 found once a process (:func:`grain`: the least of :data:`GRAINS` at which cut products equal
-the whole, bit for bit, over probe shapes; 24 on OpenBLAS's Haswell kernels), no piece is
+the whole, bit for bit, over probe shapes; 12 on OpenBLAS's Haswell kernels), no piece is
 shorter than half a grain, and a product has the bits of NumPy's on one thread, for every
 thread count (one kernel thread: the whole product, on the calling thread, BLAS held to one
 thread). Where no grain passes, the products
@@ -56,7 +57,7 @@ from .. import jit, threads
 SPLIT_WORK = 1 << 18    # multiply-adds from which a product is cut over the threads (OpenBLAS's own
 #                         threading starts there: 65536 · GEMM_MULTITHREAD_THRESHOLD)
 PASS_MIN = 1 << 15      # elements from which an element-wise pass (GELU) is cut over the threads
-GRAINS = (24, 32, 48, 64, 96, 192)   # row grains tried, least first (:func:`grain`)
+GRAINS = (12, 24, 32, 48, 64, 96, 192)   # row grains tried, least first (:func:`grain`)
 _found: dict = {}
 _scope = contextvars.ContextVar("qkv_one_pool", default=False)   # one_pool() in force
 
