@@ -186,3 +186,62 @@ def test_only_a_model_whose_every_product_runs_here_enters_the_pool(monkeypatch)
             model.backward()
             assert seen and set(seen) == {want}
         assert not products.pooled() and products.threads_for(1 << 20, 1) == 1
+
+
+_WATCH = r"""
+import json, os, sys, threading, time
+import numpy as np                                   # OpenBLAS starts its worker threads here
+main = str(threading.get_native_id())
+blas = set(os.listdir("/proc/self/task")) - {main}
+
+
+def ticks():                                         # CPU time (utime + stime) of OpenBLAS's workers
+    total = 0
+    for t in blas:
+        with open(f"/proc/self/task/{t}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])
+    return total
+
+
+from qkv.models import GPT, GPTConfig
+pool, layers = sys.argv[1] == "pool", sys.argv[2]
+model = GPT(GPTConfig(vocab_size=65, block_size=64, n_layer=2, n_head=4, n_embd=128, activation="gelu",
+                      layers=None if layers == "-" else layers))
+model.one_pool = model.one_pool and pool
+idx = np.random.default_rng(0).integers(0, 65, (12, 64))
+for _ in range(2):
+    model.loss(idx, idx); model.backward()
+time.sleep(0.5)                                      # past OpenBLAS's spin (2^28 cycles)
+before = ticks()
+for _ in range(8):
+    model.loss(idx, idx); model.backward()
+print(json.dumps({"workers": len(blas), "ticks": ticks() - before}))
+"""
+
+
+@needs_pool
+@pytest.mark.parametrize("layers", ["-", "attention:conv=3"])
+def test_a_pooled_step_never_wakes_openblas_threads(layers):
+    """In a fresh process with OpenBLAS at 2 threads: 8 training steps of a GPT of attention
+    blocks (with Zoology's short convolution too) spend no CPU time on OpenBLAS's worker
+    threads inside the pool (every product ran on numba's threads, BLAS held to one), and
+    some outside it (the same steps with NumPy's products: the control that the watch sees)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    if not os.path.isdir("/proc/self/task"):
+        pytest.skip("needs Linux's /proc to read the threads' CPU time")
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="2")
+    found = {}
+    for mode in ("pool", "numpy"):
+        out = subprocess.run([sys.executable, "-c", _WATCH, mode, layers], env=env, capture_output=True, text=True,
+                             timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        found[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+    if found["pool"]["workers"] < 1:
+        pytest.skip("OpenBLAS started no worker thread here (one core?)")
+    assert found["pool"]["ticks"] == 0, found
+    assert found["numpy"]["ticks"] > 0, found

@@ -32,6 +32,7 @@ from ..errors import ShapeError, positive_int
 from .base import Layer, check_input, linear_grad
 from .cache import KVCache
 from .multihead import MultiHeadAttention
+from .products import matmul
 from .recurrent_parts import compute_dtype, conv_backward, conv_forward, grad_output
 
 
@@ -71,7 +72,7 @@ class BaseConv(Layer):
         if window is not None and window.shape != (B, K - 1, C):
             raise ShapeError(f"window must have shape (B, K-1, d_model) = ({B}, {K - 1}, {C}); got {window.shape}")
         c, padded = conv_forward(u, self._p("conv_weight"), self._p("conv_bias"), window)  # (B, T, C), (B, K-1+T, C)
-        p = u.reshape(-1, C) @ self._p("W_proj") + self._p("b_proj")                  # (BT,C) @ (C,C) -> (BT,C)
+        p = matmul(u.reshape(-1, C), self._p("W_proj")) + self._p("b_proj")           # (BT,C) @ (C,C) -> (BT,C)
         p = p.reshape(B, T, C)
         y = c * p + u
         if window is not None and K > 1:
@@ -92,7 +93,7 @@ class BaseConv(Layer):
         self.grads["b_proj"][...] = dp.sum(axis=(0, 1))
         du_conv, self.grads["conv_weight"][...], self.grads["conv_bias"][...] = conv_backward(
             dc, s["padded"], self._p("conv_weight"))
-        du = dy + (dp.reshape(-1, u.shape[-1]) @ self._p("W_proj").T).reshape(u.shape) + du_conv  # (BT,C) @ (C,C)
+        du = dy + matmul(dp.reshape(-1, u.shape[-1]), self._p("W_proj").T).reshape(u.shape) + du_conv  # (BT,C) @ (C,C)
         du = du.astype(self.dtype, copy=False)
         return du[0] if s["squeezed"] else du
 
