@@ -160,10 +160,10 @@ def test_a_gpt_step_has_the_same_bits_on_one_thread_and_two():
 
 @needs_pool
 def test_only_a_model_whose_every_product_runs_here_enters_the_pool(monkeypatch):
-    """A GPT of attention blocks (windowed, chunked, with a short conv too) runs its forward and
-    backward inside one_pool(); one with a recurrent mixer, or another attention class, runs them
-    outside (its kernels' NumPy products would spin OpenBLAS's threads against numba's); outside
-    any, matmul is NumPy's product and the passes stay off numba's threads."""
+    """A float32 GPT of attention blocks (windowed, chunked, with a short conv too) runs its
+    forward and backward inside one_pool(); one with a recurrent mixer, another attention class
+    or float64 weights runs them outside (their NumPy products would spin OpenBLAS's threads
+    against numba's); outside any, matmul is NumPy's product and the passes stay off numba's threads."""
     from qkv.models import GPT, GPTConfig
     from qkv.models import gpt as gpt_module
     from qkv.nn import MultiHeadAttention
@@ -176,10 +176,11 @@ def test_only_a_model_whose_every_product_runs_here_enters_the_pool(monkeypatch)
     small = dict(vocab_size=65, block_size=64, n_layer=2, n_head=2, n_embd=32)
     idx = np.zeros((2, 64), np.int64)
     with products.one_pool(False):
-        for layers, attention, want in ((None, None, True), ("attention:window=8,attention:chunk=16:conv=3", None, True),
-                                        ("attention,mamba2", None, False), ("gated_delta,attention", None, False),
-                                        (None, Other, False)):
-            model = GPT(GPTConfig(**small, layers=layers), attention=attention)
+        for layers, attention, dtype, want in (
+                (None, None, np.float32, True), ("attention:window=8,attention:chunk=16:conv=3", None, np.float32, True),
+                ("attention,mamba2", None, np.float32, False), ("gated_delta,attention", None, np.float32, False),
+                (None, Other, np.float32, False), (None, None, np.float64, False)):
+            model = GPT(GPTConfig(**small, layers=layers, dtype=dtype), attention=attention)
             assert model.one_pool == want
             seen.clear()
             model.loss(idx, idx)

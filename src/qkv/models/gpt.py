@@ -179,8 +179,9 @@ class GPT(Layer):
             MLP(c.n_embd, c.n_inner, c.activation, c.bias, **kw), "layernorm", c.dropout,
             bias=c.bias, eps=c.layer_norm_eps, **kw) for kind in c.layer_kinds]
         self.stateful = any(block.stateful for block in self.h)  # a block decodes through a state
-        # every product of a step on numba's threads (qkv.nn.products): softmax attention blocks only
-        self.one_pool = attention is MultiHeadAttention and all(k.split(":")[0] == "attention" for k in c.layer_kinds)
+        # every product of a step on numba's threads (qkv.nn.products): float32 softmax attention blocks only
+        self.one_pool = c.dtype == np.float32 and attention is MultiHeadAttention and \
+            all(k.split(":")[0] == "attention" for k in c.layer_kinds)
         self.ln_f = LayerNorm(c.n_embd, c.layer_norm_eps, c.bias, dtype=c.dtype)
         self.lm_head = None if c.tie_weights else Embedding(c.vocab_size, c.n_embd, **kw)
         links = {"transformer.wte.weight": (self.wte, "W")}
