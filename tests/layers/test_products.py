@@ -246,3 +246,40 @@ def test_a_pooled_step_never_wakes_openblas_threads(layers):
         pytest.skip("OpenBLAS started no worker thread here (one core?)")
     assert found["pool"]["ticks"] == 0, found
     assert found["numpy"]["ticks"] > 0, found
+
+
+@needs_pool
+def test_zoologys_attention_model_enters_the_pool_and_its_others_do_not(monkeypatch):
+    """MQAR's Zoology LanguageModel: BaseConv then softmax attention, float32, runs its forward
+    and backward inside one_pool() (its head's products too); with Based or Mamba-2 mixers, or
+    in float64, outside. Pooled, the loss and gradients have the same bits on 1 and 2 threads,
+    and agree with NumPy's products to float32 rounding."""
+    from qkv.experiments.mqar import MQARConfig, zoology_model
+    from qkv.models import zoology
+
+    seen = []
+    real = zoology.matmul
+    monkeypatch.setattr(zoology, "matmul", lambda *a, **kw: seen.append(products.pooled()) or real(*a, **kw))
+    cfg = MQARConfig()
+    idx = np.random.default_rng(0).integers(0, 64, (4, 64))
+    tgt = np.where(np.arange(64) % 8 == 7, idx, -1)
+    with products.one_pool(False):
+        for mixer, dtype, want in (("attention", np.float32, True), ("based", np.float32, False),
+                                   ("mamba2", np.float32, False), ("attention", np.float64, False)):
+            model = zoology_model(cfg, mixer, 64, 0, dtype=dtype)
+            assert model.one_pool == want
+            seen.clear()
+            model.loss(idx, tgt)
+            model.backward()
+            assert seen and set(seen) == {want}
+        runs = []
+        for pooled, nt in ((True, 2), (True, 1), (False, 2)):
+            model = zoology_model(cfg, "attention", 64, 0)
+            model.one_pool = pooled
+            with threads.kernel_threads(nt):
+                runs.append([np.float32(model.loss(idx, tgt))])
+                model.backward()
+            runs[-1] += [g.copy() for g in model.grads.values()]
+        for a, b, c in zip(*runs):
+            np.testing.assert_array_equal(a, b)          # the pool's bits: any thread count
+            np.testing.assert_allclose(a, c, rtol=1e-4, atol=1e-6)   # NumPy's products: other roundings

@@ -9,6 +9,9 @@ import numpy as np
 
 from ..errors import ShapeError, positive_int
 from ..nn.base import Layer, linear_grad
+from ..nn.multihead import MultiHeadAttention
+from ..nn.products import matmul, one_pool
+from ..nn.short_conv import BaseConv, ConvAttention
 
 __all__ = ["ZoologyLM"]
 
@@ -60,6 +63,11 @@ class ZoologyLM(Layer):
         self._expose(links)
         self._sublayers.extend([self.drop] + [m for m in self.mixers if not m.params])
         self.no_decay = set()
+        # every product of a step on numba's threads (qkv.nn.products): float32 softmax attention
+        # (Zoology's short conv before it too) and BaseConv mixers only
+        self.one_pool = np.dtype(dtype) == np.float32 and all(
+            type(m) is MultiHeadAttention or isinstance(m, BaseConv) or
+            (type(m) is ConvAttention and type(m.attn) is MultiHeadAttention) for m in self.mixers)
 
     def num_params(self) -> int:
         return self.n_params
@@ -77,11 +85,14 @@ class ZoologyLM(Layer):
 
     def forward(self, idx) -> np.ndarray:
         """Logits ``(B, T, V)``."""
-        return self._hidden(idx) @ self.wte.params["W"].T                     # (B,T,C) @ (C,V) -> (B,T,V)
+        with one_pool(self.one_pool):
+            h = self._hidden(idx)
+            return matmul(h.reshape(-1, h.shape[-1]), self.wte.params["W"].T).reshape(h.shape[:-1] + (-1,))  # (B,T,C) @ (C,V)
 
     def logits_at(self, idx, keep) -> np.ndarray:
         """Logits ``(N, V)`` at the positions where ``keep (B, T)`` is True (row-major order)."""
-        return self._hidden(idx)[np.asarray(keep, dtype=bool)] @ self.wte.params["W"].T   # (N,C) @ (C,V)
+        with one_pool(self.one_pool):
+            return matmul(self._hidden(idx)[np.asarray(keep, dtype=bool)], self.wte.params["W"].T)   # (N,C) @ (C,V)
 
     def loss(self, idx, targets) -> float:
         """Mean cross-entropy at the targets that are not ``-1`` (Zoology's ``ignore_index``)."""
@@ -99,13 +110,17 @@ class ZoologyLM(Layer):
 
     def backward(self) -> None:
         """Fill ``grads`` from the last :meth:`loss` (training mode)."""
+        with one_pool(self.one_pool):
+            self._backward()
+
+    def _backward(self) -> None:
         s = self._need_saved()
         if s["dlogits"] is None:
             raise RuntimeError("ZoologyLM.backward needs loss(idx, targets) first, in training mode")
         h, keep, dlogits = s["h"], s["keep"], s["dlogits"]
         dhead = linear_grad(dlogits, h[keep])                                   # (V,N) @ (N,C) -> (V,C)
         dh = np.zeros_like(h)
-        dh[keep] = dlogits @ self.wte.params["W"]                               # (N,V) @ (V,C) -> (N,C)
+        dh[keep] = matmul(dlogits, self.wte.params["W"])                        # (N,V) @ (V,C) -> (N,C)
         dr = self.ln_f.backward(dh)
         for i in reversed(range(len(self.mixers))):
             if self.norm2:
