@@ -75,8 +75,8 @@ def test_the_pieces_run_on_numbas_threads_with_blas_held(monkeypatch):
 @needs_pool
 def test_a_product_numba_cannot_take_is_numpys(monkeypatch):
     """float64, a product under SPLIT_WORK, one column or one row (NumPy's gemv), x @ x.T
-    (NumPy's syrk), an operand with strides BLAS cannot read as a matrix, mixed dtypes and an
-    ``out`` over an operand go to NumPy's matmul: its values."""
+    (NumPy's syrk), an operand with strides BLAS cannot read as a matrix, mixed dtypes, an
+    ``out`` over an operand and arrays that are not 2-D go to NumPy's matmul: its values."""
     mod = jit.load(jit.PRODUCTS)
     monkeypatch.setattr(mod, "split_gemm", lambda *a: pytest.fail("split_gemm ran"))
     rng = np.random.default_rng(1)
@@ -91,6 +91,9 @@ def test_a_product_numba_cannot_take_is_numpys(monkeypatch):
         wide = rng.standard_normal((2000, 200)).astype(np.float32)
         np.testing.assert_array_equal(products.matmul(a[:1], wide.T), np.matmul(a[:1], wide.T))
         np.testing.assert_array_equal(products.matmul(wide, wide.T), np.matmul(wide, wide.T))
+        np.testing.assert_array_equal(products.matmul(a[0], b), np.matmul(a[0], b))              # 1-D: NumPy's rules
+        stack = np.stack([a, a])
+        np.testing.assert_array_equal(products.matmul(stack, b), np.matmul(stack, b))            # 3-D too
         np.testing.assert_array_equal(products.matmul(a, b.astype(np.float64)), np.matmul(a, b.astype(np.float64)))
         square = rng.standard_normal((200, 200)).astype(np.float32)
         want = np.matmul(square, square)

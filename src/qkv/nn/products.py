@@ -79,8 +79,8 @@ def one_pool(on: bool = True):
 
 def _probe(mod, g: int) -> bool:
     """True where products cut at multiples of ``g`` rows give the whole product's bits: three
-    row counts (ragged ends of 7, g/2 + 3 and 2 rows: one row is BLAS's gemv), depths 40 and 520, every transpose
-    case, pieces of 1, 2 and 3 grains and the ragged end."""
+    row counts (ragged ends of 7, g/2 + 3 and 2 rows: one row would be BLAS's gemv), depths 40
+    and 520, every transpose case, pieces of 1, 2 and 3 grains and the ragged end."""
     rng = np.random.default_rng(0)
     flag = {False: mod.N_, True: mod.T_}
     for m in (8 * g + 7, 5 * g + g // 2 + 3, 11 * g + 2):
@@ -146,7 +146,9 @@ def _bounds(m: int, parts: int, g: int) -> np.ndarray:
 
 def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """``a @ b`` of 2-D arrays (into ``out`` when given): NumPy's ``matmul``, or the same product,
-    the same bits, cut over numba's threads (module docstring)."""
+    the same bits, cut over numba's threads (module docstring). Other arrays: NumPy's ``matmul``."""
+    if a.ndim != 2 or b.ndim != 2:
+        return np.matmul(a, b, out=out)
     m, k = a.shape
     n = b.shape[1]
     ops = None
