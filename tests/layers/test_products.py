@@ -286,3 +286,21 @@ def test_zoologys_attention_model_enters_the_pool_and_its_others_do_not(monkeypa
         for a, b, c in zip(*runs):
             np.testing.assert_array_equal(a, b)          # the pool's bits: any thread count
             np.testing.assert_allclose(a, c, rtol=1e-4, atol=1e-6)   # NumPy's products: other roundings
+
+
+def test_a_model_cast_to_float64_leaves_the_pool(monkeypatch):
+    """A float32 GPT whose weights are cast to float64 afterwards runs outside the pool."""
+    from qkv.models import GPT, GPTConfig
+    from qkv.models import gpt as gpt_module
+
+    seen = []
+    real = gpt_module.matmul
+    monkeypatch.setattr(gpt_module, "matmul", lambda *a, **kw: seen.append(products._scope.get()) or real(*a, **kw))
+    model = GPT(GPTConfig(vocab_size=65, block_size=16, n_layer=1, n_head=2, n_embd=32))
+    idx = np.zeros((2, 16), np.int64)
+    model.forward(idx)
+    model.dtype = np.float64
+    for name in list(model.params):
+        model.params[name] = model.params[name].astype(np.float64)
+    model.forward(idx)
+    assert seen == [True, False]

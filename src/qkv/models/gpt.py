@@ -61,10 +61,11 @@ ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
 
 
 def _in_pool(method):
-    """``method`` inside :func:`qkv.nn.products.one_pool` where the model's ``one_pool`` says so."""
+    """``method`` inside :func:`qkv.nn.products.one_pool` where the model's ``one_pool`` says so
+    and its weights are float32 still (a model cast to float64 later runs NumPy's products)."""
     @functools.wraps(method)
     def run(self, *args, **kwargs):
-        with one_pool(self.one_pool):
+        with one_pool(self.one_pool and self.dtype == np.float32):
             return method(self, *args, **kwargs)
     return run
 

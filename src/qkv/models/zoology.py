@@ -85,13 +85,13 @@ class ZoologyLM(Layer):
 
     def forward(self, idx) -> np.ndarray:
         """Logits ``(B, T, V)``."""
-        with one_pool(self.one_pool):
+        with one_pool(self.one_pool and self.dtype == np.float32):
             h = self._hidden(idx)
             return matmul(h.reshape(-1, h.shape[-1]), self.wte.params["W"].T).reshape(h.shape[:-1] + (-1,))  # (B,T,C) @ (C,V)
 
     def logits_at(self, idx, keep) -> np.ndarray:
         """Logits ``(N, V)`` at the positions where ``keep (B, T)`` is True (row-major order)."""
-        with one_pool(self.one_pool):
+        with one_pool(self.one_pool and self.dtype == np.float32):
             return matmul(self._hidden(idx)[np.asarray(keep, dtype=bool)], self.wte.params["W"].T)   # (N,C) @ (C,V)
 
     def loss(self, idx, targets) -> float:
@@ -110,7 +110,7 @@ class ZoologyLM(Layer):
 
     def backward(self) -> None:
         """Fill ``grads`` from the last :meth:`loss` (training mode)."""
-        with one_pool(self.one_pool):
+        with one_pool(self.one_pool and self.dtype == np.float32):
             self._backward()
 
     def _backward(self) -> None:
