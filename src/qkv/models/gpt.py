@@ -50,8 +50,8 @@ import numpy as np
 from ..errors import ShapeError, fmt_shape, positive_int
 from ..nn import Dropout, Embedding, LayerNorm, MLP, MultiHeadAttention, TransformerBlock
 from ..nn.base import Layer, linear_grad
-from ..nn.products import matmul, one_pool
 from ..nn.optim import cross_entropy
+from ..nn.products import matmul, one_pool
 from . import hybrid
 from .gpt_cache import GPTCache
 

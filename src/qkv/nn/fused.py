@@ -266,7 +266,6 @@ def silu_backward32(dy, a, dh):  # float32, σ(a) computed again: dy σ (1 + a (
         dh[i] = dy[i] * s * (one + x * (one - s))
 
 
-
 # The float32 activations above in ``parts`` pieces on numba's threads (qkv.nn.fusion.passes:
 # one pool with the layers' products, qkv.nn.products); element-wise, so the same bits.
 @numba.njit(inline="always")
@@ -314,6 +313,7 @@ def silu_backward32_parts(dy, a, dh, parts):
     for p in numba.prange(parts):
         i, j = _cut(a.size, parts, p)
         silu_backward32(dy[i:j], a[i:j], dh[i:j])
+
 
 @numba.njit(nogil=True, cache=True, fastmath=FLAGS)
 def causal_conv(padded, wt, bias, y):  # y[b, t] = bias + Σ_j wt[j] ∘ padded[b, t + j]; padded (B, K-1+T, C)
