@@ -116,6 +116,8 @@ def install() -> Path | None:
     is set (numba's own locator is then used as it documents)."""
     with _lock:
         if not _installed:
+            from .threads import prefer_tbb
+            prefer_tbb()   # numba's fork-safe TBB layer where the fast extra installed TBB (before its threads start)
             _installed.append(_install())
     return _installed[0]
 

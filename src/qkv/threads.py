@@ -255,6 +255,55 @@ def numba_threads(n: int):
             numba.set_num_threads(before)
 
 
+_TBB_LIBRARIES = ("libtbb.so.12", "libtbb.12.dylib", "tbb12.dll")   # what numba's TBB layer links against
+_tbb: list = []
+
+
+def prefer_tbb() -> str | None:
+    """Load the ``tbb`` wheel's library (the fast extra's, on Linux x86-64) before numba starts its
+    threads, once a process; its path, or None where the wheel is absent, ``NUMBA_THREADING_LAYER``
+    names a layer, or numba's threads already run.
+
+    Why: numba's GNU OpenMP layer terminates a forked child at its first parallel loop ("fork()
+    called from a process already using GNU OpenMP, this is unsafe"), so a ``multiprocessing``
+    worker or a pre-forking server's worker forked after a qkv kernel had run was killed at its
+    first qkv call. numba's TBB layer survives fork, and numba takes it before OpenMP's where it
+    can load TBB, but it looks for the library on the system's search path only, where pip's
+    wheel (in ``sys.prefix/lib``) is not; loaded here first, it is found. Results have the same
+    bits on either layer (qkv's parallel loops fix their pieces themselves); speed measured the
+    same (docs/speed.md, "A process that forks")."""
+    with _lock:
+        if _tbb:
+            return _tbb[0]
+        _tbb.append(_load_tbb())
+        return _tbb[0]
+
+
+def _load_tbb() -> str | None:
+    import importlib.metadata
+    import sys
+
+    if os.environ.get("NUMBA_THREADING_LAYER", "default") != "default":
+        return None
+    parallel = sys.modules.get("numba.np.ufunc.parallel")
+    if parallel is not None and getattr(parallel, "_is_initialized", False):
+        return None
+    try:
+        files = importlib.metadata.distribution("tbb").files or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    import ctypes
+    for f in files:
+        if f.name in _TBB_LIBRARIES:
+            path = str(f.locate())
+            try:
+                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            except OSError:
+                continue
+            return path
+    return None
+
+
 def blas_holders() -> int:
     """How many holds are active now (0 when nothing of qkv's runs)."""
     return _blas["users"]

@@ -155,3 +155,71 @@ def test_kernel_threads_hold_for_the_calling_thread_only(monkeypatch):
                 pass
     finally:
         qkv.set_num_threads(saved)
+
+
+_FORK = r"""
+import hashlib, json, multiprocessing as mp, sys
+import numpy as np
+import qkv
+from qkv.models import GPT, GPTConfig
+
+def work():
+    # the row kernel's compiled loop over heads (forward and backward), then a GPT step of attention
+    # blocks: its products, GELU and attention on numba's threads (qkv.nn.products.one_pool)
+    rng = np.random.default_rng(0)
+    q, k, v, do = (rng.standard_normal((2, 4, 64, 32)).astype(np.float32) for _ in range(4))
+    out, lse = qkv.attention(q, k, v, causal=True, return_lse=True)
+    grads = qkv.attention_backward(do, q, k, v, out, lse, causal=True)
+    model = GPT(GPTConfig(vocab_size=65, block_size=64, n_layer=2, n_head=4, n_embd=128, activation="gelu", seed=1))
+    idx = rng.integers(0, 65, (4, 64))
+    loss = model.loss(idx, idx)
+    model.backward()
+    h = hashlib.sha256()
+    for a in (out, lse, *grads, np.float32(loss), *model.grads.values()):
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+def child(conn):
+    conn.send(work())
+
+if __name__ == "__main__":
+    qkv.set_num_threads(2)
+    import numba
+    mine = work()                                            # numba's threads now run in this process
+    results = []
+    for method in ("fork", "spawn"):
+        ctx = mp.get_context(method)
+        a, b = ctx.Pipe()
+        p = ctx.Process(target=child, args=(b,))
+        p.start()
+        p.join(240)
+        results.append({"method": method, "exitcode": p.exitcode, "hash": a.recv() if a.poll() else None})
+    print(json.dumps({"layer": numba.threading_layer(), "parent": mine, "children": results}))
+"""
+
+
+@pytest.mark.slow
+def test_a_forked_child_runs_the_compiled_kernels_with_its_parents_bits(tmp_path):
+    """numba's GNU OpenMP layer kills a child forked after a parallel loop ran, at its first one
+    (a multiprocessing worker, a pre-forking server's); with the fast extra's TBB numba takes its
+    TBB layer (qkv.threads.prefer_tbb), and a forked child runs the row kernel and a pooled GPT
+    step to the parent's bits, as a spawned one does."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("numba", reason="the fast extra (numba) is not installed")
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork() on this platform")
+    if threads.prefer_tbb() is None and os.environ.get("NUMBA_THREADING_LAYER", "default") == "default":
+        pytest.skip("the tbb wheel (the fast extra's, Linux x86-64) is not installed: numba's OpenMP layer is not fork-safe")
+    script = tmp_path / "fork_child.py"
+    script.write_text(_FORK)
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_THREADING_LAYER"}
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    assert found["layer"] == "tbb", found
+    for child in found["children"]:
+        assert child["exitcode"] == 0 and child["hash"] == found["parent"], (found, out.stderr[-2000:])
