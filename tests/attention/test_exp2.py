@@ -119,6 +119,33 @@ def test_column_sums_ride_in_the_same_pass(offset):
         assert (z[np.arange(70)[:, None] > np.arange(33)[None, :]] == 0).all()
 
 
+@pytest.mark.parametrize("rows", [1, 3, 4, 70, 259])
+def test_the_compiled_pass_has_row_by_rows_bits(rows):
+    """The compiled pass takes four rows a loop (their exponentials interleaved) and adds them
+    to the float64 sums one row at a time, in order: every entry is pow2 of its own argument, as
+    the flat exp2 pass gives it, and every sum the row-by-row float64 sum, bit for bit (rows not
+    a multiple of 4 included, inf, -inf and NaN among them)."""
+    from qkv import jit
+    c = jit.flash()
+    if c is None:
+        pytest.skip("the fast extra (numba) is not installed, or QKV_JIT=0")
+    rng = np.random.default_rng(rows)
+    x = rng.uniform(-140, 90, (rows, 37)).astype(np.float32)
+    x[0, :3] = [np.inf, -np.inf, np.nan]
+    m = rng.uniform(-3, 30, 37).astype(np.float32)
+    l = rng.uniform(0, 2, 37)
+    y, got = x.copy(), l.copy()
+    c.sub_exp2_sum(y, m, got)
+    want = (x - m).astype(np.float32)
+    c.exp2(want)
+    assert np.array_equal(y.view(np.uint32), want.view(np.uint32))
+    sums = l.copy()
+    with np.errstate(invalid="ignore"):
+        for i in range(rows):
+            sums += want[i].astype(np.float64)
+    assert np.array_equal(got, sums, equal_nan=True)
+
+
 @pytest.mark.slow
 def test_compiled_once_per_machine():
     """The second process loads the passes from numba's on-disk cache: nothing is compiled again."""
