@@ -212,7 +212,10 @@ def test_a_forked_child_runs_the_compiled_kernels_with_its_parents_bits(tmp_path
     pytest.importorskip("numba", reason="the fast extra (numba) is not installed")
     if not hasattr(os, "fork"):
         pytest.skip("no fork() on this platform")
-    if threads.prefer_tbb() is None and os.environ.get("NUMBA_THREADING_LAYER", "default") == "default":
+    import importlib.metadata
+    try:
+        importlib.metadata.distribution("tbb")
+    except importlib.metadata.PackageNotFoundError:
         pytest.skip("the tbb wheel (the fast extra's, Linux x86-64) is not installed: numba's OpenMP layer is not fork-safe")
     script = tmp_path / "fork_child.py"
     script.write_text(_FORK)
