@@ -92,6 +92,36 @@ def test_the_same_bits_for_any_thread_count():
             np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("drop", [False, True])
+def test_the_row_pass_gives_a_row_its_bits_in_a_group_of_four_or_alone(drop):
+    """The compiled forward pass takes four rows that see the same keys in one loop (their
+    exponentials interleaved) and other rows one at a time: a row's P and lse are the same bits
+    either way: rows 0-7 (one of large scores, taking its own max first) make two groups in
+    order, and are alone once a window's row (keys of its own) sits between every two."""
+    from qkv import jit
+    comp = jit.load(jit.ROWS)
+    if comp is None:
+        pytest.skip("the fast extra (numba) is not installed, or QKV_JIT=0")
+    rng = np.random.default_rng(9)
+    n, tk = 16, 40
+    s = (rng.standard_normal((1, n, tk)) * 3).astype(np.float32)
+    s[0, 2] *= 1e3                                        # scores beyond 2^100: the row's max first
+    lo, hi = np.zeros(n, np.int64), np.full(n, tk, np.int64)
+    lo[8:], hi[8:] = np.arange(8), np.arange(8) + 30      # rows 8-15: keys of their own (a window)
+    klo, khi = (rng.integers(0, 2 ** 32, (1, n), dtype=np.uint32) for _ in range(2))
+    perm = np.stack([np.arange(8), np.arange(8, 16)], axis=1).reshape(-1)   # 0, 8, 1, 9, ...: no group of four
+    runs = []
+    for order in (np.arange(n), perm):
+        x, lse = s[:, order].copy(), np.zeros((1, n), np.float32)
+        comp.forward_pass(x, lo[order], hi[order], np.float32(0.125 * 1.4426950408889634), np.float32(0.125),
+                          np.float32(0.0), np.float32(0.0), lse, klo[:, order], khi[:, order], 0,
+                          np.uint32(2 ** 31), np.float32(1 / 0.9), False, drop)
+        back = np.argsort(order)
+        runs.append((x[:, back], lse[:, back]))
+    for a, b in zip(*runs):
+        np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
 def test_strided_heads_read_in_place_give_the_copies_bits(monkeypatch):
     """q, k, v as a layer makes them, (B, H, T, D) views of one (B, T, 3, H, D) projection,
     and dout as (B, T, H, D) transposed: handed to BLAS in place (each head's row stride its
