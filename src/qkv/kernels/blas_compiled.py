@@ -59,9 +59,6 @@ def threading_layer() -> str:
     process on them, so :mod:`qkv.kernels.rows.kernel` then runs one call at a time and
     :mod:`qkv.nn.products` leaves its products to NumPy (each module's ``CONCURRENT``)."""
     from numba.np.ufunc.parallel import _launch_threads
-
-    from ..threads import prefer_tbb
-    prefer_tbb()   # TBB's layer where the fast extra installed it (fork-safe; qkv.threads.prefer_tbb)
     _launch_threads()
     return numba.threading_layer()
 

@@ -8,7 +8,11 @@ from __future__ import annotations
 import numba
 from numba import prange
 
-from .blas_compiled import ILP64, N_, SGEMM, T_, gemm, threading_layer
+from .. import jit_cache
+
+jit_cache.install()  # as every compiled module: qkv's cache folder (and TBB, qkv.threads.prefer_tbb) before its njit
+
+from .blas_compiled import ILP64, N_, SGEMM, T_, gemm, threading_layer  # noqa: E402
 
 LAYER = threading_layer()
 CONCURRENT = LAYER in ("omp", "tbb")   # several Python threads may call at once (else NumPy's product)

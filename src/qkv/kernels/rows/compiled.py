@@ -122,8 +122,15 @@ def _probabilities(row, j0, j1, a, c, e):
     _zero(row[:j0])
     _zero(row[j1:])
     x = row[j0:j1]
+    return _normalised(x, e, _exp2_sum(x, c, f32(0.0), e), a)
+
+
+@numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _normalised(x, e, l, a):
+    """x = e / l, from a row's terms ``e = 2^(c·x)`` and their sum ``l``, or, where ``l`` left
+    [2^-60, 2^100], from its terms taken again below its max (:func:`_probabilities`); returns
+    the row's lse."""
     m = f32(0.0)
-    l = _exp2_sum(x, c, m, e)
     if not (l >= TINY and l <= HUGE):
         m = _scaled_max(x, a)
         l = _exp2_below(x, m, e)
@@ -160,15 +167,8 @@ def _probabilities4(s, i, j0, j1, a, c, e4, lse):
         row = s[i + k]
         _zero(row[:j0])
         _zero(row[j1:])
-        x, ek = row[j0:j1], e4[k][:n]
-        mk, l = m, _sum(ek)
-        if not (l >= TINY and l <= HUGE):
-            mk = _scaled_max(x, a)
-            l = _exp2_below(x, mk, ek)
-        inv = f32(1.0) / l
-        for j in range(n):
-            x[j] = ek[j] * inv
-        lse[i + k] = mk + np.log2(l) * LN2
+        ek = e4[k][:n]
+        lse[i + k] = _normalised(row[j0:j1], ek, _sum(ek), a)
 
 
 @numba.njit(inline="always", fastmath=FASTMATH)
