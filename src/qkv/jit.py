@@ -32,6 +32,7 @@ SCAN = "qkv.recurrent.scan.compiled"      # Griffin's diagonal recurrence, forwa
 DECAY_CHANNELS = "qkv.recurrent.decay.channel_compiled"  # the decay backward with a decay a key channel
 DPLR = "qkv.recurrent.generalized_delta.compiled"          # the generalized delta rule (dplr)
 PRODUCTS = "qkv.kernels.products_compiled"  # a layer's product cut over numba's threads (qkv.nn.products)
+FLASH_TASK = "qkv.kernels.flash.task_compiled"  # the tiled forward's bound path, a task's tiles in one call
 
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}

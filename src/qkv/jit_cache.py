@@ -44,7 +44,7 @@ COMPILED = ("qkv.kernels.flash.compiled", "qkv.kernels.blas_compiled", "qkv.kern
             "qkv.kernels.rows.fused", "qkv.recurrent.decay.compiled", "qkv.recurrent.delta.compiled",
             "qkv.kernels.rope_compiled", "qkv.recurrent.scan.compiled", "qkv.models.compiled", "qkv.nn.fused",
             "qkv.recurrent.decay.channel_compiled", "qkv.recurrent.generalized_delta.compiled",
-            "qkv.kernels.products_compiled")
+            "qkv.kernels.products_compiled", "qkv.kernels.flash.task_compiled")
 # What compiling costs, measured (docs/bench/cold.json, `qkv bench --suite cold`; a test holds
 # these to that record): a kernel under a second of CPU, the row kernel's forward and backward
 # (kernels/rows/fused.py) seconds each, once for each softcap/dropout case a job runs.

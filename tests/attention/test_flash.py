@@ -288,14 +288,14 @@ def test_masked_diagonals_are_split_into_row_blocks(monkeypatch, opts):
     rng = np.random.default_rng(11)
     q, k, v = (rng.standard_normal((1, 2, 200, 16)).astype(np.float32) for _ in range(3))
     area = []
-    real = flash.forward_kernel._bound_tile
+    real = flash.bound_tiles.run
 
-    def counted(qs, kk, vv, m, acc, l, spec, heads, q0, q1, a, b, rows, *rest):
-        r0, r1, _ = rows
-        area.append(((qs.shape[0] if (r0, r1) == (q0, q1) else r1 - r0)) * (b - a))
-        return real(qs, kk, vv, m, acc, l, spec, heads, q0, q1, a, b, rows, *rest)
+    def counted(qs, kk, vv, m, acc, l, spec, heads, q0, q1, pieces, *rest):
+        for a, b, (r0, r1, _) in pieces:
+            area.append(((qs.shape[0] if (r0, r1) == (q0, q1) else r1 - r0)) * (b - a))
+        return real(qs, kk, vv, m, acc, l, spec, heads, q0, q1, pieces, *rest)
 
-    monkeypatch.setattr(flash.forward_kernel, "_bound_tile", counted)
+    monkeypatch.setattr(flash.bound_tiles, "run", counted)
     want = qkv.attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
                          method="reference", **opts)
     got = {}

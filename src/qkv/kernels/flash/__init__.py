@@ -13,7 +13,9 @@ O(T·D) memory: no ``(Tq, Tk)`` array is ever made. The derivations live with th
 - :mod:`.products`: a tile's two products, BLAS's or, for decoding rows, K and V read once;
 - :mod:`.exp2`: the exponential of the score tiles, the one element-wise pass that decides
   the speed: compiled (the ``fast`` extra) or NumPy's fastest on this CPU (``EXP_PATH()``);
-- :mod:`.compiled`: the numba passes of the ``fast`` extra (loaded by :func:`qkv.jit.flash`).
+- :mod:`.compiled`: the numba passes of the ``fast`` extra (loaded by :func:`qkv.jit.flash`);
+- :mod:`.bound_tiles`: the fast path's tiles, a task's all in one compiled call
+  (:mod:`.task_compiled`) where that makes the same bits, else one by one.
 
 ``forward`` and ``backward`` have the kernel interface of :mod:`qkv.kernels.reference`,
 plus ``tiles=`` and ``num_threads=`` for the one call.

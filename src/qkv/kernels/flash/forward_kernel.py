@@ -77,10 +77,10 @@ import numpy as np
 from ...errors import ShapeError
 from ...masks import MaskSpec
 from . import exp2 as pow2
-from . import modifiers, products, rows_bound
+from . import bound_tiles, modifiers, products, rows_bound
 from .precise import LARGE, large_rows
 from .tiles import (DEFAULT, LOG2E, Rows, Tiles, Workers, batch_of, bias_limit, by_batch, chunks,
-                    diagonal_pieces, kv_heads, mask_and_bias, scratch, structural, task_rows)
+                    diagonal_pieces, kv_heads, mask_and_bias, scratch, task_rows)
 
 # Base-2 exponent headroom C, and the "bound too loose" threshold: l < 2^-LOOSE.
 _HEADROOM = {np.dtype(np.float32): 86.0, np.dtype(np.float64): 430.0}
@@ -241,42 +241,16 @@ def _fwd_bound(qs, call: Call, kv: KVHead, task: Task, m):
     acc = np.zeros((nrow, kv.v.shape[-1]), dt)
     l = np.zeros(nrow)                                       # float64: a float32 running sum over Tk keys erred ~√Tk ulps
     split = len(heads) == 1 and spec.mask is None and nrow > call.tiles.diagonal_rows
+    pieces = []
     for a, b, partial_ in chunks(task.runs, max(16, call.tiles.scratch // nrow)):
         if split and partial_:  # the masked keys by narrower row blocks: each computes only what it sees
-            pieces = diagonal_pieces(spec, heads[0], q0, q1, a, b, partial_, call.tiles.diagonal_rows)
+            pieces += diagonal_pieces(spec, heads[0], q0, q1, a, b, partial_, call.tiles.diagonal_rows)
         else:
-            pieces = [(a, b, Rows(q0, q1, partial_))]
-        for k0, k1, rows in pieces:
-            _bound_tile(qs, kv.k, kv.v, offset, acc, l, spec, heads, q0, q1, k0, k1, rows, dt, call.tiles,
-                        call.mods, task.keys)
+            pieces.append((a, b, Rows(q0, q1, partial_)))
+    bound_tiles.run(qs, kv.k, kv.v, offset, acc, l, spec, heads, q0, q1, pieces, dt, call.tiles, call.mods, task.keys)
     ok = l >= 2.0 ** -_LOOSE[dt]           # else a row's largest term is tiny (or it sees nothing)
     ok &= np.isfinite(acc).all(axis=1) & np.isfinite(l)  # else terms up to 2^C times large values overflowed
     return (acc / l[:, None]).astype(dt, copy=False), m, l, ok
-
-
-def _bound_tile(qs, kk, vv, m, acc, l, spec, heads, q0, q1, a, b, rows, dt, tiles, mods=None, keys=None) -> None:
-    """One tile of the bound path: keys a:b against rows ``r0:r1`` (of the task's q0:q1),
-    ``rows = (r0, r1, partial)``, offsets ``m`` (None: 0); adds ``Σ p v`` into ``acc`` and
-    ``Σ p`` into ``l`` (in the exponential's pass: a column of ones beside V, which was how
-    the sums came before, slows OpenBLAS's product by 10 % at Dv = 64)."""
-    r0, r1, partial_ = rows
-    i0, i1 = (0, qs.shape[0]) if (r0, r1) == (q0, q1) else (r0 - q0, r1 - q0)  # all stacked heads, or a row block
-    st = scratch((i1 - i0) * (b - a), dt, tiles).reshape(b - a, i1 - i0)  # the tile, transposed
-    np.matmul(kk[a:b], qs[i0:i1].T, out=st)        # (w,D) @ (D,r) -> (w,r)
-    mi = None if m is None else m[i0:i1]
-    if mods is not None:                           # softcap, masks, exp, Σ and dropout (.modifiers)
-        modifiers.bound_tile(mods, st, mi, l[i0:i1], spec, heads, rows, a, b, None if keys is None else keys.rows(i0, i1))
-        acc[i0:i1] += st.T @ vv[a:b]
-        return
-    if partial_ and len(heads) == 1 and structural(spec) and \
-            pow2.band_sub_exp2(st, np.zeros(i1 - i0, dt) if mi is None else mi, a, r0,
-                               spec.shift(batch_of(spec, heads[0])), *spec.band, l=l[i0:i1]):
-        acc[i0:i1] += st.T @ vv[a:b]               # a diagonal masked inside the exponential's pass
-        return
-    if partial_ or spec.alibi is not None:
-        mask_and_bias(st, spec, heads, r0, r1, a, b, partial_)
-    pow2.sub_exp2(st, mi, l[i0:i1])                # exp(s_ij - m_i) <= 2^C, and Σ_j, in one pass
-    acc[i0:i1] += st.T @ vv[a:b]                   # (r,w) @ (w,Dv) -> (r,Dv): Σ p v
 
 
 def _lse(m, l, unit) -> np.ndarray:
