@@ -90,3 +90,22 @@ def test_a_product_numpy_makes_as_matrix_vector_goes_through_the_loop(monkeypatc
     q, k, v = _inputs(5, (1, 2, 600, 64), (1, 2, 600, 64), 64)
     qkv.attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), method="flash", causal=True)
     assert not calls
+
+
+def test_the_rows_finish_in_one_pass_as_numpy_divides_and_checks_them():
+    """``acc / l`` in float64 rounded once, and ok where l is large enough and the row finite:
+    the compiled pass against NumPy's, bit for bit, with rows that see nothing, NaN and inf."""
+    _module()
+    rng = np.random.default_rng(9)
+    acc = (rng.standard_normal((70, 48)) * 1e3).astype(np.float32)
+    l = rng.random(70) * 10.0 ** rng.integers(-30, 30, 70)
+    l[:4] = [0.0, np.nan, np.inf, 2.0 ** -58]
+    acc[10, 3], acc[11, 0], acc[12, 47] = np.inf, np.nan, -np.inf
+    acc[13] = np.finfo(np.float32).max
+    f32 = np.dtype(np.float32)
+    with np.errstate(all="ignore"):
+        out, ok = bound_tiles.finish(acc, l, 2.0 ** -58, f32)
+        want = (acc / l[:, None]).astype(np.float32)
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(ok, (l >= 2.0 ** -58) & np.isfinite(acc).all(axis=1) & np.isfinite(l))
+    assert ok[3] and not ok[:3].any() and not ok[10:13].any() and ok[13]

@@ -98,3 +98,15 @@ def _plan(qs, vv, spec, heads, q0, q1, pieces, dt, mods):
         table[n] = (a, b, i0, i1, rows.r0, bool(rows.partial))
         takes[n] = b - a >= 2 and i1 - i0 >= 2
     return (mod, table, takes) if takes.any() else None
+
+
+def finish(acc, l, least: float, dt) -> tuple:
+    """``(acc / l, ok)``: the rows divided in float64 and rounded to ``dt`` once, and ``ok`` where
+    ``l >= least`` and the row's ``acc`` and ``l`` are finite; one compiled pass for float32."""
+    mod = jit.load(jit.FLASH_TASK) if dt == np.float32 and acc.flags.c_contiguous else None
+    if mod is None:
+        ok = (l >= least) & np.isfinite(acc).all(axis=1) & np.isfinite(l)
+        return (acc / l[:, None]).astype(dt, copy=False), ok
+    out, ok = np.empty(acc.shape, dt), np.empty(len(l), bool)
+    mod.finish(acc, l, least, out, ok)
+    return out, ok

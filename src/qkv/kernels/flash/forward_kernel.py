@@ -248,9 +248,9 @@ def _fwd_bound(qs, call: Call, kv: KVHead, task: Task, m):
         else:
             pieces.append((a, b, Rows(q0, q1, partial_)))
     bound_tiles.run(qs, kv.k, kv.v, offset, acc, l, spec, heads, q0, q1, pieces, dt, call.tiles, call.mods, task.keys)
-    ok = l >= 2.0 ** -_LOOSE[dt]           # else a row's largest term is tiny (or it sees nothing)
-    ok &= np.isfinite(acc).all(axis=1) & np.isfinite(l)  # else terms up to 2^C times large values overflowed
-    return (acc / l[:, None]).astype(dt, copy=False), m, l, ok
+    # ok: else a row's largest term is tiny (or it sees nothing), or terms up to 2^C times large values overflowed
+    out, ok = bound_tiles.finish(acc, l, 2.0 ** -_LOOSE[dt], dt)
+    return out, m, l, ok
 
 
 def _lse(m, l, unit) -> np.ndarray:

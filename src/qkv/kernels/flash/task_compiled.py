@@ -15,6 +15,7 @@ them), where two processes of one thread each lost nothing.
 from __future__ import annotations
 
 import numba
+import numpy as np
 
 from ... import jit_cache
 
@@ -49,3 +50,18 @@ def bound_task(addr, qs, kk, vv, m, acc, l, pieces, shift, lo, hi, st, tmp):
         for i in range(r):
             for j in range(dv):
                 acc[i0 + i, j] += t[i, j]
+
+
+@numba.njit(nogil=True, cache=True, error_model="numpy")
+def finish(acc, l, least, out, ok):
+    """The bound path's rows in one pass: ``out = acc / l`` (float32 ``acc`` over float64 ``l``,
+    divided in float64 and rounded once, as NumPy's ``(acc / l[:, None]).astype(float32)``) and
+    ``ok[i]``: ``l_i >= least`` and every ``acc_i`` and ``l_i`` finite."""
+    for i in range(acc.shape[0]):
+        li = l[i]
+        fine = np.isfinite(li)
+        for j in range(acc.shape[1]):
+            a = acc[i, j]
+            fine &= np.isfinite(a)
+            out[i, j] = np.float32(np.float64(a) / li)
+        ok[i] = fine and li >= least
