@@ -223,3 +223,46 @@ def test_tiles_within_the_cap_take_tanhs_first_branch_with_the_same_bits(top):
     slope = np.empty_like(x)
     rows_compiled._capped(x, inv, cap, slope, True)
     np.testing.assert_array_equal(x, want[5])
+
+
+@pytest.mark.parametrize("drop", [False, True])
+def test_the_backwards_score_gradient_pass_rounds_as_numpys_three_steps(drop):
+    """A backward tile's ``dS = ((dO Vᵀ ∘ Z) - delta) ∘ f`` (f: P, or P ∘ (1 - tanh²) with
+    softcap) in one compiled pass: each step rounded as NumPy's ``*=``, ``+=``, ``*=``, bit for
+    bit, large, tiny, inf and NaN entries included; and a backward whose tiles take it (keys in
+    several blocks) within float32's error of the float64 one."""
+    from qkv import jit
+    comp = jit.flash()
+    if comp is None:
+        pytest.skip("the compiled passes need the fast extra (numba) and QKV_JIT != 0")
+    rng = np.random.default_rng(3)
+    dst = (rng.standard_normal((67, 45)) * 10.0 ** rng.integers(-30, 30, (67, 45))).astype(np.float32)
+    z = np.where(rng.random((67, 45)) < 0.2, 0, 1.25).astype(np.float32)
+    f = rng.random((67, 45)).astype(np.float32)
+    d = (rng.standard_normal(45) * 1e3).astype(np.float32)
+    dst[0, :4] = [np.inf, -np.inf, np.nan, 3e38]
+    d[5], f[7, 7] = np.nan, np.inf
+    want = dst.copy()
+    with np.errstate(all="ignore"):
+        if drop:
+            want *= z
+        want += d
+        want *= f
+        got = dst.copy()
+        comp.scores_grad(got, z, d, f, drop)
+    np.testing.assert_array_equal(got, want)
+
+    opts = dict(softcap=20.0, causal=True) if not drop else dict(softcap=20.0, dropout_p=0.1, dropout_seed=4)
+    q, k, v, do = (rng.standard_normal((1, 2, 1100, 32)).astype(np.float32) for _ in range(4))
+    calls, real = [], comp.scores_grad
+    try:
+        comp.scores_grad = lambda *a: calls.append(1) or real(*a)
+        out, lse = qkv.attention(q, k, v, method="flash", return_lse=True, **opts)
+        grads = qkv.attention_backward(do, q, k, v, out, lse, method="flash", **opts)
+    finally:
+        comp.scores_grad = real
+    assert calls
+    x64 = [a.astype(np.float64) for a in (q, k, v, do)]
+    o64, l64 = qkv.attention(*x64[:3], method="reference", return_lse=True, **opts)
+    for got, want in zip(grads, qkv.attention_backward(x64[3], *x64[:3], o64, l64, method="reference", **opts)):
+        np.testing.assert_allclose(got, want, atol=2e-5 * np.abs(want).max())

@@ -348,3 +348,16 @@ def mod_grad_exp2(et, z, g, nhi, nlo, l, cap, klo, khi, col0, thresh, zscale, dr
         _grad_cases(et, z, g, nhi, nlo, l, cap, klo, khi, col0, thresh, zscale, drop, small, True)
     else:
         _grad_cases(et, z, g, nhi, nlo, l, cap, klo, khi, col0, thresh, zscale, drop, small, False)
+
+
+@numba.njit(nogil=True, cache=True)   # no fastmath: nothing contracted, each step rounded as NumPy's
+def scores_grad(dst, z, d, f, drop):  # dst (w, R) = ((dst ∘ z where drop) + d[col]) ∘ f, in place: the
+    wide_vectors()                    # backward's dS with softcap or dropout in one pass, not three
+    w, r = dst.shape
+    for i in range(w):
+        if drop:
+            for j in range(r):
+                dst[i, j] = (dst[i, j] * z[i, j] + d[j]) * f[i, j]
+        else:
+            for j in range(r):
+                dst[i, j] = (dst[i, j] + d[j]) * f[i, j]

@@ -191,6 +191,11 @@ def grad_scores(call, kv, qh, et, g, z, dst, dob, whole, r, q0, q1, a, e):
     :func:`.backward_kernel._grad_tile` included); returns ``(P ∘ Z)ᵀ`` for dV."""
     mods, dv = call.mods, qh.dox.shape[-1] - 1
     np.matmul(kv.v1[a:e, :dv], dob[:, :dv].T, out=dst)          # (w,Dv) @ (Dv,r): dO Vᵀ
+    f = et if mods.cap is None else g
+    comp = None if whole else _compiled(dst)
+    if comp is not None and f.flags.c_contiguous and z.flags.c_contiguous:   # the three steps below in one
+        comp.scores_grad(dst, z, np.ascontiguousarray(dob[:, dv]), f, bool(mods.p))   # pass, rounded as they
+        return np.multiply(et, z, out=z) if mods.p else et      # P ∘ Z, for dV
     if mods.p:
         dst *= z                                                # ∂L/∂P = Z ∘ dO Vᵀ
     dst += dob[:, dv]                                           # - delta + dlse (over r on a whole tile)
@@ -203,5 +208,5 @@ def grad_scores(call, kv, qh, et, g, z, dst, dob, whole, r, q0, q1, a, e):
     if mods.p:
         ez = np.multiply(et, z, out=z)                          # P ∘ Z, for dV
     # dS = P ∘ (dP - delta), through the softcap dX = dS ∘ (1 - tanh²): g holds P ∘ (1 - tanh²)
-    dst *= et if mods.cap is None else g
+    dst *= f
     return ez
