@@ -228,8 +228,8 @@ def test_tiles_within_the_cap_take_tanhs_first_branch_with_the_same_bits(top):
 @pytest.mark.parametrize("drop", [False, True])
 def test_the_backwards_score_gradient_pass_rounds_as_numpys_three_steps(drop):
     """A backward tile's ``dS = ((dO Vᵀ ∘ Z) - delta) ∘ f`` (f: P, or P ∘ (1 - tanh²) with
-    softcap) in one compiled pass: each step rounded as NumPy's ``*=``, ``+=``, ``*=``, bit for
-    bit, large, tiny, inf and NaN entries included; and a backward whose tiles take it (keys in
+    softcap) and dV's ``P ∘ Z`` in one compiled pass: each step rounded as NumPy's ``*=``, ``+=``,
+    ``*=`` and ``P * Z``, bit for bit, large, tiny, inf and NaN entries included; and a backward whose tiles take it (keys in
     several blocks) within float32's error of the float64 one."""
     from qkv import jit
     comp = jit.flash()
@@ -242,15 +242,18 @@ def test_the_backwards_score_gradient_pass_rounds_as_numpys_three_steps(drop):
     d = (rng.standard_normal(45) * 1e3).astype(np.float32)
     dst[0, :4] = [np.inf, -np.inf, np.nan, 3e38]
     d[5], f[7, 7] = np.nan, np.inf
-    want = dst.copy()
+    p = rng.random((67, 45)).astype(np.float32)
+    p[3, 3] = np.nan
+    want, want_z = dst.copy(), p * z
     with np.errstate(all="ignore"):
         if drop:
             want *= z
         want += d
         want *= f
-        got = dst.copy()
-        comp.scores_grad(got, z, d, f, drop)
+        got, got_z = dst.copy(), z.copy()
+        comp.scores_grad(got, got_z, d, f, p, drop)
     np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got_z, want_z if drop else z)   # z = P ∘ Z for dV where dropout is on
 
     opts = dict(softcap=20.0, causal=True) if not drop else dict(softcap=20.0, dropout_p=0.1, dropout_seed=4)
     q, k, v, do = (rng.standard_normal((1, 2, 1100, 32)).astype(np.float32) for _ in range(4))

@@ -351,13 +351,15 @@ def mod_grad_exp2(et, z, g, nhi, nlo, l, cap, klo, khi, col0, thresh, zscale, dr
 
 
 @numba.njit(nogil=True, cache=True)   # no fastmath: nothing contracted, each step rounded as NumPy's
-def scores_grad(dst, z, d, f, drop):  # dst (w, R) = ((dst ∘ z where drop) + d[col]) ∘ f, in place: the
-    wide_vectors()                    # backward's dS with softcap or dropout in one pass, not three
-    w, r = dst.shape
+def scores_grad(dst, z, d, f, p, drop):   # dst (w, R) = ((dst ∘ z where drop) + d[col]) ∘ f, in place, and
+    wide_vectors()                        # z = p ∘ z where drop: the backward's dS with softcap or dropout,
+    w, r = dst.shape                      # and dV's P ∘ Z, in one pass, not four
     for i in range(w):
         if drop:
             for j in range(r):
-                dst[i, j] = (dst[i, j] * z[i, j] + d[j]) * f[i, j]
+                zij = z[i, j]
+                dst[i, j] = (dst[i, j] * zij + d[j]) * f[i, j]
+                z[i, j] = p[i, j] * zij
         else:
             for j in range(r):
                 dst[i, j] = (dst[i, j] + d[j]) * f[i, j]

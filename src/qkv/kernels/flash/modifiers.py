@@ -193,9 +193,9 @@ def grad_scores(call, kv, qh, et, g, z, dst, dob, whole, r, q0, q1, a, e):
     np.matmul(kv.v1[a:e, :dv], dob[:, :dv].T, out=dst)          # (w,Dv) @ (Dv,r): dO Vᵀ
     f = et if mods.cap is None else g
     comp = None if whole else _compiled(dst)
-    if comp is not None and f.flags.c_contiguous and z.flags.c_contiguous:   # the three steps below in one
-        comp.scores_grad(dst, z, np.ascontiguousarray(dob[:, dv]), f, bool(mods.p))   # pass, rounded as they
-        return np.multiply(et, z, out=z) if mods.p else et      # P ∘ Z, for dV
+    if comp is not None and f.flags.c_contiguous and z.flags.c_contiguous and et.flags.c_contiguous:
+        comp.scores_grad(dst, z, np.ascontiguousarray(dob[:, dv]), f, et, bool(mods.p))  # the steps below in
+        return z if mods.p else et                              # one pass, rounded as they are; z: P ∘ Z
     if mods.p:
         dst *= z                                                # ∂L/∂P = Z ∘ dO Vᵀ
     dst += dob[:, dv]                                           # - delta + dlse (over r on a whole tile)
