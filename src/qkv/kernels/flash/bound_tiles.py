@@ -1,9 +1,8 @@
 """The bound path's tiles (:mod:`.forward_kernel`): ``2^(S - m)`` at fixed offsets, its sums and ``P V``.
 
 :func:`run` takes a task's tiles, in order, in one compiled call (:mod:`.task_compiled`) where
-that call computes exactly what :func:`tile` does: float32, the ``fast`` extra loaded, no ALiBi,
-each masked tile a causal or window diagonal of one head (softcap and dropout in the same pass
-as :func:`.modifiers.bound_tile`'s compiled one), and every product a
+that call computes exactly what :func:`tile` does: float32, the ``fast`` extra loaded, no softcap,
+dropout or ALiBi, each masked tile a causal or window diagonal of one head, and every product a
 matrix product as NumPy's ``matmul`` makes it (no dimension of 1, where NumPy takes a
 matrix-vector product). Else it calls :func:`tile` for each. The compiled call holds no GIL;
 :func:`tile`'s Python holds it between the products, and a second thread's tiles wait on it.
@@ -12,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ... import jit, score_ops
+from ... import jit
 from . import exp2 as pow2
 from . import modifiers
 from .tiles import batch_of, mask_and_bias, scratch, structural
@@ -74,14 +73,8 @@ def run(qs, kk, vv, m, acc, l, spec, heads, q0, q1, pieces, dt, tiles, mods=None
         while e < len(pieces) and takes[e]:
             e += 1
         area = int(((table[n:e, 1] - table[n:e, 0]) * (table[n:e, 3] - table[n:e, 2])).max())
-        args = (mod.ADDR, qs, kk, vv, offsets, acc, l, table[n:e], shift, _FAR if lo is None else lo,
-                _FAR if hi is None else hi, scratch(area, np.float32, tiles), np.empty_like(acc))
-        if mods is None:
-            mod.bound_task(*args)
-        else:                    # the keys of every stacked row (never read without dropout)
-            k = keys if keys is not None else modifiers.Keys(None, *(np.zeros(len(l), np.uint32),) * 2)
-            mod.bound_task_mods(*args, np.float32(mods.cap2), k.lo, k.hi, spec.k_start,
-                                np.uint32(score_ops.threshold(mods.p)), mods.zscale, keys is not None)
+        mod.bound_task(mod.ADDR, qs, kk, vv, offsets, acc, l, table[n:e], shift, _FAR if lo is None else lo,
+                       _FAR if hi is None else hi, scratch(area, np.float32, tiles), np.empty_like(acc))
         n = e
 
 
@@ -89,7 +82,8 @@ def _plan(qs, vv, spec, heads, q0, q1, pieces, dt, mods):
     """``(module, table, takes)`` for the compiled call: :mod:`.task_compiled`'s rows ``(k0, k1,
     i0, i1, r0, band)``, and which tiles it computes as :func:`tile` does (every product a
     matrix product in NumPy too); None where it takes none."""
-    if dt != np.float32 or spec.alibi is not None or min(qs.shape[1], vv.shape[1]) < 2 or pow2.path() != "numba":
+    if dt != np.float32 or mods is not None or spec.alibi is not None or min(qs.shape[1], vv.shape[1]) < 2 \
+            or pow2.path() != "numba":
         return None
     mod = jit.load(jit.FLASH_TASK)
     if mod is None or not mod.ADDR[0]:

@@ -4,14 +4,13 @@ Load it through ``qkv.jit.load(qkv.jit.FLASH_TASK)`` only; :mod:`.bound_tiles` s
 used. Each tile is what the Python loop makes of it (:func:`.bound_tiles.tile`), in the same
 order: ``S = K_c Qᵀ`` (BLAS ``sgemm`` through its address, the arguments NumPy's ``matmul``
 passes), ``2^(S - m)`` with the row sums by :mod:`.compiled`'s passes (the band's where a causal
-or window diagonal crosses the tile; softcap's and dropout's where a call has them), then
-``Sᵀ V_c`` into a scratch block added to ``acc`` entry by entry, as ``acc += P.T @ V`` does.
-So the bits are the loop's.
+or window diagonal crosses the tile), then ``Sᵀ V_c`` into a scratch block added to ``acc``
+entry by entry, as ``acc += P.T @ V`` does. So the bits are the loop's.
 
 Why: a task's Python holds the GIL between its products, and at two threads the two tasks'
-Python queued on it. A causal forward at (1, 8, 4096, 64) on a 2-core Zen 3 spent 1.15-1.25x
-its one-thread time summed over two threads (its diagonal's 128-row pieces are short
-products with Python between them), where two processes of one thread each lost nothing.
+Python queued on it. A causal forward at (1, 8, 4096, 64) on a 2-core Zen 3 took 1.6x its one-thread
+time at two threads (its diagonal's 128-row pieces are short products with Python between
+them), where two processes of one thread each lost nothing.
 """
 from __future__ import annotations
 
@@ -23,10 +22,9 @@ from ... import jit_cache
 jit_cache.install()  # as every compiled module: qkv's cache folder (and TBB, qkv.threads.prefer_tbb) before its njit
 
 from ..blas_compiled import ILP64, N_, SGEMM, T_, gemm  # noqa: E402
-from .compiled import band_exp2_sum, mod_exp2_sum, sub_exp2_sum  # noqa: E402
+from .compiled import band_exp2_sum, sub_exp2_sum  # noqa: E402
 
 ADDR = (SGEMM, ILP64)
-_FAR = 1 << 62   # an unbounded side of the band (modifiers._FAR)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -37,47 +35,21 @@ def bound_task(addr, qs, kk, vv, m, acc, l, pieces, shift, lo, hi, st, tmp):
     ``-lo <= key - (row + shift) <= hi`` masks the tile. Adds ``Σ_j 2^(s_ij - m_i) v_j`` into
     ``acc`` and ``Σ_j 2^(s_ij - m_i)`` into ``l`` (float64); ``st`` a flat scratch of the
     largest tile, ``tmp`` at least ``(rows, Dv)``."""
+    d, dv = qs.shape[1], vv.shape[1]
     for p in range(pieces.shape[0]):
         k0, k1, i0, i1, r0, band = pieces[p, 0], pieces[p, 1], pieces[p, 2], pieces[p, 3], pieces[p, 4], pieces[p, 5]
-        s = _scores(addr, qs, kk, st, k0, k1, i0, i1)
+        w, r = k1 - k0, i1 - i0
+        s = st[:w * r].reshape((w, r))
+        gemm(addr, N_, T_, w, r, d, kk[k0:k1], qs[i0:i1], 0.0, s)       # (w, D) @ (D, r): the tile, transposed
         if band:
             band_exp2_sum(s, m[i0:i1], l[i0:i1], k0, r0, shift, lo, hi)
         else:
             sub_exp2_sum(s, m[i0:i1], l[i0:i1])
-        _values(addr, s, vv, tmp, acc, k0, k1, i0, i1)
-
-
-@numba.njit(nogil=True, cache=True)
-def bound_task_mods(addr, qs, kk, vv, m, acc, l, pieces, shift, lo, hi, st, tmp, cap, klo, khi, k_start, thresh,
-                    zscale, drop):
-    """:func:`bound_task` with softcap (``cap`` in base 2, 0: none) and dropout (``drop``, the
-    stacked rows' keys ``klo``, ``khi``): each tile's pass is ``mod_exp2_sum``, called as
-    :func:`.modifiers.bound_tile` calls it. Compiled at its first call, so a job without
-    softcap or dropout never compiles it."""
-    for p in range(pieces.shape[0]):
-        k0, k1, i0, i1, r0, band = pieces[p, 0], pieces[p, 1], pieces[p, 2], pieces[p, 3], pieces[p, 4], pieces[p, 5]
-        s = _scores(addr, qs, kk, st, k0, k1, i0, i1)
-        mod_exp2_sum(s, m[i0:i1], l[i0:i1], cap, k0, r0, shift, lo if band else _FAR, hi if band else _FAR,
-                     klo[i0:i1], khi[i0:i1], k_start + k0, thresh, zscale, drop)
-        _values(addr, s, vv, tmp, acc, k0, k1, i0, i1)
-
-
-@numba.njit(inline="always")
-def _scores(addr, qs, kk, st, k0, k1, i0, i1):   # the tile (k1-k0, i1-i0): K_c Qᵀ, transposed
-    w, r = k1 - k0, i1 - i0
-    s = st[:w * r].reshape((w, r))
-    gemm(addr, N_, T_, w, r, qs.shape[1], kk[k0:k1], qs[i0:i1], 0.0, s)   # (w, D) @ (D, r)
-    return s
-
-
-@numba.njit(inline="always")
-def _values(addr, s, vv, tmp, acc, k0, k1, i0, i1):   # acc[i0:i1] += Sᵀ V_c, by way of tmp as NumPy's +=
-    r, dv = i1 - i0, vv.shape[1]
-    t = tmp[:r]
-    gemm(addr, T_, N_, r, dv, k1 - k0, s, vv[k0:k1], 0.0, t)              # (r, w) @ (w, Dv)
-    for i in range(r):
-        for j in range(dv):
-            acc[i0 + i, j] += t[i, j]
+        t = tmp[:r]
+        gemm(addr, T_, N_, r, dv, w, s, vv[k0:k1], 0.0, t)             # (r, w) @ (w, Dv): Σ p v
+        for i in range(r):
+            for j in range(dv):
+                acc[i0 + i, j] += t[i, j]
 
 
 @numba.njit(nogil=True, cache=True, error_model="numpy")
