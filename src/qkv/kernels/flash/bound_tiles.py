@@ -14,9 +14,8 @@ import numpy as np
 from ... import jit
 from . import exp2 as pow2
 from . import modifiers
+from .exp2 import _FAR
 from .tiles import batch_of, mask_and_bias, scratch, structural
-
-_FAR = 1 << 62  # an unbounded side of the band
 
 
 def tile(qs, kk, vv, m, acc, l, spec, heads, q0, q1, a, b, rows, dt, tiles, mods=None, keys=None) -> None:
@@ -54,27 +53,24 @@ def run(qs, kk, vv, m, acc, l, spec, heads, q0, q1, pieces, dt, tiles, mods=None
     """A task's tiles ``pieces`` (``(a, b, rows)`` each), in order, as :func:`tile` makes them:
     each run of tiles the compiled call takes in one call, the others one by one."""
     plan = _plan(qs, vv, spec, heads, q0, q1, pieces, dt, mods)
-    if plan is None:
-        for a, b, rows in pieces:
-            tile(qs, kk, vv, m, acc, l, spec, heads, q0, q1, a, b, rows, dt, tiles, mods, keys)
-        return
-    mod, table, takes = plan
-    lo, hi = spec.band
-    shift = spec.shift(batch_of(spec, heads[0])) if table[:, 5].any() else 0
-    offsets = np.zeros(qs.shape[0], np.float32) if m is None else np.ascontiguousarray(m, np.float32)
     n = 0
     while n < len(pieces):
-        if not takes[n]:     # a product NumPy makes as matrix-vector (a tile one key wide: a causal task's first key)
+        if plan is None or not plan[2][n]:   # e.g. a product NumPy makes as matrix-vector (a causal task's first key)
             a, b, rows = pieces[n]
             tile(qs, kk, vv, m, acc, l, spec, heads, q0, q1, a, b, rows, dt, tiles, mods, keys)
             n += 1
             continue
+        mod, table, takes = plan
         e = n + 1
         while e < len(pieces) and takes[e]:
             e += 1
+        lo, hi = spec.band
         area = int(((table[n:e, 1] - table[n:e, 0]) * (table[n:e, 3] - table[n:e, 2])).max())
-        mod.bound_task(mod.ADDR, qs, kk, vv, offsets, acc, l, table[n:e], shift, _FAR if lo is None else lo,
-                       _FAR if hi is None else hi, scratch(area, np.float32, tiles), np.empty_like(acc))
+        mod.bound_task(mod.ADDR, qs, kk, vv, np.zeros(qs.shape[0], np.float32) if m is None else
+                       np.ascontiguousarray(m, np.float32), acc, l, table[n:e],
+                       spec.shift(batch_of(spec, heads[0])) if table[n:e, 5].any() else 0,
+                       _FAR if lo is None else lo, _FAR if hi is None else hi, scratch(area, np.float32, tiles),
+                       np.empty_like(acc))
         n = e
 
 
