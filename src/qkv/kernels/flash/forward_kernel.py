@@ -65,7 +65,8 @@ one row fails so costs the exact path beside the bound one, as a whole-task fall
 
 **The code.** :func:`forward` fixes a :class:`Call`, prepares each kv head (:class:`KVHead`)
 and runs one :class:`Task` per block of query rows: :func:`_attempt` (the bound path, else the
-exact one, row by row), and for its large rows, :func:`_precise`.
+exact one, row by row), and for its large rows, :func:`_precise`. A float32 task that can only
+end on the bound path is made by :mod:`.fast_task` instead, with the same bits and less Python.
 """
 from __future__ import annotations
 
@@ -77,8 +78,8 @@ import numpy as np
 from ...errors import ShapeError
 from ...masks import MaskSpec
 from . import exp2 as pow2
-from . import bound_tiles, modifiers, products, rows_bound
-from .precise import LARGE, large_rows
+from . import bound_tiles, fast_task, modifiers, products, rows_bound
+from .precise import LARGE, large_rows, lse_of
 from .tiles import (DEFAULT, LOG2E, Rows, Tiles, Workers, batch_of, bias_limit, by_batch, chunks,
                     diagonal_pieces, kv_heads, mask_and_bias, scratch, task_rows)
 
@@ -240,25 +241,25 @@ def _fwd_bound(qs, call: Call, kv: KVHead, task: Task, m):
     offset = m if m.any() else None                          # m = 0: no subtraction
     acc = np.zeros((nrow, kv.v.shape[-1]), dt)
     l = np.zeros(nrow)                                       # float64: a float32 running sum over Tk keys erred ~√Tk ulps
-    split = len(heads) == 1 and spec.mask is None and nrow > call.tiles.diagonal_rows
-    pieces = []
-    for a, b, partial_ in chunks(task.runs, max(16, call.tiles.scratch // nrow)):
-        if split and partial_:  # the masked keys by narrower row blocks: each computes only what it sees
-            pieces += diagonal_pieces(spec, heads[0], q0, q1, a, b, partial_, call.tiles.diagonal_rows)
-        else:
-            pieces.append((a, b, Rows(q0, q1, partial_)))
-    bound_tiles.run(qs, kv.k, kv.v, offset, acc, l, spec, heads, q0, q1, pieces, dt, call.tiles, call.mods, task.keys)
+    bound_tiles.run(qs, kv.k, kv.v, offset, acc, l, spec, heads, q0, q1, _pieces(call, task, nrow), dt, call.tiles,
+                    call.mods, task.keys)
     # ok: else a row's largest term is tiny (or it sees nothing), or terms up to 2^C times large values overflowed
     out, ok = bound_tiles.finish(acc, l, 2.0 ** -_LOOSE[dt], dt)
     return out, m, l, ok
 
 
-def _lse(m, l, unit) -> np.ndarray:
-    """``(m + log l) / unit`` in float64 (log in base e^unit), ``-inf`` where l = 0."""
-    m, l = np.asarray(m, np.float64), np.asarray(l, np.float64)
-    seen = l != 0
-    log = np.log2 if unit != 1.0 else np.log
-    return np.where(seen, (np.where(seen, m, 0) + log(np.where(seen, l, 1))) / unit, -np.inf)
+def _pieces(call: Call, task: Task, nrow: int) -> list:
+    """The bound path's tiles ``(a, b, Rows)`` of a task of ``nrow`` stacked rows: key chunks, a
+    masked diagonal of one head by row blocks (each computes only the keys it sees)."""
+    q0, q1 = task.q0, task.q1
+    split = len(task.heads) == 1 and call.spec.mask is None and nrow > call.tiles.diagonal_rows
+    pieces = []
+    for a, b, partial_ in chunks(task.runs, max(16, call.tiles.scratch // nrow)):
+        if split and partial_:
+            pieces += diagonal_pieces(call.spec, task.heads[0], q0, q1, a, b, partial_, call.tiles.diagonal_rows)
+        else:
+            pieces.append((a, b, Rows(q0, q1, partial_)))
+    return pieces
 
 
 # --- a task: the fast paths, else the precise one, row by row ---------------------------------------
@@ -288,7 +289,7 @@ def _attempt(call: Call, q, kv: KVHead, task: Task):
         res = exact if ok is None else [np.where(ok.reshape((-1,) + (1,) * (x.ndim - 1)), r, x)
                                         for r, x in zip(res, exact)]
     o, m, l = res
-    ls = _lse(m, l, LOG2E)
+    ls = lse_of(m, l, LOG2E)
     large = large_rows(ls, call.tk, call.dt)
     large |= over | big
     large |= np.isinf(o).any(axis=1)
@@ -302,17 +303,21 @@ def _precise(call: Call, q, kv: KVHead, task: Task):
     k64[lo:hi] = kv.k[lo:hi]                                 # the visible span only: padding is never read
     with np.errstate(under="ignore"):
         o, m, l = _fwd_precise(_stacked(q, task, np.float64), k64, call, kv, task)
-    return o, _lse(m, l, 1.0)
+    return o, lse_of(m, l, 1.0)
 
 
-def _run_task(call: Call, q, kv: KVHead, heads: list, q0: int, q1: int, out, lse) -> None:
-    """Rows q0:q1 of ``heads``, written into ``out`` and ``lse``."""
+def _run_task(call: Call, q, kv: KVHead, heads: list, q0: int, q1: int, out, lse, fast=None) -> None:
+    """Rows q0:q1 of ``heads``, written into ``out`` and ``lse`` (``lse`` later, by
+    :func:`.fast_task.close`, where ``fast`` made the task)."""
     b = batch_of(call.spec, heads[0])
     q1 = min(q1, call.spec.rows(b))  # rows past q_lengths[b] are padding: never read, out 0
     runs = call.spec.segments(q0, q1, 0, call.tk, batch=b)
     if not runs:
         return  # no key visible: out 0, lse -inf as initialised
     task = Task(heads, q0, q1, runs, modifiers.task_keys(call.mods, heads, q0, q1))
+    if fast is not None and fast_task.run(fast, call, q, kv, task, partial(_pieces, call, task),
+                                          _HEADROOM[call.dt], _LOOSE[call.dt], out):
+        return
     if not call.fast:
         o, ls = _precise(call, q, kv, task)
     else:
@@ -324,6 +329,14 @@ def _run_task(call: Call, q, kv: KVHead, heads: list, q0: int, q1: int, out, lse
     for g, h in enumerate(heads):
         out[h][q0:q1] = o[g * n:(g + 1) * n]
         lse[h][q0:q1] = ls[g * n:(g + 1) * n]
+
+
+def _precise_rows(call: Call, q, kv: KVHead, task: Task, rows, out, lse) -> None:
+    """A :mod:`.fast_task` task's large ``rows`` from the precise path, as :func:`_run_task` does."""
+    o, ls = _precise(call, q, kv, task)
+    h = task.heads[0]
+    out[h][task.q0:task.q1][rows] = o[rows]
+    lse[h][task.q0:task.q1][rows] = ls[rows]
 
 
 # --- the call ------------------------------------------------------------------------------------
@@ -343,13 +356,18 @@ def forward(q, k, v, spec: MaskSpec, scale: float, group: int = 1, return_weight
     out = np.zeros(spec.lead + (tq, dv), call.dt)
     lse = np.full(spec.lead + (tq,), -np.inf, call.dt if lse_dtype is None else lse_dtype)
     heads_of = list(kv_heads(k.shape[:-2], group))
+    fast = fast_task.open_rows(call, spec.lead + (tq,))
     with Workers(num_threads, int(np.prod(spec.lead)) * tq * call.tk, call.tiles) as pool:
         kvs = pool.run([partial(_prep_kv, call, k, v, ikv) for ikv, _ in heads_of])
-        pool.run(_jobs(call, q, heads_of, kvs, out, lse))
+        pool.run(_jobs(call, q, heads_of, kvs, out, lse, fast))
+        if fast is not None:    # the fast tasks' lse in one pass, their large rows from the precise path
+            again, large = fast_task.close(fast, lse)
+            pool.run([partial(_precise_rows, call, q, kv, t, large[t.heads[0]][t.q0:t.q1], out, lse)
+                      for t, kv in again])
     return out, lse, None
 
 
-def _jobs(call: Call, q, heads_of: list, kvs: list, out, lse) -> list:
+def _jobs(call: Call, q, heads_of: list, kvs: list, out, lse, fast=None) -> list:
     """The (heads, query block) tasks of every kv head, late rows first."""
     tq = q.shape[-2]
     rows = tq if call.stack else task_rows(call.tiles.rows, tq, int(np.prod(call.spec.lead)))
@@ -358,6 +376,6 @@ def _jobs(call: Call, q, heads_of: list, kvs: list, out, lse) -> list:
         groups = by_batch(call.spec, hs) if call.stack else [[h] for h in hs]
         for heads in groups:
             for q0 in range(0, tq, rows):
-                jobs.append(partial(_run_task, call, q, kv, heads, q0, min(q0 + rows, tq), out, lse))
+                jobs.append(partial(_run_task, call, q, kv, heads, q0, min(q0 + rows, tq), out, lse, fast))
     jobs.reverse()  # causal: the late rows see the most keys; start them first
     return jobs

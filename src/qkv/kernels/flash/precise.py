@@ -36,6 +36,14 @@ def large_rows(lse: np.ndarray, tk: int, dt) -> np.ndarray:
     return (lse > big + math.log(tk)) | ((lse < -big) & (lse > -np.inf))  # NaN compares False, quietly
 
 
+def lse_of(m, l, unit) -> np.ndarray:
+    """``(m + log l) / unit`` in float64 (log in base e^unit), ``-inf`` where l = 0."""
+    m, l = np.asarray(m, np.float64), np.asarray(l, np.float64)
+    seen = l != 0
+    log = np.log2 if unit != 1.0 else np.log
+    return np.where(seen, (np.where(seen, m, 0) + log(np.where(seen, l, 1))) / unit, -np.inf)
+
+
 # Rows whose score terms may reach this size (Cauchy–Schwarz: scale·‖q_i‖·max‖k_j‖) take the
 # precise path too: a float score carries an error of about eps times its terms, and a row
 # with one dominant key would show it in full (its P should be exactly 1).

@@ -67,3 +67,36 @@ def finish(acc, l, least, out, ok):
             fine &= np.isfinite(a)
             out[i, j] = np.float32(np.float64(a) / li)
         ok[i] = fine and li >= least
+
+
+@numba.njit(nogil=True, cache=True)
+def scaled_rows(q, sc, qs):
+    """``qs = q · sc`` (float32, rounded as NumPy's product) and the largest row's ``Σ_j qs_ij²``
+    in float64; NaN where any product is NaN (inf where one is inf)."""
+    top = 0.0
+    for i in range(q.shape[0]):
+        s = 0.0
+        for j in range(q.shape[1]):
+            x = q[i, j] * sc
+            qs[i, j] = x
+            s += np.float64(x) * np.float64(x)
+        if s != s:
+            return s
+        top = max(top, s)
+    return top
+
+
+@numba.njit(nogil=True, cache=True, error_model="numpy")
+def finish_rows(acc, l, least, out):
+    """:func:`finish` into ``out`` (the task's rows of the call's output), True where every row
+    passes (``l_i >= least``, ``acc_i`` and ``l_i`` finite) and every result is finite."""
+    fine = True
+    for i in range(acc.shape[0]):
+        li = l[i]
+        fine &= np.isfinite(li) and li >= least
+        for j in range(acc.shape[1]):
+            a = acc[i, j]
+            o = np.float32(np.float64(a) / li)
+            out[i, j] = o
+            fine &= np.isfinite(a) and np.isfinite(o)
+    return fine
