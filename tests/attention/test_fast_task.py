@@ -35,6 +35,8 @@ CASES = [  # (name, q shape, kv shape, Dv, options)
      dict(causal=True, kv_lengths=np.array([1200, 333, 17]), q_lengths=np.array([1200, 700, 40]))),
     ("bottom right", (1, 2, 600, 64), (1, 2, 1800, 64), 64, dict(causal=True, align="bottom_right")),
     ("Dv 48, D 128", (1, 2, 1100, 128), (1, 2, 1100, 128), 48, dict(causal=True)),
+    ("softcap", (1, 2, 1100, 64), (1, 2, 1100, 64), 64, dict(causal=True, softcap=20.0)),
+    ("dropout", (1, 2, 1100, 64), (1, 2, 1100, 64), 64, dict(dropout_p=0.1, dropout_seed=3)),
 ]
 
 
@@ -99,10 +101,11 @@ def test_the_fast_task_keeps_every_rows_bits(monkeypatch, name, sq, sk, dv, opts
     ways = _ways(monkeypatch)
     got, want = _both(monkeypatch, q, k, v, opts, ways)
     assert ways["made"], ways
-    assert ways["offsets"] if magnitude > 1 else not ways["offsets"], ways   # offsets above 0 at ±30
+    offsets = magnitude > 1 and "softcap" not in opts      # at ±30 offsets above 0; capped scores never need them
+    assert ways["offsets"] if offsets else not ways["offsets"], ways
     _same(got, want)
     ref = qkv.attention(*(x.astype(np.float64) for x in (q, k, v)), method="reference", **opts)
-    np.testing.assert_allclose(got[0], ref, atol=2e-5 * magnitude ** 2)
+    np.testing.assert_allclose(got[0], ref, atol=2e-5 * magnitude ** 2 * (1 + 50 * ("dropout_p" in opts)))
 
 
 def _large_rows(rng):       # q = k of norm 16.7: a row's own score 35, its lse past 16 + log Tk
@@ -174,9 +177,8 @@ def test_a_task_turned_away_after_its_tiles_leaves_nothing_behind(monkeypatch):
     assert not fast.l[~fast.taken].any() and fast.l[fast.taken].all()
 
 
-@pytest.mark.parametrize("opts,dtype", [(dict(softcap=20.0), np.float32), (dict(alibi=np.array([0.1, 0.3])), np.float32),
-                                        (dict(dropout_p=0.1, dropout_seed=2), np.float32), ({}, np.float64)],
-                         ids=["softcap", "alibi", "dropout", "float64"])
+@pytest.mark.parametrize("opts,dtype", [(dict(alibi=np.array([0.1, 0.3])), np.float32), ({}, np.float64)],
+                         ids=["alibi", "float64"])
 def test_calls_the_fast_task_does_not_compute_never_reach_it(monkeypatch, opts, dtype):
     _module()
     q, k, v = (x.astype(dtype) for x in _inputs(4, (1, 2, 1100, 64), (1, 2, 1100, 64), 64))

@@ -19,7 +19,7 @@ straight into the call's output). Its ``l`` and offsets go into arrays of the ca
   bound makes them, and every row may try (``rows_bound.may_try``); above that margin it asks
   :func:`.rows_bound.offsets` as ``_attempt`` does (scores of ±30 and more), and turns the task
   away where a row may not try;
-- the tiles are :func:`.bound_tiles.run`'s, the division :func:`.bound_tiles.finish`'s, the
+- the tiles are :func:`.bound_tiles.run`'s (softcap and dropout as there), the division :func:`.bound_tiles.finish`'s, the
   ``lse`` :func:`.precise.lse_of` on the same offsets and sums;
 - no row is redone here: :func:`run` returns False (and the caller runs ``_attempt``) where a
   row fails the bound path's test, where a result is inf, where ``q`` is not finite or its
@@ -57,9 +57,9 @@ class FastRows:
 
 def open_rows(call, shape: tuple) -> FastRows | None:
     """A :class:`FastRows` for a forward call whose tasks may take :func:`run` (float32, the
-    ``fast`` extra, the bound path allowed, no softcap, dropout or ALiBi, one head a task), else None."""
-    if call.dt != np.float32 or not (call.fast and call.bound_ok) or call.stack or call.mods is not None \
-            or call.spec.alibi is not None or pow2.path() != "numba":
+    ``fast`` extra, the bound path allowed, no ALiBi, one head a task), else None."""
+    if call.dt != np.float32 or not (call.fast and call.bound_ok) or call.stack or call.spec.alibi is not None \
+            or pow2.path() != "numba":
         return None
     mod = jit.load(jit.FLASH_TASK)
     return None if mod is None or not mod.ADDR[0] else FastRows(mod, shape, call.tk)
@@ -85,7 +85,7 @@ def run(fast: FastRows, call, q, kv, task, pieces, headroom: float, loose: float
         acc = np.zeros((q1 - q0, kv.v.shape[-1]), np.float32)
         l = fast.l[h][q0:q1]
         bound_tiles.run(qs, kv.k, kv.v, m, acc, l, call.spec, task.heads, q0, q1, pieces(q1 - q0), call.dt,
-                        call.tiles)
+                        call.tiles, call.mods, task.keys)
     if not fast.mod.finish_rows(acc, l, 2.0 ** -loose, out[h][q0:q1]):
         l[:] = 0
         return False
