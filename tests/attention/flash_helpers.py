@@ -70,3 +70,12 @@ def both(q, k, v, dout, opts, method, tiles=None):
 
 def err(x, ref):
     return float(np.linalg.norm(np.asarray(x, np.float64) - ref))
+
+
+def float32_inputs(seed, sq, sk, dv, magnitude=1.0):
+    """float32 ``q (sq)``, ``k (sk)``, ``v`` (sk's leading axes, ``dv`` wide); q and k times ``magnitude``."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal(sq, dtype=np.float32) * np.float32(magnitude)
+    k = rng.standard_normal(sk, dtype=np.float32) * np.float32(magnitude)
+    v = rng.standard_normal(sk[:-1] + (dv,), dtype=np.float32)
+    return q, k, v

@@ -2,6 +2,7 @@
 the bits of the Python loop over the same tiles, taken only where it computes what that loop does."""
 import numpy as np
 import pytest
+from flash_helpers import float32_inputs
 
 import qkv
 from qkv import jit
@@ -36,14 +37,6 @@ def _module():
     return mod
 
 
-def _inputs(seed, sq, sk, dv, magnitude=1.0):
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal(sq, dtype=np.float32) * np.float32(magnitude)
-    k = rng.standard_normal(sk, dtype=np.float32) * np.float32(magnitude)
-    v = rng.standard_normal(sk[:-1] + (dv,), dtype=np.float32)
-    return q, k, v
-
-
 def _calls(monkeypatch, mod) -> list:
     calls, real = [], mod.bound_task
     monkeypatch.setattr(mod, "bound_task", lambda *a: calls.append(a[7].shape[0]) or real(*a))
@@ -55,7 +48,7 @@ def _calls(monkeypatch, mod) -> list:
 @pytest.mark.parametrize("name,sq,sk,dv,opts", TAKEN, ids=[c[0] for c in TAKEN])
 def test_a_task_in_one_compiled_call_has_the_loops_bits(monkeypatch, name, sq, sk, dv, opts, magnitude, threads):
     mod = _module()
-    q, k, v = _inputs(len(name), sq, sk, dv, magnitude)
+    q, k, v = float32_inputs(len(name), sq, sk, dv, magnitude)
     calls = _calls(monkeypatch, mod)
     monkeypatch.setitem(qkv_threads._state, "threads", threads)
     out, lse = qkv.attention(q, k, v, method="flash", return_lse=True, **opts)
@@ -71,7 +64,7 @@ def test_a_task_in_one_compiled_call_has_the_loops_bits(monkeypatch, name, sq, s
 @pytest.mark.parametrize("name,opts", NOT_TAKEN, ids=[c[0] for c in NOT_TAKEN])
 def test_tiles_it_cannot_take_go_through_the_loop(monkeypatch, name, opts):
     mod = _module()
-    q, k, v = _inputs(3, (1, 2, 600, 64), (1, 2, 600, 64), 64)
+    q, k, v = float32_inputs(3, (1, 2, 600, 64), (1, 2, 600, 64), 64)
     calls = _calls(monkeypatch, mod)
     out = qkv.attention(q, k, v, method="flash", **opts)
     assert not calls
@@ -85,9 +78,9 @@ def test_a_product_numpy_makes_as_matrix_vector_goes_through_the_loop(monkeypatc
     product there, which rounds otherwise; the compiled call's sgemm would not give its bits."""
     mod = _module()
     calls = _calls(monkeypatch, mod)
-    q, k, v = _inputs(4, (1, 2, 600, 1), (1, 2, 600, 1), 1)
+    q, k, v = float32_inputs(4, (1, 2, 600, 1), (1, 2, 600, 1), 1)
     qkv.attention(q, k, v, method="flash", causal=True)
-    q, k, v = _inputs(5, (1, 2, 600, 64), (1, 2, 600, 64), 64)
+    q, k, v = float32_inputs(5, (1, 2, 600, 64), (1, 2, 600, 64), 64)
     qkv.attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), method="flash", causal=True)
     assert not calls
 

@@ -2,19 +2,12 @@
 row's out and lse with the bits the task had through _attempt, whichever way it leaves the fast path."""
 import numpy as np
 import pytest
+from flash_helpers import float32_inputs
 
 import qkv
 from qkv import jit
 from qkv import threads as qkv_threads
 from qkv.kernels.flash import fast_task
-
-
-def _inputs(seed, sq, sk, dv, magnitude=1.0):
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal(sq, dtype=np.float32) * np.float32(magnitude)
-    k = rng.standard_normal(sk, dtype=np.float32) * np.float32(magnitude)
-    v = rng.standard_normal(sk[:-1] + (dv,), dtype=np.float32)
-    return q, k, v
 
 
 def _unit(rng, shape, norm):
@@ -96,7 +89,7 @@ def _same(got, want):
 @pytest.mark.parametrize("name,sq,sk,dv,opts", CASES, ids=[c[0] for c in CASES])
 def test_the_fast_task_keeps_every_rows_bits(monkeypatch, name, sq, sk, dv, opts, magnitude, layout):
     _module()
-    q, k, v = _inputs(len(name), sq, sk, dv, magnitude)
+    q, k, v = float32_inputs(len(name), sq, sk, dv, magnitude)
     q = _transposed(q) if layout == "transposed" else q
     ways = _ways(monkeypatch)
     got, want = _both(monkeypatch, q, k, v, opts, ways)
@@ -114,12 +107,12 @@ def _large_rows(rng):       # q = k of norm 16.7: a row's own score 35, its lse 
 
 
 def _offset_needed(rng):    # a bound past the headroom: the offsets are not 0
-    q, k, v = _inputs(1, (1, 2, 1024, 64), (1, 2, 1024, 64), 64, 4.0)
+    q, k, v = float32_inputs(1, (1, 2, 1024, 64), (1, 2, 1024, 64), 64, 4.0)
     return q, k, v, {}
 
 
 def _not_finite(rng):       # a NaN and an inf in q
-    q, k, v = _inputs(2, (1, 2, 1024, 64), (1, 2, 1024, 64), 64)
+    q, k, v = float32_inputs(2, (1, 2, 1024, 64), (1, 2, 1024, 64), 64)
     q[0, 0, 700, 3], q[0, 1, 5, 0] = np.nan, np.inf
     return q, k, v, dict(causal=True)
 
@@ -155,7 +148,7 @@ def test_each_way_off_the_fast_task_gives_the_bits_it_had(monkeypatch, make, way
 
 def test_the_fast_task_is_the_same_on_every_thread_count(monkeypatch):
     _module()
-    q, k, v = _inputs(9, (2, 4, 1300, 64), (2, 4, 1300, 64), 64)
+    q, k, v = float32_inputs(9, (2, 4, 1300, 64), (2, 4, 1300, 64), 64)
     runs = []
     for threads in (1, 2, 3):
         monkeypatch.setitem(qkv_threads._state, "threads", threads)
@@ -181,7 +174,7 @@ def test_a_task_turned_away_after_its_tiles_leaves_nothing_behind(monkeypatch):
                          ids=["alibi", "float64"])
 def test_calls_the_fast_task_does_not_compute_never_reach_it(monkeypatch, opts, dtype):
     _module()
-    q, k, v = (x.astype(dtype) for x in _inputs(4, (1, 2, 1100, 64), (1, 2, 1100, 64), 64))
+    q, k, v = (x.astype(dtype) for x in float32_inputs(4, (1, 2, 1100, 64), (1, 2, 1100, 64), 64))
     ways = _ways(monkeypatch)
     qkv.attention(q, k, v, method="flash", causal=True, **opts)
     assert ways == {"made": 0, "turned away": 0, "again": 0, "offsets": 0}
