@@ -102,3 +102,8 @@ def test_the_rows_finish_in_one_pass_as_numpy_divides_and_checks_them():
     np.testing.assert_array_equal(out, want)
     np.testing.assert_array_equal(ok, (l >= 2.0 ** -58) & np.isfinite(acc).all(axis=1) & np.isfinite(l))
     assert ok[3] and not ok[:3].any() and not ok[10:13].any() and ok[13]
+    mod, clean = _module(), np.empty_like(out)    # the compiled pass says whether every result is finite
+    with np.errstate(all="ignore"):
+        assert not mod.finish(acc, l, 2.0 ** -58, clean, np.empty(70, bool))
+        assert mod.finish(acc[20:], l[20:] + 1.0, 2.0 ** -58, clean[20:], np.empty(50, bool))
+        assert not mod.finish(acc[13:14], np.array([0.5]), 2.0 ** -58, clean[:1], np.empty(1, bool))   # max / 0.5

@@ -9,7 +9,7 @@ the compiled tiles, against 11 % at one thread.
 
 Where a task can only end on the bound path, :func:`run` makes it with two more compiled
 calls and few other passes: :func:`.task_compiled.scaled_rows` (the rows times
-``log2(e)·scale`` and the largest row norm) and :func:`.task_compiled.finish_rows` (``acc / l``
+``log2(e)·scale`` and the largest row norm) and :func:`.task_compiled.finish` (``acc / l``
 straight into the call's output). Its ``l`` and offsets go into arrays of the call, and
 :func:`close` forms every such row's ``lse`` in one pass afterwards. It computes what
 :func:`.forward_kernel._attempt` does, operation for operation:
@@ -19,8 +19,8 @@ straight into the call's output). Its ``l`` and offsets go into arrays of the ca
   bound makes them, and every row may try (``rows_bound.may_try``); above that margin it asks
   :func:`.rows_bound.offsets` as ``_attempt`` does (scores of ±30 and more), and turns the task
   away where a row may not try;
-- the tiles are :func:`.bound_tiles.run`'s (softcap and dropout as there), the division :func:`.bound_tiles.finish`'s, the
-  ``lse`` :func:`.precise.lse_of` on the same offsets and sums;
+- the tiles are :func:`.bound_tiles.run`'s (softcap and dropout as there), the division
+  :func:`.bound_tiles.finish`'s, the ``lse`` :func:`.precise.lse_of` on the same offsets and sums;
 - no row is redone here: :func:`run` returns False (and the caller runs ``_attempt``) where a
   row fails the bound path's test, where a result is inf, where ``q`` is not finite or its
   bound near the dtype's top; after the pass, :func:`close` hands back the tasks with a large
@@ -86,7 +86,8 @@ def run(fast: FastRows, call, q, kv, task, pieces, headroom: float, loose: float
         l = fast.l[h][q0:q1]
         bound_tiles.run(qs, kv.k, kv.v, m, acc, l, call.spec, task.heads, q0, q1, pieces(q1 - q0), call.dt,
                         call.tiles, call.mods, task.keys)
-    if not fast.mod.finish_rows(acc, l, 2.0 ** -loose, out[h][q0:q1]):
+    ok = np.empty(q1 - q0, bool)
+    if not (fast.mod.finish(acc, l, 2.0 ** -loose, out[h][q0:q1], ok) and ok.all()):   # an inf out: large
         l[:] = 0
         return False
     fast.taken[h][q0:q1] = True

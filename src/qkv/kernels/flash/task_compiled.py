@@ -58,15 +58,20 @@ def bound_task(addr, qs, kk, vv, m, acc, l, pieces, shift, lo, hi, st, tmp):
 def finish(acc, l, least, out, ok):
     """The bound path's rows in one pass: ``out = acc / l`` (float32 ``acc`` over float64 ``l``,
     divided in float64 and rounded once, as NumPy's ``(acc / l[:, None]).astype(float32)``) and
-    ``ok[i]``: ``l_i >= least`` and every ``acc_i`` and ``l_i`` finite."""
+    ``ok[i]``: ``l_i >= least`` and every ``acc_i`` and ``l_i`` finite. Returns whether every
+    ``out`` entry is finite."""
+    finite = True
     for i in range(acc.shape[0]):
         li = l[i]
         fine = np.isfinite(li)
         for j in range(acc.shape[1]):
             a = acc[i, j]
             fine &= np.isfinite(a)
-            out[i, j] = np.float32(np.float64(a) / li)
+            o = np.float32(np.float64(a) / li)
+            out[i, j] = o
+            finite &= np.isfinite(o)
         ok[i] = fine and li >= least
+    return finite
 
 
 @numba.njit(nogil=True, cache=True)
@@ -85,18 +90,3 @@ def scaled_rows(q, sc, qs):
         top = max(top, s)
     return top
 
-
-@numba.njit(nogil=True, cache=True, error_model="numpy")
-def finish_rows(acc, l, least, out):
-    """:func:`finish` into ``out`` (the task's rows of the call's output), True where every row
-    passes (``l_i >= least``, ``acc_i`` and ``l_i`` finite) and every result is finite."""
-    fine = True
-    for i in range(acc.shape[0]):
-        li = l[i]
-        fine &= np.isfinite(li) and li >= least
-        for j in range(acc.shape[1]):
-            a = acc[i, j]
-            o = np.float32(np.float64(a) / li)
-            out[i, j] = o
-            fine &= np.isfinite(a) and np.isfinite(o)
-    return fine
