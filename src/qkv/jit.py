@@ -33,6 +33,7 @@ DECAY_CHANNELS = "qkv.recurrent.decay.channel_compiled"  # the decay backward wi
 DPLR = "qkv.recurrent.generalized_delta.compiled"          # the generalized delta rule (dplr)
 PRODUCTS = "qkv.kernels.products_compiled"  # a layer's product cut over numba's threads (qkv.nn.products)
 FLASH_TASK = "qkv.kernels.flash.task_compiled"  # the tiled forward's bound path, a task's tiles in one call
+PRECISE = "qkv.kernels.flash.precise_compiled"  # the precise path's passes over a float64 score tile
 
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}

@@ -79,7 +79,7 @@ import numpy as np
 from ...masks import MaskSpec
 from . import exp2 as pow2
 from . import modifiers
-from .precise import RowNorm, own_precise_rows, take_rows
+from .precise import RowNorm, own_precise_rows, shifted, take_rows
 from .precise import offsets as precise_offsets
 from .operands import Call, KVHead, QueryHead, prep_kv, prep_q
 from .tiles import (DEFAULT, LOG2E, Task, Tiles, Workers, batch_of, bias_limit, chunks, deal, kv_heads,
@@ -126,8 +126,7 @@ def _sums_lane(call: Call, tasks: list, kvs: dict, qheads: dict, norm: RowNorm) 
 
     def tile_sum(x, safe):
         p = scratch(x.size, dt, call.tiles, 0).reshape(x.shape)
-        np.subtract(x, safe, out=x)
-        np.copyto(p, x)                                           # x - m <= 0, rounded to dt
+        shifted(x, safe, p)                                       # x - m <= 0, rounded to dt
         np.exp(p, out=p)
         return p.sum(axis=0, dtype=np.float64)
 
@@ -159,9 +158,8 @@ def _plain_grad_tile(call: Call, kv: KVHead, qh: QueryHead, offsets, h, q0, q1, 
     dob = qh.dox[q0:q1]
     if precise:
         x = _exact_tile(call, kv.k64, qh.q64, h, q0, q1, a, e, partial_)
-        x -= offsets[0][h][q0:q1]                                 # x - m
-        x -= offsets[1][h][q0:q1]                                 # - log l, apart: it survives a huge m
-        np.copyto(et, x)                                          # rounded to dt
+        # (x - m) - log l, rounded to dt: log l apart, so that it survives a huge m
+        shifted(x, offsets[0][h][q0:q1], et, offsets[1][h][q0:q1])
         np.exp(et, out=et)                                        # P = exp((x - m) - log l)
         r = et.sum(axis=0, dtype=np.float64) if whole else None   # (rows the lse normalised: see below)
     else:
@@ -203,9 +201,7 @@ def _mod_grad_tile(call: Call, kv: KVHead, qh: QueryHead, offsets, h, q0, q1, a,
     z = scratch(n * w, call.dt, call.tiles, 4).reshape(w, n)
     if precise:
         x = _exact_tile(call, kv.k64, qh.q64, h, q0, q1, a, e, partial_, g if call.mods.cap is not None else None)
-        x -= offsets[0][h][q0:q1]                                 # x - m
-        x -= offsets[1][h][q0:q1]                                 # - log l
-        np.copyto(et, x)
+        shifted(x, offsets[0][h][q0:q1], et, offsets[1][h][q0:q1])   # (x - m) - log l, rounded to dt
         np.exp(et, out=et)                                        # P = exp((x - m) - log l)
         if call.mods.cap is not None:
             g *= et                                               # P ∘ (1 - tanh²) (see modifiers.grad_scores)

@@ -79,7 +79,7 @@ from ...errors import ShapeError
 from ...masks import MaskSpec
 from . import exp2 as pow2
 from . import bound_tiles, fast_task, modifiers, products, rows_bound
-from .precise import LARGE, large_rows, lse_of
+from .precise import LARGE, large_rows, lse_of, shifted
 from .tiles import (DEFAULT, LOG2E, Rows, Tiles, Workers, batch_of, bias_limit, by_batch, chunks,
                     diagonal_pieces, kv_heads, mask_and_bias, scratch, task_rows)
 
@@ -217,9 +217,8 @@ def _fwd_precise(q64, k64, call: Call, kv: KVHead, task: Task):
         m_new = np.maximum(m, s64.max(axis=0))               # m' = max(m, max_j s_j)
         m_safe = np.where(m_new == -np.inf, 0, m_new)
         alpha = np.exp(m - m_safe)                           # exp(m - m'); 0 while m = -inf
-        s64 -= m_safe
         st = scratch(nrow * (b - a), dt, call.tiles).reshape(b - a, nrow)
-        np.copyto(st, s64)                                   # s_j - m' <= 0, rounded to dt
+        shifted(s64, m_safe, st)                             # s_j - m' <= 0, rounded to dt
         np.exp(st, out=st)                                   # exp(s_j - m')
         l *= alpha
         l += st.sum(axis=0, dtype=np.float64)                # l' = alpha l + Σ exp(s_j - m')
@@ -299,8 +298,8 @@ def _attempt(call: Call, q, kv: KVHead, task: Task):
 def _precise(call: Call, q, kv: KVHead, task: Task):
     """Scores in float64 and natural units (see the module docstring): ``(out, lse float64)``."""
     lo, hi = task.span
-    k64 = np.zeros((call.tk, q.shape[-1]))
-    k64[lo:hi] = kv.k[lo:hi]                                 # the visible span only: padding is never read
+    k64 = np.empty((call.tk, q.shape[-1]))
+    k64[lo:hi] = kv.k[lo:hi]                                 # the visible span only: no other row is read
     with np.errstate(under="ignore"):
         o, m, l = _fwd_precise(_stacked(q, task, np.float64), k64, call, kv, task)
     return o, lse_of(m, l, 1.0)

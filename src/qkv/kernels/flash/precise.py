@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ... import jit
 from ...masks import MaskSpec
 from . import rows_bound
 from .tiles import LOG2E, batch_of, kv_heads
@@ -142,6 +143,21 @@ def offsets(lse, precise, norm: RowNorm):
         m = np.where(precise, norm.m, np.where(lse == -np.inf, 0, lse)).astype(np.float64)
         log_l = np.where(precise, np.log(np.where(norm.l > 0, norm.l, 1)), 0.0)
     return np.where(np.isfinite(m), m, 0), log_l
+
+
+def shifted(x: np.ndarray, m: np.ndarray, out: np.ndarray, n: np.ndarray | None = None) -> None:
+    """``out = (x - m) - n`` (``n`` None: ``x - m``), the float64 tile ``x (keys, rows)`` less
+    each row's offsets, rounded to ``out``'s dtype (a difference beyond its range: ``-inf``,
+    whose exp is 0); ``x`` is left undefined."""
+    c = jit.load(jit.PRECISE)
+    if c is None or not (x.flags.c_contiguous and out.flags.c_contiguous):
+        with np.errstate(over="ignore"):
+            x -= m
+            if n is not None:
+                x -= n
+            np.copyto(out, x)
+        return
+    c.shifted(x, np.ascontiguousarray(m, np.float64), None if n is None else np.ascontiguousarray(n, np.float64), out)
 
 
 def take_rows(rows: np.ndarray, fast: tuple, exact: tuple) -> tuple:
