@@ -33,9 +33,11 @@ def _tile(rng, w, r):
     return x
 
 
-def _numpy_shifted(x, m, out, n=None):
-    """What the precise path did before the pass: ``x -= m``, ``x -= n``, ``np.copyto``."""
+def _numpy_shifted(x, m, out, n=None, f=1.0):
+    """What the precise path did before the pass: ``x *= f``, ``x -= m``, ``x -= n``, ``np.copyto``."""
     with np.errstate(over="ignore", invalid="ignore"):
+        if f != 1.0:
+            x *= f
         x -= m
         if n is not None:
             x -= n
@@ -44,8 +46,9 @@ def _numpy_shifted(x, m, out, n=None):
 
 @pytest.mark.parametrize("dt", [np.float32, np.float64])
 @pytest.mark.parametrize("two", [False, True], ids=["x - m", "(x - m) - log l"])
+@pytest.mark.parametrize("f", [1.0, 0.125, 0.3])
 @pytest.mark.parametrize("shape", [(1024, 512), (37, 5), (1, 1)])
-def test_the_compiled_pass_gives_numpys_bits(compiled, dt, two, shape):
+def test_the_compiled_pass_gives_numpys_bits(compiled, dt, two, f, shape):
     rng = np.random.default_rng(shape[0] + 2 * two)
     x = _tile(rng, 64, 16)[:shape[0], :shape[1]] if shape[0] < 64 else rng.standard_normal(shape) * 30
     if shape == (1024, 512):
@@ -54,18 +57,18 @@ def test_the_compiled_pass_gives_numpys_bits(compiled, dt, two, shape):
     m[:1] = 0.0
     n = np.abs(rng.standard_normal(x.shape[1])) if two else None
     want = np.empty(x.shape, dt)
-    _numpy_shifted(x.copy(), m, want, n)
+    _numpy_shifted(x.copy(), m, want, n, f)
     got = np.full(x.shape, 7, dt)
     with warnings.catch_warnings():
         warnings.simplefilter("error")      # an overflow to -inf is no warning
-        compiled.shifted(x.copy(), m, n, got)
+        compiled.shifted(x.copy(), f, m, n, got)
     assert got.tobytes() == want.tobytes()
 
 
 def test_a_difference_beyond_float32_is_minus_inf_and_its_exp_zero(compiled):
     x = np.array([[-1e300, 0.0, 5.0]])
     got = np.empty(x.shape, np.float32)
-    compiled.shifted(x, np.array([1e300, 0.0, 5.0]), None, got)
+    compiled.shifted(x, 1.0, np.array([1e300, 0.0, 5.0]), None, got)
     assert got[0, 0] == -np.inf and np.exp(got[0, 0]) == 0.0
     assert got[0, 1] == 0.0 and got[0, 2] == 0.0
 
@@ -74,12 +77,12 @@ def test_shifted_without_the_fast_extra_gives_the_same_bits_and_no_warning(compi
     rng = np.random.default_rng(4)
     x, m, n = _tile(rng, 64, 16), rng.standard_normal(16) * 30, np.abs(rng.standard_normal(16))
     fast, slow = np.empty(x.shape, np.float32), np.empty(x.shape, np.float32)
-    precise.shifted(x.copy(), m, fast, n)
+    precise.shifted(x.copy(), m, fast, n, 0.3)
     monkeypatch.setitem(jit._loaded, jit.PRECISE, None)      # as without the fast extra
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)        # the overflow to -inf warns no more
         with np.errstate(invalid="ignore"):                   # inf - inf of the tile's inf entry, as before
-            precise.shifted(x.copy(), m, slow, n)
+            precise.shifted(x.copy(), m, slow, n, 0.3)
     assert fast.tobytes() == slow.tobytes()
 
 
@@ -93,6 +96,8 @@ def _inputs(rng, shape, kv_shape, dt=np.float32, mag=2.5):
 
 CALLS = [  # (name, q shape, kv shape, options): inputs x 2.5, scores of ±25 and more
     ("full", (1, 2, 1500, 64), (1, 2, 1500, 64), {}),
+    ("D 48, scale 1/sqrt(48)", (1, 2, 1300, 48), (1, 2, 1300, 48), dict(causal=True)),
+    ("scale 0.3", (1, 2, 1100, 16), (1, 2, 1100, 16), dict(scale=0.3, mag=3.0)),
     ("causal", (1, 2, 1500, 64), (1, 2, 1500, 64), dict(causal=True)),
     ("gqa lengths", (2, 4, 1100, 32), (2, 2, 1100, 32),
      dict(gqa=True, causal=True, kv_lengths=np.array([1100, 400]), q_lengths=np.array([1100, 300]))),
@@ -108,7 +113,9 @@ CALLS = [  # (name, q shape, kv shape, options): inputs x 2.5, scores of ±25 an
 @pytest.mark.parametrize("name, shape, kv_shape, opts", CALLS, ids=[c[0] for c in CALLS])
 def test_precise_calls_keep_their_bits(compiled, monkeypatch, name, shape, kv_shape, opts, threads):
     """Forward and backward with the compiled pass, then on NumPy's: every out, lse and
-    gradient bit for bit; and the pass really ran, in both kernels."""
+    gradient bit for bit; and the pass really ran, in both kernels. (The scale applied in the
+    pass where a tile has nothing else to add: no bias, ALiBi or softcap; a scale that is no
+    power of two shows a product fused into the subtraction.)"""
     opts = dict(opts)
     rng = np.random.default_rng(len(name) + 10 * threads)
     q, k, v, do = _inputs(rng, shape, kv_shape, opts.pop("dtype", np.float32), opts.pop("mag", 2.5))
@@ -121,9 +128,9 @@ def test_precise_calls_keep_their_bits(compiled, monkeypatch, name, shape, kv_sh
     real = precise.shifted
 
     def counted(where):
-        def shifted(*a):
+        def shifted(*a, **kw):
             ran[where] += jit._loaded.get(jit.PRECISE) is not None
-            return real(*a)
+            return real(*a, **kw)
         return shifted
     monkeypatch.setattr(forward_kernel, "shifted", counted("forward"))
     monkeypatch.setattr(backward_kernel, "shifted", counted("backward"))

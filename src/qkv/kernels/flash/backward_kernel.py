@@ -108,11 +108,12 @@ def _walk(call: Call, task: Task, qheads: dict):
 
 
 def _exact_tile(call: Call, k64, q64, h, q0, q1, a, e, partial_, g=None) -> np.ndarray:
-    """``xᵀ = (scale · Q Kᵀ + bias)ᵀ`` of a tile in float64 and natural units, masked (the
-    same bits each call), ``(keys, rows)``."""
+    """``xᵀ = (scale · Q Kᵀ + bias)ᵀ / f`` of a tile in float64 and natural units, masked (the
+    same bits each call), ``(keys, rows)``; ``f = call.later``: the scale its consumers apply."""
     x = scratch((q1 - q0) * (e - a), F64, call.tiles, 2).reshape(e - a, q1 - q0)
     np.matmul(k64[a:e], q64[q0:q1].T, out=x)                      # (w,D) @ (D,r) -> (w,r): (Q Kᵀ)ᵀ
-    x *= call.scale                                               # scaled after the sum, as the dense path does
+    if call.later == 1.0:
+        x *= call.scale                                           # scaled after the sum, as the dense path does
     if call.mods is not None:
         modifiers.cap(call.mods, x, 1.0, g)                       # c·tanh(x / c); g = 1 - tanh² if given
     if partial_ or call.masked:
@@ -126,7 +127,7 @@ def _sums_lane(call: Call, tasks: list, kvs: dict, qheads: dict, norm: RowNorm) 
 
     def tile_sum(x, safe):
         p = scratch(x.size, dt, call.tiles, 0).reshape(x.shape)
-        shifted(x, safe, p)                                       # x - m <= 0, rounded to dt
+        shifted(x, safe, p, f=call.later)                         # x - m <= 0, rounded to dt
         np.exp(p, out=p)
         return p.sum(axis=0, dtype=np.float64)
 
@@ -135,7 +136,7 @@ def _sums_lane(call: Call, tasks: list, kvs: dict, qheads: dict, norm: RowNorm) 
             for h, q0, q1, a, e, partial_, precise, _ in _walk(call, task, qheads):
                 if precise:
                     x = _exact_tile(call, kvs[task.ikv].k64, qheads[h].q64, h, q0, q1, a, e, partial_)
-                    norm.add(h, slice(q0, q1), x.max(axis=0), partial(tile_sum, x))
+                    norm.add(h, slice(q0, q1), x.max(axis=0) * call.later, partial(tile_sum, x))
 
 
 def _grad_tile(call: Call, kv: KVHead, qh: QueryHead, offsets, h, q0, q1, a, e, partial_, precise, whole):
@@ -159,7 +160,7 @@ def _plain_grad_tile(call: Call, kv: KVHead, qh: QueryHead, offsets, h, q0, q1, 
     if precise:
         x = _exact_tile(call, kv.k64, qh.q64, h, q0, q1, a, e, partial_)
         # (x - m) - log l, rounded to dt: log l apart, so that it survives a huge m
-        shifted(x, offsets[0][h][q0:q1], et, offsets[1][h][q0:q1])
+        shifted(x, offsets[0][h][q0:q1], et, offsets[1][h][q0:q1], call.later)
         np.exp(et, out=et)                                        # P = exp((x - m) - log l)
         r = et.sum(axis=0, dtype=np.float64) if whole else None   # (rows the lse normalised: see below)
     else:
@@ -201,7 +202,7 @@ def _mod_grad_tile(call: Call, kv: KVHead, qh: QueryHead, offsets, h, q0, q1, a,
     z = scratch(n * w, call.dt, call.tiles, 4).reshape(w, n)
     if precise:
         x = _exact_tile(call, kv.k64, qh.q64, h, q0, q1, a, e, partial_, g if call.mods.cap is not None else None)
-        shifted(x, offsets[0][h][q0:q1], et, offsets[1][h][q0:q1])   # (x - m) - log l, rounded to dt
+        shifted(x, offsets[0][h][q0:q1], et, offsets[1][h][q0:q1], call.later)   # (x - m) - log l, rounded
         np.exp(et, out=et)                                        # P = exp((x - m) - log l)
         if call.mods.cap is not None:
             g *= et                                               # P ∘ (1 - tanh²) (see modifiers.grad_scores)

@@ -79,7 +79,7 @@ from ...errors import ShapeError
 from ...masks import MaskSpec
 from . import exp2 as pow2
 from . import bound_tiles, fast_task, modifiers, products, rows_bound
-from .precise import LARGE, large_rows, lse_of, shifted
+from .precise import LARGE, large_rows, later_scale, lse_of, shifted
 from .tiles import (DEFAULT, LOG2E, Rows, Tiles, Workers, batch_of, bias_limit, by_batch, chunks,
                     diagonal_pieces, kv_heads, mask_and_bias, scratch, task_rows)
 
@@ -207,18 +207,20 @@ def _fwd_precise(q64, k64, call: Call, kv: KVHead, task: Task):
     m = np.full(nrow, -np.inf)
     l = np.zeros(nrow)
     acc = np.zeros((nrow, kv.v.shape[-1]), dt)
+    f = later_scale(call.scale, call.mods is None and call.spec.bias is None and call.spec.alibi is None)
     for a, b, partial_ in chunks(task.runs, max(16, call.tiles.scratch // nrow)):
         s64 = scratch(nrow * (b - a), np.float64, call.tiles, 1).reshape(b - a, nrow)
         np.matmul(k64[a:b], q64.T, out=s64)                  # (w,D) @ (D,R) -> (w,R), float64
-        s64 *= call.scale                                    # scaled after the sum, as the dense path does
+        if f == 1.0:
+            s64 *= call.scale                                # scaled after the sum, as the dense path does
         if call.mods is not None:
             modifiers.cap(call.mods, s64, 1.0)               # s = c·tanh(x / c), in float64
         mask_and_bias(s64, call.spec, task.heads, task.q0, task.q1, a, b, partial_, 1.0)
-        m_new = np.maximum(m, s64.max(axis=0))               # m' = max(m, max_j s_j)
+        m_new = np.maximum(m, s64.max(axis=0) * f)           # m' = max(m, max_j s_j)
         m_safe = np.where(m_new == -np.inf, 0, m_new)
         alpha = np.exp(m - m_safe)                           # exp(m - m'); 0 while m = -inf
         st = scratch(nrow * (b - a), dt, call.tiles).reshape(b - a, nrow)
-        shifted(s64, m_safe, st)                             # s_j - m' <= 0, rounded to dt
+        shifted(s64, m_safe, st, f=f)                        # s_j - m' <= 0, rounded to dt
         np.exp(st, out=st)                                   # exp(s_j - m')
         l *= alpha
         l += st.sum(axis=0, dtype=np.float64)                # l' = alpha l + Σ exp(s_j - m')

@@ -9,6 +9,7 @@ import numpy as np
 
 from ...masks import MaskSpec
 from . import modifiers
+from .precise import later_scale
 from .tiles import LOG2E, Tiles, batch_of
 
 
@@ -25,6 +26,11 @@ class Call:
     masked: bool          # a bias or ALiBi adds to the scores
     clip: float | None    # the fast path's bias clip (see tiles.bias_limit)
     mods: modifiers.Mods | None = None   # softcap and dropout (qkv.score_ops); None: plain scores
+
+    @property
+    def later(self) -> float:
+        """The scale that a precise tile's consumers apply themselves (:func:`.precise.later_scale`)."""
+        return later_scale(self.scale, self.mods is None and not self.masked)
 
 
 @dataclass

@@ -145,19 +145,32 @@ def offsets(lse, precise, norm: RowNorm):
     return np.where(np.isfinite(m), m, 0), log_l
 
 
-def shifted(x: np.ndarray, m: np.ndarray, out: np.ndarray, n: np.ndarray | None = None) -> None:
-    """``out = (x - m) - n`` (``n`` None: ``x - m``), the float64 tile ``x (keys, rows)`` less
-    each row's offsets, rounded to ``out``'s dtype (a difference beyond its range: ``-inf``,
-    whose exp is 0); ``x`` is left undefined."""
+def shifted(x: np.ndarray, m: np.ndarray, out: np.ndarray, n: np.ndarray | None = None, f: float = 1.0) -> None:
+    """``out = ((x · f) - m) - n`` (``n`` None: ``x · f - m``), the float64 tile ``x (keys, rows)``
+    less each row's offsets, rounded to ``out``'s dtype (a difference beyond its range: ``-inf``,
+    whose exp is 0); ``x`` is left undefined. One compiled pass where the ``fast`` extra is
+    (:mod:`.precise_compiled`), NumPy's bits."""
     c = jit.load(jit.PRECISE)
     if c is None or not (x.flags.c_contiguous and out.flags.c_contiguous):
         with np.errstate(over="ignore"):
+            if f != 1.0:
+                x *= f
             x -= m
             if n is not None:
                 x -= n
             np.copyto(out, x)
         return
-    c.shifted(x, np.ascontiguousarray(m, np.float64), None if n is None else np.ascontiguousarray(n, np.float64), out)
+    c.shifted(x, float(f), np.ascontiguousarray(m, np.float64), None if n is None else np.ascontiguousarray(n, np.float64),
+              out)
+
+
+def later_scale(scale: float, plain: bool) -> float:
+    """The factor a precise tile's consumers apply themselves (:func:`shifted`'s ``f``, the row
+    maximum times it): ``scale`` where the tile needs nothing but the scale (``plain``: no bias,
+    ALiBi or softcap; a mask's ``-inf`` stays ``-inf`` either way) and it is positive, so that
+    ``max_j fl(x_j·scale) = fl(scale·max_j x_j)`` (rounding keeps order); else 1, the tile
+    scaled at once."""
+    return scale if plain and scale > 0 else 1.0
 
 
 def take_rows(rows: np.ndarray, fast: tuple, exact: tuple) -> tuple:

@@ -4,7 +4,9 @@ Load it through ``qkv.jit.load(qkv.jit.PRECISE)`` only. The precise path (float6
 :mod:`.forward_kernel`'s ``_fwd_precise``, :mod:`.backward_kernel`'s precise tiles) makes each
 tile of scores with a float64 product, subtracts each row's offsets from it and rounds the
 result to the compute dtype before ``exp``: in NumPy two or three passes over a tile of 2-4
-MiB, beyond a core's L2 (``x -= m``, ``x -= log l``, ``np.copyto``). :func:`shifted` is one.
+MiB, beyond a core's L2 (``x *= scale``, ``x -= m``, ``x -= log l``, ``np.copyto``).
+:func:`shifted` is one; the scale can wait for it where nothing else reads the scaled tile
+first (the row maximum is then taken unscaled and scaled: rounding keeps order).
 
 Each entry gets the same IEEE operations in the same order as NumPy's (no fastmath: no
 contraction into FMAs, no reordering), so the bits are NumPy's; a difference beyond the
@@ -24,14 +26,23 @@ jit_cache.install()  # as every compiled module: qkv's cache folder before its n
 
 
 @numba.njit(nogil=True, cache=True)
-def shifted(x, m, n, out):
-    """``out[i, j] = (x[i, j] - m[j]) - n[j]``, rounded to ``out``'s dtype (``n`` None: one
-    subtraction); ``x (w, R)`` float64."""
+def shifted(x, f, m, n, out):
+    """``out[i, j] = ((x[i, j] · f) - m[j]) - n[j]``, rounded to ``out``'s dtype (``f`` 1: no
+    product; ``n`` None: one subtraction); ``x (w, R)`` float64."""
     w, r = x.shape
-    for i in range(w):
-        if n is None:
-            for j in range(r):
-                out[i, j] = x[i, j] - m[j]
-        else:
-            for j in range(r):
-                out[i, j] = (x[i, j] - m[j]) - n[j]
+    if n is None:                     # (numba prunes the branch that does not apply to n's type)
+        for i in range(w):
+            if f == 1.0:
+                for j in range(r):
+                    out[i, j] = x[i, j] - m[j]
+            else:
+                for j in range(r):
+                    out[i, j] = x[i, j] * f - m[j]
+    else:
+        for i in range(w):
+            if f == 1.0:
+                for j in range(r):
+                    out[i, j] = (x[i, j] - m[j]) - n[j]
+            else:
+                for j in range(r):
+                    out[i, j] = (x[i, j] * f - m[j]) - n[j]
