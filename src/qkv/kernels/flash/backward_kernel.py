@@ -33,7 +33,8 @@ normalised without ``lse``: a first pass over exactly the same tiles (the same p
 the same bits) finds the row maximum ``m_i`` and ``l_i = Σ_j exp(x_ij - m_i)``
 (:func:`row_sums`, a running maximum, so nothing overflows), and the second uses
 ``P = exp((x - m) - log l)``, the two subtractions apart so that ``log l`` survives beside a
-huge ``m``, rounded to the compute dtype before the exponential. Rows of ``P`` then sum to 1
+huge ``m``, rounded to the compute dtype before the exponential (:func:`~.precise.exp_shifted`:
+float32 with the ``fast`` extra in base 2, the exponent rounded once). Rows of ``P`` then sum to 1
 to rounding whatever ``lse`` was saved, and a row with one dominant key gets ``P = 1`` for it
 exactly. Only the score tile of those rows costs float64 (a tile with other rows too is
 computed both ways, each row taking its own); the other four products stay in the compute dtype.
@@ -79,7 +80,7 @@ import numpy as np
 from ...masks import MaskSpec
 from . import exp2 as pow2
 from . import modifiers
-from .precise import RowNorm, own_precise_rows, shifted, take_rows
+from .precise import RowNorm, exp_shifted, own_precise_rows, take_rows
 from .precise import offsets as precise_offsets
 from .operands import Call, KVHead, QueryHead, prep_kv, prep_q
 from .tiles import (DEFAULT, LOG2E, Task, Tiles, Workers, batch_of, bias_limit, chunks, deal, kv_heads,
@@ -127,9 +128,9 @@ def _sums_lane(call: Call, tasks: list, kvs: dict, qheads: dict, norm: RowNorm) 
 
     def tile_sum(x, safe):
         p = scratch(x.size, dt, call.tiles, 0).reshape(x.shape)
-        shifted(x, safe, p, f=call.later)                         # x - m <= 0, rounded to dt
-        np.exp(p, out=p)
-        return p.sum(axis=0, dtype=np.float64)
+        total = np.zeros(x.shape[1])
+        exp_shifted(x, safe, p, f=call.later, l=total)            # exp(x - m), x - m <= 0, and its sums
+        return total
 
     with np.errstate(under="ignore"):
         for task in tasks:
@@ -159,10 +160,9 @@ def _plain_grad_tile(call: Call, kv: KVHead, qh: QueryHead, offsets, h, q0, q1, 
     dob = qh.dox[q0:q1]
     if precise:
         x = _exact_tile(call, kv.k64, qh.q64, h, q0, q1, a, e, partial_)
-        # (x - m) - log l, rounded to dt: log l apart, so that it survives a huge m
-        shifted(x, offsets[0][h][q0:q1], et, offsets[1][h][q0:q1], call.later)
-        np.exp(et, out=et)                                        # P = exp((x - m) - log l)
-        r = et.sum(axis=0, dtype=np.float64) if whole else None   # (rows the lse normalised: see below)
+        # P = exp((x - m) - log l), log l apart so that it survives a huge m, and P's row sums
+        r = np.zeros(q1 - q0) if whole else None                  # (rows the lse normalised: see below)
+        exp_shifted(x, offsets[0][h][q0:q1], et, offsets[1][h][q0:q1], call.later, r)
     else:
         np.matmul(kv.kx[a:e], qh.qx[q0:q1].T, out=et)             # (w,D+2) @ (D+2,r) -> (w,r): (S - lse)ᵀ
         if partial_ or call.masked:
@@ -202,11 +202,10 @@ def _mod_grad_tile(call: Call, kv: KVHead, qh: QueryHead, offsets, h, q0, q1, a,
     z = scratch(n * w, call.dt, call.tiles, 4).reshape(w, n)
     if precise:
         x = _exact_tile(call, kv.k64, qh.q64, h, q0, q1, a, e, partial_, g if call.mods.cap is not None else None)
-        shifted(x, offsets[0][h][q0:q1], et, offsets[1][h][q0:q1], call.later)   # (x - m) - log l, rounded
-        np.exp(et, out=et)                                        # P = exp((x - m) - log l)
+        r = np.zeros(n) if whole else None
+        exp_shifted(x, offsets[0][h][q0:q1], et, offsets[1][h][q0:q1], call.later, r)   # P = exp((x - m) - log l)
         if call.mods.cap is not None:
             g *= et                                               # P ∘ (1 - tanh²) (see modifiers.grad_scores)
-        r = et.sum(axis=0, dtype=np.float64) if whole else None
         if qh.keys is not None:
             modifiers.keep_tile(call.mods, qh.keys.rows(q0, q1), call.spec.k_start + a, w, z)
     else:

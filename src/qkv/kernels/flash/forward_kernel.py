@@ -46,8 +46,9 @@ row's ``lse`` says its largest score is beyond ``±LARGE`` (:func:`large_rows`: 
 ``log Tk`` on the high side; ordinary attention stays inside), the row is redone by the
 online softmax with the scores ``(Q Kᵀ)·scale`` and the offsets in float64 and natural
 units (:func:`_fwd_precise`); each ``s - m <= 0`` is rounded to the compute dtype only
-before its exponential. For float32 input the scores are then exact far below what float32
-shows; for float64 input it is the dense path's arithmetic, without base-2 roundings. A bias
+before its exponential (float32 with the ``fast`` extra: ``(s - m)·log2(e)`` in float64,
+rounded once, and the compiled ``2^x``: :func:`~.precise.exp_shifted`). For float32 input the
+scores are then exact far below what float32 shows; for float64 input it is the dense path's arithmetic, without base-2 roundings. A bias
 such as ``finfo(float32).min`` (Hugging Face's mask value) neither overflows there nor hides
 the row's other terms; on the fast path it is clipped (:func:`~.tiles.bias_limit`), which
 changes nothing unless a row sees only such keys, and such a row is large. A row that sees
@@ -79,7 +80,7 @@ from ...errors import ShapeError
 from ...masks import MaskSpec
 from . import exp2 as pow2
 from . import bound_tiles, fast_task, modifiers, products, rows_bound
-from .precise import LARGE, large_rows, later_scale, lse_of, shifted
+from .precise import LARGE, exp_shifted, large_rows, later_scale, lse_of
 from .tiles import (DEFAULT, LOG2E, Rows, Tiles, Workers, batch_of, bias_limit, by_batch, chunks,
                     diagonal_pieces, kv_heads, mask_and_bias, scratch, task_rows)
 
@@ -200,9 +201,9 @@ def _fwd_exact(qs, call: Call, kv: KVHead, task: Task):
 # --- the precise path: float64 scores in natural units -------------------------------------------
 def _fwd_precise(q64, k64, call: Call, kv: KVHead, task: Task):
     """The online softmax with the scores and offsets in float64 and natural units: ``q64``
-    (stacked, unscaled) and ``k64`` are float64, ``kv.v`` in the compute dtype. ``exp(s - m)``
-    (at most 1) is rounded to the compute dtype before the exponential, so the terms and sums
-    cost what the exact path's do. Returns ``(out (R, Dv), m (R,) float64, l (R,))``."""
+    (stacked, unscaled) and ``k64`` are float64, ``kv.v`` in the compute dtype. ``s - m``
+    (at most 0) is rounded to the compute dtype before the exponential
+    (:func:`~.precise.exp_shifted`), so the terms and sums cost what the exact path's do. Returns ``(out (R, Dv), m (R,) float64, l (R,))``."""
     dt, nrow = call.dt, q64.shape[0]
     m = np.full(nrow, -np.inf)
     l = np.zeros(nrow)
@@ -220,10 +221,8 @@ def _fwd_precise(q64, k64, call: Call, kv: KVHead, task: Task):
         m_safe = np.where(m_new == -np.inf, 0, m_new)
         alpha = np.exp(m - m_safe)                           # exp(m - m'); 0 while m = -inf
         st = scratch(nrow * (b - a), dt, call.tiles).reshape(b - a, nrow)
-        shifted(s64, m_safe, st, f=f)                        # s_j - m' <= 0, rounded to dt
-        np.exp(st, out=st)                                   # exp(s_j - m')
         l *= alpha
-        l += st.sum(axis=0, dtype=np.float64)                # l' = alpha l + Σ exp(s_j - m')
+        exp_shifted(s64, m_safe, st, f=f, l=l)               # exp(s_j - m'); l' = alpha l + Σ exp(s_j - m')
         if task.keys is not None:
             modifiers.drop(call.mods, st, task.keys, call.spec.k_start + a)   # times keep / (1 - p)
         acc *= alpha[:, None].astype(dt)

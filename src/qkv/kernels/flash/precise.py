@@ -23,6 +23,7 @@ import numpy as np
 
 from ... import jit
 from ...masks import MaskSpec
+from . import exp2 as pow2
 from . import rows_bound
 from .tiles import LOG2E, batch_of, kv_heads
 
@@ -161,7 +162,32 @@ def shifted(x: np.ndarray, m: np.ndarray, out: np.ndarray, n: np.ndarray | None 
             np.copyto(out, x)
         return
     c.shifted(x, float(f), np.ascontiguousarray(m, np.float64), None if n is None else np.ascontiguousarray(n, np.float64),
-              out)
+              1.0, out)
+
+
+def exp_shifted(x: np.ndarray, m: np.ndarray, out: np.ndarray, n: np.ndarray | None = None, f: float = 1.0,
+                l: np.ndarray | None = None) -> None:
+    """``out = exp(((x · f) - m) - n)`` of the float64 tile ``x (keys, rows)`` in ``out``'s dtype
+    (``x`` left undefined), and ``l[j] += Σ_i out[i, j]`` (float64) where ``l`` is given.
+
+    float32 with the ``fast`` extra: the exponent in float64, times ``log2(e)``, rounded once to
+    float32 (:mod:`.precise_compiled`), then the tiled kernel's compiled ``2^x`` with the sums in
+    its pass (:func:`.exp2.sub_exp2`: about 1 ulp, exactly 1 at 0, so a row's largest score
+    gives exactly 1). Else the difference rounded to ``out``'s dtype and NumPy's ``exp``."""
+    c = jit.load(jit.PRECISE)
+    if out.dtype == np.float32 and c is not None and pow2.path() == "numba" \
+            and x.flags.c_contiguous and out.flags.c_contiguous:
+        c.shifted(x, float(f), np.ascontiguousarray(m, np.float64),
+                  None if n is None else np.ascontiguousarray(n, np.float64), LOG2E, out)
+        if l is None:
+            pow2.exp2(out)
+        else:
+            pow2.sub_exp2(out, None, l)
+        return
+    shifted(x, m, out, n, f)
+    np.exp(out, out=out)
+    if l is not None:
+        l += out.sum(axis=0, dtype=np.float64)
 
 
 def later_scale(scale: float, plain: bool) -> float:
