@@ -48,7 +48,8 @@ online softmax with the scores ``(Q Kᵀ)·scale`` and the offsets in float64 an
 units (:func:`_fwd_precise`); each ``s - m <= 0`` is rounded to the compute dtype only
 before its exponential (float32 with the ``fast`` extra: ``(s - m)·log2(e)`` in float64,
 rounded once, and the compiled ``2^x``: :func:`~.precise.exp_shifted`). For float32 input the
-scores are then exact far below what float32 shows; for float64 input it is the dense path's arithmetic, without base-2 roundings. A bias
+scores are then exact far below what float32 shows; for float64 input it is the dense path's
+arithmetic, without base-2 roundings. A bias
 such as ``finfo(float32).min`` (Hugging Face's mask value) neither overflows there nor hides
 the row's other terms; on the fast path it is clipped (:func:`~.tiles.bias_limit`), which
 changes nothing unless a row sees only such keys, and such a row is large. A row that sees
@@ -203,7 +204,8 @@ def _fwd_precise(q64, k64, call: Call, kv: KVHead, task: Task):
     """The online softmax with the scores and offsets in float64 and natural units: ``q64``
     (stacked, unscaled) and ``k64`` are float64, ``kv.v`` in the compute dtype. ``s - m``
     (at most 0) is rounded to the compute dtype before the exponential
-    (:func:`~.precise.exp_shifted`), so the terms and sums cost what the exact path's do. Returns ``(out (R, Dv), m (R,) float64, l (R,))``."""
+    (:func:`~.precise.exp_shifted`), so the terms and sums cost what the exact path's do.
+    Returns ``(out (R, Dv), m (R,) float64, l (R,))``."""
     dt, nrow = call.dt, q64.shape[0]
     m = np.full(nrow, -np.inf)
     l = np.zeros(nrow)
