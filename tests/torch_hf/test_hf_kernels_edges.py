@@ -78,7 +78,13 @@ def test_fused_mamba_keeps_nan_and_inf_in_their_sequence():
 
 def test_decoding_steps_keep_a_poisoned_row_to_itself():
     """causal_conv1d_update and selective_state_update with NaN and inf in one batch row's state and
-    input: the other rows are the bits of their own step alone (a guard: they never mixed rows)."""
+    input: the other rows are their own step alone to float64 rounding (a guard: they never mixed
+    rows). Not bit for bit: torch runs an element-wise op (softplus, exp, silu) vectorized on whole
+    vectors and scalar on the tail, and which of a row's entries fall in the tail depends on the
+    batch around it (on AVX-512, softplus of row 1 of 3 differs in its last bit from row 1 alone)."""
+    def same(a, b):
+        return torch.allclose(a, b, rtol=1e-13, atol=1e-14) and bool(torch.isfinite(a).all())
+
     D, L, H, P, N = 6, 3, 2, 4, 5
     x, state, w = rand(3, D, 2), rand(3, D, L, seed=1), rand(D, 4, seed=2)
     bad_x, bad_state = x.clone(), state.clone()
@@ -86,8 +92,8 @@ def test_decoding_steps_keep_a_poisoned_row_to_itself():
     out = K.causal_conv1d_update(bad_x, bad_state, w, activation="silu")
     for r in (1, 2):
         one_state = state[r:r + 1].clone()
-        assert torch.equal(out[r:r + 1], K.causal_conv1d_update(x[r:r + 1], one_state, w, activation="silu"))
-        assert torch.equal(bad_state[r:r + 1], one_state)
+        assert same(out[r:r + 1], K.causal_conv1d_update(x[r:r + 1], one_state, w, activation="silu"))
+        assert same(bad_state[r:r + 1], one_state)
     ss, xs, dt = rand(3, H, P, N, seed=3), rand(3, H, P, seed=4), rand(3, H, P, seed=5)
     A, B, C = -rand(H, P, N, seed=6).abs(), rand(3, 1, N, seed=7), rand(3, 1, N, seed=8)
     bad_ss, bad_xs = ss.clone(), xs.clone()
@@ -96,7 +102,7 @@ def test_decoding_steps_keep_a_poisoned_row_to_itself():
     for r in (1, 2):
         one = ss[r:r + 1].clone()
         step = K.selective_state_update(one, xs[r:r + 1], dt[r:r + 1], A, B[r:r + 1], C[r:r + 1], dt_softplus=True)
-        assert torch.equal(out[r:r + 1], step) and torch.equal(bad_ss[r:r + 1], one)
+        assert same(out[r:r + 1], step) and same(bad_ss[r:r + 1], one)
 
 
 def test_duplicate_state_batch_indices_are_refused_by_name():
