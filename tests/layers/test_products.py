@@ -32,7 +32,11 @@ def _operands(rng, m, k, n, ta, tb):
 
 @needs_pool
 @pytest.mark.parametrize("m, k, n", [(768, 128, 512), (128, 768, 512), (84, 768, 128), (50, 300, 1000),
-                                     (1000, 64, 3), (4099, 384, 67), (49, 5461, 2)])
+                                     (1000, 64, 3), (4099, 384, 67), (49, 5461, 2),
+                                     # about OpenBLAS's SkylakeX small-matrix bound (10^6 multiply-adds,
+                                     # a @ b.T's also m·n <= 1200 and k >= 32): wholes and pieces astride it
+                                     (300, 64, 40), (1200, 30, 40), (100, 100, 101), (2100, 40, 25),
+                                     (4200, 40, 25), (30, 100, 1001)])
 @pytest.mark.parametrize("ta, tb", [(False, False), (True, False), (False, True), (True, True)])
 def test_a_cut_product_has_the_whole_products_bits_on_every_thread_count(m, k, n, ta, tb):
     rng = np.random.default_rng(m + k + n)
@@ -62,14 +66,43 @@ def test_the_pieces_run_on_numbas_threads_with_blas_held(monkeypatch):
         return real(*args)
     monkeypatch.setattr(mod, "split_gemm", spy)
     before = numba.get_num_threads()
-    a, b = _operands(np.random.default_rng(0), 300, 64, 40, False, False)
+    a, b = _operands(np.random.default_rng(0), 600, 128, 40, False, False)   # pieces past least_work
     with threads.kernel_threads(2):
         products.matmul(a, b)
     g = products.grain()
     (bounds, nt, held), = seen
-    assert len(bounds) == 3 and bounds[0] == 0 and bounds[-1] == 300 and bounds[1] % g == 0
+    assert len(bounds) == 3 and bounds[0] == 0 and bounds[-1] == 600 and bounds[1] % g == 0
     assert nt == min(2, numba.config.NUMBA_NUM_THREADS) and held >= 1
     assert numba.get_num_threads() == before and threads.blas_holders() == 0
+
+
+@needs_pool
+def test_no_piece_does_less_than_the_least_work(monkeypatch):
+    """Every piece of a cut product starts at a multiple of the grain and does at least
+    least_work() multiply-adds (the pieces BLAS would round otherwise), over shapes about it."""
+    mod = jit.load(jit.PRODUCTS)
+    seen = []
+    real = mod.split_gemm
+
+    def spy(*args):
+        seen.append(args[-1].copy())
+        return real(*args)
+    monkeypatch.setattr(mod, "split_gemm", spy)
+    g, least = products.grain(), products.least_work()
+    rng = np.random.default_rng(5)
+    cut = 0
+    for _ in range(60):
+        m, k, n = int(rng.integers(24, 3000)), int(rng.integers(8, 300)), int(rng.integers(2, 300))
+        a, b = _operands(rng, m, k, n, False, False)
+        seen.clear()
+        with threads.kernel_threads(int(rng.integers(2, 5))):
+            products.matmul(a, b)
+        for bounds in seen:
+            rows = np.diff(bounds)
+            assert bounds[0] == 0 and bounds[-1] == m and (bounds[1:-1] % g == 0).all()
+            assert len(rows) == 1 or (rows * n * k >= least).all(), (m, k, n, bounds)
+            cut += len(rows) > 1
+    assert cut >= 10          # the sweep did cut products
 
 
 @needs_pool
@@ -121,12 +154,15 @@ def test_the_probe_refuses_a_grain_that_changes_a_bit(monkeypatch):
     """The probe compares bits: a kernel whose pieces round otherwise (one ulp off in every
     piece that does not start at row 0) fails it at every grain; the grain found passes it
     with the real kernel; on OpenBLAS's Haswell kernels a grain of 5 rows cuts their row
-    blocks and fails it."""
+    blocks and fails it; on its SkylakeX kernels every grain fails with pieces small enough
+    for the small-matrix kernels (10^6 multiply-adds or fewer), and a piece's least work is past them."""
     mod = jit.load(jit.PRODUCTS)
     with threads.numba_threads(1):            # as grain() probes: BLAS held to one thread
-        assert products._probe(mod, products.grain())
+        assert products._probe(mod, products.grain(), products.least_work())
         if threads.blas_core() == "haswell":
             assert not products._probe(mod, 5)
+        if threads.blas_core() == "skylakex":   # small-matrix kernels: pieces of 10^6 or fewer round otherwise
+            assert products.least_work() > 10 ** 6 and not products._probe(mod, products.grain())
     real = mod.split_gemm
 
     def off_by_an_ulp(addr, ta, tb, a, b, c, bounds):
@@ -135,7 +171,7 @@ def test_the_probe_refuses_a_grain_that_changes_a_bit(monkeypatch):
             c[r0:r1] = np.nextafter(c[r0:r1], np.float32(np.inf))
     monkeypatch.setattr(mod, "split_gemm", off_by_an_ulp)
     with threads.numba_threads(1):
-        assert not any(products._probe(mod, g) for g in products.GRAINS)
+        assert not any(products._probe(mod, g, w) for g in products.GRAINS for w in products.LEAST_WORKS)
 
 
 @needs_pool

@@ -37,7 +37,12 @@ found once a process (:func:`grain`: the least of :data:`GRAINS` at which cut pr
 the whole, bit for bit, over probe shapes; 12 on OpenBLAS's Haswell kernels), no piece is
 shorter than half a grain, and a product has the bits of NumPy's on one thread, for every
 thread count (one kernel thread: the whole product, on the calling thread, BLAS held to one
-thread). Where no grain passes, the products
+thread). A BLAS with kernels of its own for small products rounds a piece small enough for
+them otherwise than the whole: OpenBLAS's SkylakeX ``sgemm`` (AVX-512) takes a product of up
+to 10^6 multiply-adds into its small-matrix kernels, so no grain passes where pieces may be
+that small (an Intel Xeon, model 207: a piece of 12 rows of a 520-deep product). There the
+probe tries again with no piece under :data:`LEAST_WORKS`' next entry (2^20 multiply-adds: a
+product under twice that runs whole), and the grain found with it holds. Where no grain passes, the products
 are NumPy's, as before (and the passes stay off numba's threads). Nor is the pool used where
 numba is missing or ``QKV_JIT=0``, numba's threading layer is ``workqueue`` (it takes no
 concurrent callers), or for a float64 product, one under :data:`SPLIT_WORK`, one with a
@@ -58,6 +63,8 @@ SPLIT_WORK = 1 << 18    # multiply-adds from which a product is cut over the thr
 #                         threading starts there: 65536 · GEMM_MULTITHREAD_THRESHOLD)
 PASS_MIN = 1 << 15      # elements from which an element-wise pass (GELU) is cut over the threads
 GRAINS = (12, 24, 32, 48, 64, 96, 192)   # row grains tried, least first (:func:`grain`)
+LEAST_WORKS = (0, 1 << 20)   # a piece's least multiply-adds, tried in turn with every grain: none,
+#                              then past OpenBLAS's small-matrix kernels' 10^6 (module docstring)
 _found: dict = {}
 _scope = contextvars.ContextVar("qkv_one_pool", default=False)   # one_pool() in force
 
@@ -77,15 +84,19 @@ def one_pool(on: bool = True):
         _scope.reset(token)
 
 
-def _probe(mod, g: int) -> bool:
-    """True where products cut at multiples of ``g`` rows give the whole product's bits: three
-    row counts (ragged ends of 7, g/2 + 3 and 2 rows: one row would be BLAS's gemv), depths 40
-    and 520, every transpose case, pieces of 1, 2 and 3 grains and the ragged end."""
+def _probe(mod, g: int, least: int = 0) -> bool:
+    """True where products cut at multiples of ``g`` rows, no piece under ``least``
+    multiply-adds, give the whole product's bits: depths 40 and 520, every transpose case,
+    three row counts, pieces of 1, 2 and 3 units (``r``: a grain, or the least multiple of one
+    that does ``least``'s work) and the ragged end (7, g/2 + 3 and 2 rows where ``least`` is 0:
+    one row would be BLAS's gemv; else joined to the piece before it)."""
     rng = np.random.default_rng(0)
     flag = {False: mod.N_, True: mod.T_}
-    for m in (8 * g + 7, 5 * g + g // 2 + 3, 11 * g + 2):
-        bounds = np.array(sorted({0, g, 2 * g, 4 * g, 5 * g} | {m // g * g, m}), np.int64)
-        for k in (40, 520):
+    for k in (40, 520):
+        r = g * max(1, -(-least // (45 * k * g)))
+        for m in (8 * r + 7, 5 * r + g // 2 + 3, 11 * r + 2):
+            cuts = {c for c in (r, 2 * r, 4 * r, 5 * r, m // g * g) if c < m and (not least or m - c >= r)}
+            bounds = np.array(sorted(cuts | {0, m}), np.int64)
             for ta, tb in ((False, False), (True, False), (False, True)):
                 a = rng.standard_normal((k, m) if ta else (m, k)).astype(np.float32)
                 b = rng.standard_normal((45, k) if tb else (k, 45)).astype(np.float32)
@@ -102,12 +113,19 @@ def grain() -> int:
     (no numba or ``QKV_JIT=0``, no ``sgemm``, a ``workqueue`` layer, or no grain passes)."""
     if "grain" not in _found:
         mod = jit.load(jit.PRODUCTS)
-        g = 0
+        found = (0, 0)
         if mod is not None and mod.SGEMM and mod.CONCURRENT:
             with threads.numba_threads(1):
-                g = next((g for g in GRAINS if _probe(mod, g)), 0)
-        _found["grain"] = g
+                found = next(((g, w) for w in LEAST_WORKS for g in GRAINS if _probe(mod, g, w)), found)
+        _found["grain"], _found["least"] = found
     return _found["grain"]
+
+
+def least_work() -> int:
+    """The fewest multiply-adds a piece of a cut product may have here (0: any piece of a grain;
+    :data:`LEAST_WORKS`, module docstring)."""
+    grain()
+    return _found.get("least", 0)
 
 
 def threads_for(units: int, per_unit: int) -> int:
@@ -160,8 +178,9 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.nd
     if ops is None or ops[0] is None or ops[1] is None:
         return np.matmul(a, b, out=out)
     mod = jit.load(jit.PRODUCTS)
-    g = grain()
-    bounds = _bounds(m, threads_for(m, g), g)
+    g, least = grain(), least_work()
+    rows = g if not least else -(-least // (n * k)) + g   # pieces within a grain of equal: none under least
+    bounds = _bounds(m, threads_for(m, rows), g)
     out = np.empty((m, n), np.float32) if out is None else out
     flag = {False: mod.N_, True: mod.T_}
     with threads.numba_threads(len(bounds) - 1):
