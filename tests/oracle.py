@@ -53,6 +53,14 @@ for out, ``|lse| + 1 + Σ_j P_ij (|scale| |q_i|·|k_j| + |bias_ij|)`` for lse,
 ``|scale| P (|dout| |v|ᵀ + rowsum(P |dout| |v|ᵀ)) |k|`` for dq, ...): a floor for
 error budgets, below which an error is rounding of the result itself.
 
+With ``moved=True``, also ``moved``: what rounding the scores alone moves out, dq, dk and dv
+by, in units of eps (first order, root-sum-square over independent roundings). Every
+implementation rounds ``s_ij`` by up to ``eps·t_ij``, ``t_ij = |scale| |q_i|·|k_j| +
+|bias_ij|``: a float64 row of scores of 5e3 errs 1e-13 whatever computes it, and where one
+entry decides the row, how near a score falls to a float is luck (another BLAS, another
+summation order: 4e-15 or 3e-13 for the same row). Terms past 2^23 (a mask value's: -1e30,
+finfo.min) are rounded away alike everywhere and left out.
+
 Also here: RoPE (half-split pairs, ``theta_i = base^(-2i/D)``), the ALiBi slopes of Press et
 al., and the forward and backward of ``qkv.nn.MultiHeadAttention`` / ``SelfAttention`` as
 their docstrings define them (projections ``x W + b``, heads ``h*D .. h*D+D-1``), on the
@@ -179,6 +187,7 @@ class Solution:
     dk: np.ndarray | None = None
     dv: np.ndarray | None = None
     size: dict = field(default_factory=dict)   # Σ|terms| of each result, same shapes
+    moved: dict = field(default_factory=dict)  # solve(moved=True): what the scores' rounding moves, / eps
 
 
 def _sum_to(x: np.ndarray, shape: tuple) -> np.ndarray:
@@ -225,7 +234,7 @@ def keep_mask(lead, tq, tk, p: float, seed: int) -> np.ndarray:
 
 def solve(q, k, v, dout=None, *, dlse=None, dtype=np.float64, mask=None, bias=None, causal=False, align=None,
           window=None, chunk=None, kv_lengths=None, q_lengths=None, alibi=None, scale=None,
-          gqa=False, softcap=None, dropout_p=0.0, dropout_seed=None) -> Solution:
+          gqa=False, softcap=None, dropout_p=0.0, dropout_seed=None, moved=False) -> Solution:
     """out, lse, weights (and dq, dk, dv when ``dout`` is given) and their sizes, in ``dtype``.
 
     ``q (..., Tq, D)``, ``k (..., Tk, D)``, ``v (..., Tk, Dv)``, ``dout (..., Hq, Tq, Dv)``;
@@ -295,6 +304,12 @@ def solve(q, k, v, dout=None, *, dlse=None, dtype=np.float64, mask=None, bias=No
         spread = np.where(p64 > 0, p64 * terms, 0).sum(axis=-1)    # Σ_j P_ij |terms of s_ij|
         lse_size = np.where(seen, np.abs(lse.astype(np.float64)) + 1 + spread, 0)
     sol.size = {"out": pz @ np.abs(vf), "lse": lse_size, "weights": pz}
+    if moved:   # P_ij t_ij, t_ij kept where a mask value does not outweigh it (module docstring)
+        t_kept = np.where((p64 > 0) & (terms <= 2.0 ** 23), terms, 0)
+        zf, out64, v64 = np.asarray(z, np.float64), np.asarray(out, np.float64), np.asarray(vf, np.float64)
+        a2 = (p64 * t_kept) ** 2                       # Δout_i = Σ_j P_ij δ_ij (z_ij v_j - out_i)
+        var = (a2 * zf * zf) @ (v64 * v64) - 2 * out64 * ((a2 * zf) @ v64) + out64 * out64 * a2.sum(axis=-1, keepdims=True)
+        sol.moved["out"] = np.sqrt(np.maximum(var, 0))
     if do is None:
         return sol
 
@@ -319,7 +334,39 @@ def solve(q, k, v, dout=None, *, dlse=None, dtype=np.float64, mask=None, bias=No
             t = t + abs(sc) * p * np.abs(np.broadcast_to(dlse, lead + (tq,))).astype(dtype)[..., None]
     sol.size.update(dq=_sum_to(t @ np.abs(kf), q.shape), dk=back(np.swapaxes(t, -1, -2) @ np.abs(qf), k.shape),
                     dv=back(pt @ np.abs(do), v.shape))
+    if moved:
+        with np.errstate(over="ignore", invalid="ignore"):
+            sol.moved.update(_moved_grads(p64, zf, t_kept, np.asarray(dp, np.float64), np.asarray(delta, np.float64),
+                                          np.asarray(slope, np.float64), float(sc), np.asarray(qf, np.float64),
+                                          np.asarray(kf, np.float64), np.asarray(do, np.float64), (q.shape, k.shape, v.shape), back))
     return sol
+
+
+def _moved_grads(p, z, t, dp, delta, slope, sc, qf, kf, do, shapes, back) -> dict:
+    """``moved`` of dq, dk, dv (module docstring): first order in the scores' roundings
+    ``δ_il`` (independent, ``|δ_il| ~ t_il``), root-sum-square. ``ΔP_ij = P_ij (δ_ij - δ̄_i)``,
+    ``δ̄_i = Σ_l P_il δ_il``; ``dS_ij = s'_ij P_ij G_ij``, ``G = dP - D``, moves by
+    ``s'_ij P_ij [δ_ij G_ij - Σ_l P_il δ_il (G_ij + H_il)]``, ``H = dP - rowsum(P dP)``."""
+    t2p2 = (t * p) ** 2
+    R = t2p2.sum(axis=-1, keepdims=True)               # Σ_l t_il² P_il²
+    G = dp - delta
+    H = dp - (p * dp).sum(axis=-1, keepdims=True)
+    pz = p * z                                         # dv_j = Σ_i z_ij P_ij dout_i
+    w = np.maximum(t * t * (1 - 2 * p) + R, 0)         # Σ_l t_il² (1[l=j] - P_il)²
+    q_shape, k_shape, v_shape = shapes
+    dv = back(np.swapaxes(pz * pz * w, -1, -2) @ (do * do), v_shape)
+    A = slope * p * G                                  # dS / s'... coefficients, per (i, j)
+    # dq_i: the coefficient of δ_il is sc [A_il k_l - P_il (U_i + H_il W_i)], U = A k, W = (s' P) k
+    U, W = A @ kf, (slope * p) @ kf
+    t2 = t * t
+    var_q = ((t2 * A * A) @ (kf * kf) + U * U * R + W * W * (t2p2 * H * H).sum(axis=-1, keepdims=True)
+             - 2 * U * ((t2 * A * p) @ kf) - 2 * W * ((t2 * A * p * H) @ kf) + 2 * U * W * (t2p2 * H).sum(axis=-1, keepdims=True))
+    # dk_l: Σ_i q_i² Σ_m t_im² c_{il,m}², c_{il,m} = s'_il P_il [1[m=l] G_il - P_im (G_il + H_im)]
+    e = (slope * p) ** 2 * (t2 * G * G - 2 * t2 * G * p * (G + H) + G * G * R
+                            + 2 * G * (t2p2 * H).sum(axis=-1, keepdims=True) + (t2p2 * H * H).sum(axis=-1, keepdims=True))
+    var_k = np.swapaxes(np.maximum(e, 0), -1, -2) @ (qf * qf)
+    return {"dq": abs(sc) * np.sqrt(np.maximum(_sum_to(var_q, q_shape), 0)),
+            "dk": abs(sc) * np.sqrt(np.maximum(back(var_k, k_shape), 0)), "dv": np.sqrt(np.maximum(dv, 0))}
 
 
 def attention(q, k, v, *, dtype=np.float64, **options):
