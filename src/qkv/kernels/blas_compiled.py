@@ -107,3 +107,22 @@ def gemm(addr, ta, tb, m, n, k, a, b, beta, c):
         _sgemm64(addr[0], tb, ta, n, m, k, f32(1.0), b, _ld(b), a, _ld(a), f32(beta), c, _ld(c))
     else:
         _sgemm32(addr[0], tb, ta, n, m, k, f32(1.0), b, _ld(b), a, _ld(a), f32(beta), c, _ld(c))
+
+
+@numba.njit(inline="always")
+def transpose(x, out, c0):
+    """``out[:, c0:c0 + m] = xᵀ`` (``x (m, n)``, ``out (n, ·)``), written row by row: an operand laid
+    out so that no product reads one along its rows (``A Bᵀ``), which OpenBLAS's SkylakeX (AVX-512)
+    small-matrix kernels ran at half the speed of ``A B`` or ``Aᵀ B`` at a chunk's sizes."""
+    for j in range(x.shape[1]):
+        for i in range(x.shape[0]):
+            out[j, c0 + i] = x[i, j]
+
+
+@numba.njit(inline="always")
+def rows_times(x, e, out):
+    """``out = diag(e) x`` (``x (C, D)``, ``e (C,)``)."""
+    for i in range(x.shape[0]):
+        f = e[i]
+        for d in range(x.shape[1]):
+            out[i, d] = f * x[i, d]

@@ -378,7 +378,7 @@ def forward(q, k, v, g, *, scale, initial_state=None, chunk=None):
 def backward(dout, dstate, q, k, v, g, *, scale, initial_state=None, chunk=None):
     """``(dq, dk, dv, dg, dinitial_state)`` in q's dtype; dinitial_state None without one."""
     B, H, T, Dk = q.shape
-    C = _chunk_size(chunk, T, Dk)
+    C = _chunk_size(decay_fused.backward_chunk(q.dtype, g.ndim == 3, Dk, v.shape[-1]) if chunk is None else chunk, T, Dk)
     qf, kf, vf, gf, S0 = _flat(q, k, v, g, initial_state)
     dof = dout.reshape(vf.shape)
     dSf = None if dstate is None else dstate.reshape(B * H, Dk, -1)

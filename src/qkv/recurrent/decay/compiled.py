@@ -20,7 +20,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ...kernels.blas_compiled import ILP64, N_, SGEMM, T_, gemm  # noqa: F401  (SGEMM, ILP64: read by decay_fused)
+from ...kernels.blas_compiled import ILP64, N_, SGEMM, T_, gemm, rows_times, transpose  # noqa: F401  (SGEMM, ILP64: decay_fused)
 from ...kernels.flash.compiled import wide_vectors
 from ..delta.compiled import decay_factor, decay_grads
 
@@ -293,38 +293,33 @@ def chunk_cumsum(g, floor, G):
 _BACK = {"contract", "nsz", "reassoc"}   # the float32 backward keeps no NumPy bits to match
 
 
-@numba.njit(inline="always", fastmath=_BACK)
-def _rows_times(x, e, out):
-    """``out = diag(e) x`` (``x (C, D)``, ``e (C,)``)."""
-    for i in range(x.shape[0]):
-        f = e[i]
-        for d in range(x.shape[1]):
-            out[i, d] = f * x[i, d]
-
-
 @numba.njit(nogil=True, cache=True, fastmath=_BACK)
 def backward_states(addr, k, v, eK, e_gam, S0, starts):
-    """The backward's first sweep (float32, a decay a head), chunks forwards: ``starts[h, j] = [S_j; V_j]``
-    ``(n, Nc, Dk + C, Dv)``, the state entering chunk j above its values, ``S_{j+1} = exp(Γ_j) S_j + Kg_jᵀ V_j``
-    from ``S0 (n, Dk, Dv)``. ``k (n, Nc, C, Dk)``, ``v (n, Nc, C, Dv)``, ``eK (n, Nc, C)``, ``e_gam (n, Nc)``."""
+    """The backward's first sweep (float32, a decay a head), chunks forwards: ``starts[h, j] = [S_jᵀ | V_jᵀ]``
+    ``(n, Nc, Dv, Dk + C)``, the state entering chunk j beside its values, both transposed (so no product of the
+    backward reads an operand along its rows), ``S_{j+1}ᵀ = exp(Γ_j) S_jᵀ + V_jᵀ Kg_j`` from ``S0 (n, Dk, Dv)``.
+    ``k (n, Nc, C, Dk)``, ``v (n, Nc, C, Dv)``, ``eK (n, Nc, C)``, ``e_gam (n, Nc)``."""
     wide_vectors()
     n, Nc, C, Dk = k.shape
     Dv = v.shape[3]
     Kg = np.empty((C, Dk), np.float32)
     for h in range(n):
-        starts[h, 0, :Dk] = S0[h]
+        transpose(S0[h], starts[h, 0], 0)
         for j in range(Nc):
-            starts[h, j, Dk:] = v[h, j]
+            st = starts[h, j]
+            transpose(v[h, j], st, Dk)
             if j + 1 < Nc:
-                _rows_times(k[h, j], eK[h, j], Kg)
-                out = starts[h, j + 1, :Dk]
-                np.multiply(starts[h, j, :Dk], e_gam[h, j], out)
-                gemm(addr, T_, N_, Dk, Dv, C, Kg, v[h, j], 1, out)           # S_{j+1} = exp(Γ) S_j + Kgᵀ V
+                rows_times(k[h, j], eK[h, j], Kg)
+                out, nxt, e = starts[h, j + 1, :, :Dk], starts[h, j + 1], e_gam[h, j]
+                for x in range(Dv):
+                    for d in range(Dk):
+                        nxt[x, d] = e * st[x, d]
+                gemm(addr, T_, N_, Dv, Dk, C, v[h, j], Kg, 1, out)             # S_{j+1}ᵀ = exp(Γ) S_jᵀ + Vᵀ Kg
 
 
 @numba.njit(inline="always", fastmath=_BACK)
 def _masks(QK, G, D, L, Dk):
-    """``D = exp(G_t - G_s)`` on and below the diagonal (0 above); ``QK`` made ``A = QK ∘ D``, ``L[s, Dk + t] = A_ts``."""
+    """``D = exp(G_t - G_s)`` on and below the diagonal (0 above); ``QK`` made ``A = QK ∘ D``, ``L[Dk + t] = A_t``."""
     C = G.shape[0]
     for t in range(C):
         for s in range(t + 1):
@@ -333,9 +328,7 @@ def _masks(QK, G, D, L, Dk):
             D[t, s] = 0
         for s in range(C):
             QK[t, s] *= D[t, s]
-    for s in range(C):
-        for t in range(C):
-            L[s, Dk + t] = QK[t, s]
+            L[Dk + t, s] = QK[t, s]
 
 
 @numba.njit(inline="always", fastmath=_BACK)
@@ -363,35 +356,43 @@ def backward_chunks(addr, q, k, v, dO, G, eG, eK, e_gam, starts, scale, dS, dq, 
     """The backward's chunks backwards (float32, a decay a head), each chunk's gradients while its blocks are in
     cache, products sharing an operand stacked. ``q, k, dq, dk (n, Nc, C, Dk)``, ``v, dO, dv (n, Nc, C, Dv)``, ``G``
     (float64), ``eG, eK, dg (n, Nc, C)``, ``e_gam (n, Nc)``, ``starts`` from :func:`backward_states`; ``dS (n, Dk,
-    Dv)`` the final state's gradient, the initial's on return. The derivation: :mod:`.chunk`'s docstring."""
+    Dv)`` the final state's gradient, the initial's on return. The derivation: :mod:`.chunk`'s docstring. ``Z = [dS'ᵀ |
+    dO'ᵀ]``, ``L = [Kgᵀ; A]``: no product reads an operand along its rows (``blas_compiled.transpose``)."""
     wide_vectors()
     n, Nc, C, Dk = q.shape
     Dv = v.shape[3]
-    Z, L, R = np.empty((Dk + C, Dv), np.float32), np.empty((C, Dk + C), np.float32), np.empty((C, Dk + C), np.float32)
+    Z, L, R = np.empty((Dv, Dk + C), np.float32), np.empty((Dk + C, C), np.float32), np.empty((C, Dk + C), np.float32)
     A, D, P, M = np.zeros((C, C), np.float32), np.zeros((C, C), np.float32), np.zeros((C, C), np.float32), np.zeros((C, C), np.float32)
-    Qg, dKg, after, before = np.empty((C, Dk), np.float32), np.empty((C, Dk), np.float32), np.zeros(C), np.zeros(C)
+    Qg, Kg, dKg, Kt = np.empty((C, Dk), np.float32), np.empty((C, Dk), np.float32), np.empty((C, Dk), np.float32), np.empty((Dk, C), np.float32)
+    after, before = np.zeros(C), np.zeros(C)
     for h in range(n):
-        Z[:Dk] = dS[h]                                                     # Z = [dS'; dO']
+        transpose(dS[h], Z, 0)                                       # Z = [dS'ᵀ | dO'ᵀ]
         for j in range(Nc - 1, -1, -1):
-            Q, K, V, st, dSn, dOn, Kg = q[h, j], k[h, j], v[h, j], starts[h, j], Z[:Dk], Z[Dk:], L[:, :Dk]
-            np.multiply(dO[h, j], scale, dOn)
-            _rows_times(K, eK[h, j], Kg)                                  # L = [Kg | Aᵀ]
-            _rows_times(Q, eG[h, j], Qg)
-            gemm(addr, N_, T_, C, C, Dk, Q, K, 0, A)                      # Q Kᵀ
+            Q, K, V, st, dST, dOT, ek, dOj = q[h, j], k[h, j], v[h, j], starts[h, j], Z[:, :Dk], Z[:, Dk:], eK[h, j], dO[h, j]
+            for x in range(Dv):                                            # (Z, not its views: a known stride vectorizes)
+                for i in range(C):
+                    Z[x, Dk + i] = scale * dOj[i, x]
+            rows_times(K, ek, Kg)
+            rows_times(Q, eG[h, j], Qg)
+            for d in range(Dk):                                            # Kᵀ, and L = [Kgᵀ; A]
+                for i in range(C):
+                    Kt[d, i] = K[i, d]
+                    L[d, i] = Kt[d, i] * ek[i]
+            gemm(addr, N_, N_, C, C, Dk, Q, Kt, 0, A)                     # Q Kᵀ
             _masks(A, G[h, j], D, L, Dk)
-            gemm(addr, N_, N_, C, Dv, Dk + C, L, Z, 0, dv[h, j])          # dv = Kg dS' + Aᵀ dO'
-            gemm(addr, N_, T_, C, Dk + C, Dv, dOn, st, 0, R)              # [dQg | dA] = dO' [S; V]ᵀ
-            gemm(addr, N_, T_, C, Dk, Dv, V, dSn, 0, dKg)                 # dKg = V dS'ᵀ
+            gemm(addr, T_, T_, C, Dv, Dk + C, L, Z, 0, dv[h, j])          # dv = Kg dS' + Aᵀ dO'
+            gemm(addr, T_, N_, C, Dk + C, Dv, dOT, st, 0, R)              # [dQg | dA] = dO' [Sᵀ | Vᵀ]
+            gemm(addr, N_, N_, C, Dk, Dv, V, dST, 0, dKg)                 # dKg = V dS'ᵀ
             whole, e = 0.0, e_gam[h, j]
-            for d in range(Dk):
+            for x in range(Dv):
                 part = np.float32(0)
-                for x in range(Dv):
-                    part += dSn[d, x] * st[d, x]
-                    dSn[d, x] *= e
+                for d in range(Dk):
+                    part += Z[x, d] * st[x, d]
+                    Z[x, d] *= e
                 whole += part
-            gemm(addr, T_, N_, Dk, Dv, C, Qg, dOn, 1, dSn)                # dS = exp(Γ) dS' + Qgᵀ dO'
-            _grad_rows(R, dKg, Qg, Kg, A, D, eG[h, j], eK[h, j], dq[h, j], dk[h, j], P, M, after, before)
+            gemm(addr, N_, N_, Dv, Dk, C, dOT, Qg, 1, dST)                # dSᵀ = exp(Γ) dS'ᵀ + dO'ᵀ Qg
+            _grad_rows(R, dKg, Qg, Kg, A, D, eG[h, j], ek, dq[h, j], dk[h, j], P, M, after, before)
             gemm(addr, N_, N_, C, Dk, C, P, K, 1, dq[h, j])               # dq += (dA ∘ D) K
             gemm(addr, T_, N_, C, Dk, C, P, Q, 1, dk[h, j])               # dk += (dA ∘ D)ᵀ Q
             decay_grads(after, before, whole * e, M, dg[h, j])
-        dS[h] = Z[:Dk]
+        transpose(Z[:, :Dk], dS[h], 0)

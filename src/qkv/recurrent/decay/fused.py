@@ -38,6 +38,7 @@ from ...kernels.flash.tiles import DEFAULT, scratch
 from . import intra as decay_intra
 
 KEEP = 1 << 21      # elements of the backward's states a thread keeps between calls (as chunk.KEEP)
+BACKWARD_CHUNK = 32 # the compiled backward's chunk (a decay a head) where the caller gives none (module docstring)
 
 
 def forward(c, S0, scale: float, out: np.ndarray, p: int, slabs) -> np.ndarray | None:
@@ -74,6 +75,15 @@ def forward(c, S0, scale: float, out: np.ndarray, p: int, slabs) -> np.ndarray |
     return S[:, 0] if p == 1 else S.swapaxes(1, 2).reshape(n, Dk, Dv)
 
 
+def backward_chunk(dtype, head: bool, Dk: int, Dv: int) -> int | None:
+    """:data:`BACKWARD_CHUNK` where :func:`backward` runs for a caller who gives no chunk (float32, a decay a
+    head, no size below 2, numba and NumPy's ``sgemm``), else None: the forward's chunk."""
+    if np.dtype(dtype) != np.float32 or not head or min(Dk, Dv) < 2:
+        return None
+    mod = jit.load(jit.DECAY)
+    return BACKWARD_CHUNK if mod is not None and mod.SGEMM else None
+
+
 def backward(c, dO, dstate, S0, scale: float, into) -> bool:
     """The backward of a decay a head in float32 from two compiled sweeps over the chunks
     (:func:`qkv.recurrent.decay.compiled.backward_states` forwards, ``backward_chunks`` backwards),
@@ -92,8 +102,8 @@ def backward(c, dO, dstate, S0, scale: float, into) -> bool:
     q, k, v, dO = con(c.q), con(c.k), con(c.v), con(dO)
     eG, eK, e_gam = con(c.eG[..., 0]), con(c.eK[..., 0]), con(c.eGam[..., 0])
     S = np.zeros((n, Dk, Dv), f) if S0 is None else con(S0, f)
-    size = n * Nc * (Dk + C) * Dv                                         # [S_j; V_j] a chunk, reused
-    starts = (scratch(size, f, DEFAULT, "decay_starts") if size <= KEEP else np.empty(size, f)).reshape(n, Nc, -1, Dv)
+    size = n * Nc * Dv * (Dk + C)                                         # [S_jᵀ | V_jᵀ] a chunk, reused
+    starts = (scratch(size, f, DEFAULT, "decay_starts") if size <= KEEP else np.empty(size, f)).reshape(n, Nc, Dv, -1)
     mod.backward_states(addr, k, v, eK, e_gam, S, starts)
     dS = into[4]
     dS[:] = 0 if dstate is None else dstate

@@ -173,13 +173,14 @@ def _compiled_grads(mod, q, k, v, beta, g, S0, dout, dS, scale, C: int, into):
     eg, eC, eCg = decays(gamma, bc.shape, f)
     scores = np.empty((B, H, N, 2 * C, C), f)                       # [K Kᵀ; P] a chunk
     D, Tinv = np.empty((B, H, N, C, C), f), np.empty((B, H, N, C, C), f)
-    KS, U, starts = np.empty(vc.shape, f), np.empty(vc.shape, f), np.empty((B, H, N, Dk, vc.shape[-1]), f)
+    Dv = vc.shape[-1]
+    KS, Ut, starts = np.empty(vc.shape, f), np.empty((B, H, N, Dv, C), f), np.empty((B, H, N, Dk, Dv), f)
     addr = (mod.SGEMM, int(mod.ILP64))
     mod.backward_states(addr, kc, qc, vc, bc, g is not None, np.zeros(bc.shape) if gamma is None else gamma, eg, eC,
-                        eCg, np.array(S0, f, order="C"), scores, D, Tinv, KS, U, starts)
+                        eCg, np.array(S0, f, order="C"), scores, D, Tinv, KS, Ut, starts)
     dq, dk, dv, dbeta, dg = into
     dS = np.array(dS, f, order="C")
-    mod.backward_chunks(addr, kc, qc, vc, bc, eg, eC, eCg, Tinv, scores, D, U, KS, starts, dO, f(scale), g is not None,
+    mod.backward_chunks(addr, kc, qc, vc, bc, eg, eC, eCg, Tinv, scores, D, Ut, KS, starts, dO, f(scale), g is not None,
                         dS, dq, dk, dv, dbeta, dbeta if dg is None else dg)
     return dq, dk, dv, dbeta, dg, dS
 

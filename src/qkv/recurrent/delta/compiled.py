@@ -36,7 +36,7 @@ import math
 import numba
 import numpy as np
 
-from ...kernels.blas_compiled import ILP64, N_, SGEMM, T_, gemm  # noqa: F401  (SGEMM, ILP64: read by delta_chunks)
+from ...kernels.blas_compiled import ILP64, N_, SGEMM, T_, gemm, transpose  # noqa: F401  (SGEMM, ILP64: delta_chunks)
 from ...kernels.flash.compiled import COEF, wide_vectors
 
 _E0, _E1, _E2, _E3, _E4, _E5, _E6 = (np.float32(c) for c in COEF)
@@ -141,8 +141,7 @@ def pass_chunks(addr, KQ, v, beta, eg, eC, Kc, Tinv, gated, S, reads, U, starts,
     B, H, N, C2, Dk = KQ.shape
     C, Dv = C2 // 2, v.shape[-1]
     N_, T_ = 78, 84
-    R = np.empty((C, Dv), np.float32)
-    X = np.empty((Dk, Dv), np.float32)
+    R, X = np.empty((C, Dv), np.float32), np.empty((Dk, Dv), np.float32)
     keep = starts.shape[2] > 0
     emit = O.shape[2] > 0
     for b in range(B):
@@ -234,7 +233,7 @@ _BACK_MATH = {"contract", "nsz", "reassoc"}   # the backward keeps no NumPy bits
 
 
 @numba.njit(inline="always", fastmath=_BACK_MATH)
-def _state_step(addr, K, Q, beta, eg, eC, eCg, Tinv, P, U, S0, dO, scale, gated, dS, Y, dU, L, Kc, dKc):
+def _state_step(addr, K, Q, beta, eg, eC, eCg, Tinv, P, Ut, S0, dO, scale, gated, dS, Y, dU, L, Kc, dKc):
     """One chunk of the state's gradient (:mod:`.backward`): ``dS`` (at the chunk's end) made ``dS_0``; leaves
     ``Y = [scale dO; dR]``, ``L = [Qg; -Kb]``, ``Kc``, ``dKc = U dSᵀ``; returns ``e^{γ_C} Σ dS ∘ S_0`` (gated)."""
     C, Dv = dO.shape
@@ -248,7 +247,7 @@ def _state_step(addr, K, Q, beta, eg, eC, eCg, Tinv, P, U, S0, dO, scale, gated,
     gemm(addr, T_, N_, C, Dv, C, P, Y[:C], 0, dU)                  # dU = Pᵀ (scale dO)
     gemm(addr, N_, N_, C, Dv, Dk, Kc, dS, 1, dU)                    #    + Kc dS
     gemm(addr, T_, N_, C, Dv, C, Tinv, dU, 0, Y[C:])               # dR = Tinvᵀ dU
-    gemm(addr, N_, T_, C, Dk, Dv, U, dS, 0, dKc)                    # dKc = U dSᵀ
+    gemm(addr, T_, T_, C, Dk, Dv, Ut, dS, 0, dKc)                   # dKc = U dSᵀ = (Uᵀ)ᵀ dSᵀ
     whole = 0.0
     if gated:
         ds, s0 = dS.reshape(Dk * Dv), S0.reshape(Dk * Dv)
@@ -332,15 +331,17 @@ def _rows(Y, RS, Z, L, dKc, Kc, KS, v, beta, eg, eCg, pair, gated, dq, dk, dv, d
 
 
 @numba.njit(nogil=True, cache=True, fastmath={"contract", "nsz"})
-def backward_states(addr, k, q, v, beta, gated, gamma, eg, eC, eCg, S, scores, D, Tinv, KS, U, starts):
+def backward_states(addr, k, q, v, beta, gated, gamma, eg, eC, eCg, S, scores, D, Tinv, KS, Ut, starts):
     """The backward's pass (float32): ``k, q (B,H,N,C,Dk)``, ``v (B,H,N,C,Dv)``, ``beta, eg, eCg (B,H,N,C)``,
     ``gamma`` (float64 ``γ``: read where ``gated``), ``eC (B,H,N)``, ``S (B,H,Dk,Dv)`` the start state; out ``scores
-    (B,H,N,2C,C)`` ``[K Kᵀ; P]``, ``D, Tinv (B,H,N,C,C)``, ``KS = Kg S_0, U (B,H,N,C,Dv)``, ``starts (B,H,N,Dk,Dv)``."""
+    (B,H,N,2C,C)`` ``[K Kᵀ; P]``, ``D, Tinv (B,H,N,C,C)``, ``KS = Kg S_0``, ``Ut = Uᵀ (B,H,N,Dv,C)`` (no product
+    reads U along its rows: ``blas_compiled.transpose``), ``starts (B,H,N,Dk,Dv)``."""
     wide_vectors()
     B, H, N, C, Dk = k.shape
     Dv = v.shape[-1]
-    d, a = np.empty(C, np.float32), np.empty(C, np.float32)
-    R, Kc, KQ = np.empty((C, Dv), np.float32), np.empty((C, Dk), np.float32), np.empty((2 * C, Dk), np.float32)
+    f4 = np.float32
+    d, a, R, U = np.empty(C, f4), np.empty(C, f4), np.empty((C, Dv), f4), np.empty((C, Dv), f4)
+    Kc, KQ, Kt = np.empty((C, Dk), f4), np.empty((2 * C, Dk), f4), np.empty((Dk, C), f4)
     for b in range(B):
         for h in range(H):
             starts[b, h, 0] = S[b, h]
@@ -348,7 +349,8 @@ def backward_states(addr, k, q, v, beta, gated, gamma, eg, eC, eCg, S, scores, D
                 sc, x, S0, ks, bt = scores[b, h, n], Tinv[b, h, n], starts[b, h, n], KS[b, h, n], beta[b, h, n]
                 KQ[:C], KQ[C:] = k[b, h, n], q[b, h, n]
                 K = KQ[:C]
-                gemm(addr, N_, T_, 2 * C, C, Dk, KQ, K, 0, sc)                  # [K; Q] Kᵀ
+                transpose(K, Kt, 0)
+                gemm(addr, N_, N_, 2 * C, C, Dk, KQ, Kt, 0, sc)                 # [K; Q] Kᵀ
                 _system(sc[:C], sc[C:], gamma[b, h, n], bt, x, D[b, h, n], True, d, a, True, gated)
                 gemm(addr, N_, N_, C, Dv, Dk, K, S0, 0, ks)                       # K S_0
                 for i in range(C):
@@ -360,16 +362,15 @@ def backward_states(addr, k, q, v, beta, gated, gamma, eg, eC, eCg, S, scores, D
                             Kc[i, j] = c * K[i, j]
                     for j in range(Dv):
                         R[i, j] = bt[i] * (vi[j] - ki[j])                        # beta (V - Kg S_0)
-                gemm(addr, N_, N_, C, Dv, C, x, R, 0, U[b, h, n])                 # U = Tinv R
-                end, e = S[b, h] if n + 1 == N else starts[b, h, n + 1], eC[b, h, n]
-                for i in range(Dk):
-                    for j in range(Dv):
-                        end[i, j] = e * S0[i, j]
-                gemm(addr, T_, N_, Dk, Dv, C, Kc if gated else K, U[b, h, n], 1, end)  # S_C = e^{γ_C} S_0 + Kcᵀ U
+                gemm(addr, N_, N_, C, Dv, C, x, R, 0, U)                          # U = Tinv R
+                transpose(U, Ut[b, h, n], 0)
+                end = S[b, h] if n + 1 == N else starts[b, h, n + 1]
+                np.multiply(S0, eC[b, h, n], end)
+                gemm(addr, T_, N_, Dk, Dv, C, Kc if gated else K, U, 1, end)      # S_C = e^{γ_C} S_0 + Kcᵀ U
 
 
 @numba.njit(nogil=True, cache=True, fastmath=_BACK_MATH)
-def backward_chunks(addr, k, q, v, beta, eg, eC, eCg, Tinv, scores, D, U, KS, starts, dO, scale, gated,
+def backward_chunks(addr, k, q, v, beta, eg, eC, eCg, Tinv, scores, D, Ut, KS, starts, dO, scale, gated,
                     dS, dq, dk, dv, dbeta, dg):
     """The backward's chunks backwards (float32), after :func:`backward_states` (its inputs and outputs):
     the state's gradient, then the chunk's inputs' while it is in cache. ``dO (B,H,N,C,Dv)``; ``dS (B,H,Dk,Dv)``
@@ -378,19 +379,18 @@ def backward_chunks(addr, k, q, v, beta, eg, eC, eCg, Tinv, scores, D, U, KS, st
     wide_vectors()
     B, H, N, C, Dk = k.shape
     C2, Dv = 2 * C, v.shape[-1]
-    Y, L = np.empty((C2, Dv), np.float32), np.empty((C2, Dk), np.float32)
-    RS, PR = np.empty((C2, Dk), np.float32), np.empty((C2, C), np.float32)
-    dU, dKc, Kc = np.empty((C, Dv), np.float32), np.empty((C, Dk), np.float32), np.empty((C, Dk), np.float32)
-    Z, M = np.empty((C2, Dk), np.float32), np.zeros((C, C), np.float32)
-    after, before, pair = np.zeros(C), np.zeros(C), np.empty(C, np.float32)
+    f4 = np.float32
+    Y, L, RS, PR = np.empty((C2, Dv), f4), np.empty((C2, Dk), f4), np.empty((C2, Dk), f4), np.empty((C2, C), f4)
+    dU, dKc, Kc, Z = np.empty((C, Dv), f4), np.empty((C, Dk), f4), np.empty((C, Dk), f4), np.empty((C2, Dk), f4)
+    M, after, before, pair = np.zeros((C, C), f4), np.zeros(C), np.zeros(C), np.empty(C, f4)
     for b in range(B):
         for h in range(H):
             for n in range(N - 1, -1, -1):
-                K, Q, S0, Un, P = k[b, h, n], q[b, h, n], starts[b, h, n], U[b, h, n], scores[b, h, n, C:]
+                K, Q, S0, Un, P = k[b, h, n], q[b, h, n], starts[b, h, n], Ut[b, h, n], scores[b, h, n, C:]
                 whole = _state_step(addr, K, Q, beta[b, h, n], eg[b, h, n], eC[b, h, n], eCg[b, h, n], Tinv[b, h, n],
                                     P, Un, S0, dO[b, h, n], scale, gated, dS[b, h], Y, dU, L, Kc, dKc)
                 gemm(addr, N_, T_, C2, Dk, Dv, Y, S0, 0, RS)                  # [dQg; dR S_0ᵀ] = Y S_0ᵀ
-                gemm(addr, N_, T_, C2, C, Dv, Y, Un, 0, PR)                   # [dP; dR Uᵀ] = Y Uᵀ
+                gemm(addr, N_, N_, C2, C, Dv, Y, Un, 0, PR)                   # [dP; dR Uᵀ] = Y Uᵀ
                 _pairs(PR, D[b, h, n], scores[b, h, n, :C], P, beta[b, h, n], M, pair)
                 gemm(addr, N_, N_, C2, Dk, C, PR, K, 0, Z)                    # [(dP ∘ D) K; (G + Gᵀ) K]
                 gemm(addr, T_, N_, C, Dk, C, PR[:C], Q, 1, Z[C:])             #   + [0; (dP ∘ D)ᵀ Q]
