@@ -40,3 +40,23 @@ def test_a_decay_a_key_channel_and_float64_do_not_take_the_head_kernel(monkeypat
     f32 = [x.astype(np.float32) for x in (do, dS, q, k, v)]
     decay.backward(*f32, gc, scale=0.5, initial_state=S0.astype(np.float32))
     assert not calls
+
+
+def test_the_compiled_backward_takes_its_own_chunk_where_the_caller_gives_none(monkeypatch):
+    """Chunks of BACKWARD_CHUNK for the compiled pass (each of its products one OpenBLAS's small-matrix
+    kernels take), the forward's where it does not run, the caller's where given; the gradients the
+    same function of the inputs either way (within the oracle budget of test_compiled_backward_...)."""
+    from qkv.recurrent.decay import fused
+    mod = compiled_or_skip(jit.DECAY)
+    seen = []
+    real = mod.backward_chunks
+    monkeypatch.setattr(mod, "backward_chunks", lambda *a: seen.append(a[1].shape[2]) or real(*a))
+    q, k, v, g, S0, do, dS = (x.astype(np.float32) for x in _inputs(1, 2, 200, 96, 80, "mild", True))
+    own = decay.backward(do, dS, q, k, v, g, scale=0.5, initial_state=S0)
+    assert seen == [fused.BACKWARD_CHUNK] and fused.BACKWARD_CHUNK != decay._chunk_size(None, 200, 96)
+    given = decay.backward(do, dS, q, k, v, g, scale=0.5, initial_state=S0, chunk=64)
+    assert seen[-1] == 64
+    for a, b in zip(own, given):                                   # two chunkings, one function
+        assert np.abs(a - b).max() <= 1e-4 * np.abs(b).max()
+    assert fused.backward_chunk(np.float64, True, 96, 80) is None                # the NumPy paths: the forward's
+    assert fused.backward_chunk(np.float32, False, 96, 80) is None

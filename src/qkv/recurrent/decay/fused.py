@@ -19,12 +19,21 @@ loop could not give: a product with one row or one column (NumPy calls ``gemv``:
 one row, a decoding step's) and ``q`` the same memory as ``k`` (``q kᵀ`` is then ``syrk``).
 
 **The backward** keeps no NumPy bits: a first sweep forwards stores each chunk's start state
-above its values (``[S_j; V_j]``), a second backwards takes each chunk through every step of
-:mod:`qkv.recurrent.decay.chunk`'s backward while its blocks are in cache, the products that share
-an operand made as one: ``dv = [Kg | Aᵀ] [dS'; dO']`` and ``[dQg | dA] = dO' [S; V]ᵀ``, eight
-products a chunk in all (7.5 M multiply-adds at C = 64, D = 128, against the forward's 3). At
-(1, 8, 2048, 128), one thread (Zen 3): forward+backward 2.8-3.0x the forward, was 3.8-4.3x; 66 of
-its 77 ms in ``sgemm``; C = 64 ahead of 32 and 48. Tested against the float64 oracle.
+beside its values, both transposed (``[S_jᵀ | V_jᵀ]``), a second backwards takes each chunk through
+every step of :mod:`qkv.recurrent.decay.chunk`'s backward while its blocks are in cache, the state's
+gradient kept transposed beside ``dO'ᵀ``, the products that share an operand made as one:
+``dv = [Kg | Aᵀ] [dS'; dO']`` and ``[dQg | dA] = dO' [Sᵀ | Vᵀ]``, eight products a chunk in all.
+No product reads an operand along its rows (``A Bᵀ``): OpenBLAS's SkylakeX (AVX-512) kernels
+take a product of at most 10^6 multiply-adds into small-matrix kernels, which run ``A Bᵀ`` at
+about half the speed of ``A B`` and ``Aᵀ B``; with chunks of :data:`BACKWARD_CHUNK` = 32 rows
+(where the caller gives none; the forward's are 64 past Dk = 64) every product of the backward
+at D = 128 is one of those. It makes 2.1 times the forward's multiply-adds then (``10 C D + 10 D²``
+a row against the forward's ``4 C D + 4 D²`` at C = 64; 2.5 times at 64 on both sides), so
+forward+backward costs about 3.1 forwards at equal rates (3.5 before). At (1, 8, 2048, 128), one thread, Intel Xeon model 207
+(AVX-512): 3.3-3.4x the forward (was 3.8-3.9x with chunks of 64 read along their rows; 47-50
+against 38-41 ms); as AVX2 (OpenBLAS's Haswell kernels, where both layouts run alike) 3.4-3.5x
+either way. On Zen 3 (AVX2) with the old layout: 2.8-3.0x in a loaded run, 3.4-3.6x alone.
+Tested against the float64 oracle.
 :func:`backward_channels` does the same for a decay a key channel (GLA, RWKV-6) with the passes of
 :mod:`qkv.recurrent.decay.channel_compiled`: the decays applied element by element, the in-chunk part
 row by row without BLAS (forward+backward 2.2-2.3x the forward at that shape, was 4.0-4.7x).
