@@ -143,6 +143,16 @@ def blas_core() -> str:
     return ""
 
 
+SMALL_PRODUCT_CORES = ("skylakex", "cooperlake", "sapphirerapids")  # OpenBLAS cores with small-matrix sgemm kernels
+
+
+def small_products() -> bool:
+    """True where NumPy's OpenBLAS runs one of :data:`SMALL_PRODUCT_CORES` (its AVX-512 cores): those take a
+    product of at most 10^6 multiply-adds into small-matrix kernels, faster than their general one for
+    ``A B`` and ``Aᵀ B`` and slower for ``A Bᵀ``, so a kernel may cut a product or lay out an operand for them."""
+    return blas_core() in SMALL_PRODUCT_CORES
+
+
 def _drop_claim() -> None:
     """Forget which thread threadpoolctl (>= 3.8) lets set OpenBLAS's pool size, if any."""
     import threadpoolctl

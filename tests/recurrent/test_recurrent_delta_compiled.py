@@ -47,3 +47,22 @@ def test_compiled_backward_within_budget_of_the_numpy_path(monkeypatch, B, H, T,
     monkeypatch.setitem(jit._loaded, jit.DELTA, None)
     plain = delta.backward(*x32, scale=0.7, initial_state=S0_32, chunk=chunk)
     check_within_budget(["dq", "dk", "dv", "dbeta", "dg", "dS0"], got, plain, want, absent=(() if gated else ("dg",)) + (() if state else ("dS0",)))
+
+
+@pytest.mark.parametrize("halves", [True, False], ids=["halves", "whole"])
+@pytest.mark.parametrize("B, H, T, Dk, Dv, chunk", [(1, 2, 96, 16, 24, 32), (1, 2, 70, 48, 40, None)])
+def test_both_layouts_of_the_state_product_within_budget(monkeypatch, halves, B, H, T, Dk, Dv, chunk):
+    """``Y S_0ᵀ`` in two halves against ``Yᵀ`` (where OpenBLAS has small-matrix kernels) or as one product
+    (elsewhere): whichever this machine's BLAS picks, the other is tested too."""
+    from qkv import threads
+    mod = compiled_or_skip(jit.DELTA)
+    q, k, v, beta, g, S0, do, dS = _inputs(B, H, T, Dk, Dv, True, True, seed=1)
+    want = recurrence.delta_backward(do, dS, q, k, v, beta, g, scale=0.7, initial_state=S0)
+    x32 = [x.astype(np.float32) for x in (do, dS, q, k, v, beta, g)]
+    monkeypatch.setattr(threads, "small_products", lambda: halves)
+    calls = counted(monkeypatch, mod, "backward_chunks")
+    got = delta.backward(*x32, scale=0.7, initial_state=S0.astype(np.float32), chunk=chunk)
+    assert len(calls) == 1 and calls
+    monkeypatch.setitem(jit._loaded, jit.DELTA, None)
+    plain = delta.backward(*x32, scale=0.7, initial_state=S0.astype(np.float32), chunk=chunk)
+    check_within_budget(["dq", "dk", "dv", "dbeta", "dg", "dS0"], got, plain, want)

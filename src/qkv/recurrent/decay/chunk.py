@@ -91,7 +91,6 @@ KEEP = 1 << 21      # elements of the largest work array a thread keeps between 
 PANEL = 64          # columns of a value panel (see _forward_unit): OpenBLAS's small-matrix kernels (AVX-512) take a
                     # product of M·N·K <= 10^6 only; at D = 128, C = 64 the state's two are 64·128·128, in panels half
 PANELS = None       # True/False: panels or not; None: as the BLAS core (D = 128: 0.85x the time on SkylakeX, 1.05x on Haswell)
-SMALL_PRODUCT_CORES = ("skylakex", "cooperlake", "sapphirerapids")
 SEGMENT_ROWS = 4096 # positions of a head whose chunks the forward works at once; a longer sequence runs segment
                     # after segment, the state passed on, so its work arrays stay within KEEP and are reused
 
@@ -170,9 +169,9 @@ def _chunks(q, k, v, g, C) -> _Chunks:
 
 def _panels(Dv: int) -> int:
     """Panels of :data:`PANEL` columns the forward cuts the values, states and outputs into:
-    where :data:`PANELS` (None: where NumPy's OpenBLAS runs one of :data:`SMALL_PRODUCT_CORES`)
+    where :data:`PANELS` (None: where NumPy's OpenBLAS has small-matrix kernels, :func:`qkv.threads.small_products`)
     and Dv is a larger multiple of :data:`PANEL`; else 1."""
-    on = PANELS if PANELS is not None else threads.blas_core() in SMALL_PRODUCT_CORES
+    on = PANELS if PANELS is not None else threads.small_products()
     return Dv // PANEL if on and Dv > PANEL and Dv % PANEL == 0 else 1
 
 

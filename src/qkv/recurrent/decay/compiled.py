@@ -22,7 +22,8 @@ import numpy as np
 
 from ...kernels.blas_compiled import ILP64, N_, SGEMM, T_, gemm, rows_times, transpose  # noqa: F401  (SGEMM, ILP64: decay_fused)
 from ...kernels.flash.compiled import wide_vectors
-from ..delta.compiled import decay_factor, decay_grads
+from ..crossing_compiled import decay_grads
+from ..delta.compiled import decay_factor
 
 
 @numba.njit(cache=True)

@@ -69,7 +69,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ... import jit
+from ... import jit, threads
 from .. import crossing
 from .chunk_parts import CHUNK, Chunks, cumulative, decays, from_chunks, pass_states, prepare, to_chunks
 
@@ -181,7 +181,7 @@ def _compiled_grads(mod, q, k, v, beta, g, S0, dout, dS, scale, C: int, into):
     dq, dk, dv, dbeta, dg = into
     dS = np.array(dS, f, order="C")
     mod.backward_chunks(addr, kc, qc, vc, bc, eg, eC, eCg, Tinv, scores, D, Ut, KS, starts, dO, f(scale), g is not None,
-                        dS, dq, dk, dv, dbeta, dbeta if dg is None else dg)
+                        dS, dq, dk, dv, dbeta, dbeta if dg is None else dg, threads.small_products())
     return dq, dk, dv, dbeta, dg, dS
 
 
