@@ -62,6 +62,27 @@ def test_compiled_backward_within_budget_of_the_numpy_path(monkeypatch, B, H, T,
     check_within_budget(["dq", "dk", "dv", "da", "db", "dg", "dS0"], got, plain, want, absent=() if state else ("dS0",))
 
 
+@pytest.mark.parametrize("halves", [True, False], ids=["halves", "stacked"])
+def test_both_layouts_of_the_state_products_within_budget(monkeypatch, halves):
+    """``[u; v] dS_outᵀ`` and ``[dO; dU] S_inᵀ`` as two products of C rows each (where OpenBLAS has
+    small-matrix kernels) or stacked (elsewhere): whichever this machine's BLAS picks, the other is tested too."""
+    from qkv import threads
+    mod = compiled_or_skip(jit.DPLR)
+    q, k, v, a, b, g, S0, do, dS = _inputs(2, 2, 77, 32, 24, "mild", False, True, seed=1)
+    want = naive.dplr_backward(do, dS, q, k, v, a, b, g, scale=0.7, initial_state=S0)
+    x32 = [x.astype(np.float32) for x in (do, q, k, v, a, b, g)]
+    kw = dict(scale=0.7, initial_state=S0.astype(np.float32), dstate=dS.astype(np.float32))
+    monkeypatch.setattr(threads, "small_products", lambda: halves)
+    seen = []
+    real = mod.chunk_grads
+    monkeypatch.setattr(mod, "chunk_grads", lambda *args: seen.append(args[-1]) or real(*args))
+    got = dplr_backward(*x32, **kw)
+    assert seen and set(seen) == {halves}
+    monkeypatch.setattr(dplr_bwd, "_compiled", lambda *args: None)
+    plain = dplr_backward(*x32, **kw)
+    check_within_budget(["dq", "dk", "dv", "da", "db", "dg", "dS0"], got, plain, want)
+
+
 def test_float64_takes_the_numpy_path(monkeypatch):
     mod = compiled_or_skip(jit.DPLR)
     monkeypatch.setattr(mod, "chunk_grads", lambda *args: pytest.fail("float64 ran the compiled pass"))

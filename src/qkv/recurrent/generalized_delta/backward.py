@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ... import jit
+from ... import jit, threads
 from .chunk_parts import Chunks, from_chunks, groups, prepare, states, to_chunks
 from .scores import running_sum, scores_backward
 
@@ -133,7 +133,7 @@ def _compiled_chunk_grads(mod, ch: Chunks, dO, entry, dS_end):
     dS = np.array(dS_end, f, order="C")
     eC = c(np.broadcast_to(ch.eC, deC.shape))
     mod.chunk_grads((mod.SGEMM, int(mod.ILP64)), *(c(x) for x in (ch.A, ch.P, ch.v, ch.U, WS, ch.W, ch.qt, ch.kt, ch.bt)),
-                    eC, S_in, c(dO), dS, dA, dv, dqt, dat, dkt, dbt, deC)
+                    eC, S_in, c(dO), dS, dA, dv, dqt, dat, dkt, dbt, deC, threads.small_products())
     return (dA, dv, dqt, dat, dkt, dbt, deC), dS
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ...kernels.blas_compiled import ILP64, N_, SGEMM, T_, gemm  # noqa: F401  (SGEMM, ILP64: read by backward)
+from ...kernels.blas_compiled import ILP64, N_, SGEMM, T_, gemm, transpose  # noqa: F401  (SGEMM, ILP64: backward)
 from ...kernels.flash.compiled import wide_vectors
 
 _MATH = {"contract", "nsz", "reassoc"}   # no NumPy bits to keep
@@ -76,59 +76,65 @@ def states(addr, W, bt, eC, Hc, S, S_in, WS):
 
 
 @numba.njit(nogil=True, cache=True, fastmath=_MATH)
-def chunk_grads(addr, A, P, v, U, WS, W, qt, kt, bt, eC, S_in, dO, dS, dA, dv, dqt, dat, dkt, dbt, deC):
+def chunk_grads(addr, A, P, v, U, WS, W, qt, kt, bt, eC, S_in, dO, dS, dA, dv, dqt, dat, dkt, dbt, deC, halves):
     """A group's chunks backwards (float32, C-contiguous): ``A (B,H,N,2,2,C,C)``, ``P (…,C,C)``,
     ``v, U, WS = W S_in (…,C,Dv)`` (:func:`states`), ``W, qt, kt, bt (…,C,Dk)``, ``eC (…,Dk)``, ``S_in (…,Dk,Dv)``, ``dO (…,C,Dv)``
     (scaled); ``dS (B,H,Dk,Dv)`` the gradient at the group's end, out the one at its start; out
-    ``dA (…,2,2,C,C)``, ``dv (…,C,Dv)``, ``dqt, dat, dkt, dbt (…,C,Dk)``, ``deC (…,Dk)``."""
+    ``dA (…,2,2,C,C)``, ``dv (…,C,Dv)``, ``dqt, dat, dkt, dbt (…,C,Dk)``, ``deC (…,Dk)``. ``[u; v]``, ``[dO; dU]``,
+    ``U``, ``dRv`` and ``W`` are laid out transposed, so no product reads an operand along its rows
+    (:func:`qkv.kernels.blas_compiled.transpose`); ``halves`` (:func:`qkv.threads.small_products`): the two
+    stacked products against a state made as two of C rows each, as OpenBLAS's small-matrix kernels take them."""
     wide_vectors()
     B, H, N, C, Dk = W.shape
     Dv = v.shape[-1]
     f = np.float32
     Y, L, bdS, dS_in = np.empty((2 * C, Dv), f), np.empty((2 * C, Dk), f), np.empty((C, Dv), f), np.empty((Dk, Dv), f)
-    R, Z = np.empty((2 * C, Dv), f), np.empty((2 * C, Dk), f)       # [u; v], [dbt; dkt]
-    G, dRv = np.empty((2 * C, Dv), f), np.empty((C, Dv), f)          # [dO; dU]
+    Rt, Gt, Z = np.empty((Dv, 2 * C), f), np.empty((Dv, 2 * C), f), np.empty((2 * C, Dk), f)   # [u; v]ᵀ, [dO; dU]ᵀ
+    Ut, dRvT, Wt = np.empty((Dv, C), f), np.empty((Dv, C), f), np.empty((Dk, C), f)
     for b in range(B):
         for h in range(H):
             S = dS[b, h]
             for n in range(N - 1, -1, -1):
                 a, Sn, o = A[b, h, n], S_in[b, h, n], dO[b, h, n]
-                Wn, Un, vn, dAn = W[b, h, n], U[b, h, n], v[b, h, n], dA[b, h, n]
-                for i in range(C):
-                    for x in range(Dv):
-                        R[i, x] = Un[i, x] + WS[b, h, n, i, x]                  # u = U + W S_in
-                        R[C + i, x] = vn[i, x]
-                        G[i, x] = o[i, x]
-                gemm(addr, N_, T_, C, C, Dv, o, vn, 0, dAn[0, 0])               # dA_qk = dO vᵀ
-                gemm(addr, N_, T_, C, C, Dv, o, R[:C], 0, dAn[0, 1])            # dA_qb = dO uᵀ
-                gemm(addr, N_, T_, 2 * C, Dk, Dv, R, S, 0, Z)                   # [dbt; dkt] = [u; v] dS_outᵀ
-                for i in range(C):
-                    for d in range(Dk):
-                        dbt[b, h, n, i, d] = Z[i, d]
-                        dkt[b, h, n, i, d] = Z[C + i, d]
+                Wn, Un, vn, ws, dAn = W[b, h, n], U[b, h, n], v[b, h, n], WS[b, h, n], dA[b, h, n]
+                for x in range(Dv):
+                    for i in range(C):
+                        Rt[x, i] = Un[i, x] + ws[i, x]                          # u = U + W S_in
+                        Rt[x, C + i] = vn[i, x]
+                        Ut[x, i] = Un[i, x]
+                        Gt[x, i] = o[i, x]
+                transpose(Wn, Wt, 0)
+                gemm(addr, N_, N_, C, C, Dv, o, Rt[:, C:], 0, dAn[0, 0])        # dA_qk = dO vᵀ
+                gemm(addr, N_, N_, C, C, Dv, o, Rt[:, :C], 0, dAn[0, 1])        # dA_qb = dO uᵀ
+                if halves:                                                      # [dbt; dkt] = [u; v] dS_outᵀ
+                    gemm(addr, T_, T_, C, Dk, Dv, Rt[:, :C], S, 0, dbt[b, h, n])
+                    gemm(addr, T_, T_, C, Dk, Dv, Rt[:, C:], S, 0, dkt[b, h, n])
+                else:
+                    gemm(addr, T_, T_, 2 * C, Dk, Dv, Rt, S, 0, Z)
+                    dbt[b, h, n], dkt[b, h, n] = Z[:C], Z[C:]
                 for d in range(Dk):
                     s = f(0.0)
                     for x in range(Dv):
                         s += S[d, x] * Sn[d, x]
                     deC[b, h, n, d] = s                                         # diag(dS_out S_inᵀ)
                 _state_step(addr, a[0, 1], Wn, qt[b, h, n], bt[b, h, n], eC[b, h, n], o, S, Y, L, bdS, dS_in)
-                for i in range(C):
-                    for x in range(Dv):
-                        G[C + i, x] = bdS[i, x]
-                gemm(addr, T_, N_, C, Dv, C, a[0, 1], o, 1, G[C:])              # dU = A_qbᵀ dO + bt dS_out
-                gemm(addr, N_, T_, 2 * C, Dk, Dv, G, Sn, 0, Z)                  # [dqt; dW] = [dO; dU] S_inᵀ
-                gemm(addr, T_, N_, C, Dv, C, P[b, h, n], G[C:], 0, dRv)         # dRv = Pᵀ dU
+                transpose(bdS, Gt, C)
+                gemm(addr, N_, N_, Dv, C, C, Gt[:, :C], a[0, 1], 1, Gt[:, C:])  # dUᵀ = (A_qbᵀ dO + bt dS_out)ᵀ
+                if halves:                                                      # [dqt; dW] = [dO; dU] S_inᵀ
+                    gemm(addr, T_, T_, C, Dk, Dv, Gt[:, :C], Sn, 0, dqt[b, h, n])
+                    gemm(addr, T_, T_, C, Dk, Dv, Gt[:, C:], Sn, 0, Z[C:])
+                else:
+                    gemm(addr, T_, T_, 2 * C, Dk, Dv, Gt, Sn, 0, Z)
+                    dqt[b, h, n] = Z[:C]
+                gemm(addr, N_, N_, Dv, C, C, Gt[:, C:], P[b, h, n], 0, dRvT)    # dRvᵀ = (Pᵀ dU)ᵀ
                 gemm(addr, T_, N_, C, Dk, C, P[b, h, n], Z[C:], 0, dat[b, h, n])  # dat = Pᵀ dW
-                for i in range(C):
-                    for d in range(Dk):
-                        dqt[b, h, n, i, d] = Z[i, d]
-                gemm(addr, N_, T_, C, C, Dv, dRv, vn, 0, dAn[1, 0])             # dA_ak = dRv vᵀ
-                gemm(addr, N_, T_, C, C, Dv, dRv, Un, 0, dAn[1, 1])             # dA_ab = dRv Uᵀ
-                gemm(addr, N_, T_, C, C, Dk, dat[b, h, n], Wn, 1, dAn[1, 1])    #       + dat Wᵀ
+                gemm(addr, T_, N_, C, C, Dv, dRvT, Rt[:, C:], 0, dAn[1, 0])     # dA_ak = dRv vᵀ
+                gemm(addr, T_, N_, C, C, Dv, dRvT, Ut, 0, dAn[1, 1])            # dA_ab = dRv Uᵀ
+                gemm(addr, N_, N_, C, C, Dk, dat[b, h, n], Wt, 1, dAn[1, 1])    #       + dat Wᵀ
                 dvn = dv[b, h, n]
                 gemm(addr, T_, N_, C, Dv, C, a[0, 0], o, 0, dvn)                # dv = A_qkᵀ dO
                 gemm(addr, N_, N_, C, Dv, Dk, kt[b, h, n], S, 1, dvn)           #    + kt dS_out
-                gemm(addr, T_, N_, C, Dv, C, a[1, 0], dRv, 1, dvn)              #    + A_akᵀ dRv
+                gemm(addr, T_, T_, C, Dv, C, a[1, 0], dRvT, 1, dvn)             #    + A_akᵀ dRv
                 for d in range(Dk):
                     for x in range(Dv):
                         S[d, x] = dS_in[d, x]
