@@ -155,6 +155,34 @@ def test_ordinary_inputs_are_not_scaled():
     assert bound * 2.0 ** -eq <= top < bound * 2.0 ** (1 - eq)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_a_strided_views_square_sum_is_one_pass_and_says_what_is_not_finite(monkeypatch, dtype):
+    """A head cut out of a fused projection ``(B, T, 3, H, D)`` (Hugging Face's and the layers'
+    layout): ``Σx²`` over the view in place, as the contiguous copy's to the dtype's rounding, no
+    max or min taken where it is finite; a NaN or inf entry, or a sum that overflows, is not finite,
+    and the bound then comes from the max and the min as before."""
+    rng = np.random.default_rng(7)
+    fused = (rng.standard_normal((3, 40, 3, 4, 16)) * (1 if dtype == np.float16 else 3)).astype(dtype)
+    x = fused[:, :, 1].transpose(0, 2, 1, 3)                       # (3, 4, 40, 16), not contiguous
+    assert not x.flags.c_contiguous
+    want = float(np.sum(np.ascontiguousarray(x).astype(np.float64) ** 2))
+    rel = 640 * float(np.finfo(dtype).eps)                         # a sum of 7680 squares in the dtype
+    assert magnitudes.square_sum(x) == pytest.approx(want, rel=rel)
+    monkeypatch.setattr(magnitudes, "abs_max", lambda a: pytest.fail("a finite view took the max and min"))
+    assert magnitudes.norm_bound(x) == pytest.approx(np.sqrt(want), rel=rel)
+    monkeypatch.undo()
+    for bad in (np.nan, np.inf, -np.inf, float(np.finfo(dtype).max)):
+        y = fused.copy()
+        y[2, 7, 1, 3, 5] = bad
+        view = y[:, :, 1].transpose(0, 2, 1, 3)
+        assert not np.isfinite(magnitudes.square_sum(view))
+        got = magnitudes.norm_bound(view)
+        if np.isnan(bad):
+            assert np.isnan(got)
+        else:                                                     # sqrt(D) max|x|, in float64
+            assert got == pytest.approx(4.0 * abs(float(np.asarray(bad, dtype))))
+
+
 @pytest.mark.parametrize("sign", [1, -1])
 def test_a_hidden_key_whose_score_overflows_the_dtype(sign):
     """A -inf bias hides a key whose scaled score is itself past float32 (±inf): the row that

@@ -23,8 +23,8 @@ that drops below the dtype's normal range, ``2^(e-126)`` in float32, loses bits)
 ``e = 0`` (the kernel called as it was, the same bits) wherever the bounds are far from the
 dtype's top. The bounds: ``|q_i·k_j| <= ‖q_i‖‖k_j‖`` (every partial sum too), ``|Σ_j p_j v_j|
 <= 2^64·Tk·max|v|``, ``|dP_ij|, |delta_i| <= ‖dO_i‖·max‖v_j‖`` (over ``1 - p`` with dropout), ``|dV_j| <= Tq·G·max|dO|``.
-The check first asks the cheap Frobenius norms ``Σx²`` (one BLAS pass an array, which also
-says every entry is finite: :func:`norm_bound`); only where one is large or not finite are the
+The check first asks the cheap Frobenius norms ``Σx²`` (one pass an array, which also says
+every entry is finite: :func:`norm_bound`); only where one is large or not finite are the
 maxima ``max|x|`` taken (two passes), and only where those are large is anything scaled.
 """
 from __future__ import annotations
@@ -42,12 +42,15 @@ TERMS = 2.0 ** 64      # the largest weight a forward sums before it normalises 
 
 
 def square_sum(x: np.ndarray) -> float:
-    """``Σ x²`` in the array's dtype (one BLAS pass: inf where it overflows, NaN or inf where an
-    entry is not finite); inf for an array BLAS cannot take in one pass (a broadcast view)."""
+    """``Σ x²`` in the array's dtype, one pass (inf where it overflows, NaN or inf where an entry
+    is not finite): BLAS's dot where x is C-contiguous, else einsum's over the view in place (a
+    head cut out of ``(B, T, 3, H, D)``: 15 µs at (12, 4, 64, 32) float32, where the two passes of
+    a max and a min took 42 and a copy for BLAS 32; a broadcast view counts an entry as often as
+    it appears, which bounds its rows all the same)."""
     if x.size == 0:
         return 0.0
     if not x.flags.c_contiguous:
-        return math.inf
+        return float(np.einsum(x, list(range(x.ndim)), x, list(range(x.ndim)), []))
     flat = x.reshape(-1)
     return float(np.vdot(flat, flat))
 
