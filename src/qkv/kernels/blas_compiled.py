@@ -113,7 +113,7 @@ def gemm(addr, ta, tb, m, n, k, a, b, beta, c):
 def transpose(x, out, c0):
     """``out[:, c0:c0 + m] = xᵀ`` (``x (m, n)``, ``out (n, ·)``), written row by row: an operand laid
     out so that no product reads one along its rows (``A Bᵀ``), which OpenBLAS's SkylakeX (AVX-512)
-    small-matrix kernels ran at half the speed of ``A B`` or ``Aᵀ B`` at a chunk's sizes."""
+    small-matrix kernels ran at half the speed of ``A B`` or ``Aᵀ B`` at a chunk's or a short head's sizes."""
     for j in range(x.shape[1]):
         for i in range(x.shape[0]):
             out[j, c0 + i] = x[i, j]

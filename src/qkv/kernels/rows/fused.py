@@ -32,7 +32,7 @@ import numba
 import numpy as np
 from numba import types
 
-from ..blas_compiled import ILP64, N_, SGEMM, T_, gemm, threading_layer
+from ..blas_compiled import ILP64, N_, SGEMM, T_, gemm, threading_layer, transpose
 from ..flash.compiled import FASTMATH, wide_vectors
 from .compiled import LOG2E, NEG_INF, _zero, backward_pass, forward_pass
 
@@ -75,15 +75,6 @@ COPY_T_KEYS = 128  # keys up to which q Kᵀ and dO Vᵀ run against a transpose
 
 
 @numba.njit(inline="always")
-def _transposed(x, t):
-    """``t (D, T) = xᵀ`` for ``x (T, D)``."""
-    for j in range(x.shape[0]):
-        for d in range(x.shape[1]):
-            t[d, j] = x[j, d]
-    return t
-
-
-@numba.njit(inline="always")
 def _key_side(addr, a, kh, kt, r0, r1, k0, k1, s):
     """``s = a[r0:r1] kh[k0:k1]ᵀ``: against ``kt = khᵀ`` where one was made (short rows: see
     :data:`qkv.kernels.rows.kernel.COPY_T_KEYS`), else against ``kh`` transposed by BLAS."""
@@ -112,7 +103,9 @@ def _width(blocks):
 def _maybe_t(x, copy_t):
     """``xᵀ`` as a contiguous copy where ``copy_t``, else an empty ``(1, 0)`` array (BLAS transposes)."""
     if copy_t:
-        return _transposed(x, np.empty((x.shape[1], x.shape[0]), f32))
+        t = np.empty((x.shape[1], x.shape[0]), f32)
+        transpose(x, t, 0)
+        return t
     return np.empty((1, 0), f32)
 
 

@@ -333,19 +333,19 @@ def _masks(QK, G, D, L, Dk):
 
 
 @numba.njit(inline="always", fastmath=_BACK)
-def _grad_rows(R, dKg, Qg, Kg, A, D, eG, eK, dq, dk, P, M, after, before):
+def _grad_rows(R, dKg, Qg, K, A, D, eG, eK, dq, dk, P, M, after, before):
     """``dq = e^G ∘ dQg``, ``dk = e^{Γ-G} ∘ dKg`` (the in-chunk parts added after), ``P = dA ∘ D``,
-    ``M = dA ∘ A``; each row's decay terms ``after = Σ dQg ∘ Qg``, ``before = Σ dKg ∘ Kg``."""
+    ``M = dA ∘ A``; each row's decay terms ``after = Σ dQg ∘ Qg``, ``before = Σ dKg ∘ Kg = e^{Γ-G} Σ dKg ∘ K``."""
     C, Dk = dq.shape
     for i in range(C):
         e, f, aq, bk = eG[i], eK[i], np.float32(0), np.float32(0)
         for d in range(Dk):
             x, y = R[i, d], dKg[i, d]
             aq += x * Qg[i, d]
-            bk += y * Kg[i, d]
+            bk += y * K[i, d]
             dq[i, d] = e * x
             dk[i, d] = f * y
-        after[i], before[i] = aq, bk
+        after[i], before[i] = aq, f * bk
         for s in range(C):
             dA = R[i, Dk + s]
             P[i, s] = dA * D[i, s]
@@ -364,7 +364,7 @@ def backward_chunks(addr, q, k, v, dO, G, eG, eK, e_gam, starts, scale, dS, dq, 
     Dv = v.shape[3]
     Z, L, R = np.empty((Dv, Dk + C), np.float32), np.empty((Dk + C, C), np.float32), np.empty((C, Dk + C), np.float32)
     A, D, P, M = np.zeros((C, C), np.float32), np.zeros((C, C), np.float32), np.zeros((C, C), np.float32), np.zeros((C, C), np.float32)
-    Qg, Kg, dKg, Kt = np.empty((C, Dk), np.float32), np.empty((C, Dk), np.float32), np.empty((C, Dk), np.float32), np.empty((Dk, C), np.float32)
+    Qg, dKg, Kt = np.empty((C, Dk), np.float32), np.empty((C, Dk), np.float32), np.empty((Dk, C), np.float32)
     after, before = np.zeros(C), np.zeros(C)
     for h in range(n):
         transpose(dS[h], Z, 0)                                       # Z = [dS'ᵀ | dO'ᵀ]
@@ -373,7 +373,6 @@ def backward_chunks(addr, q, k, v, dO, G, eG, eK, e_gam, starts, scale, dS, dq, 
             for x in range(Dv):                                            # (Z, not its views: a known stride vectorizes)
                 for i in range(C):
                     Z[x, Dk + i] = scale * dOj[i, x]
-            rows_times(K, ek, Kg)
             rows_times(Q, eG[h, j], Qg)
             for d in range(Dk):                                            # Kᵀ, and L = [Kgᵀ; A]
                 for i in range(C):
@@ -392,7 +391,7 @@ def backward_chunks(addr, q, k, v, dO, G, eG, eK, e_gam, starts, scale, dS, dq, 
                     Z[x, d] *= e
                 whole += part
             gemm(addr, N_, N_, Dv, Dk, C, dOT, Qg, 1, dST)                # dSᵀ = exp(Γ) dS'ᵀ + dO'ᵀ Qg
-            _grad_rows(R, dKg, Qg, Kg, A, D, eG[h, j], ek, dq[h, j], dk[h, j], P, M, after, before)
+            _grad_rows(R, dKg, Qg, K, A, D, eG[h, j], ek, dq[h, j], dk[h, j], P, M, after, before)
             gemm(addr, N_, N_, C, Dk, C, P, K, 1, dq[h, j])               # dq += (dA ∘ D) K
             gemm(addr, T_, N_, C, Dk, C, P, Q, 1, dk[h, j])               # dk += (dA ∘ D)ᵀ Q
             decay_grads(after, before, whole * e, M, dg[h, j])
