@@ -30,6 +30,7 @@ ROWS_FUSED = "qkv.kernels.rows.fused"   # the row kernel's whole call, one paral
 ROPE = "qkv.kernels.rope_compiled"      # rotary position embedding in one pass
 SCAN = "qkv.recurrent.scan.compiled"      # Griffin's diagonal recurrence, forward and backward, one pass each
 DECAY_CHANNELS = "qkv.recurrent.decay.channel_compiled"  # the decay backward with a decay a key channel
+DELTA_CHANNELS = "qkv.recurrent.delta.channels_compiled"  # the delta rule's forward with a decay a key channel
 DPLR = "qkv.recurrent.generalized_delta.compiled"          # the generalized delta rule (dplr)
 PRODUCTS = "qkv.kernels.products_compiled"  # a layer's product cut over numba's threads (qkv.nn.products)
 FLASH_TASK = "qkv.kernels.flash.task_compiled"  # the tiled forward's bound path, a task's tiles in one call

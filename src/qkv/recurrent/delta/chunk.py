@@ -151,7 +151,7 @@ def forward(q, k, v, beta, g=None, *, scale, initial_state=None, chunk=None):
     """
     if g is not None and g.ndim == 4:
         C, work = _channel_chunk(chunk, q, v)
-        return by_heads(lambda *xs: channels.forward(*xs, scale=scale, chunk=C),
+        return by_heads(lambda *xs: channels.forward(*xs, scale=scale, chunk=chunk),
                         [q, k, v, beta, g, initial_state], C, work)
     C = max(1, min(CHUNK if chunk is None else chunk, q.shape[2]))
     return by_heads(lambda *xs: _forward(*xs, scale=scale, chunk=C), [q, k, v, beta, g, initial_state], C)
