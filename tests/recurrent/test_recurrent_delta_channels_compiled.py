@@ -1,13 +1,14 @@
-"""The delta rule's compiled float32 forward with a decay a key channel (Kimi Delta Attention:
-qkv.recurrent.delta.channels_compiled, driven by qkv.recurrent.delta.channels.forward) against the float64
-step oracle, within a budget of the NumPy float32 path's own error: mild, steep (-30 a step), resets (-1e4,
+"""The delta rule's compiled float32 forward and backward with a decay a key channel (Kimi Delta Attention:
+qkv.recurrent.delta.channels_compiled, driven by qkv.recurrent.delta.channels) against the float64 step
+oracle, within a budget of the NumPy float32 path's own error: mild, steep (-30 a step), resets (-1e4,
 -3e38), none and mixed decays, channels of one head differing; T a multiple of the chunk and not, chunks of
-2 to 64, Dk and Dv apart, with and without an initial state; queries at 30x (scores of +-30 and more)."""
+2 to 64, Dk and Dv apart, with and without an initial state and dstate; queries at 30x (scores of +-30 and
+more)."""
 import numpy as np
 import pytest
 
 import qkv.recurrent as rec
-from compiled_budget import BUDGET, compiled_or_skip, counted, rel
+from compiled_budget import BUDGET, check_within_budget, compiled_or_skip, counted, rel
 from qkv import jit, threads
 from qkv.recurrent.delta import channels, chunk as delta, naive as recurrence
 
@@ -37,19 +38,31 @@ def _f32(xs):
     return [None if x is None else x.astype(np.float32) for x in xs]
 
 
-def _check(monkeypatch, inputs, chunk):
+def _check(monkeypatch, inputs, chunk, seed=1):
+    """Forward and backward of the compiled path within budget (``compiled_budget.BUDGET``), each array
+    against the oracle's largest true entry."""
     mod = compiled_or_skip(jit.DELTA_CHANNELS)
     q, k, v, beta, g, S0 = inputs
+    rng = np.random.default_rng(seed)
+    do, dS = rng.standard_normal(v.shape), None if S0 is None else rng.standard_normal(S0.shape)
     want = recurrence.delta_forward(q, k, v, beta, g, scale=SCALE, initial_state=S0)
-    calls = counted(monkeypatch, mod, "forward")
-    got = delta.forward(*_f32(inputs[:5]), scale=SCALE, initial_state=_f32([S0])[0], chunk=chunk)
-    assert calls, "the compiled forward did not run"
+    want_grads = recurrence.delta_backward(do, dS, q, k, v, beta, g, scale=SCALE, initial_state=S0)
+    x32 = _f32([q, k, v, beta, g, S0, do, dS])
+    calls = {name: counted(monkeypatch, mod, name) for name in ("forward", "backward")}
+
+    def run():
+        return (delta.forward(*x32[:5], scale=SCALE, initial_state=x32[5], chunk=chunk),
+                delta.backward(x32[6], x32[7], *x32[:5], scale=SCALE, initial_state=x32[5], chunk=chunk))
+    got, got_grads = run()
+    assert calls["forward"] and calls["backward"], "the compiled path did not run"
     monkeypatch.setitem(jit._loaded, jit.DELTA_CHANNELS, None)
-    plain = delta.forward(*_f32(inputs[:5]), scale=SCALE, initial_state=_f32([S0])[0], chunk=chunk)
+    plain, plain_grads = run()
     for name, a, b, w in zip(("o", "S_T"), got, plain, want):
         assert a.dtype == np.float32 and a.shape == w.shape and np.isfinite(a).all(), name
         budget = BUDGET * max(rel(b, w), np.finfo(np.float32).eps)
         assert rel(a, w) <= budget, f"{name}: {rel(a, w):.2e} > {budget:.2e} (NumPy path {rel(b, w):.2e})"
+    check_within_budget(["dq", "dk", "dv", "dbeta", "dg", "dS0"], got_grads, plain_grads, want_grads,
+                        absent=() if S0 is not None else ("dS0",))
 
 
 @pytest.mark.parametrize("B, H, T, Dk, Dv, chunk", [(1, 2, 96, 16, 24, None), (2, 3, 100, 32, 16, None),
@@ -67,14 +80,29 @@ def test_scores_of_thirty_and_more(monkeypatch, decays):
     _check(monkeypatch, _inputs(1, 2, 300, 64, 64, decays, True, q_times=30.0), None)
 
 
-def test_a_kimi_head_at_length_2048(monkeypatch):
-    """Kimi Linear's head (Dk = Dv = 128) at T = 2048: the error does not grow past the budget with length."""
-    _check(monkeypatch, _inputs(1, 1, 2048, 128, 128, "mild", True, seed=3), None)
+def test_a_kimi_head_at_length_1024(monkeypatch):
+    """Kimi Linear's head (Dk = Dv = 128) at T = 1024: the error does not grow past the budget with length."""
+    _check(monkeypatch, _inputs(1, 1, 1024, 128, 128, "mild", True, seed=3), None)
+
+
+def test_steep_decays_keep_their_tiny_gradients():
+    """Odd channels at -30 a step: each such channel's dg is a sum of terms as tiny as the factors that
+    cross its steps, held to the oracle per channel (against that channel's largest true entry)."""
+    compiled_or_skip(jit.DELTA_CHANNELS)
+    q, k, v, beta, g, S0 = _inputs(1, 1, 64, 8, 8, "steep", True)
+    g[..., ::2] = -0.5                                              # even channels mild
+    rng = np.random.default_rng(2)
+    do, dS = rng.standard_normal(v.shape), rng.standard_normal(S0.shape)
+    want = recurrence.delta_backward(do, dS, q, k, v, beta, g, scale=SCALE, initial_state=S0)[4]
+    got = delta.backward(*_f32([do, dS, q, k, v, beta, g]), scale=SCALE, initial_state=_f32([S0])[0])[4]
+    for d in range(1, 8, 2):
+        assert np.abs(want[..., 1:, d]).max() < 1e-9                  # they are tiny
+        assert rel(got[..., 1:, d], want[..., 1:, d]) < 1e-4, d
 
 
 def test_float64_and_chunks_of_one_keep_the_numpy_path(monkeypatch):
     """float64 and a chunk of one row (what inputs that are not finite are given: the step loop) never
-    run compiled."""
+    run compiled (the backward asks the same question: compiled_chunk)."""
     mod = compiled_or_skip(jit.DELTA_CHANNELS)
     calls = counted(monkeypatch, mod, "forward")
     q, k, v, beta, g, S0 = _inputs(1, 2, 40, 8, 8, "mild", True)
@@ -99,7 +127,8 @@ def test_same_bits_on_any_thread_count_and_again():
     for n in (1, 2, 3, 1):
         threads.set_num_threads(n)
         try:
-            runs.append(rec.delta_rule(q, k, v, beta, g, initial_state=S0, return_state=True))
+            runs.append([*rec.delta_rule(q, k, v, beta, g, initial_state=S0, return_state=True),
+                         *rec.delta_rule_backward(v, q, k, v, beta, g, initial_state=S0, dstate=S0)])
         finally:
             threads.set_num_threads(None)
     for other in runs[1:]:

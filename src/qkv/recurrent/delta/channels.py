@@ -38,11 +38,11 @@ element by element over d (batched matrix products ``(C, C, Dk) @ (C, Dk, 2)``),
 chunks are short: :data:`CHUNK` = 16. Time ``O(T·C·Dk + T·Dk·Dv)``, memory ``O(T·C·Dk)``
 a head for the decay blocks (the heads run in groups bounded by that: :func:`work`).
 
-**Compiled forward.** With the ``fast`` extra, float32's forward runs chunk after chunk in one compiled loop
+**Compiled.** With the ``fast`` extra, float32's forward and backward run chunk after chunk in compiled loops
 (:mod:`qkv.recurrent.delta.channels_compiled`): the decays as running products of the step decays, made in
-cache, never a ``(C, C, Dk)`` block in memory; its own bits, tested against the oracle. At (1, 8, 2048, 64),
-one thread, Intel Xeon model 207 (AVX-512): 7 ms where this path takes 157 (Kimi Linear's ``chunk_kda``
-through qkv.torch: 106 ms a call, now 12). The backward is this module's.
+cache, never a ``(C, C, Dk)`` block in memory; their own bits, tested against the oracle. At (1, 8, 2048, 64),
+one thread, Intel Xeon model 207 (AVX-512): forward 7 ms where this path takes 157 (Kimi Linear's
+``chunk_kda`` through qkv.torch: 106 ms a call, now 12), backward 39 where it takes 395.
 
 **Backward.** As :mod:`qkv.recurrent.delta.backward`, the state's gradient runs back once a
 chunk (``dU = scale Pᵀ dO + Kc dS_C``, ``dR = Tinvᵀ dU``,
@@ -202,6 +202,22 @@ def _forward_compiled(q, k, v, beta, g, initial_state, scale, C):
     return o.reshape(B, H, T, Dv), S.reshape(B, H, Dk, Dv)
 
 
+def _backward_compiled(dout, dstate, q, k, v, beta, g, initial_state, scale, C):
+    B, H, T, Dk = q.shape
+    Dv, n, f = v.shape[-1], B * H, np.float32
+    mod = jit.load(jit.DELTA_CHANNELS)
+    flat = [np.ascontiguousarray(x).reshape(n, T, -1) for x in (q, k, v, g, dout)]
+    S0 = np.zeros((n, Dk, Dv), f) if initial_state is None else np.ascontiguousarray(initial_state).reshape(n, Dk, Dv)
+    dS = np.zeros((n, Dk, Dv), f) if dstate is None else np.array(dstate, f).reshape(n, Dk, Dv)
+    grads = [np.empty(x.shape, f) for x in flat[:3]] + [np.empty((n, T), f), np.empty((n, T, Dk), f)]
+    N = -(-T // C)                                                       # one head's start states, U and V - Kg S_0
+    mod.backward((mod.SGEMM, int(mod.ILP64)), *flat[:3], np.ascontiguousarray(beta).reshape(n, T), flat[3], flat[4],
+                 S0, dS, np.float32(scale), C, np.empty((N, Dv, Dk), f), np.empty((T, Dv), f), np.empty((T, Dv), f),
+                 grads[0], grads[1], grads[2], grads[3], grads[4])
+    dq, dk, dv, dbeta, dg = (x.reshape((B, H) + x.shape[1:]) for x in grads)
+    return dq, dk, dv, dbeta, dg, None if initial_state is None else dS.reshape(B, H, Dk, Dv)
+
+
 def _state_grads(ch: Chunks, dO, dS, scale):
     """Backwards over the chunks: ``(dR, ends, dS_0)``, ``ends[n]`` the gradient reaching
     chunk n's end state."""
@@ -231,8 +247,10 @@ def _decay_grad(ch: Chunks, M, after, before, ends, starts):
 
 def backward(dout, dstate, q, k, v, beta, g, initial_state, *, scale, chunk):
     """``(dq, dk, dv, dbeta, dg, dinitial_state)`` of :func:`forward` in q's dtype
-    (``dinitial_state`` None without ``initial_state``)."""
-    C, dt = chunk, q.dtype
+    (``dinitial_state`` None without ``initial_state``). ``chunk`` as :func:`forward`'s."""
+    if (fast := compiled_chunk(chunk, q.dtype, q.shape[2])) is not None:
+        return _backward_compiled(dout, dstate, q, k, v, beta, g, initial_state, scale, fast)
+    C, dt = max(1, min(CHUNK if chunk is None else chunk, q.shape[2])), q.dtype
     ch = prepare(q, k, v, beta, g, C)
     B, H, _, Dk = q.shape
     zeros = np.zeros((B, H, Dk, v.shape[-1]), dt)

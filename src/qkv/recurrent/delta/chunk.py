@@ -166,7 +166,7 @@ def backward(dout, dstate, q, k, v, beta, g=None, *, scale, initial_state=None, 
         C, work = _channel_chunk(chunk, q, v)
 
         def channel_job(q, k, v, beta, g, S0, dout, dstate):
-            return channels.backward(dout, dstate, q, k, v, beta, g, S0, scale=scale, chunk=C)
+            return channels.backward(dout, dstate, q, k, v, beta, g, S0, scale=scale, chunk=chunk)
         return by_heads(channel_job, [q, k, v, beta, g, initial_state, dout, dstate], C, work)
     B, H, T, Dk = q.shape
     Dv = v.shape[-1]
