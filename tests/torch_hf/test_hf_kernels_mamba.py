@@ -305,6 +305,29 @@ def test_state_update_mamba2_shapes_equal_fallback():
     assert big[[1, 3]].abs().max() == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_state_update_expanded_per_head_inputs_give_the_dense_bits(dtype):
+    """dt, dt_bias and A expanded over P and N (transformers' Mamba-2 decoding step), whose decay is made once a
+    head: the same bits as the same numbers laid out densely, state and output, and the same gradients of the
+    one-a-head tensors (float32 at 30x: decays of e^-30 and more)."""
+    Bz, H, P, G, N = 2, 4, 8, 1, 16
+    s = rand(Bz, H, P, N, seed=1, grad=False, dtype=dtype)
+    x, B, C, z = (rand(*shape, seed=i, dtype=dtype) for i, shape in enumerate([(Bz, H, P), (Bz, G, N), (Bz, G, N),
+                                                                                (Bz, H, P)], 2))
+    dt_h, db_h = 30 * rand(Bz, H, seed=6, dtype=dtype), rand(H, seed=7, dtype=dtype)
+    A_h = rand(H, seed=8, lo=-2.0, hi=-0.1, dtype=dtype)
+    D = rand(H, seed=9, dtype=dtype)[:, None].expand(-1, P)
+    wide = (dt_h[..., None].expand(-1, -1, P), A_h[:, None, None].expand(-1, P, N), db_h[:, None].expand(-1, P))
+    runs = []
+    for dt, A, db in (wide, tuple(t.contiguous() for t in wide)):
+        st = s.clone()
+        out = K.selective_state_update(st, x, dt, A, B, C, D, z=z, dt_bias=db, dt_softplus=True)
+        runs.append((out, st, grads(out, [dt_h, A_h, db_h, x, B])))
+    (o1, s1, g1), (o2, s2, g2) = runs
+    assert torch.equal(o1, o2) and torch.equal(s1, s2)
+    close(g1, g2, tol=1e-6 if dtype == torch.float32 else 1e-12)
+
+
 def test_state_update_mamba1_shapes_equal_fallback():
     Bz, Dd, N = 2, 6, 4
     s = rand(Bz, Dd, N, seed=1, grad=False)

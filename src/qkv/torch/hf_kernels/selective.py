@@ -150,23 +150,33 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
             raise ShapeError(f"state_batch_indices must lie in [0, {st.shape[0]}) (rows of state); got {rows.tolist()}")
         distinct_rows("state_batch_indices", rows, "state")
     cdt = torch.float64 if torch.float64 in (state.dtype, x.dtype) else torch.float32
-    delta = cast(dt, cdt) + (0 if dt_bias is None else cast(dt_bias, cdt))
+    # transformers' Mamba-2 passes dt, dt_bias (one a head) and A (one a head) expanded over P and N
+    # (stride 0): Δ and the decay exp(Δ A) are then made once a head, not P·N times (the same numbers)
+    per_head = dt.stride(-1) == 0 and (dt_bias is None or dt_bias.stride(-1) == 0)
+    delta = cast(dt[..., :1] if per_head else dt, cdt) + \
+        (0 if dt_bias is None else cast(dt_bias[..., :1] if per_head else dt_bias, cdt))
     if dt_softplus:
-        delta = F.softplus(delta)                                                          # Δ (B, H, P)
+        delta = F.softplus(delta)                                                          # Δ (B, H, P | 1)
+    A = A[:, :1] if A.stride(1) == 0 else A
+    A = A[..., :1] if A.stride(2) == 0 else A                                            # (H, P | 1, N | 1)
     # a step is ~15 small torch calls, each a few µs: none is spent where it changes no number.
     # One group (G = 1): B and C broadcast over the heads, no copy; a gradient (through a copy,
     # to sum over the heads as before) or the old state (kept for it) only where one is wanted
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (state, x, dt, A, B, C, dt_bias))
     Bh, Ch = (cast(t, cdt)[:, :, None, :] if G == 1 and not grad else
               cast(t, cdt).repeat_interleave(H // G, dim=1)[:, :, None, :] for t in (B, C))   # (B, H | 1, 1, N)
-    old = cast(st if rows is None else st[rows], cdt)                                   # (B, H, P, N)
-    old = old.clone() if grad else old                                                  # kept for the gradient
     xc = cast(x, cdt)
-    new = old * torch.exp(delta[..., None] * cast(A, cdt)) + (delta * xc)[..., None] * Bh
-    if rows is None:
-        st.copy_(new)
+    decay, written = torch.exp(delta[..., None] * cast(A, cdt)), (delta * xc)[..., None] * Bh
+    if not grad and rows is None and st.dtype == cdt:
+        new = st.mul_(decay).add_(written)                                              # in place: the same bits, no copy
     else:
-        st[rows] = cast(new, st.dtype)
+        old = cast(st if rows is None else st[rows], cdt)                               # (B, H, P, N)
+        old = old.clone() if grad else old                                              # kept for the gradient
+        new = old * decay + written
+        if rows is None:
+            st.copy_(new)
+        else:
+            st[rows] = cast(new, st.dtype)
     out = (new * Ch).sum(-1)                                                             # (B, H, P)
     if D is not None:
         out = out + xc * cast(D, cdt)
