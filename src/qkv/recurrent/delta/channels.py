@@ -42,7 +42,7 @@ a head for the decay blocks (the heads run in groups bounded by that: :func:`wor
 (:mod:`qkv.recurrent.delta.channels_compiled`): the decays as running products of the step decays, made in
 cache, never a ``(C, C, Dk)`` block in memory; their own bits, tested against the oracle. At (1, 8, 2048, 64),
 one thread, Intel Xeon model 207 (AVX-512): forward 7 ms where this path takes 157 (Kimi Linear's
-``chunk_kda`` through qkv.torch: 106 ms a call, now 12), backward 39 where it takes 395.
+``chunk_kda`` through qkv.torch: 106 ms a call, now 12), backward 33-39 where it takes 395.
 
 **Backward.** As :mod:`qkv.recurrent.delta.backward`, the state's gradient runs back once a
 chunk (``dU = scale Pᵀ dO + Kc dS_C``, ``dR = Tinvᵀ dU``,
@@ -212,7 +212,7 @@ def _backward_compiled(dout, dstate, q, k, v, beta, g, initial_state, scale, C):
     grads = [np.empty(x.shape, f) for x in flat[:3]] + [np.empty((n, T), f), np.empty((n, T, Dk), f)]
     N = -(-T // C)                                                       # one head's start states, U and V - Kg S_0
     mod.backward((mod.SGEMM, int(mod.ILP64)), *flat[:3], np.ascontiguousarray(beta).reshape(n, T), flat[3], flat[4],
-                 S0, dS, np.float32(scale), C, np.empty((N, Dv, Dk), f), np.empty((T, Dv), f), np.empty((T, Dv), f),
+                 S0, dS, np.float32(scale), C, np.empty((N, Dv, Dk), f), np.empty((N, Dv, C), f), np.empty((T, Dv), f),
                  grads[0], grads[1], grads[2], grads[3], grads[4])
     dq, dk, dv, dbeta, dg = (x.reshape((B, H) + x.shape[1:]) for x in grads)
     return dq, dk, dv, dbeta, dg, None if initial_state is None else dS.reshape(B, H, Dk, Dv)

@@ -35,14 +35,16 @@ Bits of their own (float32 sums in other orders, the decays running products): t
 step oracle within the NumPy float32 path's budget. Cost a chunk: ``C²/2 · Dk`` steps of the row loop
 (vectorised over the key channels) and ``3 C Dk Dv + 2 C² Dv`` multiply-adds in the forward's products.
 Measured at (1, 8, 2048, D), one thread, Intel Xeon model 207 (AVX-512), C = 16: forward 7-9 ms at D = 64,
-20-24 at 128 (the NumPy path 157 at 64); backward 39 and 137 ms (the NumPy path 395 at 64).
+20-24 at 128 (the NumPy path 157 at 64); backward 33-39 and 93-99 ms (the NumPy path 395 at 64). The backward's
+start states are written row by row (a column at a time, 8 MB a head at D = 128, they took 13 ms more) and
+``U`` kept transposed (``U dS'ᵀ`` read along rows took 10 µs a chunk where this takes 6).
 """
 from __future__ import annotations
 
 import numba
 import numpy as np
 
-from ...kernels.blas_compiled import ILP64, N_, SGEMM, T_, gemm  # noqa: F401  (SGEMM, ILP64: read by channels)
+from ...kernels.blas_compiled import ILP64, N_, SGEMM, T_, gemm, transpose  # noqa: F401  (SGEMM, ILP64: read by channels)
 from ...kernels.flash.compiled import wide_vectors
 from ..decay.channel_compiled import FLUSH, _factors
 from .compiled import _invert, decay_factor
@@ -209,11 +211,13 @@ def _rows(Q, K, a, E, B, KQg, Kc, eG, eK, KK, Z, ZS, ZU, R, dKc, whole, acc, cro
 
 
 @numba.njit(nogil=True, cache=True, fastmath=_MATH)
-def backward(addr, q, k, v, beta, g, dO, S0, dS, scale, C, starts, Us, Rs, dq, dk, dv, dbeta, dg):
+def backward(addr, q, k, v, beta, g, dO, S0, dS, scale, C, starts, Ut, Rs, dq, dk, dv, dbeta, dg):
     """The gradients of :func:`forward` (inputs as there; ``dO (n, T, Dv)``, ``S0 (n, Dk, Dv)`` the start
     states) written into ``dq, dk, dg (n, T, Dk)``, ``dv (n, T, Dv)``, ``dbeta (n, T)``; ``dS (n, Dk, Dv)`` the
     final states' gradients in, the start states' out. A head at a time: a sweep forwards keeps each chunk's
-    start state (transposed, ``starts (N, Dv, Dk)``), ``U`` and ``V - Kg S_0`` (``Us, Rs (T, Dv)``), a sweep
+    start state and ``U``, both transposed (``starts (N, Dv, Dk)``, ``Ut (N, Dv, C)``: no product reads an operand
+    along its rows, which OpenBLAS's small AVX-512 kernels run at a third of the speed), and ``V - Kg S_0``
+    (``Rs (T, Dv)``), a sweep
     backwards makes each chunk's gradients (the products of :func:`qkv.recurrent.delta.channels.backward`)::
 
         dKc = U dS'ᵀ    dU = Pᵀ dO' + Kc dS'    dR = Tinvᵀ dU    dS = e^{Γ_C} ∘ dS' + Qgᵀ dO' - (beta ∘ Kg)ᵀ dR
@@ -226,24 +230,24 @@ def backward(addr, q, k, v, beta, g, dO, S0, dS, scale, C, starts, Us, Rs, dq, d
     KK, P, Tinv, tmp = np.empty((C, C), f32), np.empty((C, C), f32), np.empty((C, C), f32), np.empty(C, f32)
     rd, X, st = np.empty((2 * C, Dv), f32), np.empty((Dk, Dv), f32), np.empty((Dk, Dv), f32)
     Z, ZS, ZU, dU = np.empty((2 * C, Dv), f32), np.empty((2 * C, Dk), f32), np.empty((2 * C, C), f32), np.empty((C, Dv), f32)
+    U = np.empty((C, Dv), f32)
     acc, cross, run, whole = np.empty((3, C, Dk), f32), np.empty((C, Dk)), np.empty(Dk), np.empty(Dk)
     for h in range(n):
         st[:] = S0[h]
         for j, t0 in enumerate(range(0, T, C)):                             # forwards: the start states, U, V - Kg S_0
             c = min(C, T - t0)
-            for d in range(Dk):
-                for x in range(Dv):
-                    starts[j, x, d] = st[d, x]
+            transpose(st, starts[j], 0)                                     # S_0ᵀ, written row by row
             _setup(q[h, t0:t0 + c], k[h, t0:t0 + c], g[h, t0:t0 + c], beta[h, t0:t0 + c], a[:c], eG[:c], eK[:c],
                    E[:c], KQg, Kc[:c], KK[:c, :c], P[:c, :c], Tinv[:c, :c], tmp)
             _corrections(addr, KQg[:2 * c], st, v[h, t0:t0 + c], beta[h, t0:t0 + c], Tinv[:c, :c], rd[:2 * c],
-                         Rs[t0:t0 + c], Us[t0:t0 + c])
-            _pass(addr, Kc[:c], Us[t0:t0 + c], eG[c - 1], st, X)
+                         Rs[t0:t0 + c], U[:c])
+            _pass(addr, Kc[:c], U[:c], eG[c - 1], st, X)
+            transpose(U[:c], Ut[j], 0)
         dSh = dS[h]
         for j in range(-(-T // C) - 1, -1, -1):                            # backwards: each chunk's gradients
             t0 = j * C
             c = min(C, T - t0)
-            Q, K, B, U, S0T = q[h, t0:t0 + c], k[h, t0:t0 + c], beta[h, t0:t0 + c], Us[t0:t0 + c], starts[j]
+            Q, K, B, UT, S0T = q[h, t0:t0 + c], k[h, t0:t0 + c], beta[h, t0:t0 + c], Ut[j, :, :c], starts[j]
             _setup(Q, K, g[h, t0:t0 + c], B, a[:c], eG[:c], eK[:c], E[:c], KQg, Kc[:c], KK[:c, :c], P[:c, :c],
                    Tinv[:c, :c], tmp)
             Dh = dO[h, t0:t0 + c]
@@ -255,7 +259,7 @@ def backward(addr, q, k, v, beta, g, dO, S0, dS, scale, C, starts, Us, Rs, dq, d
                 for x in range(Dv):
                     part += dSh[d, x] * S0T[x, d]
                 whole[d] = np.float64(eG[c - 1, d] * part)
-            gemm(addr, N_, T_, c, Dk, Dv, U, dSh, 0, dKc[:c])               # dKc = U dS'ᵀ
+            gemm(addr, T_, T_, c, Dk, Dv, UT, dSh, 0, dKc[:c])              # dKc = U dS'ᵀ
             gemm(addr, T_, N_, c, Dv, c, P[:c, :c], Z[:c], 0, dU[:c])       # dU = Pᵀ dO' + Kc dS'
             gemm(addr, N_, N_, c, Dv, Dk, Kc[:c], dSh, 1, dU[:c])
             gemm(addr, T_, N_, c, Dv, c, Tinv[:c, :c], dU[:c], 0, Z[c:2 * c])  # dR = Tinvᵀ dU
@@ -269,7 +273,7 @@ def backward(addr, q, k, v, beta, g, dO, S0, dS, scale, C, starts, Us, Rs, dq, d
             gemm(addr, T_, N_, Dk, Dv, c, KQg[c:2 * c], Z[:c], 1, dSh)
             gemm(addr, T_, N_, Dk, Dv, c, Kb[:c], Z[c:2 * c], 1, dSh)
             gemm(addr, N_, N_, 2 * c, Dk, Dv, Z[:2 * c], S0T, 0, ZS[:2 * c])  # [dQg; dR S_0ᵀ]
-            gemm(addr, N_, T_, 2 * c, c, Dv, Z[:2 * c], U, 0, ZU[:2 * c, :c])  # [dP; -dA] (above the diagonal unread)
+            gemm(addr, N_, N_, 2 * c, c, Dv, Z[:2 * c], UT, 0, ZU[:2 * c, :c])  # [dP; -dA] (above the diagonal unread)
             _rows(Q, K, a[:c], E[:c], B, KQg[:2 * c], Kc[:c], eG[:c], eK[:c], KK[:c, :c], Z[:2 * c], ZS[:2 * c],
                   ZU[:2 * c, :c], Rs[t0:t0 + c], dKc[:c], whole, acc[:, :c], cross[:c], run, dq[h, t0:t0 + c],
                   dk[h, t0:t0 + c], dv[h, t0:t0 + c], dbeta[h, t0:t0 + c], dg[h, t0:t0 + c])
