@@ -19,6 +19,7 @@ from transformers.models.mamba2 import modeling_mamba2 as m2  # noqa: E402
 
 import qkv  # noqa: E402
 from qkv.torch import hf_kernels as K  # noqa: E402
+from qkv.torch.hf_kernels import conv as conv_module  # noqa: E402
 
 F = torch.nn.functional
 DT = torch.float64
@@ -490,6 +491,38 @@ def test_conv_update_token_by_token_has_the_prefills_bits(dtype, layout):
     steps = torch.stack([K.causal_conv1d_update(x[:, :, t], state, w, b, activation="silu") for t in range(9)], -1)
     assert torch.equal(full, steps)
     assert torch.equal(state, x[:, :, -3:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("layout", ["(B, D, T)", "(B, T, D) transposed", "split"])
+@pytest.mark.parametrize("Kw,D,T,states", [(4, 48, 300, True), (4, 37, 1000, False), (2, 19, 129, True),
+                                           (3, 64, 4096, False)])
+def test_conv_fn_without_a_gradient_has_the_bits_of_the_recorded_path(monkeypatch, dtype, layout, Kw, D, T, states):
+    """Without a gradient (prefill, evaluation) a channel-last convolution runs a block of time steps at a
+    time (the blocks small here: many of them, the last one short); with one recorded, over whole slabs.
+    The same bits, outputs and final states, with and without bias, activation and initial states."""
+    monkeypatch.setattr(conv_module, "BLOCK", 2048)
+    calls = []
+    real = conv_module._blocked_taps
+    monkeypatch.setattr(conv_module, "_blocked_taps", lambda *a: calls.append(1) or real(*a))
+    g = torch.Generator().manual_seed(Kw + D + T)
+    if layout == "split":
+        x = torch.randn(2, T, D + 7, generator=g, dtype=dtype)[..., 3:3 + D].transpose(1, 2)
+    elif layout == "(B, D, T)":
+        x = torch.randn(2, D, T, generator=g, dtype=dtype)
+    else:
+        x = torch.randn(2, T, D, generator=g, dtype=dtype).transpose(1, 2)
+    w, b = torch.randn(D, Kw, generator=g, dtype=dtype), torch.randn(D, generator=g, dtype=dtype)
+    s0 = torch.randn(2, D, Kw - 1, generator=g, dtype=dtype) if states else None
+    for bias, activation in ((b, "silu"), (None, None), (b, None)):
+        with torch.no_grad():
+            fast = K.causal_conv1d_fn(x, w, bias, initial_states=s0, return_final_states=True, activation=activation)
+        slow = K.causal_conv1d_fn(x, w.clone().requires_grad_(), bias, initial_states=s0, return_final_states=True,
+                                  activation=activation)
+        assert fast[0].stride() == slow[0].stride()
+        for a, c in zip(fast, slow):
+            assert torch.equal(a, c.detach())
+    assert bool(calls) == (layout != "(B, D, T)")                   # the blocks ran (channel-last only)
 
 
 # --- refusals by name -----------------------------------------------------------------------
