@@ -3,7 +3,7 @@ load it through ``qkv.jit.load(qkv.jit.DELTA_CHANNELS)`` only, driven by :mod:`q
 
 The NumPy path (:mod:`qkv.recurrent.delta.channels`) makes every chunk's ``(C, C, Dk)`` block of decays
 ``e^{Γ_td - Γ_sd}`` at once, by ``exp`` of float64 differences, then contracts it by batched products: at
-(1, 8, 2048, 64) about 100 ms, most of it those blocks' exps and passes over memory. Here a head's chunks run
+(1, 8, 2048, 64) 100-160 ms, most of it those blocks' exps and passes over memory. Here a head's chunks run
 one after the other, each in cache, the state passed by BLAS's ``sgemm`` (the products of
 :mod:`qkv.recurrent.delta.channels`' ``pass_states`` and the output's)::
 
