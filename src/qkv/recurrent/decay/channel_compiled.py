@@ -44,7 +44,7 @@ _BACK = {"contract", "nsz", "reassoc"}   # no NumPy bits to match
 
 
 @numba.njit(inline="always", fastmath=_BACK)
-def _factors(a, eG, eK):
+def running_factors(a, eG, eK):
     """A chunk's ``eG[i] = Π_{t <= i} a_t``, ``eK[s] = Π_{s < t} a_t`` ``(C, Dk)``; returns ``exp(Γ) = eG[C-1]``."""
     C, Dk = a.shape
     for d in range(Dk):
@@ -83,7 +83,7 @@ def backward_states(addr, k, v, a, S0, starts):
         for j in range(Nc):
             starts[h, j, Dk:] = v[h, j]
             if j + 1 < Nc:
-                e_gam = _factors(a[h, j], eG, eK)
+                e_gam = running_factors(a[h, j], eG, eK)
                 _times(k[h, j], eK, Kg)
                 S, out = starts[h, j, :Dk], starts[h, j + 1, :Dk]
                 for d in range(Dk):
@@ -171,7 +171,7 @@ def backward_chunks(addr, q, k, v, dO, a, starts, scale, dS, dq, dk, dv, dg):
             for i in range(C):
                 for x in range(Dv):
                     dOn[i, x] = dO[h, j, i, x] * scale
-            e_gam = _factors(a[h, j], eG, eK)
+            e_gam = running_factors(a[h, j], eG, eK)
             _times(K, eK, Kg)                                              # L = [Kg | Aᵀ]
             _times(Q, eG, Qg)
             gemm(addr, N_, T_, C, Dk + C, Dv, dOn, st, 0, R)              # [dQg | dA] = dO' [S; V]ᵀ

@@ -46,7 +46,7 @@ import numpy as np
 
 from ...kernels.blas_compiled import ILP64, N_, SGEMM, T_, gemm, transpose  # noqa: F401  (SGEMM, ILP64: read by channels)
 from ...kernels.flash.compiled import wide_vectors
-from ..decay.channel_compiled import FLUSH, _factors
+from ..decay.channel_compiled import FLUSH, running_factors
 from .compiled import _invert, decay_factor
 
 _MATH = {"contract", "nsz", "reassoc"}   # no NumPy bits to match
@@ -88,7 +88,7 @@ def _setup(Q, K, G, B, a, eG, eK, E, KQg, Kc, KK, P, Tinv, tmp):
     for i in range(c):
         for d in range(Dk):
             a[i, d] = decay_factor(np.float64(G[i, d]), True)
-    _factors(a, eG, eK)
+    running_factors(a, eG, eK)
     for i in range(c):
         for d in range(Dk):
             e = eG[i, d]
