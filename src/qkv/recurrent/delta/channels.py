@@ -162,11 +162,16 @@ def pass_states(ch: Chunks, S0: np.ndarray) -> Passed:
     return Passed(U, reads[..., :C, :], reads[..., C:, :], starts, S)
 
 
+def chunk_size(chunk, T: int) -> int:
+    """Rows a chunk: the caller's ``chunk`` (None: :data:`CHUNK`), at most T, at least 1."""
+    return max(1, min(CHUNK if chunk is None else int(chunk), T))
+
+
 def compiled_chunk(chunk, dtype, T: int) -> int | None:
-    """The chunk of the compiled forward (:mod:`qkv.recurrent.delta.channels_compiled`) where it runs: float32,
-    numba and NumPy's ``sgemm`` found, chunks of at least 2 rows (a chunk of one row is the step loop, what
-    inputs that are not finite take); :data:`CHUNK` where the caller gives none. Else None."""
-    C = max(1, min(CHUNK if chunk is None else int(chunk), T))
+    """The chunk of the compiled forward and backward (:mod:`qkv.recurrent.delta.channels_compiled`) where they
+    run: float32, numba and NumPy's ``sgemm`` found, chunks of at least 2 rows (a chunk of one row is the step
+    loop, what inputs that are not finite take). Else None."""
+    C = chunk_size(chunk, T)
     if np.dtype(dtype) != np.float32 or C < 2:
         return None
     mod = jit.load(jit.DELTA_CHANNELS)
@@ -178,8 +183,7 @@ def forward(q, k, v, beta, g, initial_state, *, scale, chunk):
     NumPy path's (None: :data:`CHUNK`); float32 runs compiled where it can (:func:`compiled_chunk`)."""
     if (fast := compiled_chunk(chunk, q.dtype, q.shape[2])) is not None:
         return _forward_compiled(q, k, v, beta, g, initial_state, scale, fast)
-    chunk = max(1, min(CHUNK if chunk is None else chunk, q.shape[2]))
-    ch = prepare(q, k, v, beta, g, chunk)
+    ch = prepare(q, k, v, beta, g, chunk_size(chunk, q.shape[2]))
     B, H, _, Dk = q.shape
     S0 = np.zeros((B, H, Dk, v.shape[-1]), q.dtype) if initial_state is None else initial_state
     run = pass_states(ch, S0)
@@ -250,7 +254,7 @@ def backward(dout, dstate, q, k, v, beta, g, initial_state, *, scale, chunk):
     (``dinitial_state`` None without ``initial_state``). ``chunk`` as :func:`forward`'s."""
     if (fast := compiled_chunk(chunk, q.dtype, q.shape[2])) is not None:
         return _backward_compiled(dout, dstate, q, k, v, beta, g, initial_state, scale, fast)
-    C, dt = max(1, min(CHUNK if chunk is None else chunk, q.shape[2])), q.dtype
+    C, dt = chunk_size(chunk, q.shape[2]), q.dtype
     ch = prepare(q, k, v, beta, g, C)
     B, H, _, Dk = q.shape
     zeros = np.zeros((B, H, Dk, v.shape[-1]), dt)

@@ -135,9 +135,12 @@ def by_heads(job, arrays: list, chunk: int, per_head: int | None = None) -> tupl
 
 
 def _channel_chunk(chunk, q, v) -> tuple:
-    """A decay a key channel (:mod:`.channels`): its chunk and the numbers a head holds."""
+    """A decay a key channel (:mod:`.channels`): its chunk and the numbers a head holds (the NumPy path's
+    decay blocks; the compiled path's chunk arrays, :func:`by_heads`' default)."""
     B, H, T, Dk = q.shape
-    C = max(1, min(channels.CHUNK if chunk is None else chunk, T))
+    if (C := channels.compiled_chunk(chunk, q.dtype, T)) is not None:
+        return C, None
+    C = channels.chunk_size(chunk, T)
     return C, channels.work(T, C, Dk, v.shape[-1])
 
 

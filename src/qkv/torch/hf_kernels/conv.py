@@ -118,15 +118,15 @@ def _block_rows(width: int, K: int) -> int:
     return max(K, BLOCK // max(1, width))
 
 
-def _blocked_taps(head, xt, weight, bias) -> torch.Tensor:
+def _blocked_taps(head, xt, weight, bias, rows: int) -> torch.Tensor:
     """:func:`_taps` of a channel-last input without a gradient, a block of time steps at a time, so that
     a block's K multiply-adds and bias find it in cache (over whole slabs each pass went to memory: at
     (1, 8192, 2048) float32, 64 MB each). Each pass is the one :func:`_taps` makes, a loop along the
     channels of each time step (the taps and the bias are broadcast over time), so each number is rounded
-    as there: the same bits. ``head (B, K - 1, D)`` the inputs before t = 0, ``xt (B, T, D)``."""
+    as there: the same bits. ``head (B, K - 1, D)`` the inputs before t = 0, ``xt (B, T, D)``; ``rows`` time
+    steps a block (:func:`_block_rows`, at least K - 1)."""
     K, (Bsz, T, Dd) = weight.shape[1], xt.shape
     out = xt.new_empty((Bsz, T, Dd))
-    rows = _block_rows(Bsz * Dd, K)
     for t0 in range(0, T, rows):
         n = min(rows, T - t0)
         src = xt.narrow(1, t0 - (K - 1), n + K - 1) if t0 >= K - 1 else \
@@ -208,8 +208,9 @@ def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, re
     head = xw.new_zeros(Bsz, Dd, K - 1) if initial_states is None else initial_states.to(weight.dtype)
     head = head.transpose(1, 2) if last else head
     recorded = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (xt, head, weight, bias))
-    if last and not recorded and T >= 2 * _block_rows(Bsz * Dd, K):
-        out = _act(_blocked_taps(head, xt, weight, bias), silu).to(x.dtype)
+    rows = _block_rows(Bsz * Dd, K)
+    if last and not recorded and T >= 2 * rows:
+        out = _act(_blocked_taps(head, xt, weight, bias, rows), silu).to(x.dtype)
     else:
         out = _act(_taps(torch.cat([head, xt], dim=t_ax), weight, bias, T, t_ax), silu).to(x.dtype)
     out = out.transpose(1, 2) if last else out                          # (B, D, T), x's layout
