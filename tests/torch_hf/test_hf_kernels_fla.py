@@ -362,3 +362,23 @@ def test_a_decoding_step_refuses_the_gates_the_kernel_refuses(bad):
         with torch.set_grad_enabled(grad), pytest.raises(qkv.ShapeError, match=match):
             K.fused_recurrent_gated_delta_rule(q.clone().requires_grad_(grad), k, v, g=g, beta=beta,
                                                initial_state=torch.zeros(1, 4, 8, 8), output_final_state=True)
+
+
+@pytest.mark.parametrize("name", list(FUNCS))
+@pytest.mark.parametrize("l2", [True, False], ids=["l2norm", "raw"])
+@pytest.mark.parametrize("HV", [2, 6], ids=["HV=H", "grouped"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+def test_without_autograd_the_same_bits_as_with_it(name, l2, HV, dtype):
+    """No gradient wanted: q and k are normalised and grouped in one pass into the kernel's layout
+    (fla_args.kernel_heads), not by l2norm() then a copy: the same output and state, bit for bit,
+    as the call that records a gradient, at scores of +-30 and more, packed or not."""
+    x = _inputs(name, B=1, T=70, H=2, HV=HV, K=16, V=8, dtype=dtype, steep=True)
+    x["q"] = (x["q"].detach() * 30).requires_grad_()
+    for cu in (None, torch.tensor([0, 9, 40, 70])):
+        if cu is not None:   # a start state a packed sequence
+            x["initial_state"] = x["initial_state"].detach().repeat(3, 1, 1, 1).requires_grad_()
+        with_grad = FUNCS[name](**x, output_final_state=True, use_qk_l2norm_in_kernel=l2, cu_seqlens=cu)
+        with torch.no_grad():
+            plain = FUNCS[name](**x, output_final_state=True, use_qk_l2norm_in_kernel=l2, cu_seqlens=cu)
+        for got, want in zip(plain, with_grad):
+            assert got.dtype == want.dtype and torch.equal(got, want.detach()), (cu, (got - want).abs().max())

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ...errors import OptionError, ShapeError, fmt_shape
+from ..options import empty
 
 __all__ = ["causal_conv1d_fn", "causal_conv1d_update"]
 
@@ -102,7 +103,10 @@ def _taps(xp: torch.Tensor, weight: torch.Tensor, bias, T: int, t_ax: int) -> to
     # gradient is recorded each window is made as its product takes it, so that autograd sums
     # the windows' gradients into xp's in the same order (an unfold's would sum them otherwise)
     xs = xp.unfold(2, T, 1).unbind(2) if t_ax == 2 and not (torch.is_grad_enabled() and xp.requires_grad) else None
-    out = (xp.narrow(t_ax, 0, T) if xs is None else xs[0]) * w[0]
+    plain = not (torch.is_grad_enabled() and (xp.requires_grad or weight.requires_grad))
+    first = xp.narrow(t_ax, 0, T) if xs is None else xs[0]
+    # recorded: torch's product; else the same product into NumPy's pages, laid out as torch lays it (options.empty)
+    out = torch.mul(first, w[0], out=empty(first.shape, xp.dtype)) if plain else first * w[0]
     for k in range(1, K):
         out = out.addcmul_(xp.narrow(t_ax, k, T) if xs is None else xs[k], w[k])
     if bias is not None:   # in place, as the taps: out is ours, and the sum's gradient needs neither side
@@ -126,7 +130,7 @@ def _blocked_taps(head, xt, weight, bias, rows: int) -> torch.Tensor:
     as there: the same bits. ``head (B, K - 1, D)`` the inputs before t = 0, ``xt (B, T, D)``; ``rows`` time
     steps a block (:func:`_block_rows`, at least K - 1)."""
     K, (Bsz, T, Dd) = weight.shape[1], xt.shape
-    out = xt.new_empty((Bsz, T, Dd))
+    out = empty((Bsz, T, Dd), xt.dtype)                                  # NumPy's pages (options.empty)
     for t0 in range(0, T, rows):
         n = min(rows, T - t0)
         src = xt.narrow(1, t0 - (K - 1), n + K - 1) if t0 >= K - 1 else \

@@ -45,8 +45,8 @@ import torch
 
 from . import decode
 from ..recurrent_ops import delta_rule
-from .fla_args import (Heads, beta_of, check_gates, gdn_gate, group_heads, heads, kda_gate, l2norm, offsets,
-                       refuse, state_in)
+from .fla_args import (Heads, beta_of, check_gates, gdn_gate, group_heads, heads, kda_gate, kernel_heads, l2norm,
+                       offsets, refuse, state_in)
 from ...errors import OptionError
 
 __all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "chunk_kda", "fused_recurrent_kda"]
@@ -78,12 +78,15 @@ def _run(where: str, n: Heads, q, k, v, g, beta, scale, initial_state, output_fi
         return (o, (S.transpose(-1, -2) if state_v_first else S) if output_final_state else None)
     if q.dtype in (torch.bfloat16, torch.float16):          # fla's kernels compute in float32
         q, k, v = q.float(), k.float(), v.float()
-    if use_qk_l2norm_in_kernel:
-        q, k = l2norm(q), l2norm(k)
-    if n.HV != n.H:                                         # grouped value heads
-        q, k = (group_heads(x, n.HV) for x in (q, k))       # (B, T, H, K) -> (B, HV, T, K)
+    if not _wants_grad(q, k):                               # normalised and grouped in one pass
+        q, k = (kernel_heads(x, n.HV, use_qk_l2norm_in_kernel) for x in (q, k))
     else:
-        q, k = (x.transpose(1, 2) for x in (q, k))          # (B, T, H, K) -> (B, H, T, K)
+        if use_qk_l2norm_in_kernel:
+            q, k = l2norm(q), l2norm(k)
+        if n.HV != n.H:                                     # grouped value heads
+            q, k = (group_heads(x, n.HV) for x in (q, k))   # (B, T, H, K) -> (B, HV, T, K)
+        else:
+            q, k = (x.transpose(1, 2) for x in (q, k))      # (B, T, H, K) -> (B, H, T, K)
     v = v.transpose(1, 2)                                   # (B, T, HV, V) -> (B, HV, T, V)
     beta = beta.transpose(1, 2)
     g = None if g is None else g.transpose(1, 2)

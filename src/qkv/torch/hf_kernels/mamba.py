@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ...errors import OptionError, ShapeError, fmt_shape, positive_int
+from ..options import empty
 from ..recurrent_ops import decay_attention
 from .conv import _activation, _need, _need_int, causal_conv1d_fn, sequence_runs
 from .fla_args import group_heads
@@ -162,7 +163,7 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
         v = (x.to(cdt) * delta[..., None]).transpose(1, 2)                               # Δ x (B, H, T, P)
     else:   # written in qkv's layout by the product itself: the recurrence then copies nothing
         v = torch.mul(x.to(cdt).transpose(1, 2), delta.transpose(1, 2)[..., None],
-                      out=x.new_empty((Bsz, H, T, P), dtype=cdt))                         # Δ x (B, H, T, P)
+                      out=empty((Bsz, H, T, P), cdt))                                     # Δ x (B, H, T, P)
     s0 = None if initial_states is None else initial_states.to(cdt).transpose(-1, -2)   # (B, H, N, P)
     y, S, every = _ssd(q, k, v, g, s0, runs)
     y = _dense_out(y.transpose(1, 2), x, D, z, cdt)                                      # (B, T, H, P)
@@ -180,14 +181,16 @@ def _dense_out(y, x, D, z, cdt):
     operation of the mixer after it (transformers' gated RMSNorm: pow, mean, products) ran on
     strided reads, 3 ns an element. Where no gradient is recorded (for any term: D or z alone may be
     trained) the first term writes the dense result and the gate goes into it in place (a slab fewer
-    to allocate); the same numbers."""
-    xd = None if D is None else x.to(cdt) * (D.to(cdt)[:, None] if D.dim() == 1 else D.to(cdt))
+    to allocate), the slabs on NumPy's pages (:func:`qkv.torch.options.empty`); the same numbers."""
     gate = None if z is None else F.silu(z.to(cdt))
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (y, xd, gate)):
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (y, x, D, gate)):
+        xd = None if D is None else x.to(cdt) * (D.to(cdt)[:, None] if D.dim() == 1 else D.to(cdt))
         y = y if xd is None else y + xd
         y = y if gate is None else y * gate
         return y.contiguous()
-    out = y.new_empty(y.shape)                                                           # dense (B, T, H, P)
+    xd = None if D is None else torch.mul(x.to(cdt), D.to(cdt)[:, None] if D.dim() == 1 else D.to(cdt),
+                                          out=empty(x.shape, cdt))
+    out = empty(y.shape, cdt)                                                            # dense (B, T, H, P)
     if xd is not None:
         torch.add(y, xd, out=out)
     elif gate is not None:
