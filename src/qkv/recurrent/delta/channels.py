@@ -178,11 +178,12 @@ def compiled_chunk(chunk, dtype, T: int) -> int | None:
     return C if mod is not None and mod.SGEMM else None
 
 
-def forward(q, k, v, beta, g, initial_state, *, scale, chunk):
-    """``(o (B, H, T, Dv), S_T (B, H, Dk, Dv))`` in q's dtype; ``g (B, H, T, Dk)``. ``chunk``: the
-    NumPy path's (None: :data:`CHUNK`); float32 runs compiled where it can (:func:`compiled_chunk`)."""
+def forward(q, k, v, beta, g, initial_state, *, scale, chunk, out):
+    """``S_T (B, H, Dk, Dv)`` in q's dtype, the outputs written into ``out (B, H, T, Dv)`` (C-ordered);
+    ``g (B, H, T, Dk)``. ``chunk``: the NumPy path's (None: :data:`CHUNK`); float32 runs compiled
+    where it can (:func:`compiled_chunk`)."""
     if (fast := compiled_chunk(chunk, q.dtype, q.shape[2])) is not None:
-        return _forward_compiled(q, k, v, beta, g, initial_state, scale, fast)
+        return _forward_compiled(q, k, v, beta, g, initial_state, scale, fast, out)
     ch = prepare(q, k, v, beta, g, chunk_size(chunk, q.shape[2]))
     B, H, _, Dk = q.shape
     S0 = np.zeros((B, H, Dk, v.shape[-1]), q.dtype) if initial_state is None else initial_state
@@ -190,20 +191,21 @@ def forward(q, k, v, beta, g, initial_state, *, scale, chunk):
     o = ch.P @ run.U                                                    # (B,H,N,C,C) @ (B,H,N,C,Dv) -> (B,H,N,C,Dv)
     o += run.QS
     o *= scale
-    return from_chunks(o, ch.T), run.S
+    out[...] = from_chunks(o, ch.T)
+    return run.S
 
 
-def _forward_compiled(q, k, v, beta, g, initial_state, scale, C):
+def _forward_compiled(q, k, v, beta, g, initial_state, scale, C, out):
     B, H, T, Dk = q.shape
     Dv, n = v.shape[-1], B * H
     mod = jit.load(jit.DELTA_CHANNELS)
     S = np.zeros((n, Dk, Dv), np.float32) if initial_state is None else \
         np.array(initial_state, np.float32).reshape(n, Dk, Dv)
-    o = np.empty((n, T, Dv), np.float32)
+    o = out.reshape(n, T, Dv)                                           # a view: out is C-ordered
     con = np.ascontiguousarray
     mod.forward((mod.SGEMM, int(mod.ILP64)), *(con(x).reshape(n, T, -1) for x in (q, k, v)), con(beta).reshape(n, T),
                 con(g).reshape(n, T, Dk), S, o, np.float32(scale), C)
-    return o.reshape(B, H, T, Dv), S.reshape(B, H, Dk, Dv)
+    return S.reshape(B, H, Dk, Dv)
 
 
 def _backward_compiled(dout, dstate, q, k, v, beta, g, initial_state, scale, C):

@@ -152,12 +152,14 @@ def forward(q, k, v, beta, g=None, *, scale, initial_state=None, chunk=None):
     (no decay); ``chunk`` positions a chunk (None: ``CHUNK``, ``channels.CHUNK`` for a decay
     a key channel; at most T). Heads run on :func:`qkv.threads.get_num_threads` threads.
     """
+    o = np.empty(v.shape, q.dtype)                                      # the head groups write into it (no join)
     if g is not None and g.ndim == 4:
         C, work = _channel_chunk(chunk, q, v)
-        return by_heads(lambda *xs: channels.forward(*xs, scale=scale, chunk=chunk),
-                        [q, k, v, beta, g, initial_state], C, work)
+        S = by_heads(lambda *xs: (channels.forward(*xs[:-1], scale=scale, chunk=chunk, out=xs[-1]),),
+                     [q, k, v, beta, g, initial_state, o], C, work)
+        return (o,) + S
     C = max(1, min(CHUNK if chunk is None else chunk, q.shape[2]))
-    return by_heads(lambda *xs: _forward(*xs, scale=scale, chunk=C), [q, k, v, beta, g, initial_state], C)
+    return (o,) + by_heads(lambda *xs: (_forward(*xs, scale=scale, chunk=C),), [q, k, v, beta, g, initial_state, o], C)
 
 
 def backward(dout, dstate, q, k, v, beta, g=None, *, scale, initial_state=None, chunk=None):
@@ -183,12 +185,18 @@ def backward(dout, dstate, q, k, v, beta, g=None, *, scale, initial_state=None, 
     return tuple(out) + by_heads(job, [q, k, v, beta, g, initial_state, dout, dstate, *out], C, per_head)
 
 
-def _forward(q, k, v, beta, g, initial_state, *, scale, chunk):
+def _forward(q, k, v, beta, g, initial_state, out, *, scale, chunk):
+    """The final state; the outputs written into ``out`` (a group's heads, C-ordered)."""
     ch = prepare(q, k, v, beta, g, chunk, keep=False)
-    run = pass_states(ch, start_state(q, v, initial_state), scale=scale)
-    if run.O is not None:                                            # made in the compiled pass, the same bits
-        return from_chunks(run.O, ch.T), run.S
-    o = ch.P @ run.U                                                 # (B,H,N,C,C) @ (B,H,N,C,Dv) -> (B,H,N,C,Dv)
-    o += run.QS
-    o *= scale
-    return from_chunks(o, ch.T), run.S
+    N, C = ch.v.shape[2:4]
+    whole = out.reshape(out.shape[:2] + (N, C, out.shape[-1])) if N * C == ch.T else None  # the compiled pass writes it
+    run = pass_states(ch, start_state(q, v, initial_state), scale=scale, out=whole)
+    if run.O is None:
+        o = ch.P @ run.U                                             # (B,H,N,C,C) @ (B,H,N,C,Dv) -> (B,H,N,C,Dv)
+        o += run.QS
+        o *= scale
+    else:                                                            # made in the compiled pass, the same bits
+        o = run.O
+    if o is not whole:
+        out[...] = from_chunks(o, ch.T)
+    return run.S

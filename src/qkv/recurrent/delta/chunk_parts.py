@@ -204,10 +204,12 @@ class Passed:
     O: np.ndarray | None = None  # (B, H, N, C, Dv) the outputs, where the compiled pass made them
 
 
-def pass_states(ch: Chunks, S0: np.ndarray, keep: bool = False, scale: float | None = None) -> Passed:
+def pass_states(ch: Chunks, S0: np.ndarray, keep: bool = False, scale: float | None = None,
+                out: np.ndarray | None = None) -> Passed:
     """The state through the chunks, once a chunk (``keep``: also every chunk's start state);
     float32 in one compiled loop where the ``fast`` extra is (``delta_compiled.pass_chunks``),
-    which given ``scale`` makes the outputs too (``Passed.O``)."""
+    which given ``scale`` makes the outputs too (``Passed.O``: ``out`` where given, a C-ordered
+    ``(B, H, N, C, Dv)``)."""
     B, H, N, C, Dk = ch.k.shape
     S = S0
     starts = np.empty((B, H, N, Dk, S0.shape[-1]), dtype=S0.dtype) if keep else None
@@ -216,7 +218,8 @@ def pass_states(ch: Chunks, S0: np.ndarray, keep: bool = False, scale: float | N
     mod = jit.load(jit.DELTA) if S0.dtype == np.float32 and min(C, Dk, S0.shape[-1]) > 1 else None
     if mod is not None and mod.SGEMM and mod.ILP64:                  # compiled, NumPy's own sgemm: its bits (not gemv's)
         S = np.array(S0, dtype=np.float32, order="C")
-        O = np.empty(ch.v.shape if scale is not None else (B, H, 0, C, S0.shape[-1]), np.float32)
+        O = out if out is not None and scale is not None else \
+            np.empty(ch.v.shape if scale is not None else (B, H, 0, C, S0.shape[-1]), np.float32)
         mod.pass_chunks((mod.SGEMM, int(mod.ILP64)), ch.KQ, ch.v, ch.beta, ch.eg, ch.eC, ch.Kc, ch.Tinv, ch.gated, S,
                         reads, U, starts if keep else np.empty((B, H, 0, Dk, S0.shape[-1]), np.float32), ch.P, O,
                         np.float32(1.0 if scale is None else scale))
