@@ -27,6 +27,18 @@ def test_to_numpy_is_a_view_of_contiguous_and_strided_tensors():
     assert options.from_numpy(out, torch.float32).data_ptr() == _ptr(out)
 
 
+def test_empty_slabs_are_numpys_where_numpy_has_the_dtype():
+    """options.empty: a C-ordered, writable tensor of the shape and dtype asked (its
+    memory NumPy's, which madvises huge pages for big arrays, for float16/32/64; torch's for
+    bfloat16, which NumPy lacks), usable as an ``out=`` of the shape."""
+    for dtype, shape in ((torch.float32, (2, 3, 5)), (torch.float64, (4, 1)), (torch.float16, (3, 0, 2)),
+                         (torch.bfloat16, (2, 2))):
+        t = options.empty(shape, dtype)
+        assert t.dtype == dtype and tuple(t.shape) == shape and t.is_contiguous() and not t.requires_grad
+        x = torch.arange(t.numel(), dtype=torch.float64).reshape(shape)
+        assert torch.equal(torch.mul(x.to(dtype), 2, out=t), (2 * x).to(dtype)) and t.shape == shape
+
+
 def test_backward_gets_views_and_gradients_come_back_without_a_copy(monkeypatch):
     seen = {}
     real = ops.np_attention_backward
