@@ -201,10 +201,12 @@ def _forward_compiled(q, k, v, beta, g, initial_state, scale, C, out):
     mod = jit.load(jit.DELTA_CHANNELS)
     S = np.zeros((n, Dk, Dv), np.float32) if initial_state is None else \
         np.array(initial_state, np.float32).reshape(n, Dk, Dv)
-    o = out.reshape(n, T, Dv)                                           # a view: out is C-ordered
+    o = out.reshape(n, T, Dv) if out.flags.c_contiguous else np.empty((n, T, Dv), np.float32)  # a view of out
     con = np.ascontiguousarray
     mod.forward((mod.SGEMM, int(mod.ILP64)), *(con(x).reshape(n, T, -1) for x in (q, k, v)), con(beta).reshape(n, T),
                 con(g).reshape(n, T, Dk), S, o, np.float32(scale), C)
+    if not out.flags.c_contiguous:
+        out[...] = o.reshape(out.shape)
     return S.reshape(B, H, Dk, Dv)
 
 

@@ -189,8 +189,8 @@ def _forward(q, k, v, beta, g, initial_state, out, *, scale, chunk):
     """The final state; the outputs written into ``out`` (a group's heads, C-ordered)."""
     ch = prepare(q, k, v, beta, g, chunk, keep=False)
     N, C = ch.v.shape[2:4]
-    whole = out.reshape(out.shape[:2] + (N, C, out.shape[-1])) if N * C == ch.T else None  # the compiled pass writes it
-    run = pass_states(ch, start_state(q, v, initial_state), scale=scale, out=whole)
+    whole = out.reshape(out.shape[:2] + (N, C, out.shape[-1])) if N * C == ch.T and out.flags.c_contiguous else None
+    run = pass_states(ch, start_state(q, v, initial_state), scale=scale, out=whole)   # (whole: a view it writes)
     if run.O is None:
         o = ch.P @ run.U                                             # (B,H,N,C,C) @ (B,H,N,C,Dv) -> (B,H,N,C,Dv)
         o += run.QS

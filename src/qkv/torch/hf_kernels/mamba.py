@@ -183,13 +183,12 @@ def _dense_out(y, x, D, z, cdt):
     trained) the first term writes the dense result and the gate goes into it in place (a slab fewer
     to allocate), the slabs on NumPy's pages (:func:`qkv.torch.options.empty`); the same numbers."""
     gate = None if z is None else F.silu(z.to(cdt))
+    Dc = None if D is None else (D.to(cdt)[:, None] if D.dim() == 1 else D.to(cdt))     # (H, 1) or (H, P)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (y, x, D, gate)):
-        xd = None if D is None else x.to(cdt) * (D.to(cdt)[:, None] if D.dim() == 1 else D.to(cdt))
-        y = y if xd is None else y + xd
+        y = y if Dc is None else y + x.to(cdt) * Dc
         y = y if gate is None else y * gate
         return y.contiguous()
-    xd = None if D is None else torch.mul(x.to(cdt), D.to(cdt)[:, None] if D.dim() == 1 else D.to(cdt),
-                                          out=empty(x.shape, cdt))
+    xd = None if Dc is None else torch.mul(x.to(cdt), Dc, out=empty(x.shape, cdt))
     out = empty(y.shape, cdt)                                                            # dense (B, T, H, P)
     if xd is not None:
         torch.add(y, xd, out=out)
