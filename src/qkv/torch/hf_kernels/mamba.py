@@ -180,22 +180,21 @@ def _dense_out(y, x, D, z, cdt):
     mamba_ssm's: ``y`` is qkv's ``(B, H, T, P)`` output seen transposed. Handed on transposed, every
     operation of the mixer after it (transformers' gated RMSNorm: pow, mean, products) ran on
     strided reads, 3 ns an element. Where no gradient is recorded (for any term: D or z alone may be
-    trained) the first term writes the dense result and the gate goes into it in place (a slab fewer
-    to allocate), the slabs on NumPy's pages (:func:`qkv.torch.options.empty`); the same numbers."""
-    gate = None if z is None else F.silu(z.to(cdt))
-    Dc = None if D is None else (D.to(cdt)[:, None] if D.dim() == 1 else D.to(cdt))     # (H, 1) or (H, P)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (y, x, D, gate)):
-        y = y if Dc is None else y + x.to(cdt) * Dc
-        y = y if gate is None else y * gate
+    trained) the two slabs (``x D``, then ``y`` added and the gate multiplied in place; ``silu(z)``)
+    are on NumPy's pages (:func:`qkv.torch.options.empty`), and ``D`` is spread to ``(H, P)`` so that
+    torch's loop runs over whole rows: at T = 8192, 16 heads of 64, 18 against 43 ms (a slab from
+    torch's allocator, ``F.silu``'s, took 16 ms, 8 of them page faults; ``x (H, 1)``'s product and
+    the sum into a third slab 7 ms each). The same numbers: each output the same rounded operations
+    (``y + xD = xD + y``)."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (y, x, D, z)):
+        y = y if D is None else y + x.to(cdt) * (D.to(cdt)[:, None] if D.dim() == 1 else D.to(cdt))
+        y = y if z is None else y * F.silu(z.to(cdt))
         return y.contiguous()
-    xd = None if Dc is None else torch.mul(x.to(cdt), Dc, out=empty(x.shape, cdt))
-    out = empty(y.shape, cdt)                                                            # dense (B, T, H, P)
-    if xd is not None:
-        torch.add(y, xd, out=out)
-    elif gate is not None:
-        return torch.mul(y, gate, out=out)
-    else:
-        out.copy_(y)
+    gate = None if z is None else torch.ops.aten.silu.out(z.to(cdt), out=empty(y.shape, cdt))
+    if D is None:
+        return empty(y.shape, cdt).copy_(y) if gate is None else gate.mul_(y)
+    Dc = D.to(cdt).reshape(D.shape[0], -1).expand(y.shape[-2:]).contiguous()            # (H, P)
+    out = torch.mul(x.to(cdt), Dc, out=empty(y.shape, cdt)).add_(y)
     return out if gate is None else out.mul_(gate)
 
 
