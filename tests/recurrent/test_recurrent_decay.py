@@ -1,6 +1,8 @@
 """The chunked decay recurrence (qkv.recurrent.decay.chunk) against the float64 step oracle
 (qkv.recurrent.steps), finite differences, float32 step loops, flash-linear-attention's
 naive recurrences, and the public API's checks."""
+import tracemalloc
+
 import numpy as np
 import pytest
 
@@ -70,6 +72,54 @@ def test_a_long_sequence_in_segments_gives_the_bits_of_one_pass(monkeypatch, per
         o_ref, S_ref = R.decay_forward(q, k, v, g, scale=0.5, initial_state=S0)
         close(parts[0], o_ref, 1e-10)
         close(parts[1], S_ref, 1e-10)
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["head", "channel"])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])
+def test_broadcast_and_strided_inputs_give_the_bits_of_their_copies(monkeypatch, per_channel, dtype):
+    """q and k broadcast over the heads (Mamba-2's B and C, one group's for every head: read
+    where they lie, never copied whole) and v a transposed view, through the public API: the
+    bits of the same numbers laid out C-ordered, in units of two heads cut into segments;
+    with a NaN in the broadcast k too (found there: the stepwise path, NaN where the copy has it)."""
+    rng = np.random.default_rng(12)
+    B, H, T = 2, 3, 300
+    _, _, _, g, S0, _, _ = problem(rng, T, per_channel, B=B, H=H, strength=30.0)
+    q1, k1 = ((30 * rng.standard_normal((B, 1, T, DK))).astype(dtype) for _ in range(2))
+    v = rng.standard_normal((B, T, H, DV)).astype(dtype).transpose(0, 2, 1, 3)
+    monkeypatch.setattr(decay, "SLAB_ROWS", 32)
+    monkeypatch.setattr(decay, "SEGMENT_ROWS", 64)
+    monkeypatch.setattr(decay, "UNIT_ROWS", 2 * T)
+    assert len(decay._units(B * H, T)) == 3 and len(decay._segments(T, 16)) > 2
+    for nan in (False, True):
+        if nan:
+            k1[1, 0, 40, 2] = np.nan
+        q, k = (np.broadcast_to(x, (B, H, T, DK)) for x in (q1, k1))
+        assert q.strides[1] == 0 and not v.flags.c_contiguous
+        got = rec.decay_attention(q, k, v, g, scale=0.5, initial_state=S0, return_state=True, chunk_size=16)
+        want = rec.decay_attention(*map(np.ascontiguousarray, (q, k, v)), g, scale=0.5, initial_state=S0,
+                                   return_state=True, chunk_size=16)
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype and np.isnan(a).any() == nan
+            np.testing.assert_array_equal(a, b)
+
+
+def test_a_broadcast_q_and_k_are_not_copied_whole():
+    """Peak traced memory (NumPy reports its buffers to tracemalloc) of a forward whose q and k
+    are one array broadcast over 16 heads: the output and a few rows more. Copied whole, each
+    would add the output's size (3x: measured before the units read them in place)."""
+    rng = np.random.default_rng(13)
+    B, H, T, D = 1, 16, 4096, 32
+    q, k = (np.broadcast_to(rng.standard_normal((B, 1, T, D)).astype(np.float32), (B, H, T, D)) for _ in range(2))
+    v = rng.standard_normal((B, H, T, D)).astype(np.float32)
+    g = -rng.random((B, H, T)).astype(np.float32)
+    rec.decay_attention(q, k, v, g, scale=1.0)          # the threads' work arrays exist before the count
+    tracemalloc.start()
+    try:
+        o = rec.decay_attention(q, k, v, g, scale=1.0)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1.5 * o.nbytes, peak / o.nbytes
 
 
 @pytest.mark.parametrize("per_channel", [False, True], ids=["head", "channel"])

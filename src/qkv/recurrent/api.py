@@ -35,7 +35,7 @@ def check_gate(name: str, x: np.ndarray) -> None:
 class _Call:
     """Checked arrays of one call, in the compute dtype (float32 for float16 and float32 inputs)."""
 
-    def __init__(self, where, q, k, v, per_step, state, dstate, scale, chunk_size):
+    def __init__(self, where, q, k, v, per_step, state, dstate, scale, chunk_size, views=False):
         q = as_float_array("q", q)
         if q.ndim != 4:
             raise ShapeError(f"q must have shape (B, H, T, Dk); got {fmt_shape(q.shape)}")
@@ -49,7 +49,8 @@ class _Call:
         self.in_dtype = np.result_type(q, k, v)
         self.dtype = np.dtype(np.float64 if self.in_dtype == np.float64 else np.float32)
         self.state_shape = (B, H, Dk, v.shape[-1])
-        self.q, self.k, self.v = (np.ascontiguousarray(x, dtype=self.dtype) for x in (q, k, v))
+        self.q, self.k, self.v = ((_in_dtype(x, self.dtype) if views else np.ascontiguousarray(x, dtype=self.dtype))
+                                  for x in (q, k, v))
         self.params = [self._param(name, x, shapes) for name, x, shapes in per_step]
         self.state = self._state("initial_state", state)
         self.dstate = self._state("dstate", dstate)
@@ -180,7 +181,7 @@ def decay_attention(q, k, v, log_decay, *, scale=None, initial_state=None, retur
     """
     reject_options(decay_attention, unknown)
     c = _checked("decay_attention", q, k, v, [("log_decay", log_decay, _shapes(q, "both"))],
-                 initial_state, None, scale, chunk_size)
+                 initial_state, None, scale, chunk_size, views=True)   # the forward reads q, k, v unit by unit
     if c.empty:
         return c.empty_forward(return_state)
     chunk, errstate = c.plan()
@@ -341,12 +342,26 @@ def linear_scan_backward(dh, x, log_a, *, initial_state=None, dstate=None, **unk
             None if initial_state is None else dh0.astype(np.result_type(initial_state), copy=False))
 
 
+def _distinct(x: np.ndarray) -> np.ndarray:
+    """``x`` without its broadcast axes (stride 0, cut to one entry): each number once."""
+    return x[tuple(slice(0, 1) if st == 0 else slice(None) for st in x.strides)]
+
+
+def _in_dtype(x: np.ndarray, dtype) -> np.ndarray:
+    """``x`` in ``dtype``, laid out as it came (a view where it has the dtype), a broadcast
+    view still one: only its distinct numbers converted."""
+    if x.dtype == dtype:
+        return x
+    return np.broadcast_to(_distinct(x).astype(dtype), x.shape)
+
+
 def _not_finite(*arrays) -> bool:
     """Whether an array holds a NaN or an inf, no temporary: ``Σx²`` first (one pass, 0.35-0.6x
     the time of a min and a max; a NaN or inf entry makes it NaN or inf), the min and the max
-    where that is not finite (finite entries may overflow it)."""
-    return any(x is not None and x.size and not math.isfinite(square_sum(x))
-               and not (np.isfinite(x.min()) and np.isfinite(x.max())) for x in arrays)
+    where that is not finite (finite entries may overflow it); each number once (a broadcast
+    view's :func:`_distinct` numbers: Mamba-2's B and C shared by 16 heads)."""
+    return any(x is not None and x.size and not math.isfinite(square_sum(d := _distinct(x)))
+               and not (np.isfinite(d.min()) and np.isfinite(d.max())) for x in arrays)
 
 
 def _quiet_if_not_finite(*arrays):

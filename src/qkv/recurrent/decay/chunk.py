@@ -78,7 +78,7 @@ from functools import cached_property
 import numpy as np
 
 from ... import jit, threads
-from .. import crossing
+from .. import crossing, units
 from . import fused as decay_fused, intra as decay_intra
 from ...kernels.flash.tiles import DEFAULT, Workers, scratch
 
@@ -316,13 +316,10 @@ def _backward_unit(dout, dstate, q, k, v, g, S0, scale, C, into):
     return cut(dq), cut(dk), cut(dv), cut(dg), dS[:, 0]
 
 
-def _flat(q, k, v, g, state):
-    """``(B,H,T,·) -> (N,T,·)``; g to ``(N,T,W)``; the state to ``(N,Dk,Dv)`` or None."""
-    B, H, T, Dk = q.shape
-    N = B * H
-    g3 = g.reshape(N, T, Dk if g.ndim == 4 else 1)
-    st = None if state is None else state.reshape(N, Dk, -1)
-    return q.reshape(N, T, Dk), k.reshape(N, T, Dk), v.reshape(N, T, -1), g3, st
+def _flat(g, state, N: int, T: int):
+    """g ``(B,H,T[,Dk]) -> (N,T,W)``; the state ``(B,H,Dk,Dv) -> (N,Dk,Dv)`` or None."""
+    g3 = g.reshape(N, T, g.shape[-1] if g.ndim == 4 else 1)
+    return g3, None if state is None else state.reshape(N, state.shape[-2], -1)
 
 
 def _units(N: int, T: int):
@@ -356,18 +353,20 @@ def _run(N, T, C, job):
 
 
 def forward(q, k, v, g, *, scale, initial_state=None, chunk=None):
-    """``(o (B,H,T,Dv), S_T (B,H,Dk,Dv))`` in q's dtype (float32 or float64)."""
+    """``(o (B,H,T,Dv), S_T (B,H,Dk,Dv))`` in q's dtype (float32 or float64); q, k, v in any
+    layout (:func:`qkv.recurrent.units.rows`: a broadcast q or k is never copied whole)."""
     B, H, T, Dk = q.shape
     C = _chunk_size(chunk, T, Dk)
-    qf, kf, vf, gf, S0 = _flat(q, k, v, g, initial_state)
-    o = np.empty(vf.shape, q.dtype)
-    S_T = np.empty((B * H, Dk, vf.shape[-1]), q.dtype)
+    gf, S0 = _flat(g, initial_state, B * H, T)
+    o = np.empty((B * H, T, v.shape[-1]), q.dtype)
+    S_T = np.empty((B * H, Dk, v.shape[-1]), q.dtype)
 
     def job(a, b):
         S = None if S0 is None else S0[a:b]
         for t0, t1 in _segments(T, C):
-            S = _forward_unit(qf[a:b, t0:t1], kf[a:b, t0:t1], vf[a:b, t0:t1], gf[a:b, t0:t1], S, scale, C,
-                              o[a:b, t0:t1])
+            q_, k_, v_ = (units.rows(x, a, b, t0, t1, lambda shape, dt, n=n: _buffer(shape, dt, "in_" + n))
+                          for x, n in ((q, "q"), (k, "k"), (v, "v")))
+            S = _forward_unit(q_, k_, v_, gf[a:b, t0:t1], S, scale, C, o[a:b, t0:t1])
         S_T[a:b] = S
 
     _run(B * H, T, C, job)
@@ -378,7 +377,8 @@ def backward(dout, dstate, q, k, v, g, *, scale, initial_state=None, chunk=None)
     """``(dq, dk, dv, dg, dinitial_state)`` in q's dtype; dinitial_state None without one."""
     B, H, T, Dk = q.shape
     C = _chunk_size(decay_fused.backward_chunk(q.dtype, g.ndim == 3, Dk, v.shape[-1]) if chunk is None else chunk, T, Dk)
-    qf, kf, vf, gf, S0 = _flat(q, k, v, g, initial_state)
+    qf, kf, vf = (x.reshape((B * H, T, -1)) for x in (q, k, v))
+    gf, S0 = _flat(g, initial_state, B * H, T)
     dof = dout.reshape(vf.shape)
     dSf = None if dstate is None else dstate.reshape(B * H, Dk, -1)
     out = [np.empty(x.shape, q.dtype) for x in (qf, kf, vf, gf)] + [np.empty((B * H, Dk, vf.shape[-1]), q.dtype)]
