@@ -493,13 +493,16 @@ def test_conv_update_token_by_token_has_the_prefills_bits(dtype, layout):
     assert torch.equal(state, x[:, :, -3:])
 
 
+@pytest.mark.parametrize("Bsz", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("layout", ["(B, D, T)", "(B, T, D) transposed", "split"])
 @pytest.mark.parametrize("Kw,D,T,states", [(4, 48, 300, True), (4, 37, 1000, False), (2, 19, 129, True),
                                            (3, 64, 4096, False)])
-def test_conv_fn_without_a_gradient_has_the_bits_of_the_recorded_path(monkeypatch, dtype, layout, Kw, D, T, states):
+def test_conv_fn_without_a_gradient_has_the_bits_of_the_recorded_path(monkeypatch, dtype, layout, Kw, D, T, states,
+                                                                      Bsz):
     """Without a gradient (prefill, evaluation) a channel-last convolution runs a block of time steps at a
-    time (the blocks small here: many of them, the last one short); with one recorded, over whole slabs.
+    time (the blocks small here: many of them, the last one short; one batch row: SiLU block by block,
+    the blocks whole vectors of torch's loops, as D = 37 and 19 need); with one recorded, over whole slabs.
     The same bits, outputs and final states, with and without bias, activation and initial states."""
     monkeypatch.setattr(conv_module, "BLOCK", 2048)
     calls = []
@@ -507,13 +510,14 @@ def test_conv_fn_without_a_gradient_has_the_bits_of_the_recorded_path(monkeypatc
     monkeypatch.setattr(conv_module, "_blocked_taps", lambda *a: calls.append(1) or real(*a))
     g = torch.Generator().manual_seed(Kw + D + T)
     if layout == "split":
-        x = torch.randn(2, T, D + 7, generator=g, dtype=dtype)[..., 3:3 + D].transpose(1, 2)
+        x = torch.randn(Bsz, T, D + 7, generator=g, dtype=dtype)[..., 3:3 + D].transpose(1, 2)
     elif layout == "(B, D, T)":
-        x = torch.randn(2, D, T, generator=g, dtype=dtype)
+        x = torch.randn(Bsz, D, T, generator=g, dtype=dtype)
     else:
-        x = torch.randn(2, T, D, generator=g, dtype=dtype).transpose(1, 2)
+        x = torch.randn(Bsz, T, D, generator=g, dtype=dtype).transpose(1, 2)
+    x = x * 8                                                          # SiLU's scalar and vector bits differ more
     w, b = torch.randn(D, Kw, generator=g, dtype=dtype), torch.randn(D, generator=g, dtype=dtype)
-    s0 = torch.randn(2, D, Kw - 1, generator=g, dtype=dtype) if states else None
+    s0 = torch.randn(Bsz, D, Kw - 1, generator=g, dtype=dtype) if states else None
     for bias, activation in ((b, "silu"), (None, None), (b, None)):
         with torch.no_grad():
             fast = K.causal_conv1d_fn(x, w, bias, initial_states=s0, return_final_states=True, activation=activation)

@@ -22,6 +22,8 @@ L inputs (oldest first); the new inputs are convolved after them and shift them 
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -88,17 +90,24 @@ def _act(out: torch.Tensor, silu: bool) -> torch.Tensor:
     return F.silu(out, inplace=not (torch.is_grad_enabled() and out.requires_grad))
 
 
-def _taps(xp: torch.Tensor, weight: torch.Tensor, bias, T: int, t_ax: int) -> torch.Tensor:
+def _tap_rows(weight: torch.Tensor, t_ax: int) -> tuple:
+    """The K taps as :func:`_taps` multiplies them: ``(D, 1)`` views, or for channel-last contiguous
+    rows of ``weightᵀ`` (a tap of stride K sent torch's broadcast multiply down a strided loop: 0.47
+    against 0.07 ms a tap at D = 144, T = 2048)."""
+    return weight[:, :, None].unbind(1) if t_ax == 2 else weight.t().contiguous().unbind(0)
+
+
+def _taps(xp: torch.Tensor, weight: torch.Tensor, bias, T: int, t_ax: int, w: tuple | None = None,
+          into: torch.Tensor | None = None) -> torch.Tensor:
     """The causal depthwise convolution of ``xp`` (its K - 1 first steps the inputs before
     t = 0; time on axis ``t_ax``: 2 for ``(B, D, ·)``, 1 for ``(B, ·, D)``) as K shifted
     multiply-adds over whole slabs: torch's depthwise ``conv1d`` took 5 times as long
     (66-88 against 15 ms at D = T = 2048, float32), and 2.7 times more again on a channel-last
     input, the layout transformers' layers hand over (and with the taps contiguous, from D = 144
-    up: 0.4-0.7x its time, Zen 3, one thread)."""
+    up: 0.4-0.7x its time, Zen 3, one thread). ``w``: :func:`_tap_rows` where the caller has them;
+    ``into``: where the taps are summed without a gradient (else a slab of NumPy's pages)."""
     K = weight.shape[1]
-    # K taps: (D, 1) or (D,); channel-last takes contiguous rows of weightᵀ (a tap of stride K sent
-    # torch's broadcast multiply down a strided loop: 0.47 against 0.07 ms a tap at D = 144, T = 2048)
-    w = weight[:, :, None].unbind(1) if t_ax == 2 else weight.t().contiguous().unbind(0)
+    w = _tap_rows(weight, t_ax) if w is None else w
     # a decoding step's K windows as views made by one call (a few µs of a step); where xp's
     # gradient is recorded each window is made as its product takes it, so that autograd sums
     # the windows' gradients into xp's in the same order (an unfold's would sum them otherwise)
@@ -106,7 +115,7 @@ def _taps(xp: torch.Tensor, weight: torch.Tensor, bias, T: int, t_ax: int) -> to
     plain = not (torch.is_grad_enabled() and (xp.requires_grad or weight.requires_grad))
     first = xp.narrow(t_ax, 0, T) if xs is None else xs[0]
     # recorded: torch's product; else the same product into NumPy's pages, laid out as torch lays it (options.empty)
-    out = torch.mul(first, w[0], out=empty(first.shape, xp.dtype)) if plain else first * w[0]
+    out = torch.mul(first, w[0], out=empty(first.shape, xp.dtype) if into is None else into) if plain else first * w[0]
     for k in range(1, K):
         out = out.addcmul_(xp.narrow(t_ax, k, T) if xs is None else xs[k], w[k])
     if bias is not None:   # in place, as the taps: out is ours, and the sum's gradient needs neither side
@@ -115,28 +124,38 @@ def _taps(xp: torch.Tensor, weight: torch.Tensor, bias, T: int, t_ax: int) -> to
 
 
 BLOCK = 1 << 16   # numbers of an output block of a channel-last convolution without a gradient (256 KiB in float32)
+ALIGN = 64        # numbers: a block of a multiple of it starts torch's vector loops where one pass over the slab would
 
 
 def _block_rows(width: int, K: int) -> int:
-    """Time steps of a block of :func:`_blocked_taps`: about :data:`BLOCK` numbers, at least K."""
-    return max(K, BLOCK // max(1, width))
+    """Time steps of a block of :func:`_blocked_taps`: about :data:`BLOCK` numbers, at least K, and
+    a whole number of :data:`ALIGN` numbers where ``width`` allows."""
+    step = ALIGN // math.gcd(width, ALIGN)
+    return max(K, BLOCK // max(1, width) // step * step)
 
 
-def _blocked_taps(head, xt, weight, bias, rows: int) -> torch.Tensor:
+def _blocked_taps(head, xt, weight, bias, rows: int, silu: bool) -> torch.Tensor:
     """:func:`_taps` of a channel-last input without a gradient, a block of time steps at a time, so that
-    a block's K multiply-adds and bias find it in cache (over whole slabs each pass went to memory: at
+    a block's K multiply-adds, bias and SiLU find it in cache (over whole slabs each pass went to memory: at
     (1, 8192, 2048) float32, 64 MB each). Each pass is the one :func:`_taps` makes, a loop along the
-    channels of each time step (the taps and the bias are broadcast over time), so each number is rounded
-    as there: the same bits. ``head (B, K - 1, D)`` the inputs before t = 0, ``xt (B, T, D)``; ``rows`` time
-    steps a block (:func:`_block_rows`, at least K - 1)."""
+    channels of each time step (the taps and the bias are broadcast over time) written straight into the
+    output, so each number is rounded as there: the same bits. SiLU goes block by block where a block
+    is a whole number of :data:`ALIGN` numbers (one batch row): torch's vector loop leaves the last
+    numbers of each call to its scalar SiLU, whose bits differ (4 % of float32 numbers), and aligned
+    blocks leave it exactly the numbers one pass over the slab would; else over the slab after.
+    ``head (B, K - 1, D)`` the inputs before t = 0, ``xt (B, T, D)``; ``rows`` time steps a block
+    (:func:`_block_rows`, at least K - 1). At (1, 8192, 2176), one thread: 58 -> 41 ms."""
     K, (Bsz, T, Dd) = weight.shape[1], xt.shape
     out = empty((Bsz, T, Dd), xt.dtype)                                  # NumPy's pages (options.empty)
+    w, each = _tap_rows(weight, 1), silu and Bsz == 1 and rows * Dd % ALIGN == 0
     for t0 in range(0, T, rows):
         n = min(rows, T - t0)
         src = xt.narrow(1, t0 - (K - 1), n + K - 1) if t0 >= K - 1 else \
             torch.cat([head.narrow(1, t0, K - 1 - t0), xt.narrow(1, 0, t0 + n)], dim=1)   # the first block
-        out.narrow(1, t0, n).copy_(_taps(src, weight, bias, n, 1))
-    return out
+        block = _taps(src, weight, bias, n, 1, w, into=out.narrow(1, t0, n))
+        if each:
+            F.silu(block, inplace=True)
+    return _act(out, silu and not each)
 
 
 def sequence_runs(seq_idx: torch.Tensor) -> list:
@@ -214,7 +233,7 @@ def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, re
     recorded = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (xt, head, weight, bias))
     rows = _block_rows(Bsz * Dd, K)
     if last and not recorded and T >= 2 * rows:
-        out = _act(_blocked_taps(head, xt, weight, bias, rows), silu).to(x.dtype)
+        out = _blocked_taps(head, xt, weight, bias, rows, silu).to(x.dtype)
     else:
         out = _act(_taps(torch.cat([head, xt], dim=t_ax), weight, bias, T, t_ax), silu).to(x.dtype)
     out = out.transpose(1, 2) if last else out                          # (B, D, T), x's layout
