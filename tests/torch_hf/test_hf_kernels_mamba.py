@@ -118,10 +118,10 @@ def test_chunk_scan_z_gate_and_per_channel_D():
 def test_chunk_scan_output_is_dense_with_each_term(terms, grad):
     """out is a dense (B, T, H, P) tensor, as mamba_ssm's (qkv computes (B, H, T, P): handed on
     transposed, the mixer's norm and products after it read it strided), with or without a
-    gradient recorded, and the same numbers either way (D one a head or one a channel)."""
+    gradient recorded, and the same numbers either way (D one a head or one a channel; z strided)."""
     a = ssd_inputs(T=19)
     D = (rand(4, 3, seed=20) if "(H, P)" in terms else rand(4, seed=20)) if "D" in terms else None
-    z = rand(2, 19, 4, 3, seed=21) if "z" in terms else None
+    z = (8 * rand(2, 19, 4, 9, seed=21))[..., 2:5] if "z" in terms else None   # a split's view, as the mixers'
     args = [a[n] for n in ("x", "dt", "A", "B", "C")]
     with torch.set_grad_enabled(grad):
         out = K.mamba_chunk_scan_combined(*args, 8, D=D, z=z, dt_bias=a["dt_bias"], dt_softplus=True)
