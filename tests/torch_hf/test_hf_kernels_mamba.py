@@ -529,6 +529,17 @@ def test_conv_fn_without_a_gradient_has_the_bits_of_the_recorded_path(monkeypatc
     assert bool(calls) == (layout != "(B, D, T)")                   # the blocks ran (channel-last only)
 
 
+def test_conv_blocks_align_without_shrinking():
+    """A block is a whole number of ALIGN numbers (SiLU block by block) where that keeps at least
+    half of its BLOCK numbers; an odd width past BLOCK / ALIGN keeps its rows (blocks of K rows
+    would cost a dozen torch calls every K steps)."""
+    for width in list(range(1, 300)) + list(range(300, 9000, 37)):
+        rows, whole = conv_module._block_rows(width, 4), conv_module.BLOCK // width
+        assert max(4, whole // 2) <= rows <= max(4, whole), width
+        if rows > 4 and rows != whole:
+            assert rows * width % conv_module.ALIGN == 0, width
+
+
 # --- refusals by name -----------------------------------------------------------------------
 
 def test_refusals_name_the_argument():

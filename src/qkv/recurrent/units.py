@@ -21,7 +21,7 @@ def rows(x: np.ndarray, a: int, b: int, t0: int, t1: int, work: Callable[[tuple,
     ``(b - a, t1 - t0, ·)`` view where x is C-ordered, else gathered into ``work(shape, dtype)``."""
     H = x.shape[1]
     if x.flags.c_contiguous:
-        return x.reshape((-1,) + x.shape[2:])[a:b, t0:t1]
+        return x.reshape((x.shape[0] * H,) + x.shape[2:])[a:b, t0:t1]
     out = work((b - a, t1 - t0) + x.shape[3:], x.dtype)
     for j, i in enumerate(range(a, b)):
         out[j] = x[i // H, i % H, t0:t1]

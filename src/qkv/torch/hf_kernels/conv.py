@@ -129,9 +129,11 @@ ALIGN = 64        # numbers: a block of a multiple of it starts torch's vector l
 
 def _block_rows(width: int, K: int) -> int:
     """Time steps of a block of :func:`_blocked_taps`: about :data:`BLOCK` numbers, at least K, and
-    a whole number of :data:`ALIGN` numbers where ``width`` allows."""
-    step = ALIGN // math.gcd(width, ALIGN)
-    return max(K, BLOCK // max(1, width) // step * step)
+    a whole number of :data:`ALIGN` numbers where that keeps at least half the block (an odd width
+    past ``BLOCK / ALIGN`` keeps its rows, unaligned, rather than blocks of K rows)."""
+    rows = BLOCK // max(1, width)
+    aligned = rows - rows % (ALIGN // math.gcd(width, ALIGN))
+    return max(K, aligned if 2 * aligned >= rows else rows)
 
 
 def _blocked_taps(head, xt, weight, bias, rows: int, silu: bool) -> torch.Tensor:
