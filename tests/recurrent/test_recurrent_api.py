@@ -11,7 +11,7 @@ from qkv.errors import ShapeError
 B, H, DK, DV = 2, 3, 4, 5
 
 
-def _inputs(T: int, rng) -> dict:
+def _inputs(T: int, rng, B=B, H=H, DK=DK, DV=DV) -> dict:
     n = lambda *s: rng.standard_normal(s)  # noqa: E731
     return dict(q=n(B, H, T, DK), k=n(B, H, T, DK), v=n(B, H, T, DV), dout=n(B, H, T, DV),
                 g_head=-np.abs(n(B, H, T)), g_chan=-np.abs(n(B, H, T, DK)), beta=np.full((B, H, T), 0.5),
@@ -65,6 +65,42 @@ def test_an_empty_scan_gives_the_empty_result():
     assert h.shape == (2, 0, 3) and np.array_equal(hT, h0)
     dx, dla, d0 = rec.linear_scan_backward(x, x, x, initial_state=h0, dstate=dh0)
     assert dx.shape == dla.shape == (2, 0, 3) and np.array_equal(d0, dh0)
+
+
+@pytest.mark.parametrize("axis", ["B", "H", "Dv"])
+@pytest.mark.parametrize("name, fwd, bwd", OPS, ids=[o[0] for o in OPS])
+def test_an_empty_batch_head_or_value_axis_gives_the_empty_result(name, fwd, bwd, axis):
+    """B, H or Dv = 0 with T steps: nothing to carry, so o and S_T have their (empty) shapes
+    and every gradient its input's shape, zero (they raised NumPy's bare reshape error)."""
+    dims = dict(B=B, H=H, DK=DK, DV=DV) | {"DV" if axis == "Dv" else axis: 0}
+    rng = np.random.default_rng(2)
+    x = _inputs(6, rng, **dims)
+    S0 = rng.standard_normal((dims["B"], dims["H"], DK, dims["DV"]))
+    o, S = fwd(x, S0)
+    assert o.shape == (dims["B"], dims["H"], 6, dims["DV"]) and S.shape == S0.shape and S.size == 0
+    grads = bwd(x, S0, S0)
+    inputs = [x["q"], x["k"], x["v"]] + ([x["beta"]] if name == "delta" else []) \
+        + ([x["a"], x["b"]] if name == "dplr" else []) + [x["g_chan" if "chan" in name or name == "dplr" else "g_head"], S0]
+    assert [g.shape for g in grads] == [i.shape for i in inputs]
+    assert not any(np.any(g) for g in grads)
+
+
+@pytest.mark.parametrize("name, fwd, bwd", OPS, ids=[o[0] for o in OPS])
+def test_no_key_channel_is_refused_by_name(name, fwd, bwd):
+    """Dk = 0 has no default scale (1/sqrt(0)): a ShapeError naming q and k, not a ZeroDivisionError."""
+    x = _inputs(4, np.random.default_rng(3), DK=0)
+    for call in (lambda: fwd(x, None), lambda: bwd(x, None, None)):
+        with pytest.raises(ShapeError, match=r"q and k must have Dk >= 1 .*got q \(2, 3, 4, 0\)"):
+            call()
+
+
+@pytest.mark.parametrize("shape", [(0, 5, 3), (2, 5, 0)])
+def test_a_scan_with_no_channel_gives_the_empty_result(shape):
+    x = np.zeros(shape)
+    h, hT = rec.linear_scan(x, x, return_state=True)
+    assert h.shape == shape and hT.shape == (shape[0], shape[2])
+    dx, dla, d0 = rec.linear_scan_backward(x, x, x)
+    assert dx.shape == dla.shape == shape and d0 is None
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])

@@ -40,6 +40,9 @@ class _Call:
         if q.ndim != 4:
             raise ShapeError(f"q must have shape (B, H, T, Dk); got {fmt_shape(q.shape)}")
         B, H, T, Dk = q.shape
+        if Dk == 0:
+            raise ShapeError(f"q and k must have Dk >= 1 (the key width; the scale is 1/sqrt(Dk)); "
+                             f"got q {fmt_shape(q.shape)}")
         k, v = as_float_array("k", k), as_float_array("v", v)
         if k.shape != q.shape:
             raise ShapeError(f"k must have q's shape (B, H, T, Dk) = {fmt_shape(q.shape)}; got {fmt_shape(k.shape)}")
@@ -112,17 +115,18 @@ class _Call:
 
     @property
     def empty(self) -> bool:
-        """T = 0: no step to take (the chunked forms need one)."""
-        return self.v.shape[2] == 0
+        """Nothing to compute: T = 0 (no step to take; the chunked forms need one), or B, H or
+        Dv = 0 (no output and no state to carry: every output and gradient is empty or zero)."""
+        return 0 in (self.v.shape[0], self.v.shape[1], self.v.shape[2], self.v.shape[3])
 
     def empty_forward(self, return_state: bool):
-        """T = 0: ``o (B, H, 0, Dv)`` and the final state = the initial state (zeros without one)."""
+        """``o`` (empty) and the final state = the initial state (zeros without one)."""
         o = self.out(np.empty(self.v.shape, self.dtype))
         S = np.zeros(self.state_shape, self.dtype) if self.state is None else self.state.copy()
         return (o, S) if return_state else o
 
     def empty_backward(self, dout, originals):
-        """T = 0: zero gradients for the (empty) per-step inputs; ``dinitial_state = dstate``."""
+        """Nothing computed: zero gradients for the (empty) per-step inputs; ``dinitial_state = dstate``."""
         self.dout(dout)
         dS0 = np.zeros(self.state_shape, self.dtype) if self.dstate is None else self.dstate.copy()
         zeros = [None if x is None else np.zeros(np.shape(x), self.dtype) for x in originals[:-1]]

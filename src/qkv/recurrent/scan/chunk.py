@@ -80,6 +80,8 @@ def _steps(x: np.ndarray, log_a: np.ndarray, h0):
 def _scan(x: np.ndarray, log_a: np.ndarray, h0):
     """``(h (B, T, D), h_T (B, D))`` in x's dtype: blocked when ``B·D <= BLOCKED_WIDTH``."""
     B, T, D = x.shape
+    if B * D == 0:                                                  # no channel: nothing to carry
+        return np.empty_like(x), np.zeros((B, D), x.dtype)
     if B * D > BLOCKED_WIDTH:
         return _steps(x, log_a, h0)
     C = _block(T)
