@@ -118,7 +118,7 @@ def test_the_finite_check_answers_as_the_entries_do(dtype):
     """The check's one-pass Σx² says "finite" only where every entry is; where the sum is not
     (a NaN, an inf, or finite entries large enough to overflow it) or BLAS cannot take the
     array (a strided view), the min and max decide: huge finite inputs keep the chunked path."""
-    from qkv.recurrent.api import _not_finite
+    from qkv.recurrent.checked import _not_finite
 
     big = np.full((2, 3, 5), np.finfo(dtype).max / 2, dtype)        # Σx² overflows, every entry finite
     assert not _not_finite(big, big[:, :, ::2], np.ones(4, dtype), None)

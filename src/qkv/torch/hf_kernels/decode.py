@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ... import jit
-from ...recurrent.api import check_gate
+from ...recurrent.checked import check_gate
 from .fla_args import L2NORM_EPS, l2norm as _l2norm
 
 
@@ -27,7 +27,7 @@ def _array(x: torch.Tensor, dt) -> np.ndarray:
 
 
 def _check_gate(name: str, x: torch.Tensor) -> None:
-    """:func:`qkv.recurrent.api.check_gate` on ``x``: its test on a view of x where NumPy has x's
+    """:func:`qkv.recurrent.checked.check_gate` on ``x``: its test on a view of x where NumPy has x's
     dtype (the same answer), and on its float64 copy, which names the value, where that fails."""
     x = x.detach()
     if x.dtype in (torch.float32, torch.float64):
@@ -40,7 +40,7 @@ def _check_gate(name: str, x: torch.Tensor) -> None:
 def step(q, k, v, beta, g, scale: float, S0, l2norm: bool):
     """One step on fla's layout: ``q, k (B, 1, H, K)``, ``v (B, 1, HV, V)``, ``beta (B, 1, HV)``,
     ``g`` None, ``(B, 1, HV)`` or ``(B, 1, HV, K)``, ``S0`` None or ``(B, HV, K, V)``. The gates
-    are checked as the chunked path checks them (:func:`qkv.recurrent.api.check_gate`)."""
+    are checked as the chunked path checks them (:func:`qkv.recurrent.checked.check_gate`)."""
     _check_gate("beta", beta)
     if g is not None:
         _check_gate("log_decay", g)
