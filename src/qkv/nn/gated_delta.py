@@ -136,7 +136,7 @@ class GatedDeltaNet(Layer):
         x3 = x3.astype(self._cd, copy=False)
         Bsz, T, _ = x3.shape
         check_state(self, state, Bsz)
-        Hk, Hv, r = self.n_k_heads, self.n_v_heads, self.n_v_heads // self.n_k_heads
+        Hk, Hv = self.n_k_heads, self.n_v_heads
         proj = (x3.reshape(-1, self.d_model) @ self._p("W_in")).reshape(Bsz, T, self.params["W_in"].shape[1])  # (BT,d) @ (d,W) -> (B,T,W)
         ends = np.cumsum(self._widths)
         qkv, z, b, a = proj[..., :ends[2]], proj[..., ends[2]:ends[3]], proj[..., ends[3]:ends[4]], proj[..., ends[4]:]
@@ -146,7 +146,7 @@ class GatedDeltaNet(Layer):
         qn, rq = l2norm_forward(self._heads(act[..., :ends[0]], Hk))           # (B, Hk, T, Dk)
         kn, rk = l2norm_forward(self._heads(act[..., ends[0]:ends[1]], Hk))    # (B, Hk, T, Dk)
         v = self._heads(act[..., ends[1]:], Hv)                                 # (B, Hv, T, Dv)
-        q, k = (qn, kn) if r == 1 else (np.repeat(qn, r, axis=1), np.repeat(kn, r, axis=1))  # (B, Hv, T, Dk)
+        q, k = qn, kn                           # (B, Hk, T, Dk): value head h reads key head h // r (delta_rule)
         beta = sigmoid(b).transpose(0, 2, 1)                                   # (B, Hv, T)
         if self.allow_neg_eigval:
             beta = 2 * beta                                                    # in (0, 2)
@@ -178,7 +178,7 @@ class GatedDeltaNet(Layer):
         s = self._need_saved()
         x3 = s["x"]
         Bsz, T, _ = x3.shape
-        Hk, Hv, r = self.n_k_heads, self.n_v_heads, self.n_v_heads // self.n_k_heads
+        Hk, Hv = self.n_k_heads, self.n_v_heads
         dy = grad_output(dy, x3.shape, s["squeezed"]).astype(self._cd, copy=False)
         self.grads["W_out"][...] = linear_grad(s["flat"], dy)
         dflat = (dy.reshape(Bsz * T, self.d_model) @ self._p("W_out").T).reshape(Bsz, T, Hv, self.d_v)  # (BT,d) @ (d,HvDv)
@@ -190,9 +190,7 @@ class GatedDeltaNet(Layer):
             do, dz = rms_backward(dflat * self._p("norm_weight"), ohat, rinv), dflat[..., :0]
         dq, dk, dv, dbeta, dg, _ = recurrent.delta_rule_backward(
             do.transpose(0, 2, 1, 3), s["q"], s["k"], s["v"], s["beta"], s["g"], scale=1 / math.sqrt(self.d_k),
-            initial_state=s["s0"])
-        if r > 1:                                                              # undo the repeat over r heads
-            dq, dk = (d.reshape(Bsz, Hk, r, T, self.d_k).sum(axis=2) for d in (dq, dk))
+            initial_state=s["s0"])                                             # dq, dk: each key head's r summed
         ends = np.cumsum(self._widths)
         dact = np.empty((Bsz, T, ends[2]), dtype=dq.dtype)                     # [dq | dk | dv], heads written in place
         l2norm_backward(dq, s["qn"], s["rq"], out=self._heads(dact[..., :ends[0]], Hk))

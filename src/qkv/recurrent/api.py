@@ -88,7 +88,12 @@ def delta_rule(q, k, v, beta, log_decay=None, *, scale=None, initial_state=None,
     ``beta_t`` of the way to ``v_t`` (with ``|k_t| = 1`` and ``beta_t = 1`` it overwrites it).
 
     Args:
-        q, k: ``(B, H, T, Dk)`` (the layers L2-normalise k). v: ``(B, H, T, Dv)``.
+        q, k: ``(B, H, T, Dk)`` (the layers L2-normalise k). v: ``(B, H, T, Dv)``, or
+            ``(B, HV, T, Dv)`` with ``HV`` a multiple of ``H`` (grouped value heads, fla's
+            layout: value head ``j`` reads q and k head ``j // (HV / H)``, as if q and k were
+            ``repeat_interleave``-d to HV heads, the same bits without the copies); beta,
+            log_decay, the states and the output then have HV heads, and the backward's dq, dk
+            sum their group's.
         beta: ``(B, H, T)``, the write strength (a sigmoid, in (0, 1), in the layers).
         log_decay: finite and ``<= 0``: ``(B, H, T)`` (one decay a head, Gated DeltaNet),
             ``(B, H, T, Dk)`` (a decay a key channel, KDA), or None (no decay: DeltaNet).
@@ -98,9 +103,9 @@ def delta_rule(q, k, v, beta, log_decay=None, *, scale=None, initial_state=None,
         ``o (B, H, T, Dv)``; with ``return_state``, ``(o, S_T)``.
     """
     reject_options(delta_rule, unknown)
-    c = _checked("delta_rule", q, k, v, [("beta", beta, _shapes(q, "head")),
-                                         ("log_decay", log_decay, _shapes(q, "optional both"))],
-                 initial_state, None, scale, chunk_size)
+    c = _checked("delta_rule", q, k, v, [("beta", beta, _shapes(q, "head", v)),
+                                         ("log_decay", log_decay, _shapes(q, "optional both", v))],
+                 initial_state, None, scale, chunk_size, grouped=True)
     if c.empty:
         return c.empty_forward(return_state)
     chunk, errstate = c.plan()
@@ -114,9 +119,9 @@ def delta_rule_backward(dout, q, k, v, beta, log_decay=None, *, scale=None, init
     """Gradients ``(dq, dk, dv, dbeta, dlog_decay, dinitial_state)`` of :func:`delta_rule`
     (``dlog_decay`` None when ``log_decay`` is, ``dinitial_state`` when ``initial_state`` is)."""
     reject_options(delta_rule_backward, unknown)
-    c = _checked("delta_rule_backward", q, k, v, [("beta", beta, _shapes(q, "head")),
-                                                  ("log_decay", log_decay, _shapes(q, "optional both"))],
-                 initial_state, dstate, scale, chunk_size)
+    c = _checked("delta_rule_backward", q, k, v, [("beta", beta, _shapes(q, "head", v)),
+                                                  ("log_decay", log_decay, _shapes(q, "optional both", v))],
+                 initial_state, dstate, scale, chunk_size, grouped=True)
     if c.empty:
         return c.empty_backward(dout, (q, k, v, beta, log_decay, initial_state))
     do = c.dout(dout)

@@ -27,7 +27,7 @@ def check_gate(name: str, x: np.ndarray) -> None:
 class _Call:
     """Checked arrays of one call, in the compute dtype (float32 for float16 and float32 inputs)."""
 
-    def __init__(self, where, q, k, v, per_step, state, dstate, scale, chunk_size, views=False):
+    def __init__(self, where, q, k, v, per_step, state, dstate, scale, chunk_size, views=False, grouped=False):
         q = as_float_array("q", q)
         if q.ndim != 4:
             raise ShapeError(f"q must have shape (B, H, T, Dk); got {fmt_shape(q.shape)}")
@@ -38,8 +38,11 @@ class _Call:
         k, v = as_float_array("k", k), as_float_array("v", v)
         if k.shape != q.shape:
             raise ShapeError(f"k must have q's shape (B, H, T, Dk) = {fmt_shape(q.shape)}; got {fmt_shape(k.shape)}")
-        if v.ndim != 4 or v.shape[:3] != (B, H, T):
-            raise ShapeError(f"v must have shape (B, H, T, Dv) = {fmt_shape((B, H, T))[:-1]}, Dv); "
+        if grouped and v.ndim == 4 and (v.shape[0], v.shape[2]) == (B, T) and _groups(H, v.shape[1]):
+            H = v.shape[1]                  # value heads: each group of HV / H reads one key head
+        elif v.ndim != 4 or v.shape[:3] != (B, H, T):
+            more = " or HV value heads, a multiple of H (each group of HV / H reads one key head)" if grouped else ""
+            raise ShapeError(f"v must have shape (B, H, T, Dv) = {fmt_shape((B, H, T))[:-1]}, Dv){more}; "
                              f"got {fmt_shape(v.shape)}")
         self.in_dtype = np.result_type(q, k, v)
         self.dtype = np.dtype(np.float64 if self.in_dtype == np.float64 else np.float32)
@@ -137,10 +140,19 @@ def checked(where, *args, **kwargs):
         raise type(err)(str(err)) from None  # the caller's line, not our internals
 
 
-def shapes(q, per="head"):
+def _groups(H: int, HV: int) -> bool:
+    """Whether ``HV`` value heads split into groups of whole key heads (``H`` of them)."""
+    return HV % H == 0 if H else HV == 0
+
+
+def shapes(q, per="head", v=None):
+    """The per-step arguments' allowed shapes, ``{label: shape}``, q's heads or, given ``v``
+    (the delta rule's grouped value heads), v's."""
     if np.ndim(q) != 4:   # before the per-step shapes are read off it
         raise ShapeError(f"q must have shape (B, H, T, Dk); got {fmt_shape(np.shape(q))}")
     B, H, T, Dk = np.shape(q)
+    if v is not None and np.ndim(v) == 4 and _groups(H, np.shape(v)[1]):
+        H = np.shape(v)[1]
     head, chan = (B, H, T), (B, H, T, Dk)
     return {"head": {"(B, H, T)": head}, "both": {"(B, H, T)": head, "(B, H, T, Dk)": chan},
             "chan": {"(B, H, T, Dk)": chan},

@@ -273,9 +273,9 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = self._project(x)
         qkv, window = causal_conv(qkv, self.conv1d, window)
         q, k, v = self.act(qkv).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        r = self.n_v_heads // self.n_k_heads
-        q, k = (_heads(t, self.n_k_heads).repeat_interleave(r, dim=1) for t in (q, k))   # (B, Hv, T, d_k)
+        q, k = (_heads(t, self.n_k_heads) for t in (q, k))                             # (B, Hk, T, d_k)
         q, k = (t * torch.rsqrt((t * t).sum(-1, keepdim=True) + 1e-6) for t in (q, k))   # L2 norm
+        # value heads h·r .. h·r + r - 1 read key head h (r = Hv / Hk): qkv.torch.delta_rule's grouped heads
         beta = torch.sigmoid(b).transpose(1, 2)                                        # (B, Hv, T)
         if self.allow_neg_eigval:
             beta = beta * 2.0                                                          # in (0, 2)

@@ -90,7 +90,7 @@ class Recurrence:
             x = tensors[0]
             return (x.shape[0], x.shape[2])   # (B, D)
         q, v = tensors[0], tensors[2]
-        return (q.shape[0], q.shape[1], q.shape[3], v.shape[3])   # (B, H, Dk, Dv)
+        return (v.shape[0], v.shape[1], q.shape[3], v.shape[3])   # (B, H, Dk, Dv): v's heads (grouped: q's x G)
 
 
 RECURRENCES = {r.name: r for r in (

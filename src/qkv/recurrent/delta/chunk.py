@@ -93,11 +93,16 @@ GROUP_WORK = 1 << 22    # T·(C + Dk + Dv)·heads at most in one group of heads 
 
 
 def start_state(q, v, initial_state):
-    """``S_0 (B, H, Dk, Dv)`` in q's dtype: the given state or zeros."""
-    B, H, _, Dk = q.shape
+    """``S_0 (B, HV, Dk, Dv)`` in q's dtype: the given state or zeros."""
     if initial_state is None:
-        return np.zeros((B, H, Dk, v.shape[-1]), dtype=q.dtype)
+        return np.zeros(v.shape[:2] + (q.shape[-1], v.shape[-1]), dtype=q.dtype)
     return np.asarray(initial_state, dtype=q.dtype)
+
+
+def value_heads(x: np.ndarray, G: int) -> np.ndarray:
+    """q or k ``(B, H, T, Dk)`` repeated to the ``H·G`` value heads they serve (each head ``G``
+    times in a row, as ``repeat_interleave``); ``x`` itself where ``G = 1``."""
+    return x if G == 1 else np.repeat(x, G, axis=1)
 
 
 def by_heads(job, arrays: list, chunk: int, per_head: int | None = None) -> tuple:
@@ -107,23 +112,27 @@ def by_heads(job, arrays: list, chunk: int, per_head: int | None = None) -> tupl
     Heads are independent and every product and sum here runs within one head, so a head's
     numbers do not depend on its group: the bits are the same on any thread count. Groups
     hold at most ``GROUP_WORK`` numbers of ``per_head`` a head (``T·(C + Dk + Dv)`` unless
-    given), which bounds the memory of the ``(C, C)`` blocks however many heads come.
+    given), which bounds the memory of the ``(C, C)`` blocks however many heads come. q and k
+    (``arrays[:2]``) may have fewer heads than v (grouped value heads): a group then holds
+    whole key heads and the value heads they serve.
     """
     q = arrays[0]
-    B, H, T, Dk = q.shape
+    Hk, Dk = q.shape[1], q.shape[-1]
+    B, H, T = arrays[2].shape[:3]
+    G = H // Hk
     if per_head is None:
         per_head = T * (min(chunk, T) + Dk + arrays[2].shape[-1])
-    nt = min(threads.get_num_threads(), B * H) if B * H * per_head >= SERIAL_WORK else 1
-    groups = min(B * H, max(nt, -(-B * H * per_head // GROUP_WORK)))
+    nt = min(threads.get_num_threads(), B * Hk) if B * H * per_head >= SERIAL_WORK else 1
+    groups = min(B * Hk, max(nt, -(-B * H * per_head // GROUP_WORK)))
     threads.hold_blas()
     try:
         if groups <= 1:
             return job(*arrays)
-        flat = [None if x is None else x.reshape((1, B * H) + x.shape[2:]) for x in arrays]
-        cuts = np.linspace(0, B * H, groups + 1).astype(int)
+        flat = [None if x is None else x.reshape((1, -1) + x.shape[2:]) for x in arrays]
+        cuts = np.linspace(0, B * Hk, groups + 1).astype(int)          # in key heads
 
         def run(a, b):
-            return job(*[None if x is None else x[:, a:b] for x in flat])
+            return job(*[None if x is None else x[:, a:b] if i < 2 else x[:, a * G:b * G] for i, x in enumerate(flat)])
         if nt == 1:
             parts = [run(a, b) for a, b in zip(cuts[:-1], cuts[1:])]
         else:
@@ -151,8 +160,13 @@ def forward(q, k, v, beta, g=None, *, scale, initial_state=None, chunk=None):
     ``(B, H, T, Dk)`` (a decay a key channel: :mod:`qkv.recurrent.delta.channels`) or None
     (no decay); ``chunk`` positions a chunk (None: ``CHUNK``, ``channels.CHUNK`` for a decay
     a key channel; at most T). Heads run on :func:`qkv.threads.get_num_threads` threads.
+    v (and beta, g, the state) may have ``G`` times q's heads: a key head's ``[K; Q]`` and
+    scores are then made once for its G value heads (:func:`.chunk_parts.prepare`).
     """
     o = np.empty(v.shape, q.dtype)                                      # the head groups write into it (no join)
+    G = v.shape[1] // q.shape[1]
+    if G > 1 and (g is not None and g.ndim == 4 or q.shape[0] * q.shape[1] < threads.get_num_threads()):
+        q, k = value_heads(q, G), value_heads(k, G)   # a key channel's decays, or fewer key heads than threads
     if g is not None and g.ndim == 4:
         C, work = _channel_chunk(chunk, q, v)
         S = by_heads(lambda *xs: (channels.forward(*xs[:-1], scale=scale, chunk=chunk, out=xs[-1]),),
@@ -167,6 +181,11 @@ def backward(dout, dstate, q, k, v, beta, g=None, *, scale, initial_state=None, 
     without ``g``, ``dinitial_state`` None without ``initial_state``): see
     :mod:`qkv.recurrent.delta.backward` (its chunk: :func:`qkv.recurrent.delta.backward.chunk_size`).
     The head groups write their gradients into arrays made here (no join afterwards)."""
+    G = v.shape[1] // q.shape[1]
+    if G > 1:                                                           # grouped value heads: as repeated,
+        grads = backward(dout, dstate, value_heads(q, G), value_heads(k, G), v, beta, g, scale=scale,
+                         initial_state=initial_state, chunk=chunk)      # then each group's dq, dk summed
+        return tuple(x.reshape(q.shape[:2] + (G,) + q.shape[2:]).sum(axis=2) for x in grads[:2]) + grads[2:]
     if g is not None and g.ndim == 4:
         C, work = _channel_chunk(chunk, q, v)
 

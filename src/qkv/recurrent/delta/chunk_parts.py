@@ -33,7 +33,7 @@ forward substitution's (Higham, *Accuracy and Stability of Numerical Algorithms*
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -115,6 +115,8 @@ class Chunks:
     Tinv: np.ndarray       # (B, H, N, C, C) (I + A)⁻¹
     KQ: np.ndarray         # (B, H, N, 2C, Dk) [K; Q]: the reads of S_0 (k and q are its views)
     Kc: np.ndarray         # (B, H, N, C, Dk) diag(e^{γ_C - γ}) K
+    # With grouped value heads (the forward), q, k and KQ have the key heads, HV / H times fewer
+    # than the rest, and so has Kc without a decay (it is k)
 
 
 def cumulative(g: np.ndarray | None) -> np.ndarray | None:
@@ -180,17 +182,28 @@ def _systems(scores, gamma, beta, keep: bool):
 def prepare(q, k, v, beta, g, C: int, keep: bool = True) -> Chunks:
     """The chunked inputs and every quantity that needs no state (batched over all chunks);
     ``keep=False`` (the forward): ``D`` may be left out (None)."""
-    T = q.shape[2]
+    T, G = q.shape[2], v.shape[1] // q.shape[1]
     KQ = np.concatenate([to_chunks(k, C), to_chunks(q, C)], axis=-2)   # (B,H,N,2C,Dk): [K; Q]
     k, q = KQ[..., :C, :], KQ[..., C:, :]
     v, beta = to_chunks(v, C), to_chunks(beta, C)
     gamma = cumulative(None if g is None else to_chunks(g, C))
     eg, eC, eCg = decays(gamma, beta.shape, q.dtype)
     scores = KQ @ np.swapaxes(k, -1, -2)                             # (B,H,N,2C,Dk) @ (B,H,N,Dk,C) -> (B,H,N,2C,C)
+    if G > 1:                                                        # grouped value heads: a key head's scores
+        scores = np.repeat(scores, G, axis=1)                        # for each of its value heads' P and A
     D, Tinv = _systems(scores, gamma, beta, keep)
     KK, P = scores[..., :C, :], scores[..., C:, :]
-    Kc = k if g is None else k * eCg[..., None]
+    Kc = k if g is None else _by_value_head(k, G, eCg[..., None])
     return Chunks(T, q, k, v, beta, g is not None, eg, eC, eCg, D, KK, P, Tinv, KQ, Kc)
+
+
+def _by_value_head(x: np.ndarray, G: int, f: np.ndarray) -> np.ndarray:
+    """``x (B, H, ...) · f (B, H·G, ...)``: each value head's factor times its key head's ``x``
+    (``x · f`` where ``G = 1``), C-ordered ``(B, H·G, ...)``; each entry one rounded product."""
+    if G == 1:
+        return x * f
+    B, H = x.shape[:2]
+    return (x[:, :, None] * f.reshape((B, H, G) + f.shape[2:])).reshape((B, H * G) + x.shape[2:])
 
 
 @dataclass
@@ -210,7 +223,7 @@ def pass_states(ch: Chunks, S0: np.ndarray, keep: bool = False, scale: float | N
     float32 in one compiled loop where the ``fast`` extra is (``delta_compiled.pass_chunks``),
     which given ``scale`` makes the outputs too (``Passed.O``: ``out`` where given, a C-ordered
     ``(B, H, N, C, Dv)``)."""
-    B, H, N, C, Dk = ch.k.shape
+    B, H, N, C, Dk = ch.v.shape[:4] + ch.k.shape[-1:]
     S = S0
     starts = np.empty((B, H, N, Dk, S0.shape[-1]), dtype=S0.dtype) if keep else None
     reads = np.empty((B, H, N, 2 * C, S0.shape[-1]), dtype=S0.dtype)
@@ -224,6 +237,9 @@ def pass_states(ch: Chunks, S0: np.ndarray, keep: bool = False, scale: float | N
                         reads, U, starts if keep else np.empty((B, H, 0, Dk, S0.shape[-1]), np.float32), ch.P, O,
                         np.float32(1.0 if scale is None else scale))
         return Passed(U, reads[..., :C, :], reads[..., C:, :], starts, S, O if scale is not None else None)
+    if ch.KQ.shape[1] != H:                                          # grouped value heads: as repeated
+        G = H // ch.KQ.shape[1]
+        ch = replace(ch, KQ=np.repeat(ch.KQ, G, axis=1), Kc=ch.Kc if ch.gated else np.repeat(ch.Kc, G, axis=1))
     eg2 = np.concatenate([ch.eg, ch.eg], axis=-1)[..., None]         # (B,H,N,2C,1): e^γ on both halves
     for n in range(N):
         if keep:

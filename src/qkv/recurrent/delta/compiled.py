@@ -135,12 +135,13 @@ def pass_chunks(addr, KQ, v, beta, eg, eC, Kc, Tinv, gated, S, reads, U, starts,
     on the same operands and the same element-wise roundings in the same order (no fast-math),
     so NumPy's bits, with no Python and no temporaries between chunks. ``KQ (B,H,N,2C,Dk)``,
     ``v, reads[..., :C, :], U (B,H,N,C,Dv)``, ``beta, eg (B,H,N,C)``, ``eC (B,H,N)``,
-    ``Kc (B,H,N,C,Dk)``, ``Tinv (B,H,N,C,C)``; ``S (B,H,Dk,Dv)`` the start state in, the final
+    ``Kc (B,H,N,C,Dk)`` (KQ and Kc may have H / G heads: value head h reads head h // G), ``Tinv (B,H,N,C,C)``; ``S (B,H,Dk,Dv)`` the start state in, the final
     state out; ``starts (B,H,N,Dk,Dv)`` each chunk's start state, or of length 0 (not kept);
     ``O (B,H,N,C,Dv)``, unless of length 0, the outputs ``(P U + Qg S_0) · scale`` of
     ``P (B,H,N,C,C)``, as the forward's NumPy lines round them."""
-    B, H, N, C2, Dk = KQ.shape
+    B, H, N, C2, Dk = v.shape[:2] + KQ.shape[2:]
     C, Dv = C2 // 2, v.shape[-1]
+    gk, gc = H // KQ.shape[1], H // Kc.shape[1]                            # value heads a key head (grouped)
     N_, T_ = 78, 84
     R, X = np.empty((C, Dv), np.float32), np.empty((Dk, Dv), np.float32)
     keep = starts.shape[2] > 0
@@ -152,7 +153,7 @@ def pass_chunks(addr, KQ, v, beta, eg, eC, Kc, Tinv, gated, S, reads, U, starts,
                 if keep:
                     starts[b, h, n] = st
                 rd = reads[b, h, n]
-                gemm(addr, N_, N_, C2, Dv, Dk, KQ[b, h, n], st, 0, rd)        # [K S_0; Q S_0]
+                gemm(addr, N_, N_, C2, Dv, Dk, KQ[b, h // gk, n], st, 0, rd)   # [K S_0; Q S_0]
                 if gated:
                     for i in range(C2):
                         f = eg[b, h, n, i % C]
@@ -169,7 +170,7 @@ def pass_chunks(addr, KQ, v, beta, eg, eC, Kc, Tinv, gated, S, reads, U, starts,
                     for i in range(C):
                         for x in range(Dv):
                             o[i, x] = (o[i, x] + rd[C + i, x]) * scale
-                gemm(addr, T_, N_, Dk, Dv, C, Kc[b, h, n], U[b, h, n], 0, X)   # Kcᵀ U
+                gemm(addr, T_, N_, Dk, Dv, C, Kc[b, h // gc, n], U[b, h, n], 0, X)   # Kcᵀ U
                 e = eC[b, h, n]
                 for d in range(Dk):                                         # S = e^{γ_C} S + Kcᵀ U
                     for x in range(Dv):

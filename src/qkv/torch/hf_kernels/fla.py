@@ -45,7 +45,7 @@ import torch
 
 from . import decode
 from ..recurrent_ops import delta_rule
-from .fla_args import (Heads, beta_of, check_gates, gdn_gate, group_heads, heads, kda_gate, kernel_heads, l2norm,
+from .fla_args import (Heads, beta_of, check_gates, gdn_gate, heads, kda_gate, kernel_heads, l2norm,
                        offsets, refuse, state_in)
 from ...errors import OptionError
 
@@ -78,16 +78,14 @@ def _run(where: str, n: Heads, q, k, v, g, beta, scale, initial_state, output_fi
         return (o, (S.transpose(-1, -2) if state_v_first else S) if output_final_state else None)
     if q.dtype in (torch.bfloat16, torch.float16):          # fla's kernels compute in float32
         q, k, v = q.float(), k.float(), v.float()
-    if not _wants_grad(q, k):                               # normalised and grouped in one pass
-        q, k = (kernel_heads(x, n.HV, use_qk_l2norm_in_kernel) for x in (q, k))
+    if not _wants_grad(q, k):                               # normalised, in qkv's layout, in one pass
+        q, k = (kernel_heads(x, n.H, use_qk_l2norm_in_kernel) for x in (q, k))
     else:
         if use_qk_l2norm_in_kernel:
             q, k = l2norm(q), l2norm(k)
-        if n.HV != n.H:                                     # grouped value heads
-            q, k = (group_heads(x, n.HV) for x in (q, k))   # (B, T, H, K) -> (B, HV, T, K)
-        else:
-            q, k = (x.transpose(1, 2) for x in (q, k))      # (B, T, H, K) -> (B, H, T, K)
-    v = v.transpose(1, 2)                                   # (B, T, HV, V) -> (B, HV, T, V)
+        q, k = (x.transpose(1, 2) for x in (q, k))          # (B, T, H, K) -> (B, H, T, K)
+    v = v.transpose(1, 2)                                   # (B, T, HV, V) -> (B, HV, T, V): grouped value heads
+    #                                                         read q, k head h // (HV / H) (qkv.recurrent.delta_rule)
     beta = beta.transpose(1, 2)
     g = None if g is None else g.transpose(1, 2)
     scale = n.K ** -0.5 if scale is None else scale
