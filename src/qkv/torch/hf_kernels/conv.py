@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ... import jit
 from ...errors import OptionError, ShapeError, fmt_shape
 from ..options import empty
 
@@ -250,6 +252,26 @@ def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, re
     return out, final
 
 
+def _compiled_update(x3, conv_state, weight, bias) -> torch.Tensor | None:
+    """The taps and the shifted state of :func:`causal_conv1d_update` in one compiled pass
+    (:func:`qkv.kernels.conv_compiled.conv_step`, the torch steps' bits: 100 against 15 µs a
+    token at D = 2176), where no gradient is wanted and x, the state, the weight and the bias
+    share float32 or float64; else None (torch's steps). ``out (B, D, T)`` before the activation."""
+    dt = weight.dtype
+    if dt not in (torch.float32, torch.float64) or x3.dtype != dt or conv_state.dtype != dt \
+            or (bias is not None and bias.dtype != dt) or (fast := jit.load(jit.CONV)) is None \
+            or (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x3, conv_state, weight, bias))):
+        return None
+    work = conv_state if conv_state.is_contiguous() else conv_state.contiguous()
+    arrays = [t.detach().contiguous().numpy() for t in (x3, weight)]
+    b = np.empty(0, arrays[0].dtype) if bias is None else bias.detach().contiguous().numpy()
+    out = np.empty(tuple(x3.shape), arrays[0].dtype)
+    fast.conv_step(work.detach().numpy(), arrays[0], arrays[1], b, out)
+    if work is not conv_state:
+        conv_state.copy_(work)
+    return torch.from_numpy(out)
+
+
 def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cache_seqlens=None,
                          conv_state_indices=None):
     """causal_conv1d's ``causal_conv1d_update``: T new inputs after the state, which is
@@ -291,6 +313,9 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cach
                          f"{conv_state_indices.tolist()}")
     if conv_state_indices is not None:
         distinct_rows("conv_state_indices", conv_state_indices, "conv_state")
+    if cache_seqlens is None and conv_state_indices is None and (out := _compiled_update(x3, conv_state, weight, bias)) is not None:
+        out = cast(_act(out, silu), x.dtype)
+        return out[:, :, 0] if one else out
     state = conv_state if conv_state_indices is None else conv_state[conv_state_indices.long()]   # (B, D, L)
     if cache_seqlens is not None:   # the ring buffer in time order, oldest first
         order = (torch.arange(L)[None, :] + (cache_seqlens.long() % L)[:, None]) % L               # (B, L)

@@ -168,10 +168,10 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     y, S, every = _ssd(q, k, v, g, s0, runs)
     y = _dense_out(y.transpose(1, 2), x, D, z, cdt)                                      # (B, T, H, P)
     out = (y.to(x.dtype),)
-    if return_final_states:
-        out += (S.transpose(-1, -2),)                                                    # (B, H, P, N)
+    if return_final_states:   # C-ordered, as mamba_ssm's: the cache's state, stepped in place a token
+        out += (S.transpose(-1, -2).contiguous(),)                                       # (B, H, P, N)
     if return_varlen_states:
-        out += (torch.stack(every).transpose(-1, -2),)                                   # (S, H, P, N)
+        out += (torch.stack(every).transpose(-1, -2).contiguous(),)                      # (S, H, P, N)
     return out[0] if len(out) == 1 else out
 
 

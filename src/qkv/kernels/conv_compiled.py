@@ -1,0 +1,52 @@
+"""numba pass of a short causal depthwise convolution's decoding step (causal_conv1d's
+``causal_conv1d_update``, served by :mod:`qkv.torch.hf_kernels.conv`); load it through
+``qkv.jit.load(qkv.jit.CONV)`` only.
+
+torch's path is a dozen calls of a few µs over ``(B, D, L + T)`` numbers (a concatenation, the
+K windows, a product and K - 1 ``addcmul_``, the state's copy): about 100 µs a token at
+D = 2176, K = 4, for some 9,000 multiply-adds. :func:`conv_step` is one pass that rounds as
+those calls round: the first tap a product, each later one a fused multiply-add into the sum
+(torch's ``addcmul_`` is an FMA on these CPUs, vector loop and tail alike), the bias added
+after; SiLU stays torch's (the caller's), on the same tensor.
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba.core.extending import intrinsic
+
+
+@intrinsic
+def fma(typingctx, a, b, c):
+    """``a · b + c`` rounded once (LLVM's ``fma``), of one float type."""
+    def codegen(context, builder, sig, args):
+        return builder.fma(*args)
+    return a(a, b, c), codegen
+
+
+@numba.njit(nogil=True, cache=True)
+def conv_step(state, x, w, bias, out):
+    """T new inputs after ``state (B, D, L)`` (oldest first, ``L >= K - 1``): ``out (B, D, T)``,
+    ``out_t = Σ_k w_k xp_{t + k}`` over the last K - 1 states and the inputs ``x (B, D, T)``,
+    ``w (D, K)``, plus ``bias (D,)`` (or of length 0: none); then ``state`` holds the last L
+    of states and inputs, in place."""
+    Bsz, Dd, L = state.shape
+    T, K = x.shape[2], w.shape[1]
+    has_bias = bias.shape[0] > 0
+    win = np.empty(L + T, state.dtype)
+    for b in range(Bsz):
+        for d in range(Dd):
+            for i in range(L):
+                win[i] = state[b, d, i]
+            for t in range(T):
+                win[L + t] = x[b, d, t]
+            for t in range(T):
+                base = L - (K - 1) + t
+                acc = win[base] * w[d, 0]
+                for k in range(1, K):
+                    acc = fma(win[base + k], w[d, k], acc)
+                if has_bias:
+                    acc = acc + bias[d]
+                out[b, d, t] = acc
+            for i in range(L):
+                state[b, d, i] = win[T + i]
