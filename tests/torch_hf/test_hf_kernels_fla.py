@@ -369,8 +369,9 @@ def test_a_decoding_step_refuses_the_gates_the_kernel_refuses(bad):
 @pytest.mark.parametrize("HV", [2, 6], ids=["HV=H", "grouped"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 def test_without_autograd_the_same_bits_as_with_it(name, l2, HV, dtype):
-    """No gradient wanted: q and k are normalised and grouped in one pass into the kernel's layout
-    (fla_args.kernel_heads), not by l2norm() then a copy: the same output and state, bit for bit,
+    """No gradient wanted: q and k are normalised in one pass into the kernel's layout
+    (fla_args.kernel_heads; grouped value heads read their key head in the kernel), not by
+    l2norm() then a copy: the same output and state, bit for bit,
     as the call that records a gradient, at scores of +-30 and more, packed or not."""
     x = _inputs(name, B=1, T=70, H=2, HV=HV, K=16, V=8, dtype=dtype, steep=True)
     x["q"] = (x["q"].detach() * 30).requires_grad_()
