@@ -254,8 +254,8 @@ def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, re
 
 def _compiled_update(x3, conv_state, weight, bias) -> torch.Tensor | None:
     """The taps and the shifted state of :func:`causal_conv1d_update` in one compiled pass
-    (:func:`qkv.kernels.conv_compiled.conv_step`, the torch steps' bits: 100 against 15 µs a
-    token at D = 2176), where no gradient is wanted and x, the state, the weight and the bias
+    (:func:`qkv.kernels.conv_compiled.conv_step`, the torch steps' bits: the call 53 against 36 µs
+    a token at D = 2176, the checks and SiLU included), where no gradient is wanted and x, the state, the weight and the bias
     share float32 or float64; else None (torch's steps). ``out (B, D, T)`` before the activation."""
     dt = weight.dtype
     if dt not in (torch.float32, torch.float64) or x3.dtype != dt or conv_state.dtype != dt \
