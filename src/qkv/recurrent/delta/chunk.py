@@ -114,15 +114,19 @@ def by_heads(job, arrays: list, chunk: int, per_head: int | None = None) -> tupl
     hold at most ``GROUP_WORK`` numbers of ``per_head`` a head (``T·(C + Dk + Dv)`` unless
     given), which bounds the memory of the ``(C, C)`` blocks however many heads come. q and k
     (``arrays[:2]``) may have fewer heads than v (grouped value heads): a group then holds
-    whole key heads and the value heads they serve.
+    whole key heads and the value heads they serve, unless there are fewer key heads than the
+    threads would take (q and k are then repeated to the value heads: the same bits).
     """
     q = arrays[0]
     Hk, Dk = q.shape[1], q.shape[-1]
     B, H, T = arrays[2].shape[:3]
-    G = H // Hk
     if per_head is None:
         per_head = T * (min(chunk, T) + Dk + arrays[2].shape[-1])
-    nt = min(threads.get_num_threads(), B * Hk) if B * H * per_head >= SERIAL_WORK else 1
+    nt = min(threads.get_num_threads(), B * H) if B * H * per_head >= SERIAL_WORK else 1
+    if B * Hk < nt:
+        arrays = [value_heads(x, H // Hk) for x in arrays[:2]] + list(arrays[2:])
+        Hk = H
+    G = H // Hk
     groups = min(B * Hk, max(nt, -(-B * H * per_head // GROUP_WORK)))
     threads.hold_blas()
     try:
@@ -164,10 +168,8 @@ def forward(q, k, v, beta, g=None, *, scale, initial_state=None, chunk=None):
     scores are then made once for its G value heads (:func:`.chunk_parts.prepare`).
     """
     o = np.empty(v.shape, q.dtype)                                      # the head groups write into it (no join)
-    G = v.shape[1] // q.shape[1]
-    if G > 1 and (g is not None and g.ndim == 4 or q.shape[0] * q.shape[1] < threads.get_num_threads()):
-        q, k = value_heads(q, G), value_heads(k, G)   # a key channel's decays, or fewer key heads than threads
-    if g is not None and g.ndim == 4:
+    if g is not None and g.ndim == 4:                                   # a key channel's decays: each head its own
+        q, k = value_heads(q, v.shape[1] // q.shape[1]), value_heads(k, v.shape[1] // q.shape[1])
         C, work = _channel_chunk(chunk, q, v)
         S = by_heads(lambda *xs: (channels.forward(*xs[:-1], scale=scale, chunk=chunk, out=xs[-1]),),
                      [q, k, v, beta, g, initial_state, o], C, work)

@@ -30,7 +30,8 @@ import torch.nn.functional as F
 
 from ... import jit
 from ...errors import OptionError, ShapeError, fmt_shape
-from ..options import empty
+from ..options import NUMPY_DTYPES, empty
+from .decode import _array
 
 __all__ = ["causal_conv1d_fn", "causal_conv1d_update"]
 
@@ -254,19 +255,19 @@ def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, re
 
 def _compiled_update(x3, conv_state, weight, bias) -> torch.Tensor | None:
     """The taps and the shifted state of :func:`causal_conv1d_update` in one compiled pass
-    (:func:`qkv.kernels.conv_compiled.conv_step`, the torch steps' bits: the call 53 against 36 µs
-    a token at D = 2176, the checks and SiLU included), where no gradient is wanted and x, the state, the weight and the bias
-    share float32 or float64; else None (torch's steps). ``out (B, D, T)`` before the activation."""
+    (:func:`qkv.kernels.conv_compiled.conv_step`, the torch steps' bits: the call 53 against
+    36 µs a token at D = 2176, the checks and SiLU included), where no gradient is wanted and
+    x, the state, the weight and the bias share float32 or float64; else None (torch's steps).
+    ``out (B, D, T)`` before the activation."""
     dt = weight.dtype
-    if dt not in (torch.float32, torch.float64) or x3.dtype != dt or conv_state.dtype != dt \
-            or (bias is not None and bias.dtype != dt) or (fast := jit.load(jit.CONV)) is None \
+    if dt not in (torch.float32, torch.float64) or any(t is not None and t.dtype != dt for t in (x3, conv_state, bias)) \
+            or (fast := jit.load(jit.CONV)) is None \
             or (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x3, conv_state, weight, bias))):
         return None
-    work = conv_state if conv_state.is_contiguous() else conv_state.contiguous()
-    arrays = [t.detach().contiguous().numpy() for t in (x3, weight)]
-    b = np.empty(0, arrays[0].dtype) if bias is None else bias.detach().contiguous().numpy()
-    out = np.empty(tuple(x3.shape), arrays[0].dtype)
-    fast.conv_step(work.detach().numpy(), arrays[0], arrays[1], b, out)
+    work = conv_state if conv_state.is_contiguous() else conv_state.contiguous()   # stepped, then put back
+    out = np.empty(tuple(x3.shape), NUMPY_DTYPES[dt])
+    fast.conv_step(_array(work, dt), _array(x3, dt), _array(weight, dt),
+                   np.empty(0, NUMPY_DTYPES[dt]) if bias is None else _array(bias, dt), out)
     if work is not conv_state:
         conv_state.copy_(work)
     return torch.from_numpy(out)
@@ -313,7 +314,8 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cach
                          f"{conv_state_indices.tolist()}")
     if conv_state_indices is not None:
         distinct_rows("conv_state_indices", conv_state_indices, "conv_state")
-    if cache_seqlens is None and conv_state_indices is None and (out := _compiled_update(x3, conv_state, weight, bias)) is not None:
+    out = _compiled_update(x3, conv_state, weight, bias) if cache_seqlens is None and conv_state_indices is None else None
+    if out is not None:
         out = cast(_act(out, silu), x.dtype)
         return out[:, :, 0] if one else out
     state = conv_state if conv_state_indices is None else conv_state[conv_state_indices.long()]   # (B, D, L)

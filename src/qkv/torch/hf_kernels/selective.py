@@ -29,8 +29,10 @@ import torch.nn.functional as F
 
 from ... import jit
 from ...errors import OptionError, ShapeError, fmt_shape
+from ..options import NUMPY_DTYPES
 from ..recurrent_ops import linear_scan
 from .conv import _need, _need_int, cast, distinct_rows
+from .decode import _array
 from .mamba import decaying
 
 __all__ = ["selective_scan_fn", "selective_state_update"]
@@ -57,17 +59,11 @@ def _per_step(name: str, t, Bsz: int, Dd: int, N: int, T: int, dtype) -> torch.T
 
 
 def _c(t: torch.Tensor | None, dtype, empty: int) -> np.ndarray:
-    """``t`` as a C-ordered array of ``dtype`` (a view where it is one), a stride-0 last axis cut
-    to one entry; None: an empty array of ``empty`` axes. (Each torch call is a µs of a step.)"""
+    """:func:`qkv.torch.hf_kernels.decode._array` of ``t`` (C-ordered, ``dtype``, a view where it is
+    one), a stride-0 last axis cut to one entry first; None: an empty array of ``empty`` axes."""
     if t is None:
-        return np.empty((0,) * empty, np.float64 if dtype == torch.float64 else np.float32)
-    if t.requires_grad:
-        t = t.detach()
-    if t.dtype != dtype:
-        t = t.to(dtype)
-    if t.dim() and t.stride(-1) == 0 and t.shape[-1] > 1:
-        t = t[..., :1]
-    return (t if t.is_contiguous() else t.contiguous()).numpy()
+        return np.empty((0,) * empty, NUMPY_DTYPES[dtype])
+    return _array(t[..., :1] if t.dim() and t.stride(-1) == 0 and t.shape[-1] > 1 else t, dtype)
 
 
 def _compiled_step(fast, st, x, delta, decay, B, C, D, z, cdt) -> torch.Tensor:
@@ -77,7 +73,7 @@ def _compiled_step(fast, st, x, delta, decay, B, C, D, z, cdt) -> torch.Tensor:
     the output's read ``Σ_n state C`` sums in float64 (torch's sum rounds at each of its partial
     sums), then D x and the gate as torch rounds them: 90 against 15 µs a step at 16 heads of
     (64, 64) (one thread)."""
-    out = np.empty(tuple(x.shape), np.float64 if cdt == torch.float64 else np.float32)
+    out = np.empty(tuple(x.shape), NUMPY_DTYPES[cdt])
     fast.selective_step(st.numpy(), _c(x, cdt, 3), _c(delta, cdt, 3), _c(decay, cdt, 4), _c(B, cdt, 3),
                         _c(C, cdt, 3), _c(D, cdt, 2), _c(z, cdt, 3), out)
     return cast(torch.from_numpy(out), x.dtype)
