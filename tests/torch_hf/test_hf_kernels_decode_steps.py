@@ -151,3 +151,56 @@ def test_compiled_conv_update_gives_the_torch_steps_bits(monkeypatch, dtype, T, 
     (o1, s1), (o2, s2) = runs
     assert o1.shape == o2.shape and torch.equal(o1, o2) and torch.equal(s1, s2) and s1.stride() == state.stride()
     assert torch.equal(s1[..., -T:], x if T > 1 else x[..., :1])
+
+
+def test_compiled_steps_against_transformers_fallbacks_in_float64():
+    """The compiled steps (no gradient) against transformers' own torch steps, run in float64
+    (recurrent_hf.float64): Mamba-2's as its mixer calls it (dt, A, D expanded, 2 groups, a gate),
+    Mamba-1's, and the convolution's, to 1e-14 of the largest entry, states included."""
+    from recurrent_hf import float64
+    from transformers.models.mamba import modeling_mamba as m1
+    from transformers.models.mamba2 import modeling_mamba2 as m2
+
+    (a2, s2), (a1, s1) = _mamba2(2, 8, 16, 32, 2, True, True, True), _mamba1(2, 24, 16, True, True)
+    for args, state, ref in ((a2, s2, m2.mamba2_selective_state_update), (a1, s1, m1.mamba_selective_state_update)):
+        ours, theirs = state.clone(), state.clone()
+        with torch.no_grad():
+            out = K.selective_state_update(ours, **args)
+            with float64([m1]):
+                want = ref(theirs, *(args[k] for k in ("x", "dt", "A", "B", "C", "D")), z=args["z"],
+                           dt_bias=args["dt_bias"], dt_softplus=True)
+        assert out.dtype == torch.float64
+        for got, exp in ((out, want), (ours, theirs)):
+            assert (got - exp).abs().max() <= 1e-14 * exp.abs().max()
+    g = torch.Generator().manual_seed(5)
+    x, w, b = (torch.randn(*s, generator=g, dtype=torch.float64) for s in [(2, 40, 1), (40, 4), (40,)])
+    ours, theirs = (torch.randn(2, 40, 3, generator=g, dtype=torch.float64) for _ in range(2))
+    theirs.copy_(ours)
+    with torch.no_grad():
+        out = K.causal_conv1d_update(30 * x[..., 0], ours, w, b, activation="silu")
+        want = m2.causal_conv1d_update(30 * x, theirs, w, b, activation="silu")[..., 0]
+    assert (out - want).abs().max() <= 1e-14 * want.abs().max() and torch.equal(ours, theirs)
+
+
+def test_a_nan_in_one_state_row_reaches_that_row_alone():
+    """The compiled steps with a NaN in one (batch, head, channel) of the state: that channel's
+    output and state are NaN, every other number finite and as without it."""
+    args, state = CASES["mamba2 dense, 2 groups, gated"]()
+    args = {k: v.float() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    clean, bad = state.float(), state.float().clone()
+    bad[0, 3, 2, 5] = float("nan")
+    with torch.no_grad():
+        o_clean, o_bad = K.selective_state_update(clean, **args), K.selective_state_update(bad, **args)
+    hit = torch.zeros_like(o_bad, dtype=torch.bool)
+    hit[0, 3, 2] = True
+    assert torch.isnan(o_bad[hit]).all() and torch.equal(o_bad[~hit], o_clean[~hit])
+    assert torch.isnan(bad[0, 3, 2, 5]) and torch.equal(bad[~torch.isnan(bad)], clean[~torch.isnan(bad)])
+    g = torch.Generator().manual_seed(6)
+    x, w = torch.randn(2, 40, generator=g), torch.randn(40, 4, generator=g)
+    st = torch.randn(2, 40, 3, generator=g)
+    st_bad = st.clone()
+    st_bad[1, 7, 1] = float("nan")
+    with torch.no_grad():
+        o, o_bad = K.causal_conv1d_update(x, st, w, activation="silu"), K.causal_conv1d_update(x, st_bad, w, activation="silu")
+    assert torch.isnan(o_bad[1, 7]) and torch.isnan(o_bad).sum() == 1 and torch.equal(o_bad[0], o[0])
+    assert torch.isnan(st_bad[1, 7, 0]) and torch.isnan(st_bad).sum() == 1            # shifted one step back
