@@ -15,10 +15,11 @@ Each at T = 2048 and 8192 (quick: 32): ``prefill`` (the logits and the cache und
 ``no_grad``), ``train`` (the loss and ``backward()``, ``model.train()``) and ``decode`` (one
 token with the cache of the prefill; the cache grows by a token a repeat). A row:
 ``family``, ``shape``, ``what``, ``qkv_s``, ``peer_s`` (medians), ``ratio`` (qkv ÷ peer),
-``peer_kernel_s`` (in one more call of the peer, after the timed ones: the seconds spent inside
-the functions qkv replaces, the rest being what both sides run alike) and ``bound`` (``peer_s ÷
-(peer_s - peer_kernel_s)``: the most any replacement of those functions could gain),
-``qkv_kernel_s`` (the same clock on qkv's side: the seconds inside qkv's functions) and
+``peer_kernel_s`` and ``qkv_kernel_s`` (the
+seconds each side's timed calls spent inside the functions qkv replaces, clocked in those very
+calls: medians), ``peer_rest_s`` and ``qkv_rest_s`` (the median over the timed calls of a call's
+wall clock less its seconds inside them: what both sides run alike, transformers' own code),
+``bound`` (``peer_s ÷ peer_rest_s``: the most any replacement of those functions could gain),
 ``kernel_ratio`` (``peer_kernel_s ÷ qkv_kernel_s``: the functions' own speed-up), and
 ``served`` / ``missing``: the functions qkv.torch.hf_kernels had, and those it did not have
 yet (transformers' path ran for those on both sides).
@@ -28,11 +29,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-
+import statistics
 import time
 
 from .table import Table
-from .timing import alternate
+from .timing import rounds
 
 KINDS = ("qwen3-next", "mamba-2", "kimi")
 WHATS = ("prefill", "train", "decode")
@@ -82,24 +83,40 @@ def _switch(module):
     """Yields ``use(flag)``: each of ``module``'s replaceable functions that qkv serves becomes
     one that calls qkv's while ``use(True)`` was last said and transformers' while ``use(False)``
     was; all put back on exit. Switching is one assignment, so neither side's clock counts
-    patching the module (0.1-0.2 ms, a tenth of a small decoding step)."""
+    patching the module (0.1-0.2 ms, a tenth of a small decoding step). Every replaceable
+    function, served or not, adds the seconds of its calls to ``use.spent[0]`` (a call inside
+    another's counted once): each side's time inside them, clocked in the call the wall clock
+    times. (Clocked in one more call after the timed ones, the peer's share was another call's:
+    where it is 90 % of the call, the bound ``p ÷ (p - inside)`` moved by a third with the
+    noise of one call.)"""
     from qkv.torch import hf_recurrent
 
     theirs = {a: o for a, o in vars(module).items() if hf_recurrent.kernel_name(o)}
     hf_recurrent.patch_module(module)
     ours = {a: getattr(module, a) for a in theirs if getattr(module, a) is not theirs[a]}
     hf_recurrent.unpatch_module(module)
-    flag = [False]
+    flag, depth = [False], [0]
+
+    def use(on: bool) -> None:
+        flag[0] = on
+    use.spent = [0.0]
 
     def switching(attr):
         @functools.wraps(theirs[attr])
         def call(*args, **kwargs):
-            return (ours if flag[0] else theirs)[attr](*args, **kwargs)
+            depth[0] += 1
+            t = time.perf_counter()
+            try:
+                return (ours if flag[0] and attr in ours else theirs)[attr](*args, **kwargs)
+            finally:
+                depth[0] -= 1
+                if not depth[0]:
+                    use.spent[0] += time.perf_counter() - t
         return call
     try:
-        for a in ours:
+        for a in theirs:
             setattr(module, a, switching(a))
-        yield lambda on: flag.__setitem__(0, on)
+        yield use
     finally:
         for a, o in theirs.items():
             setattr(module, a, o)
@@ -107,17 +124,17 @@ def _switch(module):
 
 def _sides(use, fn, peer_fn=None):
     """``{"qkv": ..., "peer": ...}``: ``fn`` on qkv's functions, ``peer_fn`` (default ``fn``) on
-    transformers'."""
+    transformers'; each returns the seconds its call spent inside the replaceable functions."""
     peer_fn = peer_fn or fn
 
-    def qkv_side():
-        use(True)
-        return fn()
-
-    def peer_side():
-        use(False)
-        return peer_fn()
-    return {"qkv": qkv_side, "peer": peer_side}
+    def side(on, f):
+        def run():
+            use(on)
+            use.spent[0] = 0.0
+            f()
+            return use.spent[0]
+        return run
+    return {"qkv": side(True, fn), "peer": side(False, peer_fn)}
 
 
 def _calls(m, T: int):
@@ -148,39 +165,13 @@ def _calls(m, T: int):
     return {"prefill": prefill, "train": train, "decode": decode}
 
 
-def _kernel_seconds(module, fn, qkv: bool = False) -> float:
-    """Seconds one call of ``fn`` spends inside ``module``'s replaceable kernel functions (each
-    wrapped in a clock for the call, then put back); ``qkv``: inside qkv's functions, with the
-    module patched for the call."""
-    from qkv.torch import hf_recurrent
-
-    if qkv:
-        hf_recurrent.patch_module(module)
-        try:
-            return _kernel_seconds(module, fn)
-        finally:
-            hf_recurrent.unpatch_module(module)
-    names = [a for a, o in vars(module).items()
-             if hf_recurrent.kernel_name(o) or getattr(o, "_qkv_serves", None)]
-    saved, spent = {a: getattr(module, a) for a in names}, [0.0]
-
-    def clocked(f):
-        @functools.wraps(f)
-        def call(*args, **kwargs):
-            t = time.perf_counter()
-            try:
-                return f(*args, **kwargs)
-            finally:
-                spent[0] += time.perf_counter() - t
-        return call
-    try:
-        for a in names:
-            setattr(module, a, clocked(saved[a]))
-        fn()
-    finally:
-        for a, o in saved.items():
-            setattr(module, a, o)
-    return spent[0]
+def split(runs: list, inside: list) -> tuple:
+    """``(wall, inside, rest)``: medians over one side's timed calls (``runs`` of ``(wall s, cpu s)``,
+    ``inside`` each call's seconds inside the replaced functions) of the wall clock, the time inside
+    and each call's wall less its own time inside."""
+    walls = [w for w, _ in runs]
+    return (statistics.median(walls), statistics.median(inside),
+            statistics.median(w - k for w, k in zip(walls, inside)))
 
 
 def measure(quick: bool, repeats: int, told=lambda label: None) -> list[dict]:
@@ -198,15 +189,16 @@ def measure(quick: bool, repeats: int, told=lambda label: None) -> list[dict]:
                 told(f"{kind} T={T} {what}")
                 # decode: each side its own cache, made by its own prefill (in the warm-up)
                 peer_fn = _calls(m, T)["decode"] if what == "decode" else fn
+                inside = {}
                 with _switch(module) as use:
-                    med = alternate(_sides(use, fn, peer_fn), repeats, rewarm_below=0 if quick else 1.0)
-                q, p = med["qkv"]["wall"], med["peer"]["wall"]
-                inside = min(_kernel_seconds(module, peer_fn), p)
-                ours = min(_kernel_seconds(module, fn, qkv=True), q)
+                    runs = rounds(_sides(use, fn, peer_fn), repeats, rewarm_below=0 if quick else 1.0,
+                                  returns=inside)
+                (q, qk, q_rest), (p, pk, p_rest) = (split(runs[s], inside[s]) for s in ("qkv", "peer"))
                 rows.append(dict(family=kind, shape=f"B=1 T={T} hidden={size['hidden']} layers={size['layers']}",
                                  what=what, qkv_s=q, peer_s=p, ratio=q / p if p > 0 else float("nan"),
-                                 peer_kernel_s=inside, bound=p / (p - inside) if p > inside else float("inf"),
-                                 qkv_kernel_s=ours, kernel_ratio=inside / ours if ours > 0 else float("nan"),
+                                 peer_kernel_s=pk, peer_rest_s=p_rest, qkv_kernel_s=qk, qkv_rest_s=q_rest,
+                                 bound=p / p_rest if p_rest > 0 else float("inf"),
+                                 kernel_ratio=pk / qk if qk > 0 else float("nan"),
                                  served=served, missing=[n for n in names if n not in served]))
     return rows
 
@@ -217,16 +209,23 @@ def table(rows: list[dict], repeats: int | None = None, threads: int | None = No
     t = Table(f"transformers' hybrids, 4 layers, hidden 512, float32, B=1: the recurrent kernel functions on qkv "
               f"(register_hf(recurrent=True)) against transformers' torch fallbacks, {threads} thread(s), wall clock"
               f"{runs}{smoke}", ["model", "T", "pass", "qkv s", "peer s", "peer ÷ qkv", "peer in kernels",
-                               "bound", "kernels: peer ÷ qkv"], left=3)
+                               "bound", "of the bound", "kernels: peer ÷ qkv"], left=3)
     for r in rows:
+        ratio = r["peer_s"] / r["qkv_s"]
         t.rows.append([r["family"], r["shape"].split()[1][2:], r["what"], f"{r['qkv_s']:.4f}", f"{r['peer_s']:.4f}",
-                       f"{r['peer_s'] / r['qkv_s']:.2f}", f"{r['peer_kernel_s'] / r['peer_s']:.0%}",
-                       f"{r['bound']:.2f}", f"{r.get('kernel_ratio', float('nan')):.2f}"])
+                       f"{ratio:.2f}", f"{r['peer_kernel_s'] / r['peer_s']:.0%}", f"{r['bound']:.2f}",
+                       f"{ratio / r['bound']:.2f}", f"{r.get('kernel_ratio', float('nan')):.2f}"])
+    # rows recorded before 2026-12-07 20:00 clocked the functions in one more call after the timed ones
+    same_calls = all("peer_rest_s" in r for r in rows)
+    clock = ("each side's time inside them clocked in its timed calls themselves (medians; the bound from "
+             "each call's wall less its own time inside)" if same_calls else
+             "each side's time inside them clocked in one more call after the timed ones")
     t.notes.append("peer ÷ qkv: above 1, qkv is faster (issue 52's target: 2 for prefill and train, 1 for decode). "
                    "peer in kernels: the share of the peer's time inside the functions qkv replaces; bound: peer ÷ "
-                   "(peer - that time), the speed-up if qkv's functions took no time at all (the projections, MLPs "
-                   "and attention layers run the same on both sides); kernels: peer ÷ qkv: the replaced functions' own speed-up, "
-                   "each side's time inside them clocked in one more call. In a train row the clock holds the "
+                   "the peer's time outside them, the speed-up if qkv's functions took no time at all (the projections, MLPs "
+                   "and attention layers run the same on both sides); of the bound: peer ÷ qkv ÷ bound, the share "
+                   "of that speed-up reached; kernels: peer ÷ qkv: the replaced functions' own speed-up, "
+                   f"{clock}. In a train row the clock holds the "
                    "functions' forward only (their backward runs in autograd after they return), so its share and "
                    "bound are lower limits and its kernel ratio the forward's")
     return t

@@ -29,7 +29,8 @@ SETTLE_S = 0.02
 
 def rounds(fns: dict[str, Callable[[], object]], repeats: int, *, rewarm_below: float = REWARM_S,
            rotate: bool = False, tick: Callable[[], None] | None = None,
-           cpu_clock: Callable[[], float] = time.process_time) -> dict[str, list[tuple[float, float]]]:
+           cpu_clock: Callable[[], float] = time.process_time,
+           returns: dict[str, list] | None = None) -> dict[str, list[tuple[float, float]]]:
     """``{name: [(wall s, cpu s), ...]}``, one pair per round: the runs themselves.
 
     One untimed warm-up each, then ``repeats`` rounds in which every side runs once, in the
@@ -37,7 +38,9 @@ def rounds(fns: dict[str, Callable[[], object]], repeats: int, *, rewarm_below: 
     runs right after the same other one). ``tick()`` is called after every warm-up and every
     timed run (a progress count: ``len(fns) * (1 + repeats)`` calls in all). ``cpu_clock``:
     the CPU clock of the second number (``time.thread_time`` counts the calling thread alone:
-    with every library held to one thread, a side's whole work and nothing else's).
+    with every library held to one thread, a side's whole work and nothing else's). ``returns``:
+    where given, ``returns[name]`` gets what each timed run returned, in the order of the runs (a
+    side that clocks part of its own work reports that part of the very run the wall clock timed).
     """
     tick = tick or (lambda: None)
     rewarm = {}
@@ -57,8 +60,10 @@ def rounds(fns: dict[str, Callable[[], object]], repeats: int, *, rewarm_below: 
                 while time.perf_counter() - s0 < SETTLE_S:
                     fns[name]()
             w0, c0 = time.perf_counter(), cpu_clock()
-            fns[name]()
+            got = fns[name]()
             runs[name].append((time.perf_counter() - w0, cpu_clock() - c0))
+            if returns is not None:
+                returns.setdefault(name, []).append(got)
             tick()
     return runs
 

@@ -10,7 +10,8 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 KEYS = {"family": str, "shape": str, "what": str, "qkv_s": float, "peer_s": float, "ratio": float,
-        "peer_kernel_s": float, "bound": float, "qkv_kernel_s": float, "kernel_ratio": float, "served": list, "missing": list}
+        "peer_kernel_s": float, "bound": float, "qkv_kernel_s": float, "kernel_ratio": float, "served": list, "missing": list,
+        "peer_rest_s": float, "qkv_rest_s": float}
 
 
 def test_quick_rows(tmp_path, capsys):
@@ -30,39 +31,80 @@ def test_quick_rows(tmp_path, capsys):
         assert sorted(r["served"] + r["missing"]) == sorted(set(r["served"] + r["missing"])) and r["served"] + r["missing"]
         assert 0 < r["peer_kernel_s"] <= r["peer_s"] and r["bound"] >= 1
         assert 0 < r["qkv_kernel_s"] <= r["qkv_s"] and r["kernel_ratio"] == r["peer_kernel_s"] / r["qkv_kernel_s"]
+        assert 0 < r["peer_rest_s"] <= r["peer_s"] and r["bound"] == r["peer_s"] / r["peer_rest_s"]
+        assert 0 < r["qkv_rest_s"] <= r["qkv_s"]
     table = capsys.readouterr().out
     assert "transformers' hybrids" in table and "peer in kernels" in table and "kernels: peer ÷ qkv" in table
+    assert "of the bound" in table and "in its timed calls themselves" in table
 
 
-def test_the_kernel_clock_counts_only_the_replaced_functions_and_puts_them_back():
-    """peer_kernel_s: the time inside the modeling module's replaceable functions, measured by
-    wrapping them for one call; every wrapped name is restored afterwards."""
+def test_each_timed_call_clocks_its_own_time_inside_the_replaced_functions():
+    """Each side returns the seconds its call spent inside the modeling module's replaceable
+    functions (served by qkv or not), so the bound comes from the calls the wall clock timed: the
+    time outside them is not counted, a function called from inside another is counted once, and
+    every wrapped name is restored afterwards."""
     import importlib
     import time
 
+    import torch
+
     from qkv_benchmarks import hf_hybrid_suite as suite
+    from qkv_benchmarks.timing import rounds
     from qkv.torch import hf_recurrent
 
     module = importlib.import_module("transformers.models.qwen3_next.modeling_qwen3_next")
     names = {a: o for a, o in vars(module).items() if hf_recurrent.kernel_name(o)}
     assert "torch_chunk_gated_delta_rule" in names
+    x, w = torch.zeros(1, 4, 8), torch.zeros(4, 3)
+    seen = []
 
     def call():
         time.sleep(0.05)                                             # outside the kernels
-        fn = module.causal_conv1d_fn
-        import torch
-        fn(torch.zeros(1, 4, 8), torch.zeros(4, 3))                  # inside: a few ms at most
-    spent = suite._kernel_seconds(module, call)
-    assert 0 < spent < 0.05
-    assert {a: getattr(module, a) for a in names} == names
+        seen.append(getattr(module.causal_conv1d_fn, "__wrapped__", None) is not None)
+        module.causal_conv1d_fn(x, w)                                # inside: a few ms at most
 
-    seen = []
-
-    def ours():                                                      # qkv's side: its functions, clocked
-        seen.append(module.causal_conv1d_fn._qkv_serves)
-        call()
-    assert 0 < suite._kernel_seconds(module, ours, qkv=True) < 0.05 and seen == ["causal_conv1d_fn"]
+    with suite._switch(module) as use:
+        slow = module.torch_chunk_gated_delta_rule
+        returns = {}
+        runs = rounds(suite._sides(use, call), 3, rewarm_below=0, returns=returns)
+        assert set(returns) == {"qkv", "peer"} and all(len(v) == 3 for v in returns.values())
+        for side in ("qkv", "peer"):
+            for (wall, _), spent in zip(runs[side], returns[side]):
+                assert 0 < spent < 0.05 < wall                        # the sleep is outside
+        assert all(seen)
+        assert slow is not names["torch_chunk_gated_delta_rule"]     # a function qkv may not serve: clocked too
     assert {a: getattr(module, a) for a in names} == names          # transformers' functions back
+
+
+def test_a_call_inside_another_is_counted_once(monkeypatch):
+    """Where one replaceable function calls another through the module, the outer call's seconds
+    are the time inside (the inner one is not added again)."""
+    import importlib
+    import time
+
+    from qkv_benchmarks import hf_hybrid_suite as suite
+
+    module = importlib.import_module("transformers.models.qwen3_next.modeling_qwen3_next")
+
+    def outer(*a, **k):
+        time.sleep(0.01)
+        return module.causal_conv1d_update()
+
+    def inner(*a, **k):
+        time.sleep(0.05)
+    outer.kernel_layer_name, inner.kernel_layer_name = "chunk_gated_delta_rule", "causal_conv1d_update"
+    monkeypatch.setattr(module, "torch_chunk_gated_delta_rule", outer)
+    monkeypatch.setattr(module, "causal_conv1d_update", inner)
+    with suite._switch(module) as use:
+        spent = suite._sides(use, lambda: module.torch_chunk_gated_delta_rule())["peer"]()
+    assert 0.06 <= spent < 0.1                                        # counted twice: 0.11
+
+
+def test_split_takes_each_calls_rest():
+    from qkv_benchmarks import hf_hybrid_suite as suite
+
+    wall, inside, rest = suite.split([(1.0, 0), (3.0, 0), (2.0, 0)], [0.9, 0.5, 1.5])
+    assert (wall, inside, rest) == (2.0, 0.9, 0.5)                   # rests 0.1, 2.5, 0.5: their median
 
 
 def test_the_sides_switch_functions_without_patching_inside_the_clock(monkeypatch):
