@@ -388,3 +388,26 @@ def test_a_reset_step_gives_dg_of_zero_there(per_channel):
                                           dstate=dS.astype(dtype))[3]
         at_resets = np.abs(dg[:, :, [5, 31, 32, 63]]).max()
         assert at_resets <= (8 * np.finfo(dtype).eps * np.abs(dg).max() if per_channel else 0)
+
+
+def test_a_units_heads_broadcast_from_one_head_are_gathered_once():
+    """units.rows with ``shared``: heads of one batch row that read one head (stride 0) take one
+    copy of it, broadcast over the unit (the same numbers); a unit across two batch rows, or a
+    caller without ``shared``, gathers each head."""
+    from qkv.recurrent import units
+
+    base = np.arange(2 * 1 * 9 * 3, dtype=np.float32).reshape(2, 1, 9, 3)
+    x = np.broadcast_to(base, (2, 4, 9, 3))
+    made = []
+
+    def work(shape, dt):
+        made.append(shape)
+        return np.empty(shape, dt)
+    for a, b, shared, shape in ((1, 3, True, (5, 3)), (5, 8, True, (5, 3)), (3, 5, True, (2, 5, 3)),
+                                (1, 3, False, (2, 5, 3))):
+        made.clear()
+        got = units.rows(x, a, b, 2, 7, work, shared=shared)
+        assert made == [shape]
+        want = np.stack([x[i // 4, i % 4, 2:7] for i in range(a, b)])
+        np.testing.assert_array_equal(got, want)
+        assert (got.strides[0] == 0) == (len(shape) == 2)
