@@ -20,7 +20,8 @@ seconds each side's timed calls spent inside the functions qkv replaces, clocked
 calls: medians), ``peer_rest_s`` and ``qkv_rest_s`` (the median over the timed calls of a call's
 wall clock less its seconds inside them: what both sides run alike, transformers' own code),
 ``bound`` (``peer_s ÷ peer_rest_s``: the most any replacement of those functions could gain),
-``kernel_ratio`` (``peer_kernel_s ÷ qkv_kernel_s``: the functions' own speed-up), and
+``kernel_ratio`` (``peer_kernel_s ÷ qkv_kernel_s``: the functions' own speed-up), ``repeats``
+(the timed calls of each side: :data:`DECODE_TIMES` times the plan's for a decoding row), and
 ``served`` / ``missing``: the functions qkv.torch.hf_kernels had, and those it did not have
 yet (transformers' path ran for those on both sides).
 """
@@ -38,6 +39,9 @@ from .timing import rounds
 KINDS = ("qwen3-next", "mamba-2", "kimi")
 WHATS = ("prefill", "train", "decode")
 FULL = dict(hidden=512, layers=4, ts=(2048, 8192))
+DECODE_TIMES = 5    # a decoding row times this many times the repeats: a token takes milliseconds, and with
+                    # 3 repeats one slow call moved a row by a third (the same code 0.87x in a record, 1.06-1.15x
+                    # in three runs of 9 after it), where the replaced functions are 4-40 % of the step
 QUICK = dict(hidden=32, layers=2, ts=(32,))
 
 
@@ -189,16 +193,15 @@ def measure(quick: bool, repeats: int, told=lambda label: None) -> list[dict]:
                 told(f"{kind} T={T} {what}")
                 # decode: each side its own cache, made by its own prefill (in the warm-up)
                 peer_fn = _calls(m, T)["decode"] if what == "decode" else fn
-                inside = {}
+                inside, n = {}, repeats * (DECODE_TIMES if what == "decode" else 1)
                 with _switch(module) as use:
-                    runs = rounds(_sides(use, fn, peer_fn), repeats, rewarm_below=0 if quick else 1.0,
-                                  returns=inside)
+                    runs = rounds(_sides(use, fn, peer_fn), n, rewarm_below=0 if quick else 1.0, returns=inside)
                 (q, qk, q_rest), (p, pk, p_rest) = (split(runs[s], inside[s]) for s in ("qkv", "peer"))
                 rows.append(dict(family=kind, shape=f"B=1 T={T} hidden={size['hidden']} layers={size['layers']}",
                                  what=what, qkv_s=q, peer_s=p, ratio=q / p if p > 0 else float("nan"),
                                  peer_kernel_s=pk, peer_rest_s=p_rest, qkv_kernel_s=qk, qkv_rest_s=q_rest,
                                  bound=p / p_rest if p_rest > 0 else float("inf"),
-                                 kernel_ratio=pk / qk if qk > 0 else float("nan"),
+                                 kernel_ratio=pk / qk if qk > 0 else float("nan"), repeats=n,
                                  served=served, missing=[n for n in names if n not in served]))
     return rows
 
@@ -206,6 +209,8 @@ def measure(quick: bool, repeats: int, told=lambda label: None) -> list[dict]:
 def table(rows: list[dict], repeats: int | None = None, threads: int | None = None, smoke: str = "") -> Table:
     """The rows of :func:`measure`: each model's passes, qkv's kernel functions against transformers'."""
     runs = f", medians of {repeats}" if repeats else ""
+    decode = {r["repeats"] for r in rows if r["what"] == "decode" and "repeats" in r}
+    runs += f" (decoding rows: of {', '.join(map(str, sorted(decode)))})" if decode and decode != {repeats} else ""
     t = Table(f"transformers' hybrids, 4 layers, hidden 512, float32, B=1: the recurrent kernel functions on qkv "
               f"(register_hf(recurrent=True)) against transformers' torch fallbacks, {threads} thread(s), wall clock"
               f"{runs}{smoke}", ["model", "T", "pass", "qkv s", "peer s", "peer ÷ qkv", "peer in kernels",

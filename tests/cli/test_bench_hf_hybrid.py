@@ -11,7 +11,7 @@ pytest.importorskip("transformers")
 
 KEYS = {"family": str, "shape": str, "what": str, "qkv_s": float, "peer_s": float, "ratio": float,
         "peer_kernel_s": float, "bound": float, "qkv_kernel_s": float, "kernel_ratio": float, "served": list, "missing": list,
-        "peer_rest_s": float, "qkv_rest_s": float}
+        "peer_rest_s": float, "qkv_rest_s": float, "repeats": int}
 
 
 def test_quick_rows(tmp_path, capsys):
@@ -33,9 +33,14 @@ def test_quick_rows(tmp_path, capsys):
         assert 0 < r["qkv_kernel_s"] <= r["qkv_s"] and r["kernel_ratio"] == r["peer_kernel_s"] / r["qkv_kernel_s"]
         assert 0 < r["peer_rest_s"] <= r["peer_s"] and r["bound"] == r["peer_s"] / r["peer_rest_s"]
         assert 0 < r["qkv_rest_s"] <= r["qkv_s"]
+        assert r["repeats"] == (suite.DECODE_TIMES if r["what"] == "decode" else 1)   # --repeats 1 (quick)
     table = capsys.readouterr().out
     assert "transformers' hybrids" in table and "peer in kernels" in table and "kernels: peer ÷ qkv" in table
     assert "of the bound" in table and "in its timed calls themselves" in table
+    assert f"medians of 1 (decoding rows: of {suite.DECODE_TIMES})" in suite.table(rows, data["repeats"], 1).title
+    old = [{k: v for k, v in r.items() if k not in ("repeats", "peer_rest_s", "qkv_rest_s")} for r in rows]
+    rendered = suite.table(old, 3, 1)                                # a record made before either field
+    assert "decoding rows" not in rendered.title and "in one more call after the timed ones" in rendered.notes[0]
 
 
 def test_each_timed_call_clocks_its_own_time_inside_the_replaced_functions():
