@@ -391,23 +391,23 @@ def test_a_reset_step_gives_dg_of_zero_there(per_channel):
 
 
 def test_a_units_heads_broadcast_from_one_head_are_gathered_once():
-    """units.rows with ``shared``: heads of one batch row that read one head (stride 0) take one
-    copy of it, broadcast over the unit (the same numbers); a unit across two batch rows, or a
-    caller without ``shared``, gathers each head."""
+    """units.rows: heads of one batch row that read one head (stride 0) take one copy of it,
+    broadcast over the unit (the same numbers); a unit across two batch rows, or heads that
+    are not one broadcast head, gather each head."""
     from qkv.recurrent import units
 
     base = np.arange(2 * 1 * 9 * 3, dtype=np.float32).reshape(2, 1, 9, 3)
     x = np.broadcast_to(base, (2, 4, 9, 3))
+    own = np.ascontiguousarray(np.broadcast_to(base, (2, 4, 9, 3)).transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
     made = []
 
     def work(shape, dt):
         made.append(shape)
         return np.empty(shape, dt)
-    for a, b, shared, shape in ((1, 3, True, (5, 3)), (5, 8, True, (5, 3)), (3, 5, True, (2, 5, 3)),
-                                (1, 3, False, (2, 5, 3))):
+    for arr, a, b, shape in ((x, 1, 3, (5, 3)), (x, 5, 8, (5, 3)), (x, 3, 5, (2, 5, 3)), (own, 1, 3, (2, 5, 3))):
         made.clear()
-        got = units.rows(x, a, b, 2, 7, work, shared=shared)
+        got = units.rows(arr, a, b, 2, 7, work)
         assert made == [shape]
-        want = np.stack([x[i // 4, i % 4, 2:7] for i in range(a, b)])
+        want = np.stack([arr[i // 4, i % 4, 2:7] for i in range(a, b)])
         np.testing.assert_array_equal(got, want)
         assert (got.strides[0] == 0) == (len(shape) == 2)

@@ -20,16 +20,16 @@ from typing import Callable
 import numpy as np
 
 
-def rows(x: np.ndarray, a: int, b: int, t0: int, t1: int, work: Callable[[tuple, np.dtype], np.ndarray],
-         shared: bool = False) -> np.ndarray:
+def rows(x: np.ndarray, a: int, b: int, t0: int, t1: int,
+         work: Callable[[tuple, np.dtype], np.ndarray]) -> np.ndarray:
     """``x (B, H, T, ·)``'s heads ``[a, b)`` (of ``B·H``) at positions ``[t0, t1)``: a C-ordered
     ``(b - a, t1 - t0, ·)`` view where x is C-ordered, else gathered into ``work(shape, dtype)``;
-    with ``shared``, heads of one batch row broadcast from one (stride 0) are gathered once, and
-    that copy broadcast over the unit's heads."""
+    heads of one batch row broadcast from one (stride 0: Mamba-2's B and C, one group) are
+    gathered once, and that copy broadcast over the unit's heads."""
     H = x.shape[1]
     if x.flags.c_contiguous:
         return x.reshape((x.shape[0] * H,) + x.shape[2:])[a:b, t0:t1]
-    if shared and b > a and a // H == (b - 1) // H and x.strides[1] == 0:
+    if b > a and a // H == (b - 1) // H and x.strides[1] == 0:
         one = work((t1 - t0,) + x.shape[3:], x.dtype)                  # the one head they all read
         one[...] = x[a // H, 0, t0:t1]
         return np.broadcast_to(one, (b - a,) + one.shape)

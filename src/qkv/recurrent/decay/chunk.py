@@ -364,8 +364,8 @@ def forward(q, k, v, g, *, scale, initial_state=None, chunk=None):
     def job(a, b):
         S = None if S0 is None else S0[a:b]
         for t0, t1 in _segments(T, C):
-            q_, k_, v_ = (units.rows(x, a, b, t0, t1, lambda shape, dt, n=n: _buffer(shape, dt, "in_" + n),
-                                     shared=True) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+            q_, k_, v_ = (units.rows(x, a, b, t0, t1, lambda shape, dt, n=n: _buffer(shape, dt, "in_" + n))
+                          for x, n in ((q, "q"), (k, "k"), (v, "v")))
             S = _forward_unit(q_, k_, v_, gf[a:b, t0:t1], S, scale, C, o[a:b, t0:t1])
         S_T[a:b] = S
 
