@@ -1,5 +1,5 @@
 """A work unit's rows: the heads ``[a, b)`` of an input's ``B·H`` and its positions ``[t0, t1)``,
-C-ordered, whatever the layout the input came in.
+each head C-ordered, whatever the layout the input came in.
 
 The chunked forms cut ``(B, H, T, ·)`` inputs into units of whole heads (and a long sequence
 into segments) and run a unit at a time on a kernel thread. An input in C order gives each
@@ -7,9 +7,10 @@ unit a view; any other (a transposed view, or a broadcast one: Mamba-2's B and C
 shared by 16 heads, or a q or k repeated for grouped value heads) is gathered unit by unit
 into a work array of the thread's, never copied whole (16 copies of the group, and its checks
 16 times, took 20 ms of a 110 ms SSD call at T = 8192). A unit's rows are the same numbers
-either way, so the results are the same bits. A caller whose kernels take a unit's heads at
-stride 0 (``shared``) gets a head that every head of its unit reads (Mamba-2's B and C with one
-group) gathered once, not once a head: at T = 2048, 16 heads of 64, one thread, the SSD call's
+either way, so the results are the same bits. A head that every head of a unit reads (a
+broadcast at stride 0: Mamba-2's B and C with one group) is gathered once, not once a head, and
+the unit gets that copy broadcast over its heads (stride 0: its caller, the decay forward,
+reads heads so): at T = 2048, 16 heads of 64, one thread, the SSD call's
 gathers took 1.4 of its 13 ms. (Read in place, as strided rows of the in-projection's output, the
 chunk loop's products took longer than the gathers: 18 against 13 ms.)
 """
