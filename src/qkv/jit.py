@@ -35,7 +35,7 @@ DPLR = "qkv.recurrent.generalized_delta.compiled"          # the generalized del
 PRODUCTS = "qkv.kernels.products_compiled"  # a layer's product cut over numba's threads (qkv.nn.products)
 FLASH_TASK = "qkv.kernels.flash.task_compiled"  # the tiled forward's bound path, a task's tiles in one call
 PRECISE = "qkv.kernels.flash.precise_compiled"  # the precise path's passes over a float64 score tile
-CONV = "qkv.kernels.conv_compiled"  # a short causal convolution's decoding step (causal_conv1d_update)
+CONV = "qkv.kernels.conv_compiled"  # a short causal convolution's decoding step and prefill blocks (causal_conv1d)
 
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}

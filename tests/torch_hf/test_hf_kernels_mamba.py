@@ -18,6 +18,7 @@ from transformers.models.mamba import modeling_mamba as m1  # noqa: E402
 from transformers.models.mamba2 import modeling_mamba2 as m2  # noqa: E402
 
 import qkv  # noqa: E402
+from qkv import jit  # noqa: E402
 from qkv.torch import hf_kernels as K  # noqa: E402
 from qkv.torch.hf_kernels import conv as conv_module  # noqa: E402
 
@@ -493,24 +494,37 @@ def test_conv_update_token_by_token_has_the_prefills_bits(dtype, layout):
     assert torch.equal(state, x[:, :, -3:])
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch calls"])
 @pytest.mark.parametrize("Bsz", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("layout", ["(B, D, T)", "(B, T, D) transposed", "split"])
+@pytest.mark.parametrize("layout", ["(B, D, T)", "(B, T, D) transposed", "split", "split of (T, B, ·)"])
 @pytest.mark.parametrize("Kw,D,T,states", [(4, 48, 300, True), (4, 37, 1000, False), (2, 19, 129, True),
                                            (3, 64, 4096, False)])
 def test_conv_fn_without_a_gradient_has_the_bits_of_the_recorded_path(monkeypatch, dtype, layout, Kw, D, T, states,
-                                                                      Bsz):
+                                                                      Bsz, compiled):
     """Without a gradient (prefill, evaluation) a channel-last convolution runs a block of time steps at a
     time (the blocks small here: many of them, the last one short; one batch row: SiLU block by block,
-    the blocks whole vectors of torch's loops, as D = 37 and 19 need); with one recorded, over whole slabs.
-    The same bits, outputs and final states, with and without bias, activation and initial states."""
+    the blocks whole vectors of torch's loops, as D = 37 and 19 need), each block's taps one compiled call
+    (conv_rows, reading a split in place) or, without the compiled module, torch's calls; with a gradient
+    recorded, torch's calls over whole slabs. The same bits, outputs and final states, with and without
+    bias, activation and initial states."""
     monkeypatch.setattr(conv_module, "BLOCK", 2048)
-    calls = []
+    calls, rows = [], []
     real = conv_module._blocked_taps
     monkeypatch.setattr(conv_module, "_blocked_taps", lambda *a: calls.append(1) or real(*a))
+    fast = jit.load(jit.CONV)
+    if compiled and fast is None:
+        pytest.skip("qkv's compiled kernels are off here (QKV_JIT=0 or no numba)")
+    if compiled:
+        real_rows = fast.conv_rows
+        monkeypatch.setattr(fast, "conv_rows", lambda *a: rows.append(1) or real_rows(*a))
+    else:
+        monkeypatch.setattr(conv_module.jit, "load", lambda name: None)
     g = torch.Generator().manual_seed(Kw + D + T)
     if layout == "split":
         x = torch.randn(Bsz, T, D + 7, generator=g, dtype=dtype)[..., 3:3 + D].transpose(1, 2)
+    elif layout == "split of (T, B, ·)":                              # batch rows interleaved in time
+        x = torch.randn(T, Bsz, D + 5, generator=g, dtype=dtype).transpose(0, 1)[..., 5:].transpose(1, 2)
     elif layout == "(B, D, T)":
         x = torch.randn(Bsz, D, T, generator=g, dtype=dtype)
     else:
@@ -527,6 +541,7 @@ def test_conv_fn_without_a_gradient_has_the_bits_of_the_recorded_path(monkeypatc
         for a, c in zip(fast, slow):
             assert torch.equal(a, c.detach())
     assert bool(calls) == (layout != "(B, D, T)")                   # the blocks ran (channel-last only)
+    assert bool(rows) == (compiled and layout != "(B, D, T)")
 
 
 def test_conv_blocks_align_without_shrinking():

@@ -1,6 +1,7 @@
-"""numba pass of a short causal depthwise convolution's decoding step (causal_conv1d's
-``causal_conv1d_update``, served by :mod:`qkv.torch.hf_kernels.conv`); load it through
-``qkv.jit.load(qkv.jit.CONV)`` only.
+"""numba passes of a short causal depthwise convolution (causal_conv1d's functions, served by
+:mod:`qkv.torch.hf_kernels.conv`): a decoding step's (``causal_conv1d_update``) and a prefill's
+blocks of time steps, channel-last (``causal_conv1d_fn`` without a gradient, :func:`conv_rows`);
+load it through ``qkv.jit.load(qkv.jit.CONV)`` only.
 
 torch's path is a dozen calls of a few µs over ``(B, D, L + T)`` numbers (a concatenation, the
 K windows, a product and K - 1 ``addcmul_``, the state's copy) for some 9,000 multiply-adds at
@@ -51,3 +52,35 @@ def conv_step(state, x, w, bias, out):
                 out[b, d, t] = acc
             for i in range(L):
                 state[b, d, i] = win[T + i]
+
+
+@numba.njit(nogil=True, cache=True)
+def conv_rows(head, x, bs, rs, w, bias, t0, n, out):
+    """Time steps ``[t0, t0 + n)`` of a prefill, channel-last: ``out[b, t] = Σ_k w_k xp_{t - (K - 1) + k}``
+    (plus ``bias``, of length 0: none), rounded as :func:`conv_step` rounds (the first tap a
+    product, each later one an FMA into the sum, the bias added after). ``xp`` is ``head (B, K - 1, D)``
+    (the inputs before t = 0) then the input, whose step t of batch row b is ``x[b·bs + t·rs :][:D]``
+    (``x`` flat: a split of a wider projection is read in place); ``w (K, D)`` the taps by rows;
+    ``out (B, T, D)``. A step's taps go across its channels, contiguous in every operand."""
+    Bsz, Dd = out.shape[0], out.shape[2]
+    K = w.shape[0]
+    has_bias = bias.shape[0] > 0
+    for b in range(Bsz):
+        for t in range(t0, t0 + n):
+            o = out[b, t]
+            for k in range(K):
+                s = t - (K - 1) + k                                  # the input step this tap reads
+                wk = w[k]
+                if s < 0:
+                    src = head[b, s + K - 1]
+                else:
+                    src = x[b * bs + s * rs:b * bs + s * rs + Dd]
+                if k == 0:
+                    for d in range(Dd):
+                        o[d] = src[d] * wk[d]
+                else:
+                    for d in range(Dd):
+                        o[d] = fma(src[d], wk[d], o[d])
+            if has_bias:
+                for d in range(Dd):
+                    o[d] = o[d] + bias[d]

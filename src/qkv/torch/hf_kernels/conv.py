@@ -149,18 +149,46 @@ def _blocked_taps(head, xt, weight, bias, rows: int, silu: bool) -> torch.Tensor
     numbers of each call to its scalar SiLU, whose bits differ (4 % of float32 numbers), and aligned
     blocks leave it exactly the numbers one pass over the slab would; else over the slab after.
     ``head (B, K - 1, D)`` the inputs before t = 0, ``xt (B, T, D)``; ``rows`` time steps a block
-    (:func:`_block_rows`, at least K - 1). At (1, 8192, 2176), one thread: 58 -> 41 ms."""
+    (:func:`_block_rows`, at least K - 1). At (1, 8192, 2176), one thread: 58 -> 41 ms. A block's taps are
+    one compiled call where that pass is there (:func:`_compiled_rows`), with the torch calls' bits."""
     K, (Bsz, T, Dd) = weight.shape[1], xt.shape
     out = empty((Bsz, T, Dd), xt.dtype)                                  # NumPy's pages (options.empty)
     w, each = _tap_rows(weight, 1), silu and Bsz == 1 and rows * Dd % ALIGN == 0
+    fast = _compiled_rows(head, xt, w, bias, out)
     for t0 in range(0, T, rows):
         n = min(rows, T - t0)
-        src = xt.narrow(1, t0 - (K - 1), n + K - 1) if t0 >= K - 1 else \
-            torch.cat([head.narrow(1, t0, K - 1 - t0), xt.narrow(1, 0, t0 + n)], dim=1)   # the first block
-        block = _taps(src, weight, bias, n, 1, w, into=out.narrow(1, t0, n))
+        if fast is not None:
+            fast(t0, n)
+            block = out.narrow(1, t0, n)
+        else:
+            src = xt.narrow(1, t0 - (K - 1), n + K - 1) if t0 >= K - 1 else \
+                torch.cat([head.narrow(1, t0, K - 1 - t0), xt.narrow(1, 0, t0 + n)], dim=1)   # the first block
+            block = _taps(src, weight, bias, n, 1, w, into=out.narrow(1, t0, n))
         if each:
             F.silu(block, inplace=True)
     return _act(out, silu and not each)
+
+
+def _compiled_rows(head, xt, w, bias, out):
+    """``fill(t0, n)``: :func:`_blocked_taps`' steps ``[t0, t0 + n)`` written into ``out`` by one compiled
+    call (:func:`qkv.kernels.conv_compiled.conv_rows`: the torch calls' roundings, so the same bits),
+    the input read in place as the strided split it is; None where that pass is not there or the
+    operands do not share float32 or float64 (torch's calls then). A block of the torch calls was
+    six calls of a few µs; at (1, 2048, 1152) in a row 2192 wide (a Mamba-2 mixer of hidden 512),
+    one thread, this project's Xeon, the taps took 2.9 ms that way and 1.0 ms so."""
+    dt = xt.dtype
+    if dt not in (torch.float32, torch.float64) or head.dtype != dt or (bias is not None and bias.dtype != dt) \
+            or xt.stride(2) != 1 or (fast := jit.load(jit.CONV)) is None:
+        return None
+    Bsz, T, Dd = xt.shape
+    bs, rs = xt.stride(0), xt.stride(1)
+    x = xt.detach().numpy()
+    flat = np.lib.stride_tricks.as_strided(x, shape=((Bsz - 1) * bs + (T - 1) * rs + Dd,), strides=(x.itemsize,),
+                                           writeable=False)            # from x's first number to its last
+    args = (_array(head, dt), flat, bs, rs, _array(torch.stack(w), dt),
+            np.empty(0, x.dtype) if bias is None else _array(bias, dt))
+    o = out.numpy()
+    return lambda t0, n: fast.conv_rows(*args, t0, n, o)
 
 
 def sequence_runs(seq_idx: torch.Tensor) -> list:
