@@ -147,7 +147,8 @@ def test_compiled_conv_update_gives_the_torch_steps_bits(monkeypatch, dtype, T, 
         with torch.no_grad():
             out = K.causal_conv1d_update(x[..., 0] if T == 1 else x, st, w, b, activation=act)
         runs.append((out, st))
-    assert calls == [1]
+    vector = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")   # else torch's addcmul_ is no FMA
+    assert calls == ([1] if vector else [])
     (o1, s1), (o2, s2) = runs
     assert o1.shape == o2.shape and torch.equal(o1, o2) and torch.equal(s1, s2) and s1.stride() == state.stride()
     assert torch.equal(s1[..., -T:], x if T > 1 else x[..., :1])

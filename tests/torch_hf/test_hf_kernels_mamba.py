@@ -541,7 +541,8 @@ def test_conv_fn_without_a_gradient_has_the_bits_of_the_recorded_path(monkeypatc
         for a, c in zip(fast, slow):
             assert torch.equal(a, c.detach())
     assert bool(calls) == (layout != "(B, D, T)")                   # the blocks ran (channel-last only)
-    assert bool(rows) == (compiled and layout != "(B, D, T)")
+    vector = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")   # else torch's addcmul_ is no FMA
+    assert bool(rows) == (compiled and vector and layout != "(B, D, T)")
 
 
 def test_conv_blocks_align_without_shrinking():

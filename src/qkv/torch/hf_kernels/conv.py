@@ -169,6 +169,14 @@ def _blocked_taps(head, xt, weight, bias, rows: int, silu: bool) -> torch.Tensor
     return _act(out, silu and not each)
 
 
+def _compiled():
+    """:mod:`qkv.kernels.conv_compiled` where its passes round as torch's calls: torch's vector loops
+    (its AVX2 and AVX-512 builds, which every CPU with AVX2 runs) make ``addcmul_`` an FMA, as the
+    passes do; its scalar build (``ATEN_CPU_CAPABILITY=default``, a CPU without AVX2) rounds the
+    product first. None there, or without the compiled module: torch's calls."""
+    return jit.load(jit.CONV) if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else None
+
+
 def _compiled_rows(head, xt, w, bias, out):
     """``fill(t0, n)``: :func:`_blocked_taps`' steps ``[t0, t0 + n)`` written into ``out`` by one compiled
     call (:func:`qkv.kernels.conv_compiled.conv_rows`: the torch calls' roundings, so the same bits),
@@ -178,7 +186,7 @@ def _compiled_rows(head, xt, w, bias, out):
     one thread, this project's Xeon, the taps took 2.9 ms that way and 1.0 ms so."""
     dt = xt.dtype
     if dt not in (torch.float32, torch.float64) or head.dtype != dt or (bias is not None and bias.dtype != dt) \
-            or xt.stride(2) != 1 or (fast := jit.load(jit.CONV)) is None:
+            or xt.stride(2) != 1 or (fast := _compiled()) is None:
         return None
     Bsz, T, Dd = xt.shape
     bs, rs = xt.stride(0), xt.stride(1)
@@ -289,7 +297,7 @@ def _compiled_update(x3, conv_state, weight, bias) -> torch.Tensor | None:
     ``out (B, D, T)`` before the activation."""
     dt = weight.dtype
     if dt not in (torch.float32, torch.float64) or any(t is not None and t.dtype != dt for t in (x3, conv_state, bias)) \
-            or (fast := jit.load(jit.CONV)) is None \
+            or (fast := _compiled()) is None \
             or (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x3, conv_state, weight, bias))):
         return None
     work = conv_state if conv_state.is_contiguous() else conv_state.contiguous()   # stepped, then put back
