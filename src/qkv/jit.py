@@ -29,6 +29,7 @@ DELTA = "qkv.recurrent.delta.compiled"  # the delta rule's (I + A)⁻¹ by forwa
 ROWS_FUSED = "qkv.kernels.rows.fused"   # the row kernel's whole call, one parallel loop over heads
 ROPE = "qkv.kernels.rope_compiled"      # rotary position embedding in one pass
 SCAN = "qkv.recurrent.scan.compiled"      # Griffin's diagonal recurrence, forward and backward, one pass each
+DECAY_INTRA = "qkv.recurrent.decay.intra_compiled"  # the decays inside a chunk: cumulative sums, a steep chunk's mask
 DECAY_CHANNELS = "qkv.recurrent.decay.channel_compiled"  # the decay backward with a decay a key channel
 DELTA_CHANNELS = "qkv.recurrent.delta.channels_compiled"  # the delta rule's forward with a decay a key channel
 DPLR = "qkv.recurrent.generalized_delta.compiled"          # the generalized delta rule (dplr)

@@ -46,7 +46,8 @@ COMPILED = ("qkv.kernels.flash.compiled", "qkv.kernels.blas_compiled", "qkv.kern
             "qkv.recurrent.decay.channel_compiled", "qkv.recurrent.generalized_delta.compiled",
             "qkv.kernels.products_compiled", "qkv.kernels.flash.task_compiled",
             "qkv.kernels.flash.precise_compiled", "qkv.recurrent.crossing_compiled",
-            "qkv.recurrent.delta.channels_compiled", "qkv.kernels.conv_compiled")
+            "qkv.recurrent.delta.channels_compiled", "qkv.kernels.conv_compiled",
+            "qkv.recurrent.decay.intra_compiled")
 # What compiling costs, measured (docs/bench/cold.json, `qkv bench --suite cold`; a test holds
 # these to that record): most kernels under a second of CPU, the tiled forward's task loop
 # (kernels/flash/task_compiled.py, the exponential passes it calls compiled into it again) about

@@ -247,6 +247,34 @@ def test_float32_head_decay_factors_are_never_subnormal():
     assert rel_err(o, o64) <= FLOAT32_BUDGET * max(rel_err(o_step, o64), 2 * np.finfo(np.float32).eps)
 
 
+def test_a_steep_chunks_mask_has_numpys_bits_compiled(monkeypatch):
+    """A steep chunk's ``(C, C)`` factor in float32: the compiled argument (intra_compiled.lower_mask) and
+    NumPy's passes give the same bits, the differences placed at the flush (float32's neighbours of
+    ``FLUSH_LOG``, compared in float32 as NumPy compares), a NaN kept, G a strided slice, C from 1 to 64."""
+    from qkv import jit
+    from qkv.recurrent.decay import intra as decay_intra
+    if jit.load(jit.DECAY_INTRA) is None:
+        pytest.skip("qkv's compiled kernels are off here (QKV_JIT=0 or no numba)")
+    rng = np.random.default_rng(8)
+    edge = np.float64(np.float32(decay_intra.FLUSH_LOG))
+    near = sorted([np.nextafter(edge, -np.inf), edge, np.nextafter(edge, 0), decay_intra.FLUSH_LOG, edge / 2],
+                  reverse=True)
+    for C in (1, 2, 7, 32, 64):
+        G = np.cumsum(-rng.uniform(0, 3, (3, 5, C, 2)), axis=2)[..., :1]   # a strided (n, M, C, 1)
+        if C > 2:                                                       # G_i - G_0 at the flush, G falling
+            steps = np.concatenate([near, near[-1] - 1e4 - np.cumsum(rng.uniform(0, 3, C))])[:C - 1]
+            G[0, 1, 1:, 0] = G[0, 1, 0, 0] + steps
+            G[1, 2, C // 2, 0] = np.nan
+        want = decay_intra._lower(G.copy(), np.float32).copy()
+        got = decay_intra._lower(G, np.float32).copy()
+        monkeypatch.setattr(jit, "load", lambda name: None)
+        numpy_passes = decay_intra._lower(G, np.float32).copy()
+        monkeypatch.undo()
+        assert np.array_equal(got.view(np.int32), numpy_passes.view(np.int32)), C
+        assert np.array_equal(want.view(np.int32), numpy_passes.view(np.int32)), C
+        assert np.all(got[..., np.triu_indices(C, 1)[0], np.triu_indices(C, 1)[1]] == 0)
+
+
 @pytest.mark.parametrize("per_channel", [True, False], ids=["channel", "head"])
 def test_the_bits_do_not_depend_on_the_thread_count(per_channel):
     """A decay a head takes the compiled chunk loop in float32 (with the fast extra): its units

@@ -274,23 +274,6 @@ def channel_factors(a, r0, eq, ek):
                     ek[h, j, s, d] = ek[h, j, s + 1, d] * a[h, j, s + 1, d]
 
 
-@numba.njit(nogil=True, cache=True)
-def chunk_cumsum(g, floor, G):
-    """``G[h, j] = cumsum(max(g[h, j], floor))`` over each chunk's rows in float64, one pass
-    where NumPy makes three (the float64 copy, the maximum, the sum), each number rounded as
-    NumPy rounds it (NaN kept as ``np.maximum`` keeps it). ``g (n, Nc, C, W)``, ``G`` float64."""
-    n, Nc, C, W = g.shape
-    for h in range(n):
-        for j in range(Nc):
-            for w in range(W):
-                x = np.float64(g[h, j, 0, w])
-                G[h, j, 0, w] = floor if x < floor else x
-            for i in range(1, C):
-                for w in range(W):
-                    x = np.float64(g[h, j, i, w])
-                    G[h, j, i, w] = G[h, j, i - 1, w] + (floor if x < floor else x)
-
-
 _BACK = {"contract", "nsz", "reassoc"}   # the float32 backward keeps no NumPy bits to match
 
 

@@ -104,8 +104,8 @@ def decayed(x64: np.ndarray, dtype) -> np.ndarray:
 
 def cumulative(g: np.ndarray, floor: float) -> np.ndarray:
     """``G = cumsum(max(g, floor))`` over each chunk's rows (axis 2) in float64, ``g (n, Nc, C, W)``:
-    compiled where the ``fast`` extra is (:func:`qkv.recurrent.decay.compiled.chunk_cumsum`, the same bits)."""
-    mod = jit.load(jit.DECAY) if g.dtype in (np.float32, np.float64) else None
+    compiled where the ``fast`` extra is (:func:`qkv.recurrent.decay.intra_compiled.chunk_cumsum`, the same bits)."""
+    mod = jit.load(jit.DECAY_INTRA) if g.dtype in (np.float32, np.float64) else None
     if mod is None:
         return np.cumsum(np.maximum(g.astype(np.float64), floor), axis=2)
     G = np.empty(g.shape, np.float64)
@@ -114,20 +114,23 @@ def cumulative(g: np.ndarray, floor: float) -> np.ndarray:
 
 
 def _lower(G: np.ndarray, dtype) -> np.ndarray:
-    """``D = exp(G_i - G_s)`` where ``s <= i`` and 0 above the diagonal: ``G (n, M, C, 1)`` float64
-    -> ``(n, M, C, C)`` in the compute dtype, in a per-thread work array that the next call
-    overwrites. Made in place in work arrays: made afresh, a slab's temporaries cost page faults
-    (the masks of 2 heads × 32 chunks of 64, one thread: 1.0-1.5 ms against 0.92-0.97 after a
-    first call, 6.2 against 0.97 in a process whose allocator has not yet kept freed memory).
-    Each number rounded as :func:`decayed` rounds it: the float64 difference (``-inf`` above the
-    diagonal), then its exp in the compute dtype (float32: 0 below :data:`FLUSH`)."""
+    """``D = exp(G_i - G_s)`` where ``s <= i`` and 0 above the diagonal: ``G (n, M, C, 1)`` float64 -> ``(n, M,
+    C, C)`` in the compute dtype, in a per-thread work array that the next call overwrites (made afresh, a
+    slab's temporaries cost page faults: 2 heads × 32 chunks of 64, one thread, 6.2 against 0.97 ms in a
+    process whose allocator has not yet kept freed memory). Each number rounded as :func:`decayed` rounds
+    it: the float64 difference (``-inf`` above the diagonal), then its exp in the compute dtype (float32: 0
+    below :data:`FLUSH`). The float32 argument in one compiled pass where the ``fast`` extra is (the same
+    bits: :func:`qkv.recurrent.decay.intra_compiled.lower_mask`; that slab, this Xeon: 1.3 against 0.3 ms)."""
     n, M, C = G.shape[:3]
     size, dt = n * M * C * C, np.dtype(dtype)
     _made.__dict__.setdefault("box", [0])[0] += 1                       # a D made before this one is gone
+    D = scratch(size, dt, DEFAULT, "decay_D").reshape(n, M, C, C)
+    if dt == np.float32 and G.dtype == np.float64 and (mod := jit.load(jit.DECAY_INTRA)) is not None:
+        mod.lower_mask(G, D, np.float32(FLUSH_LOG))
+        return np.exp(D, out=D)
     diff = scratch(size, np.float64, DEFAULT, "decay_diff").reshape(n, M, C, C)
     np.subtract(G, _t(G), out=diff)                                     # (n,M,C,1) - (n,M,1,C): G_i - G_s
     np.copyto(diff, -np.inf, where=~np.tri(C, dtype=bool))
-    D = scratch(size, dt, DEFAULT, "decay_D").reshape(n, M, C, C)
     if dt == np.float32:
         np.copyto(D, diff)                                              # rounded as astype rounds
         np.copyto(D, -np.inf, where=D < FLUSH_LOG)
