@@ -419,23 +419,58 @@ def test_a_reset_step_gives_dg_of_zero_there(per_channel):
 
 
 def test_a_units_heads_broadcast_from_one_head_are_gathered_once():
-    """units.rows: heads of one batch row that read one head (stride 0) take one copy of it,
-    broadcast over the unit (the same numbers); a unit across two batch rows, or heads that
-    are not one broadcast head, gather each head."""
+    """units.rows: heads of one batch row that read one head (stride 0) take that head in place where it
+    is C-ordered, else one copy of it, broadcast over the unit (the same numbers); a unit across two
+    batch rows, or heads that are not one broadcast head, gather each head."""
     from qkv.recurrent import units
 
     base = np.arange(2 * 1 * 9 * 3, dtype=np.float32).reshape(2, 1, 9, 3)
     x = np.broadcast_to(base, (2, 4, 9, 3))
+    strided = np.broadcast_to(np.ascontiguousarray(base.transpose(0, 1, 3, 2)).transpose(0, 1, 3, 2), (2, 4, 9, 3))
     own = np.ascontiguousarray(np.broadcast_to(base, (2, 4, 9, 3)).transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
     made = []
 
     def work(shape, dt):
         made.append(shape)
         return np.empty(shape, dt)
-    for arr, a, b, shape in ((x, 1, 3, (5, 3)), (x, 5, 8, (5, 3)), (x, 3, 5, (2, 5, 3)), (own, 1, 3, (2, 5, 3))):
+    for arr, a, b, shape in ((x, 1, 3, None), (x, 5, 8, None), (strided, 1, 3, (5, 3)), (strided, 5, 8, (5, 3)),
+                             (x, 3, 5, (2, 5, 3)), (own, 1, 3, (2, 5, 3))):
         made.clear()
         got = units.rows(arr, a, b, 2, 7, work)
-        assert made == [shape]
+        assert made == ([] if shape is None else [shape])
         want = np.stack([arr[i // 4, i % 4, 2:7] for i in range(a, b)])
         np.testing.assert_array_equal(got, want)
-        assert (got.strides[0] == 0) == (len(shape) == 2)
+        assert (got.strides[0] == 0) == (shape is None or len(shape) == 2)
+        assert np.shares_memory(got, arr) == (shape is None)
+
+
+def test_a_call_copies_a_head_broadcast_over_its_heads_once(monkeypatch):
+    """The decay forward copies a q, k or v broadcast over its heads once a call, in memory of its own
+    (units.shared_once), and every unit of one batch row reads that copy: no unit gathers (a unit across
+    batch rows gathers each head, as before). q and k broadcast from one array
+    stay two operands, so the compiled forward takes them as it took the units' gathers: the bits of q
+    and k passed as two C-ordered arrays, Mamba-2's strided rows of one projection and the same array
+    alike, one and two threads."""
+    from qkv.recurrent import units
+
+    rng = np.random.default_rng(17)
+    B, H, T, D = 1, 6, 200, 16
+    proj = rng.standard_normal((B, T, 3 * D + 5)).astype(np.float32)          # one projection's rows
+    C_, B_ = (np.broadcast_to(proj[:, None, :, o:o + D], (B, H, T, D)) for o in (5, 5 + D))
+    dense = np.broadcast_to(np.ascontiguousarray(proj[:, None, :, 5:5 + D]), (B, H, T, D))   # C-ordered head
+    v = rng.standard_normal((B, H, T, D)).astype(np.float32)
+    g = (-rng.uniform(0, 3, (B, H, T))).astype(np.float32)
+    gathers, real = [], units.rows
+    monkeypatch.setattr(units, "rows", lambda x, a, b, t0, t1, work: real(x, a, b, t0, t1,
+                                                                          lambda *s: gathers.append(s) or work(*s)))
+    for threads_ in (1, 2):
+        threads.set_num_threads(threads_)
+        for q, k in ((C_, B_), (C_, C_), (dense, dense)):
+            gathers.clear()
+            got = rec.decay_attention(q, k, v, g, scale=1.0, return_state=True)
+            assert gathers == []
+            want = rec.decay_attention(np.ascontiguousarray(q), np.ascontiguousarray(k), v, g, scale=1.0,
+                                       return_state=True)
+            for a, b in zip(got, want):
+                assert np.array_equal(a, b)
+    threads.set_num_threads(None)

@@ -354,12 +354,13 @@ def _run(N, T, C, job):
 
 def forward(q, k, v, g, *, scale, initial_state=None, chunk=None):
     """``(o (B,H,T,Dv), S_T (B,H,Dk,Dv))`` in q's dtype (float32 or float64); q, k, v in any
-    layout (:func:`qkv.recurrent.units.rows`: a broadcast q or k is never copied whole)."""
+    layout (:func:`qkv.recurrent.units.rows`: a broadcast q or k is never copied whole, its one head once)."""
     B, H, T, Dk = q.shape
     C = _chunk_size(chunk, T, Dk)
     gf, S0 = _flat(g, initial_state, B * H, T)
     o = np.empty((B * H, T, v.shape[-1]), q.dtype)
     S_T = np.empty((B * H, Dk, v.shape[-1]), q.dtype)
+    q, k, v = (units.shared_once(x) for x in (q, k, v))
 
     def job(a, b):
         S = None if S0 is None else S0[a:b]
