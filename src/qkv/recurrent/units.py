@@ -28,8 +28,9 @@ def rows(x: np.ndarray, a: int, b: int, t0: int, t1: int,
          work: Callable[[tuple, np.dtype], np.ndarray]) -> np.ndarray:
     """``x (B, H, T, ·)``'s heads ``[a, b)`` (of ``B·H``) at positions ``[t0, t1)``: a C-ordered
     ``(b - a, t1 - t0, ·)`` view where x is C-ordered, else gathered into ``work(shape, dtype)``;
-    heads of one batch row broadcast from one (stride 0: Mamba-2's B and C, one group) are
-    gathered once, and that copy broadcast over the unit's heads."""
+    heads of one batch row broadcast from one (stride 0: Mamba-2's B and C, one group) read it in
+    place where its rows are C-ordered (:func:`shared_once`'s copy), else gather it once, and that
+    head is broadcast over the unit's heads."""
     H = x.shape[1]
     if x.flags.c_contiguous:
         return x.reshape((x.shape[0] * H,) + x.shape[2:])[a:b, t0:t1]
