@@ -494,21 +494,26 @@ def test_conv_update_token_by_token_has_the_prefills_bits(dtype, layout):
     assert torch.equal(state, x[:, :, -3:])
 
 
-@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch calls"])
+@pytest.mark.parametrize("compiled,threads", [(True, 1), (True, 2), (False, 2)],
+                         ids=["compiled, 1 thread", "compiled, 2 threads", "torch calls"])
 @pytest.mark.parametrize("Bsz", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("layout", ["(B, D, T)", "(B, T, D) transposed", "split", "split of (T, B, ·)"])
 @pytest.mark.parametrize("Kw,D,T,states", [(4, 48, 300, True), (4, 37, 1000, False), (2, 19, 129, True),
                                            (3, 64, 4096, False)])
-def test_conv_fn_without_a_gradient_has_the_bits_of_the_recorded_path(monkeypatch, dtype, layout, Kw, D, T, states,
-                                                                      Bsz, compiled):
+def test_conv_fn_without_a_gradient_has_the_bits_of_the_recorded_path(monkeypatch, request, dtype, layout, Kw, D, T,
+                                                                      states, Bsz, compiled, threads):
     """Without a gradient (prefill, evaluation) a channel-last convolution runs a block of time steps at a
     time (the blocks small here: many of them, the last one short; one batch row: SiLU block by block,
     the blocks whole vectors of torch's loops, as D = 37 and 19 need), each block's taps one compiled call
-    (conv_rows, reading a split in place) or, without the compiled module, torch's calls; with a gradient
-    recorded, torch's calls over whole slabs. The same bits, outputs and final states, with and without
-    bias, activation and initial states."""
+    (conv_rows, reading a split in place) or, without the compiled module, torch's calls; on torch's 2
+    threads the compiled taps of every step at once on 2 of numba's (conv_rows_parts), SiLU over the slab;
+    with a gradient recorded, torch's calls over whole slabs. The same bits, outputs and final states,
+    with and without bias, activation and initial states."""
     monkeypatch.setattr(conv_module, "BLOCK", 2048)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    request.addfinalizer(lambda: torch.set_num_threads(before))
     calls, rows = [], []
     real = conv_module._blocked_taps
     monkeypatch.setattr(conv_module, "_blocked_taps", lambda *a: calls.append(1) or real(*a))
@@ -516,8 +521,9 @@ def test_conv_fn_without_a_gradient_has_the_bits_of_the_recorded_path(monkeypatc
     if compiled and fast is None:
         pytest.skip("qkv's compiled kernels are off here (QKV_JIT=0 or no numba)")
     if compiled:
-        real_rows = fast.conv_rows
-        monkeypatch.setattr(fast, "conv_rows", lambda *a: rows.append(1) or real_rows(*a))
+        name = "conv_rows" if threads == 1 else "conv_rows_parts"
+        real_rows = getattr(fast, name)
+        monkeypatch.setattr(fast, name, lambda *a: rows.append(1) or real_rows(*a))
     else:
         monkeypatch.setattr(conv_module.jit, "load", lambda name: None)
     g = torch.Generator().manual_seed(Kw + D + T)

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ... import jit
+from ... import jit, threads
 from ...errors import OptionError, ShapeError, fmt_shape
 from ..options import NUMPY_DTYPES, empty
 from .decode import _array
@@ -155,6 +155,9 @@ def _blocked_taps(head, xt, weight, bias, rows: int, silu: bool) -> torch.Tensor
     out = empty((Bsz, T, Dd), xt.dtype)                                  # NumPy's pages (options.empty)
     w, each = _tap_rows(weight, 1), silu and Bsz == 1 and rows * Dd % ALIGN == 0
     fast = _compiled_rows(head, xt, w, bias, out)
+    if fast is not None and (n := torch.get_num_threads()) > 1:          # torch's threads, as its calls had
+        fast(0, T, n)
+        return _act(out, silu)
     for t0 in range(0, T, rows):
         n = min(rows, T - t0)
         if fast is not None:
@@ -180,10 +183,11 @@ def _compiled():
 def _compiled_rows(head, xt, w, bias, out):
     """``fill(t0, n)``: :func:`_blocked_taps`' steps ``[t0, t0 + n)`` written into ``out`` by one compiled
     call (:func:`qkv.kernels.conv_compiled.conv_rows`: the torch calls' roundings, so the same bits),
-    the input read in place as the strided split it is; None where that pass is not there or the
-    operands do not share float32 or float64 (torch's calls then). A block of the torch calls was
-    six calls of a few µs; at (1, 2048, 1152) in a row 2192 wide (a Mamba-2 mixer of hidden 512),
-    one thread, this project's Xeon, the taps took 2.9 ms that way and 1.0 ms so."""
+    the input read in place as the strided split it is; ``fill(0, T, threads)``: every step on that many
+    of numba's threads (``conv_rows_parts``; torch's calls ran on its threads); None where that pass is
+    not there or the operands do not share float32 or float64 (torch's calls then). A block of the
+    torch calls was six calls of a few µs; at (1, 2048, 1152) in a row 2192 wide (a Mamba-2 mixer of
+    hidden 512), one thread, this project's Xeon, the taps took 2.9 ms that way and 1.0 ms so."""
     dt = xt.dtype
     if dt not in (torch.float32, torch.float64) or head.dtype != dt or (bias is not None and bias.dtype != dt) \
             or xt.stride(2) != 1 or (fast := _compiled()) is None:
@@ -196,7 +200,14 @@ def _compiled_rows(head, xt, w, bias, out):
     args = (_array(head, dt), flat, bs, rs, _array(torch.stack(w), dt),
             np.empty(0, x.dtype) if bias is None else _array(bias, dt))
     o = out.numpy()
-    return lambda t0, n: fast.conv_rows(*args, t0, n, o)
+
+    def fill(t0: int, n: int, parts: int = 1) -> None:
+        if parts == 1:
+            fast.conv_rows(*args, t0, n, o)
+            return
+        with threads.numba_threads(parts) as nt:
+            fast.conv_rows_parts(*args, o, nt)
+    return fill
 
 
 def sequence_runs(seq_idx: torch.Tensor) -> list:
