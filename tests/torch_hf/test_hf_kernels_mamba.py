@@ -507,7 +507,7 @@ def test_conv_fn_without_a_gradient_has_the_bits_of_the_recorded_path(monkeypatc
     time (the blocks small here: many of them, the last one short; one batch row: SiLU block by block,
     the blocks whole vectors of torch's loops, as D = 37 and 19 need), each block's taps one compiled call
     (conv_rows, reading a split in place) or, without the compiled module, torch's calls; on torch's 2
-    threads the compiled taps of every step at once on 2 of numba's (conv_rows_parts), SiLU over the slab;
+    threads the compiled taps in two calls, half the steps each on qkv's workers, SiLU over the slab;
     with a gradient recorded, torch's calls over whole slabs. The same bits, outputs and final states,
     with and without bias, activation and initial states."""
     monkeypatch.setattr(conv_module, "BLOCK", 2048)
@@ -521,9 +521,8 @@ def test_conv_fn_without_a_gradient_has_the_bits_of_the_recorded_path(monkeypatc
     if compiled and fast is None:
         pytest.skip("qkv's compiled kernels are off here (QKV_JIT=0 or no numba)")
     if compiled:
-        name = "conv_rows" if threads == 1 else "conv_rows_parts"
-        real_rows = getattr(fast, name)
-        monkeypatch.setattr(fast, name, lambda *a: rows.append(1) or real_rows(*a))
+        real_rows = fast.conv_rows
+        monkeypatch.setattr(fast, "conv_rows", lambda *a: rows.append(a[-2]) or real_rows(*a))
     else:
         monkeypatch.setattr(conv_module.jit, "load", lambda name: None)
     g = torch.Generator().manual_seed(Kw + D + T)
@@ -549,6 +548,8 @@ def test_conv_fn_without_a_gradient_has_the_bits_of_the_recorded_path(monkeypatc
     assert bool(calls) == (layout != "(B, D, T)")                   # the blocks ran (channel-last only)
     vector = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")   # else torch's addcmul_ is no FMA
     assert bool(rows) == (compiled and vector and layout != "(B, D, T)")
+    if rows and threads == 2:                                         # two halves a call: T steps in all
+        assert len(rows) == 2 * 3 and sum(rows) == 3 * T
 
 
 def test_conv_blocks_align_without_shrinking():

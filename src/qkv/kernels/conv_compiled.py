@@ -85,12 +85,3 @@ def conv_rows(head, x, bs, rs, w, bias, t0, n, out):
                 for d in range(Dd):
                     o[d] = o[d] + bias[d]
 
-
-@numba.njit(nogil=True, cache=True, parallel=True)
-def conv_rows_parts(head, x, bs, rs, w, bias, out, parts):
-    """:func:`conv_rows` over every time step of ``out``, cut into ``parts`` runs of steps on numba's threads
-    (each number computed as there: the same bits whatever the parts)."""
-    T = out.shape[1]
-    for p in numba.prange(parts):
-        a, b = T * p // parts, T * (p + 1) // parts
-        conv_rows(head, x, bs, rs, w, bias, a, b - a, out)

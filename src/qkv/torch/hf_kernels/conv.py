@@ -183,8 +183,8 @@ def _compiled():
 def _compiled_rows(head, xt, w, bias, out):
     """``fill(t0, n)``: :func:`_blocked_taps`' steps ``[t0, t0 + n)`` written into ``out`` by one compiled
     call (:func:`qkv.kernels.conv_compiled.conv_rows`: the torch calls' roundings, so the same bits),
-    the input read in place as the strided split it is; ``fill(0, T, threads)``: every step on that many
-    of numba's threads (``conv_rows_parts``; torch's calls ran on its threads); None where that pass is
+    the input read in place as the strided split it is; ``fill(0, T, threads)``: every step, in that many
+    runs of steps on qkv's worker threads (torch's calls ran on its threads); None where that pass is
     not there or the operands do not share float32 or float64 (torch's calls then). A block of the
     torch calls was six calls of a few µs; at (1, 2048, 1152) in a row 2192 wide (a Mamba-2 mixer of
     hidden 512), one thread, this project's Xeon, the taps took 2.9 ms that way and 1.0 ms so."""
@@ -202,11 +202,11 @@ def _compiled_rows(head, xt, w, bias, out):
     o = out.numpy()
 
     def fill(t0: int, n: int, parts: int = 1) -> None:
+        cuts = [t0 + n * p // parts for p in range(parts + 1)]
         if parts == 1:
             fast.conv_rows(*args, t0, n, o)
-            return
-        with threads.numba_threads(parts) as nt:
-            fast.conv_rows_parts(*args, o, nt)
+        else:                                                            # the pass lets go of the GIL
+            list(threads.pool(parts).map(lambda a, b: fast.conv_rows(*args, a, b - a, o), cuts[:-1], cuts[1:]))
     return fill
 
 
