@@ -7,15 +7,13 @@ unit a view; any other (a transposed view, or a broadcast one: Mamba-2's B and C
 shared by 16 heads, or a q or k repeated for grouped value heads) is gathered unit by unit
 into a work array of the thread's, never copied whole (16 copies of the group, and its checks
 16 times, took 20 ms of a 110 ms SSD call at T = 8192). A unit's rows are the same numbers
-either way, so the results are the same bits. A head that every head of a unit reads (a
-broadcast at stride 0: Mamba-2's B and C with one group) is gathered once, not once a head, and
-the unit gets that copy broadcast over its heads (stride 0: its caller, the decay forward,
-reads heads so): at T = 2048, 16 heads of 64, one thread, the SSD call's
-gathers took 1.4 of its 13 ms. (Read in place, as strided rows of the in-projection's output, the
-chunk loop's products took longer than the gathers: 18 against 13 ms.) Better still, a head that
-every head of the call reads is copied once a call (:func:`shared_once`), and a unit of one batch
-row reads that copy in place (a Mamba-2 scan of T = 2048 and 16 heads on one thread: its units'
-gathers took 2.7 ms, 169 µs each, and take 0.4 now).
+either way, so the results are the same bits. A head that every head of the call reads (a
+broadcast at stride 0: Mamba-2's B and C with one group) is copied once a call
+(:func:`shared_once`), and a unit of one batch row reads that copy in place, broadcast over its
+heads (stride 0: its caller, the decay forward, reads heads so). Gathered once a head, it took
+1.4 of a 13 ms SSD call at T = 2048, 16 heads of 64, one thread; once a unit, 2.7 ms (169 µs a
+gather); once a call, 0.4. (Read in place as strided rows of the in-projection's output, the
+chunk loop's products took longer than the gathers: 18 against 13 ms.)
 """
 from __future__ import annotations
 
@@ -28,18 +26,13 @@ def rows(x: np.ndarray, a: int, b: int, t0: int, t1: int,
          work: Callable[[tuple, np.dtype], np.ndarray]) -> np.ndarray:
     """``x (B, H, T, ·)``'s heads ``[a, b)`` (of ``B·H``) at positions ``[t0, t1)``: a C-ordered
     ``(b - a, t1 - t0, ·)`` view where x is C-ordered, else gathered into ``work(shape, dtype)``;
-    heads of one batch row broadcast from one (stride 0: Mamba-2's B and C, one group) read it in
-    place where its rows are C-ordered (:func:`shared_once`'s copy), else gather it once, and that
-    head is broadcast over the unit's heads."""
+    heads of one batch row broadcast from one C-ordered head (stride 0: :func:`shared_once`'s copy of
+    Mamba-2's B and C, one group) read it in place, broadcast over the unit's heads."""
     H = x.shape[1]
     if x.flags.c_contiguous:
         return x.reshape((x.shape[0] * H,) + x.shape[2:])[a:b, t0:t1]
-    if b > a and a // H == (b - 1) // H and x.strides[1] == 0:
-        if (head := x[a // H, 0, t0:t1]).flags.c_contiguous:         # copied once already (shared_once)
-            return np.broadcast_to(head, (b - a,) + head.shape)
-        one = work((t1 - t0,) + x.shape[3:], x.dtype)                  # the one head they all read
-        one[...] = x[a // H, 0, t0:t1]
-        return np.broadcast_to(one, (b - a,) + one.shape)
+    if b > a and a // H == (b - 1) // H and x.strides[1] == 0 and (head := x[a // H, 0, t0:t1]).flags.c_contiguous:
+        return np.broadcast_to(head, (b - a,) + head.shape)            # shared_once's copy, read in place
     out = work((b - a, t1 - t0) + x.shape[3:], x.dtype)
     for j, i in enumerate(range(a, b)):
         out[j] = x[i // H, i % H, t0:t1]

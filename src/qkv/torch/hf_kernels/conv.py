@@ -202,11 +202,11 @@ def _compiled_rows(head, xt, w, bias, out):
     o = out.numpy()
 
     def fill(t0: int, n: int, parts: int = 1) -> None:
-        cuts = [t0 + n * p // parts for p in range(parts + 1)]
         if parts == 1:
             fast.conv_rows(*args, t0, n, o)
-        else:                                                            # the pass lets go of the GIL
-            list(threads.pool(parts).map(lambda a, b: fast.conv_rows(*args, a, b - a, o), cuts[:-1], cuts[1:]))
+            return
+        cuts = [t0 + n * p // parts for p in range(parts + 1)]            # the pass lets go of the GIL
+        list(threads.pool(parts).map(lambda a, b: fast.conv_rows(*args, a, b - a, o), cuts[:-1], cuts[1:]))
     return fill
 
 
